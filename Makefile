@@ -1,0 +1,27 @@
+# `make demo` and `make test` set up .venv themselves on a fresh machine.
+# torch==2.13.0 goes in first: on this machine kind it is a local CPU build, and
+# installing it first stops pip from pulling a CUDA build for the `torch` range.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test,serve]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m launch.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,74 @@
+"""ForwardBatch: the flat token batch one attention rank runs in a step.
+
+Names: T tokens, B sequences, M max blocks per sequence. Decodes (one new token) come first so
+the attention reference can batch them; prefill chunks follow, one sequence each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor      # [T] int64
+    positions: torch.Tensor      # [T] int64
+    slot_mapping: torch.Tensor   # [T] int64 flat cache slot (block * block_size + offset) of each new token
+    num_decodes: int             # the first num_decodes tokens are one-token decodes
+    decode_block_tables: torch.Tensor   # [num_decodes, M] int64, -1 padded
+    decode_context_lens: torch.Tensor   # [num_decodes] int64
+    prefills: list[tuple[int, int, torch.Tensor, int]]   # (first token row, num tokens, block table [m], context len)
+    sample_rows: torch.Tensor    # [S] int64 rows whose logits are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @classmethod
+    def empty(cls, device: torch.device) -> "ForwardBatch":
+        z = torch.empty(0, dtype=torch.int64, device=device)
+        return cls(z, z, z, 0, torch.empty(0, 1, dtype=torch.int64, device=device), z, [], z)
+
+    @classmethod
+    def from_scheduler_output(cls, out: SchedulerOutput, block_size: int, device: torch.device) -> "ForwardBatch":
+        """out.scheduled must be ordered decodes first (see `order_for_batch`)."""
+        ids, pos, slots, sample_rows, prefills = [], [], [], [], []
+        dec_tables, dec_lens = [], []
+        num_decodes = 0
+        row = 0
+        for s in out.scheduled:
+            seq, start, n = s.seq, s.start, s.num_new_tokens
+            end = start + n
+            ids.extend(seq.token_ids[start:end])
+            p = list(range(start, end))
+            pos.extend(p)
+            table = seq.block_table
+            slots.extend(table[i // block_size] * block_size + i % block_size for i in p)
+            if n == 1 and not prefills:
+                num_decodes += 1
+                dec_tables.append(table)
+                dec_lens.append(end)
+            else:
+                prefills.append((row, n, torch.tensor(table, dtype=torch.int64, device=device), end))
+            row += n
+            if s.needs_sample:
+                sample_rows.append(row - 1)
+        M = max((len(t) for t in dec_tables), default=1)
+        dec = torch.full((len(dec_tables), M), -1, dtype=torch.int64)
+        for i, t in enumerate(dec_tables):
+            dec[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+
+        def tensor(x):
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, dec.to(device), tensor(dec_lens),
+                   prefills, tensor(sample_rows))
+
+
+def order_for_batch(out: SchedulerOutput) -> SchedulerOutput:
+    """Stable reorder: single-token steps first (they batch), then multi-token chunks."""
+    out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+    return out

@@ -1,0 +1,107 @@
+"""The frontend leader on attention rank 0.
+
+It takes commands from the front (LLM or HTTP server) through an inbox queue, gives each new
+request to the attention rank with the most free KV blocks, broadcasts the step header, and
+pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
+("abort", request_id), ("shutdown",). Outbox messages: ("out", request_id, [token ids],
+finish_reason or None).
+"""
+from __future__ import annotations
+
+import queue
+from collections import deque
+
+from comm.control import IDLE, PAUSE, SHUTDOWN, STEP, ControlPlane, StepHeader, StepReport
+
+from .worker import AttentionWorker
+
+
+class Leader:
+    def __init__(self, control: ControlPlane, worker: AttentionWorker, num_attention_ranks: int, block_size: int):
+        self.control, self.worker = control, worker
+        self.num_attention_ranks = num_attention_ranks
+        self.block_size = block_size
+        self.step_id = 0
+        self.pending: deque[dict] = deque()
+        self.req2rank: dict[str, int] = {}
+        self.reports = [worker.report() for _ in range(num_attention_ranks)]
+        for r, rep in enumerate(self.reports):
+            rep.rank = r
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending) or any(r.num_running or r.num_waiting for r in self.reports)
+
+    def _assign(self) -> dict[str, list[dict]]:
+        """Most free KV blocks first; the estimate is charged for what is assigned this step."""
+        free = [r.num_free_blocks for r in self.reports]
+        out: dict[str, list[dict]] = {}
+        while self.pending:
+            req = self.pending.popleft()
+            rank = max(range(self.num_attention_ranks), key=lambda r: (free[r], -r))
+            free[rank] -= -(-len(req["prompt"]) // self.block_size)
+            self.req2rank[req["id"]] = rank
+            out.setdefault(str(rank), []).append(req)
+        return out
+
+    def _handle(self, cmd: tuple, aborts: dict[str, list[str]], outbox) -> bool:
+        """Apply one inbox command; returns False on shutdown."""
+        kind = cmd[0]
+        if kind == "add":
+            self.pending.append(cmd[1])
+        elif kind == "abort":
+            rid = cmd[1]
+            before = len(self.pending)
+            self.pending = deque(r for r in self.pending if r["id"] != rid)
+            if len(self.pending) != before:
+                outbox.put(("out", rid, [], "abort"))
+            elif rid in self.req2rank:
+                aborts.setdefault(str(self.req2rank[rid]), []).append(rid)
+        elif kind == "shutdown":
+            return False
+        else:
+            raise ValueError(f"unknown inbox command {kind!r}")
+        return True
+
+    def serve(self, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) -> str:
+        """Run steps until shutdown (returns "shutdown") or, with stop_when_idle, until all work is done
+        (broadcasts a pause and returns "pause"). Idle: blocks on the inbox, heartbeating every heartbeat_s."""
+        while True:
+            aborts: dict[str, list[str]] = {}
+            alive = True
+            try:
+                cmd = inbox.get(timeout=heartbeat_s) if not self.has_work else inbox.get_nowait()
+                alive = self._handle(cmd, aborts, outbox)
+                while alive:
+                    alive = self._handle(inbox.get_nowait(), aborts, outbox)
+            except queue.Empty:
+                pass
+            if not alive:
+                self.control.broadcast_header(StepHeader.empty(SHUTDOWN, self.step_id))
+                return SHUTDOWN
+            if not self.has_work and not aborts:
+                kind = PAUSE if stop_when_idle else IDLE
+                self.control.broadcast_header(StepHeader.empty(kind, self.step_id))
+                if stop_when_idle:
+                    return PAUSE
+                continue
+            self.step_id += 1
+            header = StepHeader(STEP, self.step_id, self._assign(), aborts)
+            self.control.broadcast_header(header)
+            reports = self.control.gather_reports(run_attention_step(self.worker, header))
+            self._collect(reports, outbox)
+
+    def _collect(self, reports: list[StepReport], outbox) -> None:
+        self.reports = reports
+        for rep in reports:
+            for rid, tokens, finish in rep.outputs:
+                outbox.put(("out", rid, tokens, finish))
+                if finish is not None:
+                    self.req2rank.pop(rid, None)
+
+
+def run_attention_step(worker: AttentionWorker, header: StepHeader) -> StepReport:
+    """What every attention rank does with a "step" header."""
+    worker.add_requests(header.requests_for(worker.rank))
+    worker.abort(header.aborts_for(worker.rank))
+    return worker.step()

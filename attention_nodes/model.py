@@ -1,0 +1,147 @@
+"""The non-expert half of the model, run on attention ranks.
+
+Embeddings, attention over the paged KV, norms, router, shared expert, dense FFN layers and the
+LM head. Routed experts are reached through `MoEContext.experts(...)`, which dispatches to the
+expert ranks and combines their results: the only collective in the forward.
+Names: T tokens, H hidden, h/kvh heads, d head dim, K top-k, E experts, V vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from balancer.policy import ReplicaPolicy
+from comm.dispatcher import Dispatcher
+from kernels.paged_attention import paged_attention_decode_ref, paged_attention_prefill_ref, write_kv
+from models.spec import ModelSpec
+
+from .batch import ForwardBatch
+from .kv_cache import KVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same arithmetic as transformers' RMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-then-top-k router (Qwen2/3-MoE, Mixtral, OLMoE). logits `[T, E]` ->
+    (weights `[T, K]` fp32, ids `[T, K]` int64)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@dataclass(slots=True)
+class MoEContext:
+    """How a MoE layer reaches its experts: the balancer's replica choice and the dispatcher.
+    phy ids from the policy map to (world rank, slot) via num_attention_ranks and num_slots."""
+
+    dispatcher: Dispatcher
+    policy: ReplicaPolicy
+    num_attention_ranks: int
+    num_slots: int
+
+    def experts(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[T, H]`, ids `[T, K]`, weights `[T, K]` -> routed-expert output `[T, H]`."""
+        phy = self.policy.choose(moe_layer, ids)
+        dst = self.num_attention_ranks + phy // self.num_slots
+        rows, handle = self.dispatcher.dispatch(moe_layer, x, dst, phy % self.num_slots, weights)
+        assert rows.hidden.shape[0] == 0, "attention ranks hold no experts"
+        return self.dispatcher.combine(rows.hidden, handle)
+
+
+class AttentionModel:
+    """Holds the non-expert weights (named as in the HF checkpoint) and runs the forward."""
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device):
+        self.spec = spec
+        self.w = weights
+        self.device = device
+        self.rotary = spec.rotary_embedding().to(device)
+        self.scale = spec.head_dim ** -0.5
+        lm = "model.embed_tokens.weight" if spec.tie_word_embeddings and "lm_head.weight" not in weights \
+            else "lm_head.weight"
+        self.lm_head = weights[lm]
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        return self.w.get(name)
+
+    def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        return F.linear(x, self.w[prefix + ".weight"], self._get(prefix + ".bias"))
+
+    def _mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        g = self._linear(x, prefix + ".gate_proj")
+        return self._linear(F.silu(g) * self._linear(x, prefix + ".up_proj"), prefix + ".down_proj")
+
+    def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        s, p = self.spec, f"model.layers.{i}.self_attn"
+        T = x.shape[0]
+        q, k, v = (self._linear(x, f"{p}.{n}_proj") for n in "qkv")
+        if s.qk_norm == "full":
+            q = rms_norm(q, self.w[f"{p}.q_norm.weight"], s.rms_norm_eps)
+            k = rms_norm(k, self.w[f"{p}.k_norm.weight"], s.rms_norm_eps)
+        if s.clip_qkv is not None:
+            q, k, v = (t.clamp(-s.clip_qkv, s.clip_qkv) for t in (q, k, v))
+        q = q.view(T, s.num_heads, s.head_dim)
+        k = k.view(T, s.num_kv_heads, s.head_dim)
+        v = v.view(T, s.num_kv_heads, s.head_dim)
+        if s.qk_norm == "per_head":
+            q = rms_norm(q, self.w[f"{p}.q_norm.weight"], s.rms_norm_eps)
+            k = rms_norm(k, self.w[f"{p}.k_norm.weight"], s.rms_norm_eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        k_cache, v_cache = kv.layer(i)
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        out = torch.empty_like(q)
+        nd = batch.num_decodes
+        if nd:
+            out[:nd] = paged_attention_decode_ref(q[:nd], k_cache, v_cache, batch.decode_block_tables,
+                                                  batch.decode_context_lens, self.scale)
+        for row, n, table, ctx in batch.prefills:
+            out[row:row + n] = paged_attention_prefill_ref(q[row:row + n], k_cache, v_cache, table, ctx, self.scale)
+        return self._linear(out.reshape(T, s.num_heads * s.head_dim), f"{p}.o_proj")
+
+    def _ffn(self, i: int, moe_index: int, x: torch.Tensor, moe: MoEContext) -> torch.Tensor:
+        s = self.spec
+        if not s.moe_layers[i]:
+            return self._mlp(x, f"model.layers.{i}.mlp")
+        p = s.moe_prefix(i)
+        weights, ids = route(F.linear(x, self.w[f"{p}.gate.weight"]), s.top_k, s.norm_topk_prob)
+        out = moe.experts(moe_index, x, ids, weights)
+        if s.shared_expert_size:
+            shared = self._mlp(x, f"{p}.shared_expert")
+            out = out + torch.sigmoid(F.linear(x, self.w[f"{p}.shared_expert_gate.weight"])) * shared
+        return out
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVCache, moe: MoEContext) -> torch.Tensor:
+        """Runs every layer (and so joins every layer's dispatch/combine, even with T = 0).
+        Returns logits `[len(batch.sample_rows), V]` fp32."""
+        s = self.spec
+        h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
+        cos, sin = self.rotary(h[None], batch.positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        moe_index = 0
+        for i in range(s.num_layers):
+            p = f"model.layers.{i}"
+            h = h + self._attention(i, rms_norm(h, self.w[f"{p}.input_layernorm.weight"], s.rms_norm_eps),
+                                    cos, sin, batch, kv)
+            h = h + self._ffn(i, moe_index, rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"],
+                                                     s.rms_norm_eps), moe)
+            moe_index += s.moe_layers[i]
+        h = rms_norm(h[batch.sample_rows], self.w["model.norm.weight"], s.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[T, heads, d]`, cos/sin `[T, 1, d]`: transformers' rotate-half convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

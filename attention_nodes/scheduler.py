@@ -1,0 +1,201 @@
+"""Continuous batching with chunked prefill and preemption by recompute (vLLM v1 style).
+
+Every step has one token budget shared by all sequences: a decode is just a
+sequence with one new token, a prefill chunk is a sequence with many. Running
+sequences are served first (oldest first); waiting ones are admitted FIFO with
+what is left. When KV blocks run out, the newest running sequence is preempted:
+its blocks are freed and it later recomputes all its tokens as a prefill.
+
+Invariant: `running` is sorted by arrival and every running arrival is below
+every waiting arrival, so the newest running sequence is always `running[-1]`.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from attention_nodes.block_pool import BlockPool
+from attention_nodes.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's work this step: token_ids[start : start + num_new_tokens] go through the model."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int  # seq.num_computed_tokens when scheduled
+
+    @classmethod
+    def from_seq(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
+        return cls(seq=seq, num_new_tokens=num_new_tokens, start=seq.num_computed_tokens)
+
+    @property
+    def needs_sample(self) -> bool:
+        """True if this chunk reaches the last known token, so its last forward row is sampled.
+
+        Read it before `Scheduler.update`, which appends the sampled token to the seq.
+        """
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step runs: `scheduled` (running first, then newly admitted) and who was preempted."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls) -> "SchedulerOutput":
+        return cls()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; allocates KV blocks from `block_pool`."""
+
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Scheduler {name}={value!r} is invalid: pass an integer >= 1")
+        self.block_pool = block_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
+        self._live: dict[str, Sequence] = {}  # request_id -> unfinished seq
+        self._last_arrival: int | None = None
+
+    running = property(lambda self: self._running, doc="RUNNING seqs, oldest arrival first.")
+    waiting = property(lambda self: self._waiting, doc="WAITING seqs (deque), next to admit first.")
+    num_running = property(lambda self: len(self._running))
+    num_waiting = property(lambda self: len(self._waiting))
+    has_work = property(lambda self: bool(self._running or self._waiting))
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new WAITING sequence. Arrivals must increase and request ids be unique."""
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"request {seq.request_id!r} is not fresh (status={seq.status.name}, "
+                             f"num_computed_tokens={seq.num_computed_tokens}): add new sequences only")
+        if seq.request_id in self._live:
+            raise ValueError(f"request_id={seq.request_id!r} is already queued or running: use a unique id")
+        if self._last_arrival is not None and seq.arrival <= self._last_arrival:
+            raise ValueError(f"request {seq.request_id!r} has arrival={seq.arrival} but the last one added "
+                             f"had {self._last_arrival}: arrival numbers must increase")
+        needed = self.block_pool.blocks_needed(seq.num_tokens)
+        if needed > self.block_pool.num_blocks:
+            raise ValueError(f"request {seq.request_id!r} has {seq.num_tokens} prompt tokens needing {needed} "
+                             f"KV blocks but the pool has {self.block_pool.num_blocks}: shorten the prompt")
+        self._last_arrival = seq.arrival
+        self._live[seq.request_id] = seq
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a waiting or running request, free its blocks; None if it is unknown or already done."""
+        seq = self._live.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self._waiting.remove(seq)
+        else:
+            self._running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "abort"
+        return seq
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work within max_num_batched_tokens tokens and max_num_seqs sequences."""
+        pool = self.block_pool
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput.empty()
+        # Step 1: running sequences, oldest first; preempt the newest when blocks run out.
+        i = 0
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            assert num_new > 0, f"running request {seq.request_id!r} has no token to compute"
+            num_missing = self._num_missing_blocks(seq, num_new)
+            while not pool.can_allocate(num_missing) and self._running[-1] is not seq:
+                out.preempted.append(self._preempt_newest())
+            if not pool.can_allocate(num_missing):
+                out.preempted.append(self._preempt_newest())  # the seq itself: its blocks go to older ones
+                break
+            seq.block_table.extend(pool.allocate(num_missing))
+            out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
+            budget -= num_new
+            i += 1
+        # Step 2: admit waiting sequences FIFO, unless this step was already short of blocks.
+        while (not out.preempted and self._waiting and len(self._running) < self.max_num_seqs
+               and budget > 0):
+            seq = self._waiting[0]
+            assert seq.num_computed_tokens == 0 and not seq.block_table
+            num_new = min(seq.num_tokens, budget)
+            num_missing = self._num_missing_blocks(seq, num_new)
+            if not pool.can_allocate(num_missing):
+                break  # FIFO: no skipping ahead of the head
+            self._waiting.popleft()
+            seq.block_table.extend(pool.allocate(num_missing))
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
+            budget -= num_new
+        assert out.num_tokens <= self.max_num_batched_tokens and len(out.scheduled) <= self.max_num_seqs
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: list[int | None], eos_token_ids: frozenset[int],
+               max_model_len: int) -> list[tuple[Sequence, int | None]]:
+        """Record a finished step. `sampled[i]` is the token for `out.scheduled[i]`, None if not needs_sample.
+
+        Returns (seq, token) for each sequence that produced a token, in schedule order.
+        Finished sequences leave `running` and give their blocks back.
+        """
+        if len(sampled) != len(out.scheduled):
+            raise ValueError(f"len(sampled)={len(sampled)} but {len(out.scheduled)} sequences were scheduled")
+        produced: list[tuple[Sequence, int | None]] = []
+        for sched, token in zip(out.scheduled, sampled):
+            seq = sched.seq
+            if seq.is_finished:
+                continue  # aborted between schedule() and update()
+            assert seq.num_computed_tokens == sched.start, f"request {seq.request_id!r} updated twice"
+            if (token is None) == sched.needs_sample:
+                raise ValueError(f"sampled token {token!r} for request {seq.request_id!r} does not match "
+                                 f"needs_sample={sched.needs_sample}")
+            seq.num_computed_tokens += sched.num_new_tokens
+            if token is None:
+                continue
+            produced.append((seq, token))
+            if seq.append_token(token, eos_token_ids, max_model_len) is not None:
+                self._running.remove(seq)
+                del self._live[seq.request_id]
+                self._release(seq)
+        return produced
+
+    def _num_missing_blocks(self, seq: Sequence, num_new: int) -> int:
+        needed = self.block_pool.blocks_needed(seq.num_computed_tokens + num_new)
+        if needed > self.block_pool.num_blocks:
+            raise RuntimeError(f"request {seq.request_id!r} needs {needed} KV blocks but the pool has "
+                               f"{self.block_pool.num_blocks}: raise num_blocks or lower max_model_len")
+        return max(0, needed - len(seq.block_table))
+
+    def _preempt_newest(self) -> Sequence:
+        victim = self._running.pop()
+        assert all(s.arrival < victim.arrival for s in self._running), "running is not sorted by arrival"
+        self._release(victim)
+        victim.num_computed_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self._waiting.appendleft(victim)
+        return victim
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_pool.free(seq.block_table)
+        seq.block_table = []

@@ -1,0 +1,86 @@
+"""One request's tokens, KV bookkeeping and finish state, as the scheduler sees it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from attention_nodes.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)  # eq=False: identity semantics, so list.remove never hits a look-alike
+class Sequence:
+    """A request's prompt plus generated tokens.
+
+    token_ids: prompt followed by generated tokens.
+    arrival: monotonic admission number; the largest running arrival is preempted first.
+    num_computed_tokens: prefix of token_ids whose KV is in the cache (reset to 0 on preemption).
+    block_table: KV block ids covering token_ids[i] at block_table[i // block_size].
+    finish_reason: "stop", "length" or "abort" once finished.
+    generator: per-request RNG, set when params.seed is not None.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival: int
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     arrival: int) -> "Sequence":
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {request_id!r} has an empty prompt: pass at least one token id")
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        return cls(request_id=request_id, token_ids=list(prompt_token_ids),
+                   num_prompt_tokens=len(prompt_token_ids), params=params, arrival=arrival,
+                   generator=generator)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
+        """Append a sampled token; return "stop"/"length" and mark FINISHED if generation ends, else None.
+
+        Stop conditions are checked before length ones, so a stop token that also
+        hits max_tokens reports "stop".
+        """
+        assert not self.is_finished, f"append_token on finished request {self.request_id!r}"
+        self.token_ids.append(token_id)
+        reason = None
+        if token_id in self.params.stop_token_ids:
+            reason = "stop"
+        elif token_id in eos_token_ids and not self.params.ignore_eos:
+            reason = "stop"
+        elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.status = SequenceStatus.FINISHED
+            self.finish_reason = reason
+        return reason

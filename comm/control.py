@@ -1,0 +1,100 @@
+"""Control plane: msgpack messages over the gloo control group.
+
+The leader (attention rank 0) broadcasts a `StepHeader` each step; attention ranks send
+their `StepReport` back over the attention group.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+STEP, IDLE, PAUSE, SHUTDOWN = "step", "idle", "pause", "shutdown"
+
+
+@dataclass(slots=True)
+class StepHeader:
+    """kind: "step" (run one forward), "idle" (heartbeat, nothing to run), "pause" (end of a generate()
+    call under torchrun), "shutdown". new_requests / aborts are keyed by attention rank (str for msgpack)."""
+
+    kind: str
+    step: int = 0
+    new_requests: dict[str, list[dict]] = field(default_factory=dict)
+    aborts: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def empty(cls, kind: str, step: int = 0) -> "StepHeader":
+        return cls(kind, step)
+
+    def requests_for(self, rank: int) -> list[dict]:
+        return self.new_requests.get(str(rank), [])
+
+    def aborts_for(self, rank: int) -> list[str]:
+        return self.aborts.get(str(rank), [])
+
+
+@dataclass(slots=True)
+class StepReport:
+    """What one attention rank tells the leader after a step. outputs: [request_id, [new token ids],
+    finish_reason or None] per request that made progress."""
+
+    rank: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    outputs: list[list] = field(default_factory=list)
+    error: str | None = None
+
+
+def pack(obj) -> torch.Tensor:
+    data = msgpack.packb(asdict(obj) if hasattr(obj, "__dataclass_fields__") else obj, use_bin_type=True)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def unpack(t: torch.Tensor):
+    return msgpack.unpackb(t.numpy().tobytes(), raw=False, strict_map_key=False)
+
+
+class ControlPlane:
+    """Bounded, CPU-only broadcasts and gathers of msgpack messages."""
+
+    def __init__(self, control: dist.ProcessGroup, attention: dist.ProcessGroup | None, rank: int,
+                 num_attention_ranks: int):
+        self.control, self.attention = control, attention
+        self.rank, self.num_attention_ranks = rank, num_attention_ranks
+
+    def broadcast_header(self, header: StepHeader | None) -> StepHeader:
+        """Leader passes the header; everyone else passes None and gets it."""
+        size = torch.zeros(1, dtype=torch.int64)
+        payload = None
+        if self.rank == 0:
+            payload = pack(header)
+            size[0] = payload.numel()
+        dist.broadcast(size, src=0, group=self.control)
+        if self.rank != 0:
+            payload = torch.empty(int(size[0]), dtype=torch.uint8)
+        dist.broadcast(payload, src=0, group=self.control)
+        return header if self.rank == 0 else StepHeader(**unpack(payload))
+
+    def gather_reports(self, report: StepReport) -> list[StepReport] | None:
+        """Attention ranks only. Returns every rank's report on the leader, None elsewhere."""
+        if self.num_attention_ranks == 1:
+            return [report]
+        payload = pack(report)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.num_attention_ranks)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.attention)
+        max_size = int(max(s.item() for s in sizes))
+        padded = torch.zeros(max_size, dtype=torch.uint8)
+        padded[:payload.numel()] = payload
+        bufs = [torch.empty(max_size, dtype=torch.uint8) for _ in range(self.num_attention_ranks)] \
+            if self.rank == 0 else None
+        dist.gather(padded, bufs, dst=0, group=self.attention)
+        if self.rank != 0:
+            return None
+        return [StepReport(**unpack(b[:int(s.item())])) for b, s in zip(bufs, sizes)]
+
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)

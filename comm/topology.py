@@ -1,0 +1,107 @@
+"""Roles and nodes of every rank, and the process groups built on them.
+
+World size W = A + E: ranks 0..A-1 are attention ranks, A..W-1 expert ranks.
+Nodes come from torchrun (LOCAL_WORLD_SIZE) unless `ranks_per_node` overrides it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(slots=True)
+class Topology:
+    rank: int
+    world_size: int
+    num_attention_ranks: int
+    ranks_per_node: int
+
+    def __post_init__(self) -> None:
+        A, W = self.num_attention_ranks, self.world_size
+        if A < 1:
+            raise ValueError(f"attention_ranks={A} must be >= 1")
+        if W - A < 1:
+            raise ValueError(f"world size {W} leaves {W - A} expert ranks with attention_ranks={A}; "
+                             f"launch attention_ranks + expert_ranks (>= 1) processes")
+        if not 0 <= self.rank < W:
+            raise ValueError(f"rank {self.rank} is outside world size {W}")
+        if self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1")
+
+    @classmethod
+    def from_env(cls, num_attention_ranks: int, ranks_per_node: int | None = None,
+                 expected_world_size: int | None = None) -> "Topology":
+        """Read RANK / WORLD_SIZE / LOCAL_WORLD_SIZE as torchrun sets them."""
+        try:
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except KeyError as e:
+            raise RuntimeError(f"environment variable {e} is not set; launch with torchrun") from e
+        if expected_world_size is not None and world != expected_world_size:
+            raise ValueError(f"world size {world} != attention_ranks + expert_ranks = {expected_world_size}; "
+                             f"launch exactly {expected_world_size} processes or change the split")
+        rpn = ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return cls(rank, world, num_attention_ranks, rpn)
+
+    @property
+    def num_expert_ranks(self) -> int:
+        return self.world_size - self.num_attention_ranks
+
+    @property
+    def is_attention(self) -> bool:
+        return self.rank < self.num_attention_ranks
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def expert_index(self) -> int:
+        """Index of this rank in the expert pool (0..E-1)."""
+        assert not self.is_attention
+        return self.rank - self.num_attention_ranks
+
+    @property
+    def num_nodes(self) -> int:
+        return -(-self.world_size // self.ranks_per_node)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_index(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    @property
+    def role(self) -> str:
+        return "attention" if self.is_attention else "expert"
+
+
+@dataclass(slots=True)
+class ProcessGroups:
+    """world (data plane, default group), control (gloo, CPU, always), attention (gloo: per-step output
+    gather), node (intra-node), local (same local index across nodes: inter-node)."""
+
+    world: dist.ProcessGroup
+    control: dist.ProcessGroup
+    attention: dist.ProcessGroup | None
+    node: dist.ProcessGroup | None
+    local: dist.ProcessGroup | None
+
+    @classmethod
+    def create(cls, topo: Topology) -> "ProcessGroups":
+        # Every rank must call new_group for every group, in the same order.
+        W = topo.world_size
+        control = dist.new_group(list(range(W)), backend="gloo")
+        attn_ranks = list(range(topo.num_attention_ranks))
+        attention = dist.new_group(attn_ranks, backend="gloo")
+        node = local = None
+        for n in range(topo.num_nodes):
+            g = dist.new_group([r for r in range(W) if topo.node_of(r) == n])
+            if topo.node_of(topo.rank) == n:
+                node = g
+        for i in range(topo.ranks_per_node):
+            g = dist.new_group([r for r in range(W) if topo.local_index(r) == i])
+            if topo.local_index(topo.rank) == i:
+                local = g
+        return cls(dist.group.WORLD, control, attention if topo.is_attention else None, node, local)

@@ -1,0 +1,47 @@
+"""The expert slots one expert rank holds, loaded straight from the checkpoint.
+
+Names: L MoE layers, S slots on this rank, H hidden, I expert intermediate size.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.moe import grouped_ffn_ref
+from models.checkpoint import Checkpoint
+
+
+class ExpertSlots:
+    """w13 `[L, S, 2I, H]` (gate rows, then up rows), w2 `[L, S, H, I]`; slot2expert `[L, S]` int64, -1 = empty.
+    Empty slots stay zero and are never addressed."""
+
+    def __init__(self, slot2expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+        self.slot2expert, self.w13, self.w2 = slot2expert, w13, w2
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint, slot2expert: torch.Tensor, dtype: torch.dtype, device: torch.device,
+             desc: str = "") -> "ExpertSlots":
+        """Read only the experts named in slot2expert `[L, S]`."""
+        spec = ckpt.spec
+        L, S = slot2expert.shape
+        I, H = spec.moe_intermediate_size, spec.hidden_size
+        w13 = torch.zeros(L, S, 2 * I, H, dtype=dtype, device=device)
+        w2 = torch.zeros(L, S, H, I, dtype=dtype, device=device)
+        wanted = []
+        for li, layer in enumerate(spec.moe_layer_ids):
+            for slot, e in enumerate(slot2expert[li].tolist()):
+                if e >= 0:
+                    wanted.append((li, slot, spec.expert_tensor_names(layer, e)))
+        tensors = ckpt.read([n for _, _, names in wanted for n in names], dtype=dtype, device=device, desc=desc)
+        for li, slot, (gate, up, down) in wanted:
+            w13[li, slot, :I] = tensors[gate]
+            w13[li, slot, I:] = tensors[up]
+            w2[li, slot] = tensors[down]
+        return cls(slot2expert.clone(), w13, w2)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot2expert.shape[1]
+
+    def ffn(self, moe_layer: int, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x `[N, H]`, slots `[N, K]` (-1 = elsewhere), weights `[N, K]` -> weighted expert sum `[N, H]`."""
+        return grouped_ffn_ref(x, slots, weights, self.w13[moe_layer], self.w2[moe_layer])

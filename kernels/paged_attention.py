@@ -1,0 +1,62 @@
+"""Paged attention over a block-table KV cache: torch reference.
+
+Names: T query tokens in the batch, B sequences, h query heads, g = h / kvh query heads per
+KV head, d head dim, N cache blocks, bs block size, M max blocks per sequence.
+Cache layout per layer: k_cache, v_cache `[N, bs, kvh, d]`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values. k, v: `[T, kvh, d]`; slot_mapping: `[T]` int64 flat slot = block * bs + offset."""
+    N, bs, kvh, d = k_cache.shape
+    k_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q `[B, q, h, d]`, k/v `[B, L, kvh, d]`, mask `[B, q, L]` bool (True = attend) -> `[B, q, h, d]`."""
+    B, Q, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    qg = q.reshape(B, Q, kvh, g, d)
+    scores = torch.einsum("bqkgd,blkd->bkgql", qg, k) * scale
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.einsum("bkgql,blkd->bqkgd", probs, v)
+    return out.reshape(B, Q, h, d)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """cache `[N, bs, kvh, d]`, block_table `[B, M]` (-1 padded) -> `[B, M * bs, kvh, d]`."""
+    B, M = block_table.shape
+    blocks = cache[block_table.clamp(min=0)]
+    return blocks.reshape(B, M * cache.shape[1], *cache.shape[2:])
+
+
+def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int64; context_lens `[B]` -> `[B, h, d]`."""
+    k = _gather(k_cache, block_tables)
+    v = _gather(v_cache, block_tables)
+    pos = torch.arange(k.shape[1], device=q.device)
+    mask = (pos[None, :] < context_lens[:, None])[:, None, :]
+    return _attend(q[:, None], k, v, mask, scale)[:, 0]
+
+
+def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """One sequence's chunk of Q queries, the last Q of its context_len tokens.
+
+    q `[Q, h, d]`; block_table `[M]` int64 -> `[Q, h, d]`. Causal within the chunk.
+    """
+    Q = q.shape[0]
+    k = _gather(k_cache, block_table[None])[:, :context_len]
+    v = _gather(v_cache, block_table[None])[:, :context_len]
+    q_pos = torch.arange(context_len - Q, context_len, device=q.device)
+    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+    return _attend(q[None], k, v, mask[None], scale)[0]

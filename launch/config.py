@@ -1,0 +1,123 @@
+"""The configuration tree. Only top-level objects (the runtime, the LLM front) see all of it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+COMM_MODES = ("direct",)
+BALANCERS = ("static",)
+
+
+def _int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: pass an integer >= {minimum}")
+    return value
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    attention_ranks: int = 1
+    expert_ranks: int = 1
+    ranks_per_node: int | None = None   # None: from torchrun's LOCAL_WORLD_SIZE (or all ranks on one node)
+    comm: str = "direct"
+    balancer: str = "static"
+
+    def __post_init__(self) -> None:
+        _int("attention_ranks", self.attention_ranks, 1)
+        _int("expert_ranks", self.expert_ranks, 1)
+        if self.ranks_per_node is not None:
+            _int("ranks_per_node", self.ranks_per_node, 1)
+        if self.comm not in COMM_MODES:
+            raise ValueError(f"comm={self.comm!r} is invalid: choose one of {COMM_MODES}")
+        if self.balancer not in BALANCERS:
+            raise ValueError(f"balancer={self.balancer!r} is invalid: choose one of {BALANCERS}")
+
+    @property
+    def world_size(self) -> int:
+        return self.attention_ranks + self.expert_ranks
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes per attention rank; None: 256 MiB on CPU, 80% of free on CUDA
+    num_kv_blocks: int | None = None    # overrides kv_cache_memory (tests use it to force preemption)
+
+    def __post_init__(self) -> None:
+        _int("block_size", self.block_size, 1)
+        if self.kv_cache_memory is not None:
+            _int("kv_cache_memory", self.kv_cache_memory, 1)
+        if self.num_kv_blocks is not None:
+            _int("num_kv_blocks", self.num_kv_blocks, 1)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None    # None: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _int("max_num_seqs", self.max_num_seqs, 1)
+        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_model_len is not None:
+            _int("max_model_len", self.max_model_len, 1)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    dtype: str = "auto"                 # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"                # auto: cuda when available, else cpu
+    threads_per_rank: int | None = None  # CPU threads per rank; None: cores / world size
+    collective_timeout_s: float = 600.0
+    heartbeat_s: float = 1.0            # an idle leader broadcasts at least this often
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} is invalid: choose auto, float32, bfloat16 or float16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} is invalid: choose auto, cpu or cuda")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
+        for name in ("collective_timeout_s", "heartbeat_s", "startup_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"{name}={v!r} is invalid: pass a positive number of seconds")
+        if self.threads_per_rank is not None:
+            _int("threads_per_rank", self.threads_per_rank, 1)
+
+    @classmethod
+    def from_options(cls, model: str, attention_ranks: int, expert_ranks: int, **options) -> "EngineConfig":
+        """Flat keyword options (as LLM(...) and the CLI take them) -> the config tree."""
+        groups = {ParallelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        top = {}
+        owner = {f.name: c for c in groups for f in fields(c)}
+        top_names = {f.name for f in fields(cls)} - {"model", "parallel", "cache", "scheduler"}
+        for k, v in options.items():
+            if k in owner:
+                groups[owner[k]][k] = v
+            elif k in top_names:
+                top[k] = v
+            else:
+                valid = sorted(set(owner) | top_names)
+                raise ValueError(f"unknown option {k!r}; valid options: {', '.join(valid)}")
+        groups[ParallelConfig].update(attention_ranks=attention_ranks, expert_ranks=expert_ranks)
+        return cls(model=str(model), parallel=ParallelConfig(**groups[ParallelConfig]),
+                   cache=CacheConfig(**groups[CacheConfig]), scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+                   **top)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
+            return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
+        return torch.device("cpu")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return getattr(torch, self.dtype)

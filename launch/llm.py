@@ -1,0 +1,237 @@
+"""The Python API: `LLM(model=DIR, attention_ranks=A, expert_ranks=E, **options).generate(prompts, params)`."""
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import os
+import queue
+import time
+from dataclasses import asdict, dataclass
+
+from attention_nodes.sampling_params import SamplingParams
+from models.checkpoint import Checkpoint
+
+from .config import EngineConfig
+from .procs import free_port, rank_main
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One prompt's result. token_ids: the generated ids only; text: decoded (None without a tokenizer);
+    finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context limit) or "abort"."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+
+
+def _load_tokenizer(path: str):
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"the tokenizer in {path!r} could not be loaded: {e}") from e
+
+
+class LLM:
+    """Attention and expert ranks serving one checkpoint.
+
+    From a plain process it spawns attention_ranks + expert_ranks local ranks; under torchrun
+    (RANK and WORLD_SIZE set) it joins the job: every rank constructs it and calls generate()
+    together, and rank 0 gets the outputs (other ranks get []).
+    """
+
+    def __init__(self, model: str, attention_ranks: int = 1, expert_ranks: int = 1, **options):
+        self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
+        ckpt = Checkpoint(self.config.model)  # fails fast, in the caller's process, on a bad checkpoint
+        self.spec = ckpt.spec
+        if expert_ranks > self.spec.num_experts:
+            raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "
+                             f"use at most {self.spec.num_experts}")
+        self.tokenizer = _load_tokenizer(self.config.model)
+        self._ids = itertools.count()
+        self._closed = False
+        self._procs: list = []
+        self.runtime = None
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            self._join()
+        else:
+            self._spawn()
+
+    # ----- start-up -------------------------------------------------------------------------------------
+    def _spawn(self) -> None:
+        ctx = mp.get_context("spawn")
+        world = self.config.parallel.world_size
+        port = free_port()
+        self._inbox, self._outbox, self._status = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        for rank in range(world):
+            p = ctx.Process(target=rank_main, name=f"afserve-rank{rank}", daemon=True,
+                            args=(rank, world, port, self.config, self._inbox, self._outbox, self._status))
+            p.start()
+            self._procs.append(p)
+        ready: dict[int, dict] = {}
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while len(ready) < world:
+            msg = self._poll(self._status, deadline, "start-up")
+            if msg[0] == "error":
+                self._kill()
+                raise RuntimeError(f"start-up failed on {msg[2]}")
+            ready[msg[1]] = msg[2]
+        self._set_limits(ready[0])
+
+    def _join(self) -> None:
+        from .runtime import Runtime
+        self.runtime = Runtime(self.config)
+        self._inbox, self._outbox = queue.Queue(), queue.Queue()
+        self._set_limits(asdict(self.runtime.info))
+
+    def _set_limits(self, info: dict) -> None:
+        self.max_model_len = info["max_model_len"]
+        self.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.runtime is None or self.runtime.leader is not None
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ----- requests -------------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {prompt[:40]!r} is a string but {self.config.model!r} has no tokenizer; "
+                                 f"pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt {str(prompt)[:60]!r} is neither a string nor a list of token ids")
+        if not ids:
+            raise ValueError("empty prompt: pass at least one token")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return ids
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        need = len(ids) + params.max_tokens
+        if len(ids) >= self.max_model_len or need > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds "
+                             f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
+        if need > self.kv_capacity_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds the KV "
+                             f"cache of one attention rank ({self.kv_capacity_tokens} tokens); give more "
+                             f"kv_cache_memory or shorten the request")
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down; create a new one")
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts={prompts!r} is empty or not a list; pass at least one prompt")
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be SamplingParams instances")
+        ids = [self._prompt_ids(p) for p in prompts]
+        for i, p in zip(ids, params):
+            self._check_fits(i, p)
+        if not self.is_leader:
+            self.runtime.follow()
+            return []
+        rids = [f"req-{next(self._ids)}" for _ in prompts]
+        for rid, i, p in zip(rids, ids, params):
+            self._inbox.put(("add", {"id": rid, "prompt": i, "params": p.to_dict()}))
+        if self.runtime is not None:
+            self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
+        tokens = {rid: [] for rid in rids}
+        finish: dict[str, str] = {}
+        while len(finish) < len(rids):
+            _, rid, toks, reason = self._poll(self._outbox, None, "generate")
+            if rid in tokens:
+                tokens[rid].extend(toks)
+                if reason is not None:
+                    finish[rid] = reason
+        return [RequestOutput(rid, i, tokens[rid], self._decode(tokens[rid]), finish[rid])
+                for rid, i in zip(rids, ids)]
+
+    def _decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _poll(self, q, deadline: float | None, what: str):
+        """Wait on q while watching the ranks: a dead rank raises within ~0.2 s and takes the others down."""
+        while True:
+            try:
+                return q.get(timeout=0.2)
+            except queue.Empty:
+                pass
+            dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                detail = ""
+                try:
+                    while True:
+                        msg = self._status.get_nowait()
+                        if msg[0] == "error":
+                            detail = f": {msg[2]}"
+                            break
+                except (queue.Empty, AttributeError):
+                    pass
+                self._kill()
+                self._closed = True
+                raise RuntimeError(f"rank {dead[0][0]} died (exit code {dead[0][1]}) during {what}; "
+                                   f"all ranks were stopped{detail}")
+            if deadline is not None and time.monotonic() > deadline:
+                self._kill()
+                raise RuntimeError(f"{what} timed out; all ranks were stopped")
+
+    # ----- shutdown -------------------------------------------------------------------------------------
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.runtime is not None:
+            if self.runtime.leader is not None:
+                self._inbox.put(("shutdown",))
+                self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s)
+            else:
+                self.runtime.follow()
+            self.runtime.close()
+            return
+        self._inbox.put(("shutdown",))
+        for p in self._procs:
+            p.join(timeout=10)
+        self._kill()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            if self._procs and not self._closed:
+                self._kill()
+        except Exception:
+            pass

@@ -1,0 +1,49 @@
+"""Spawning local ranks from a plain Python process, and keeping them from outliving it."""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import traceback
+from dataclasses import asdict
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies, so no rank is orphaned."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status) -> None:
+    """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status."""
+    die_with_parent()
+    # A spawned child is a fresh interpreter: give it the same environment torchrun would.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from .runtime import Runtime
+
+    runtime = None
+    try:
+        runtime = Runtime(config)
+        status.put(("ready", rank, asdict(runtime.info)))
+        if runtime.leader is not None:
+            runtime.leader.serve(inbox, outbox, config.heartbeat_s)
+        else:
+            runtime.follow()
+    except BaseException:
+        text = f"rank {rank}: {traceback.format_exc()}"
+        print(text, file=sys.stderr, flush=True)
+        status.put(("error", rank, text))
+        status.close()
+        status.join_thread()  # flush the queue's feeder thread before the hard exit
+        os._exit(1)
+    runtime.close()

@@ -1,0 +1,129 @@
+"""Per-rank runtime: join the process group, load this rank's share of the weights, run the loop.
+
+Used the same way by spawned local ranks (LLM from a plain process) and by torchrun ranks.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from attention_nodes.block_pool import BlockPool
+from attention_nodes.kv_cache import KVCache, num_blocks_for
+from attention_nodes.leader import Leader, run_attention_step
+from attention_nodes.model import AttentionModel, MoEContext
+from attention_nodes.scheduler import Scheduler
+from attention_nodes.worker import AttentionWorker
+from balancer.placement import Placement
+from balancer.policy import make_policy
+from comm.control import IDLE, PAUSE, SHUTDOWN, ControlPlane
+from comm.dispatcher import make_dispatcher
+from comm.topology import ProcessGroups, Topology
+from expert_nodes.slots import ExpertSlots
+from expert_nodes.worker import ExpertWorker
+from models.checkpoint import Checkpoint
+
+from .config import EngineConfig
+
+logger = logging.getLogger("afserve")
+
+CPU_KV_DEFAULT_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class RankInfo:
+    """What rank 0 tells the front once every rank is ready."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+
+class Runtime:
+    """One rank of the job. `worker` is an AttentionWorker or an ExpertWorker; rank 0 also has `leader`."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        par = config.parallel
+        self.topo = Topology.from_env(par.attention_ranks, par.ranks_per_node, par.world_size)
+        self.device = config.torch_device()
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(config.threads_per_rank or max(1, cores // self.topo.world_size))
+        self.dtype = config.torch_dtype(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend, rank=self.topo.rank, world_size=self.topo.world_size,
+                                    timeout=timedelta(seconds=config.collective_timeout_s))
+        self.groups = ProcessGroups.create(self.topo)
+        self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
+                                    par.attention_ranks)
+        self.ckpt = Checkpoint(config.model)
+        spec = self.ckpt.spec
+        self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
+                                 spec.max_position_embeddings)
+        placement = Placement.identity(spec.num_moe_layers, spec.num_experts, par.expert_ranks)
+        self.dispatcher = make_dispatcher(par.comm, group=self.groups.world, hidden_size=spec.hidden_size,
+                                          top_k=spec.top_k, dtype=self.dtype, device=self.device)
+        desc = f"rank {self.topo.rank} ({self.topo.role})"
+        self.leader: Leader | None = None
+        if self.topo.is_attention:
+            weights = self.ckpt.read(self.ckpt.attention_tensor_names(), self.dtype, self.device, desc)
+            model = AttentionModel(spec, weights, self.device)
+            num_blocks = self._num_kv_blocks(spec)
+            kv = KVCache(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads, spec.head_dim,
+                         self.dtype, self.device)
+            sched = Scheduler(BlockPool(num_blocks, config.cache.block_size), config.scheduler.max_num_seqs,
+                              config.scheduler.max_num_batched_tokens)
+            moe = MoEContext(self.dispatcher, make_policy(par.balancer, placement), par.attention_ranks,
+                             placement.num_slots)
+            self.worker = AttentionWorker(self.topo.rank, model, kv, sched, moe, self.max_model_len, self.device)
+            if self.topo.is_leader:
+                self.leader = Leader(self.control, self.worker, par.attention_ranks, config.cache.block_size)
+        else:
+            slots = ExpertSlots.load(self.ckpt, placement.slot2expert[:, self.topo.expert_index], self.dtype,
+                                     self.device, desc)
+            self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers)
+        # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
+        blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
+        dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control)
+        self.info = RankInfo(int(blocks), config.cache.block_size, self.max_model_len)
+        logger.info("%s ready: %d tensors read", desc, len(self.ckpt.names_read))
+
+    def _num_kv_blocks(self, spec) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        memory = cache.kv_cache_memory
+        if memory is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                memory = int(free * 0.8)
+            else:
+                memory = CPU_KV_DEFAULT_BYTES
+        return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.num_kv_heads, spec.head_dim,
+                              self.dtype)
+
+    def follow(self) -> str:
+        """Every rank but the leader: obey step headers until pause or shutdown (returns which)."""
+        while True:
+            header = self.control.broadcast_header(None)
+            if header.kind in (SHUTDOWN, PAUSE):
+                return header.kind
+            if header.kind == IDLE:
+                continue
+            if self.topo.is_attention:
+                self.control.gather_reports(run_attention_step(self.worker, header))
+            else:
+                self.worker.step()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
