@@ -3,8 +3,8 @@
 It takes commands from the front (LLM or HTTP server) through an inbox queue, gives each new
 request to the attention rank with the most free KV blocks, broadcasts the step header, and
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
-("abort", request_id), ("shutdown",). Outbox messages: ("out", request_id, [token ids],
-finish_reason or None).
+("abort", request_id), ("stats",), ("shutdown",). Outbox messages: ("out", request_id, [token ids],
+finish_reason or None), ("stats", dict).
 """
 from __future__ import annotations
 
@@ -57,6 +57,8 @@ class Leader:
                 outbox.put(("out", rid, [], "abort"))
             elif rid in self.req2rank:
                 aborts.setdefault(str(self.req2rank[rid]), []).append(rid)
+        elif kind == "stats":
+            outbox.put(("stats", self.stats()))
         elif kind == "shutdown":
             return False
         else:
@@ -90,6 +92,15 @@ class Leader:
             self.control.broadcast_header(header)
             reports = self.control.gather_reports(run_attention_step(self.worker, header))
             self._collect(reports, outbox)
+
+    def stats(self) -> dict:
+        """Engine counters summed over attention ranks, as of the last step, plus per-rank free blocks."""
+        return {"steps": self.step_id,
+                "num_preemptions": sum(r.num_preemptions for r in self.reports),
+                "num_prefill_chunks": sum(r.num_prefill_chunks for r in self.reports),
+                "num_running": sum(r.num_running for r in self.reports),
+                "num_waiting": sum(r.num_waiting for r in self.reports) + len(self.pending),
+                "free_kv_blocks": [r.num_free_blocks for r in self.reports]}
 
     def _collect(self, reports: list[StepReport], outbox) -> None:
         self.reports = reports

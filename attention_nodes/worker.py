@@ -27,6 +27,8 @@ class AttentionWorker:
         self.device = device
         self._arrivals = 0
         self._aborted: list[list] = []
+        self.num_partial_chunks = 0
+        self.num_preemptions = 0
 
     @property
     def block_pool(self) -> BlockPool:
@@ -55,6 +57,8 @@ class AttentionWorker:
         tokens = iter(self.sampler.sample(logits, [s.seq.params for s in to_sample],
                                           [s.seq.generator for s in to_sample]) if to_sample else [])
         sampled = [next(tokens) if s.needs_sample else None for s in out.scheduled]
+        self.num_partial_chunks += sum(not s.needs_sample for s in out.scheduled)
+        self.num_preemptions += len(out.preempted)
         produced = self.scheduler.update(out, sampled, self.eos, self.max_model_len)
         outputs, self._aborted = self._aborted, []
         outputs += [[seq.request_id, [tok], seq.finish_reason] for seq, tok in produced]
@@ -62,4 +66,5 @@ class AttentionWorker:
 
     def report(self, outputs: list[list] | None = None) -> StepReport:
         s = self.scheduler
-        return StepReport(self.rank, self.block_pool.num_free_blocks, s.num_running, s.num_waiting, outputs or [])
+        return StepReport(self.rank, self.block_pool.num_free_blocks, s.num_running, s.num_waiting,
+                          self.num_preemptions, self.num_partial_chunks, outputs or [])

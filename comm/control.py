@@ -45,8 +45,9 @@ class StepReport:
     num_free_blocks: int
     num_running: int
     num_waiting: int
+    num_preemptions: int = 0            # cumulative on this rank
+    num_prefill_chunks: int = 0         # cumulative: multi-token forward chunks that did not end a prompt
     outputs: list[list] = field(default_factory=list)
-    error: str | None = None
 
 
 def pack(obj) -> torch.Tensor:

@@ -161,13 +161,26 @@ class LLM:
         tokens = {rid: [] for rid in rids}
         finish: dict[str, str] = {}
         while len(finish) < len(rids):
-            _, rid, toks, reason = self._poll(self._outbox, None, "generate")
+            msg = self._poll(self._outbox, None, "generate")
+            if msg[0] != "out":
+                continue
+            _, rid, toks, reason = msg
             if rid in tokens:
                 tokens[rid].extend(toks)
                 if reason is not None:
                     finish[rid] = reason
         return [RequestOutput(rid, i, tokens[rid], self._decode(tokens[rid]), finish[rid])
                 for rid, i in zip(rids, ids)]
+
+    def stats(self) -> dict:
+        """Engine counters from the leader: steps, preemptions, prefill chunks, queue sizes, free KV blocks."""
+        if self.runtime is not None:
+            return self.runtime.leader.stats() if self.runtime.leader is not None else {}
+        self._inbox.put(("stats",))
+        while True:
+            msg = self._poll(self._outbox, time.monotonic() + 60, "stats")
+            if msg[0] == "stats":
+                return msg[1]
 
     def _decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+TINY_VOCAB = 320  # >= 256 byte-level symbols + 3 specials of the tiny tokenizer
 
 
 def tiny_config(arch: str, **overrides):
@@ -12,7 +13,7 @@ def tiny_config(arch: str, **overrides):
     separated and greedy decoding is not decided by rounding."""
     from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=512,
                   initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     common.update(overrides)
@@ -31,8 +32,8 @@ def tiny_config(arch: str, **overrides):
 
 
 def make_tiny_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, max_shard_size: str | None = None,
-                         **overrides) -> str:
-    """Write a random checkpoint of `arch` to path and return path."""
+                         with_tokenizer: bool = True, **overrides) -> str:
+    """Write a random checkpoint of `arch` (and a tiny tokenizer) to path and return path."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -40,4 +41,27 @@ def make_tiny_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, max_
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(os.fspath(path), **kwargs)
+    if with_tokenizer:
+        save_tiny_tokenizer(path, model.config.vocab_size)
     return os.fspath(path)
+
+
+def save_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = TINY_VOCAB) -> None:
+    """Train a small byte-level BPE tokenizer on local text and save it beside a tiny checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    text = [
+        "Mixture-of-experts models route each token to a few experts.",
+        "Attention ranks hold the paged KV cache; expert ranks hold the expert weights.",
+        "Every layer dispatches tokens to the experts and combines their outputs.",
+        "The quick brown fox jumps over the lazy dog. Hello world, hello experts!",
+    ] * 4
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(os.fspath(path))

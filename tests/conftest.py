@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random checkpoints (made with transformers, no network) and the HF oracle."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.tiny import ARCHS, make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(arch, **overrides) -> directory; cached per (arch, overrides)."""
+    made: dict = {}
+
+    def make(arch: str, **overrides) -> str:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(arch)
+            made[key] = make_tiny_checkpoint(arch, path, **overrides)
+        return made[key]
+
+    return make
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy continuation of each prompt (one at a time: no padding effects)."""
+    model = hf_model(path)
+    # No EOS: the runtime side uses ignore_eos. (min_new_tokens would instead mask EOS logits.)
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            seq = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=0)
+            assert seq.shape[1] == len(p) + max_new_tokens
+            outs.append(seq[0, len(p):].tolist())
+    return outs
+
+
+def make_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+__all__ = ["ARCHS", "hf_model", "hf_greedy", "make_prompts"]

@@ -1,0 +1,143 @@
+"""Bad input raises ValueError naming the bad value; a crashed rank fails generate fast, with no orphans."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+
+import pytest
+
+from launch import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    with LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=1) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("a,e,name", [(0, 1, "attention_ranks=0"), (1, 0, "expert_ranks=0"),
+                                      (-2, 1, "attention_ranks=-2")])
+def test_rank_counts_below_one(tiny_checkpoint, a, e, name):
+    with pytest.raises(ValueError, match=name):
+        LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=a, expert_ranks=e)
+
+
+def test_world_size_not_a_plus_e(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "5")
+    with pytest.raises(ValueError, match=r"world size 5 != attention_ranks \+ expert_ranks = 3"):
+        LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=2)
+
+
+def test_unknown_option(tiny_checkpoint):
+    with pytest.raises(ValueError, match="unknown option 'max_num_seq'"):
+        LLM(tiny_checkpoint("qwen3_moe"), max_num_seq=4)
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="config.json"):
+        LLM(str(tmp_path))
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_corrupt_checkpoint(tiny_checkpoint, tmp_path):
+    path = _copy(tiny_checkpoint("qwen3_moe"), tmp_path / "corrupt")
+    with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+        f.write(b"\xff" * 64)
+    with pytest.raises(ValueError, match="model.safetensors.*corrupt"):
+        LLM(path)
+
+
+def test_missing_shard(tiny_checkpoint, tmp_path):
+    from models.tiny import make_tiny_checkpoint
+    path = make_tiny_checkpoint("mixtral", tmp_path / "sharded", max_shard_size="20KB")
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    victim = sorted(set(index["weight_map"].values()))[-1]
+    os.remove(os.path.join(path, victim))
+    with pytest.raises(ValueError, match=f"{victim}.*missing"):
+        LLM(path)
+
+
+def test_unsupported_architecture(tiny_checkpoint, tmp_path):
+    path = _copy(tiny_checkpoint("qwen3_moe"), tmp_path / "llama")
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["model_type"] = "llama"
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match="model_type 'llama'.*not supported"):
+        LLM(path)
+
+
+def test_too_many_expert_ranks(tiny_checkpoint):
+    with pytest.raises(ValueError, match="expert_ranks=9 exceeds the model's 8 experts"):
+        LLM(tiny_checkpoint("qwen3_moe"), expert_ranks=9)
+
+
+def test_prompt_errors(llm):
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="exceeds max_model_len=512"):
+        llm.generate([[5] * 600])
+    with pytest.raises(ValueError, match=r"500 tokens \+ max_tokens=16 = 516 exceeds max_model_len=512"):
+        llm.generate([[5] * 500])
+    with pytest.raises(ValueError, match="token id 9999 is outside the vocabulary"):
+        llm.generate([[5, 9999]])
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate([[5]], [SamplingParams(), SamplingParams()])
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"max_tokens": 0}, "max_tokens=0"), ({"temperature": -1.0}, "temperature=-1.0"),
+    ({"top_p": 1.5}, "top_p=1.5"), ({"top_k": -3}, "top_k=-3"), ({"seed": "x"}, "seed='x'"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids=\\[-1\\]"), ({"max_tokens": 2.5}, "max_tokens=2.5"),
+])
+def test_bad_sampling_params(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kwargs)
+
+
+def test_engine_still_serves_after_bad_requests(llm):
+    # Rejected requests never reached the ranks: the engine is intact.
+    outs = llm.generate([[5, 6, 7], "Hello experts"], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [4, 4]
+    assert isinstance(outs[1].text, str) and outs[1].prompt_token_ids == llm.tokenizer.encode("Hello experts")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_crashed_rank_fails_fast(tiny_checkpoint, victim):
+    llm = LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=2)
+    pids = llm.worker_pids
+    killed_at = []
+
+    def kill():
+        time.sleep(1.0)
+        killed_at.append(time.monotonic())
+        os.kill(pids[victim], 9)
+
+    threading.Thread(target=kill, daemon=True).start()
+    prompts = [[5 + i, 6, 7] for i in range(32)]
+    with pytest.raises(RuntimeError, match=f"rank {victim} died|rank .* died"):
+        llm.generate(prompts, SamplingParams(max_tokens=400, ignore_eos=True))
+    assert killed_at and time.monotonic() - killed_at[0] < 10
+    assert not any(_alive(p) for p in pids), "orphan rank processes remain"
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1]])
