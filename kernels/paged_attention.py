@@ -18,23 +18,25 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[B, q, h, d]`, k/v `[B, L, kvh, d]`, mask `[B, q, L]` bool (True = attend) -> `[B, q, h, d]`."""
+    """q `[B, Q, h, d]`, k/v `[B, kvh, L, d]`, mask `[B, Q, L]` bool (True = attend) -> `[B, Q, h, d]`."""
     B, Q, h, d = q.shape
-    kvh = k.shape[2]
+    kvh = k.shape[1]
     g = h // kvh
-    qg = q.reshape(B, Q, kvh, g, d)
-    scores = torch.einsum("bqkgd,blkd->bkgql", qg, k) * scale
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.einsum("bkgql,blkd->bqkgd", probs, v)
-    return out.reshape(B, Q, h, d)
+    qg = q.view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                       # [B, kvh, g*Q, L]
+    scores = scores.view(B, kvh, g, Q, -1).masked_fill_(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, kvh, g * Q, -1)
+    out = torch.matmul(probs, v)                                                 # [B, kvh, g*Q, d]
+    return out.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B, Q, h, d)
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache `[N, bs, kvh, d]`, block_table `[B, M]` (-1 padded) -> `[B, M * bs, kvh, d]`."""
+    """cache `[N, bs, kvh, d]`, block_table `[B, M]` (-1 padded) -> `[B, kvh, M * bs, d]` contiguous."""
+    N, bs, kvh, d = cache.shape
     B, M = block_table.shape
-    blocks = cache[block_table.clamp(min=0)]
-    return blocks.reshape(B, M * cache.shape[1], *cache.shape[2:])
+    slots = (block_table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=cache.device)).view(-1)
+    rows = cache.view(N * bs, kvh, d).index_select(0, slots)   # index_select: far cheaper than cache[table]
+    return rows.view(B, M * bs, kvh, d).transpose(1, 2).contiguous()
 
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -43,7 +45,7 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int64; context_lens `[B]` -> `[B, h, d]`."""
     k = _gather(k_cache, block_tables)
     v = _gather(v_cache, block_tables)
-    pos = torch.arange(k.shape[1], device=q.device)
+    pos = torch.arange(k.shape[2], device=q.device)
     mask = (pos[None, :] < context_lens[:, None])[:, None, :]
     return _attend(q[:, None], k, v, mask, scale)[:, 0]
 
@@ -55,8 +57,8 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     q `[Q, h, d]`; block_table `[M]` int64 -> `[Q, h, d]`. Causal within the chunk.
     """
     Q = q.shape[0]
-    k = _gather(k_cache, block_table[None])[:, :context_len]
-    v = _gather(v_cache, block_table[None])[:, :context_len]
+    k = _gather(k_cache, block_table[None])[:, :, :context_len]
+    v = _gather(v_cache, block_table[None])[:, :, :context_len]
     q_pos = torch.arange(context_len - Q, context_len, device=q.device)
     mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
     return _attend(q[None], k, v, mask[None], scale)[0]

@@ -131,6 +131,22 @@ class LLM:
                              f"cache of one attention rank ({self.kv_capacity_tokens} tokens); give more "
                              f"kv_cache_memory or shorten the request")
 
+    def submit(self, prompt, params: SamplingParams) -> str:
+        """Validate one request and queue it for the leader; returns its request id. Progress arrives on
+        `outbox` as ("out", request_id, [new token ids], finish_reason or None)."""
+        ids = self._prompt_ids(prompt)
+        self._check_fits(ids, params)
+        return self._enqueue(ids, params)
+
+    def _enqueue(self, ids: list[int], params: SamplingParams) -> str:
+        rid = f"req-{next(self._ids)}"
+        self._inbox.put(("add", {"id": rid, "prompt": ids, "params": params.to_dict()}))
+        return rid
+
+    @property
+    def outbox(self):
+        return self._outbox
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
@@ -153,9 +169,7 @@ class LLM:
         if not self.is_leader:
             self.runtime.follow()
             return []
-        rids = [f"req-{next(self._ids)}" for _ in prompts]
-        for rid, i, p in zip(rids, ids, params):
-            self._inbox.put(("add", {"id": rid, "prompt": i, "params": p.to_dict()}))
+        rids = [self._enqueue(i, p) for i, p in zip(ids, params)]
         if self.runtime is not None:
             self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         tokens = {rid: [] for rid in rids}

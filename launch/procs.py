@@ -23,6 +23,16 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def tune_allocator() -> None:
+    """Linux/glibc: keep freed memory in the heap instead of returning it with munmap. The forward frees
+    and re-allocates the same multi-MB temporaries every layer; without this each one page-faults anew
+    (measured: decode attention 4x slower)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD: largest allowed value on 64-bit
+        libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD
+
+
 def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status) -> None:
     """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status."""
     die_with_parent()

@@ -28,6 +28,7 @@ from expert_nodes.worker import ExpertWorker
 from models.checkpoint import Checkpoint
 
 from .config import EngineConfig
+from .procs import tune_allocator
 
 logger = logging.getLogger("afserve")
 
@@ -55,6 +56,7 @@ class Runtime:
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
+            tune_allocator()
             cores = os.cpu_count() or 1
             torch.set_num_threads(config.threads_per_rank or max(1, cores // self.topo.world_size))
         self.dtype = config.torch_dtype(self.device)

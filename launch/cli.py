@@ -1,0 +1,31 @@
+"""Command-line options shared by serve.py and demo.py, mapped onto LLM(...) keyword options."""
+from __future__ import annotations
+
+import argparse
+
+from .config import BALANCERS, COMM_MODES
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--model", help="HF checkpoint directory (local)")
+    p.add_argument("--attention-ranks", type=int, default=1)
+    p.add_argument("--expert-ranks", type=int, default=None,
+                   help="default: world size - attention ranks under torchrun, 2 otherwise")
+    p.add_argument("--comm", choices=COMM_MODES, default="direct")
+    p.add_argument("--balancer", choices=BALANCERS, default="static")
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per attention rank")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    return p
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The LLM(...) options named by the parsed arguments."""
+    keys = ("comm", "balancer", "ranks_per_node", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+            "kv_cache_memory", "block_size", "dtype", "device")
+    return {k: getattr(args, k) for k in keys}
