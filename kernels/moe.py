@@ -8,29 +8,43 @@ import torch
 import torch.nn.functional as F
 
 
+_HAS_GROUPED_MM = hasattr(F, "grouped_mm")
+
+
+def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by slot, counts `[S]` rows per slot, w `[S, out, in]` -> `[rows, out]`."""
+    if _HAS_GROUPED_MM and not x.is_cuda:  # CUDA grouped_mm wants bf16 on sm90; the loop covers the rest
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for slot, n in enumerate(counts.tolist()):  # loop over slots, never over tokens
+        if n:
+            out[start:start + n] = F.linear(x[start:start + n], w[slot])
+            start += n
+    return out
+
+
 def grouped_ffn_ref(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                     w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Weighted sum over each row's local experts.
 
     x: `[N, H]`; slots: `[N, K]` int64 local slot, -1 = that choice lives on another rank;
     weights: `[N, K]` fp32 router weights; w13: `[S, 2I, H]` (gate rows then up rows); w2: `[S, H, I]`.
-    Returns `[N, H]` in x.dtype: sum_k weights[n, k] * FFN_{slots[n, k]}(x[n]).
+    Returns `[N, H]` in x.dtype: sum_k weights[n, k] * FFN_{slots[n, k]}(x[n]), added in slot order.
     """
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
+    # Step 1: one (row, k) pair per local choice, sorted by slot (stable: row order within a slot).
     rows, ks = torch.nonzero(slots >= 0, as_tuple=True)
     chosen = slots[rows, ks]
     order = torch.argsort(chosen, stable=True)
     rows, ks, chosen = rows[order], ks[order], chosen[order]
-    counts = torch.bincount(chosen, minlength=w13.shape[0]).tolist()
-    start = 0
-    for slot, n in enumerate(counts):  # loop over slots, never over tokens
-        if n == 0:
-            continue
-        r = rows[start:start + n]
-        gate, up = F.linear(x[r], w13[slot]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[slot])
-        out.index_add_(0, r, (y * weights[r, ks[start:start + n], None]).to(out.dtype))
-        start += n
+    counts = torch.bincount(chosen, minlength=w13.shape[0])
+    # Step 2: grouped GEMMs, SwiGLU between them.
+    gate, up = _grouped_linear(x[rows], w13, counts).chunk(2, dim=-1)
+    y = _grouped_linear(F.silu(gate) * up, w2, counts)
+    # Step 3: weight and add back per row.
+    out.index_add_(0, rows, (y * weights[rows, ks, None]).to(out.dtype))
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import traceback
 
@@ -14,7 +15,8 @@ def _child(fn, rank, world, port, args, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        results.put((rank, "ok", fn(rank, world, *args)))
+        # Plain pickle bytes: torch's queue pickler would share tensors by fd, which dies with the child.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -40,7 +42,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
                 raise TimeoutError(f"ranks {sorted(set(range(world)) - set(out))} did not finish in {timeout}s")
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            out[rank] = value
+            out[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import pytest
+
+from comm.control import StepHeader, StepReport, pack, unpack
+from comm.topology import Topology
+
+
+def test_header_and_report_roundtrip_msgpack():
+    h = StepHeader("step", 7, {"1": [{"id": "a", "prompt": [1, 2], "params": {"max_tokens": 3}}]}, {"0": ["b"]})
+    back = StepHeader(**unpack(pack(h)))
+    assert back == h and back.requests_for(1)[0]["prompt"] == [1, 2] and back.aborts_for(0) == ["b"]
+    r = StepReport(1, 10, 2, 3, 4, 5, [["a", [9], None]])
+    assert StepReport(**unpack(pack(r))) == r
+
+
+def test_topology_roles_and_nodes():
+    t = Topology(rank=5, world_size=8, num_attention_ranks=3, ranks_per_node=4)
+    assert t.role == "expert" and t.expert_index == 2 and t.num_nodes == 2
+    assert t.node_of(5) == 1 and t.local_index(5) == 1
+    with pytest.raises(ValueError, match="attention_ranks=0"):
+        Topology(0, 2, 0, 1)
+    with pytest.raises(ValueError, match="leaves 0 expert ranks"):
+        Topology(0, 2, 2, 1)
