@@ -28,12 +28,12 @@ class ForwardBatch:
         return self.input_ids.numel()
 
     @classmethod
-    def empty(cls, device: torch.device) -> "ForwardBatch":
+    def empty(cls, device: torch.device) -> ForwardBatch:
         z = torch.empty(0, dtype=torch.int64, device=device)
         return cls(z, z, z, 0, torch.empty(0, 1, dtype=torch.int64, device=device), z, [], z)
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput, block_size: int, device: torch.device) -> "ForwardBatch":
+    def from_scheduler_output(cls, out: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
         """out.scheduled must be ordered decodes first (see `order_for_batch`)."""
         ids, pos, slots, sample_rows, prefills = [], [], [], [], []
         dec_tables, dec_lens = [], []

@@ -22,7 +22,7 @@ class BlockPool:
     block once the last holder lets go.
     """
 
-    __slots__ = ("num_blocks", "block_size", "_free", "_refcounts")
+    __slots__ = ("_free", "_refcounts", "block_size", "num_blocks")
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
         _check_positive_int("num_blocks", num_blocks)

@@ -56,5 +56,5 @@ class SamplingParams:
         return {f: getattr(self, f) for f in self.__slots__}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SamplingParams":
+    def from_dict(cls, d: dict) -> SamplingParams:
         return cls(**d)

@@ -27,7 +27,7 @@ class ScheduledSeq:
     start: int  # seq.num_computed_tokens when scheduled
 
     @classmethod
-    def from_seq(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
+    def from_seq(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
         return cls(seq=seq, num_new_tokens=num_new_tokens, start=seq.num_computed_tokens)
 
     @property
@@ -47,7 +47,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
 
     @classmethod
-    def empty(cls) -> "SchedulerOutput":
+    def empty(cls) -> SchedulerOutput:
         return cls()
 
     @property

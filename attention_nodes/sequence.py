@@ -41,7 +41,7 @@ class Sequence:
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival: int) -> "Sequence":
+                     arrival: int) -> Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r} has an empty prompt: pass at least one token id")
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
@@ -74,9 +74,7 @@ class Sequence:
         assert not self.is_finished, f"append_token on finished request {self.request_id!r}"
         self.token_ids.append(token_id)
         reason = None
-        if token_id in self.params.stop_token_ids:
-            reason = "stop"
-        elif token_id in eos_token_ids and not self.params.ignore_eos:
+        if token_id in self.params.stop_token_ids or token_id in eos_token_ids and not self.params.ignore_eos:
             reason = "stop"
         elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len:
             reason = "length"

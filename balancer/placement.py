@@ -26,7 +26,7 @@ class Placement:
                              f"per layer it holds {per_layer}")
 
     @classmethod
-    def identity(cls, num_layers: int, num_experts: int, num_ranks: int) -> "Placement":
+    def identity(cls, num_layers: int, num_experts: int, num_ranks: int) -> Placement:
         """One replica per expert, contiguous blocks: rank r holds experts [r*S, (r+1)*S)."""
         if num_ranks < 1 or num_ranks > num_experts:
             raise ValueError(f"need 1 <= expert ranks ({num_ranks}) <= num_experts ({num_experts}); "

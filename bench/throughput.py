@@ -16,10 +16,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
-from launch import LLM, SamplingParams  # noqa: E402
-from models.tiny import make_tiny_checkpoint  # noqa: E402
+from launch import LLM, SamplingParams
+from models.tiny import make_tiny_checkpoint
 
 MODEL = dict(hidden_size=128, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
              max_position_embeddings=1024)

@@ -26,7 +26,7 @@ class StepHeader:
     aborts: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def empty(cls, kind: str, step: int = 0) -> "StepHeader":
+    def empty(cls, kind: str, step: int = 0) -> StepHeader:
         return cls(kind, step)
 
     def requests_for(self, rank: int) -> list[dict]:

@@ -32,7 +32,7 @@ class Topology:
 
     @classmethod
     def from_env(cls, num_attention_ranks: int, ranks_per_node: int | None = None,
-                 expected_world_size: int | None = None) -> "Topology":
+                 expected_world_size: int | None = None) -> Topology:
         """Read RANK / WORLD_SIZE / LOCAL_WORLD_SIZE as torchrun sets them."""
         try:
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -89,7 +89,7 @@ class ProcessGroups:
     local: dist.ProcessGroup | None
 
     @classmethod
-    def create(cls, topo: Topology) -> "ProcessGroups":
+    def create(cls, topo: Topology) -> ProcessGroups:
         # Every rank must call new_group for every group, in the same order.
         W = topo.world_size
         control = dist.new_group(list(range(W)), backend="gloo")

@@ -19,7 +19,7 @@ class ExpertSlots:
 
     @classmethod
     def load(cls, ckpt: Checkpoint, slot2expert: torch.Tensor, dtype: torch.dtype, device: torch.device,
-             desc: str = "") -> "ExpertSlots":
+             desc: str = "") -> ExpertSlots:
         """Read only the experts named in slot2expert `[L, S]`."""
         spec = ckpt.spec
         L, S = slot2expert.shape

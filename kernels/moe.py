@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 _HAS_GROUPED_MM = hasattr(F, "grouped_mm")
 
 

@@ -93,7 +93,7 @@ class EngineConfig:
             _int("threads_per_rank", self.threads_per_rank, 1)
 
     @classmethod
-    def from_options(cls, model: str, attention_ranks: int, expert_ranks: int, **options) -> "EngineConfig":
+    def from_options(cls, model: str, attention_ranks: int, expert_ranks: int, **options) -> EngineConfig:
         """Flat keyword options (as LLM(...) and the CLI take them) -> the config tree."""
         groups = {ParallelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
         top = {}

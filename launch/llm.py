@@ -250,7 +250,7 @@ class LLM:
             p.join(timeout=10)
         self._kill()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:

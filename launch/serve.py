@@ -16,9 +16,9 @@ import threading
 if __package__ in (None, ""):  # run as a script by torchrun: make the project importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention_nodes.sampling_params import SamplingParams  # noqa: E402
-from launch.cli import add_engine_args, engine_options  # noqa: E402
-from launch.llm import LLM  # noqa: E402
+from attention_nodes.sampling_params import SamplingParams
+from launch.cli import add_engine_args, engine_options
+from launch.llm import LLM
 
 
 def _emit(obj: dict) -> None:

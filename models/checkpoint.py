@@ -111,7 +111,8 @@ def load_spec(path: str) -> ModelSpec:
         raise ValueError(f"{cfg_path!r} is not valid JSON: {e}") from e
     from .spec import SUPPORTED
     if model_type not in SUPPORTED:
-        raise ValueError(f"model_type {model_type!r} in {cfg_path!r} is not supported; supported: {', '.join(SUPPORTED)}")
+        raise ValueError(f"model_type {model_type!r} in {cfg_path!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED)}")
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:

@@ -48,4 +48,4 @@ def make_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int = 0) 
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
 
 
-__all__ = ["ARCHS", "hf_model", "hf_greedy", "make_prompts"]
+__all__ = ["ARCHS", "hf_greedy", "hf_model", "make_prompts"]

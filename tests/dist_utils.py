@@ -38,8 +38,8 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
         while len(out) < world:
             try:
                 rank, status, value = results.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(out))} did not finish in {timeout}s")
+            except queue.Empty as e:
+                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(out))} did not finish in {timeout}s") from e
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = pickle.loads(value)

@@ -5,9 +5,10 @@ import torch
 
 
 def test_transformers_loads_with_project_installed(tiny_checkpoint):
-    import kernels
     from transformers import AutoModelForCausalLM
     from transformers.utils.import_utils import is_kernels_available
+
+    import kernels
 
     assert hasattr(kernels, "__path__") and not is_kernels_available()
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("mixtral"))

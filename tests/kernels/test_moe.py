@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.moe as moe
+from kernels import moe
 
 
 def naive(x, slots, weights, w13, w2):

@@ -60,7 +60,8 @@ def test_corrupt_checkpoint(tiny_checkpoint, tmp_path):
 def test_missing_shard(tiny_checkpoint, tmp_path):
     from models.tiny import make_tiny_checkpoint
     path = make_tiny_checkpoint("mixtral", tmp_path / "sharded", max_shard_size="20KB")
-    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
     victim = sorted(set(index["weight_map"].values()))[-1]
     os.remove(os.path.join(path, victim))
     with pytest.raises(ValueError, match=f"{victim}.*missing"):
@@ -70,9 +71,11 @@ def test_missing_shard(tiny_checkpoint, tmp_path):
 def test_unsupported_architecture(tiny_checkpoint, tmp_path):
     path = _copy(tiny_checkpoint("qwen3_moe"), tmp_path / "llama")
     cfg_path = os.path.join(path, "config.json")
-    cfg = json.load(open(cfg_path))
+    with open(cfg_path) as f:
+        cfg = json.load(f)
     cfg["model_type"] = "llama"
-    json.dump(cfg, open(cfg_path, "w"))
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
     with pytest.raises(ValueError, match="model_type 'llama'.*not supported"):
         LLM(path)
 
