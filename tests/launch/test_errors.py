@@ -144,3 +144,12 @@ def test_crashed_rank_fails_fast(tiny_checkpoint, victim):
     assert not any(_alive(p) for p in pids), "orphan rank processes remain"
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1]])
+
+
+def test_idle_engine_outlives_collective_timeout(tiny_checkpoint):
+    # The idle leader heartbeats, so no rank sits in a collective longer than the (short) timeout.
+    with LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=2, collective_timeout_s=2,
+             heartbeat_s=0.25) as llm:
+        time.sleep(5)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3
