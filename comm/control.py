@@ -6,7 +6,6 @@ their `StepReport` back over the attention group.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 
 import msgpack
 import torch
@@ -97,5 +96,3 @@ class ControlPlane:
             return None
         return [StepReport(**unpack(b[:int(s.item())])) for b, s in zip(bufs, sizes)]
 
-
-DEFAULT_TIMEOUT = timedelta(minutes=10)

@@ -112,10 +112,9 @@ class EngineConfig:
                    cache=CacheConfig(**groups[CacheConfig]), scheduler=SchedulerConfig(**groups[SchedulerConfig]),
                    **top)
 
-    def torch_device(self) -> torch.device:
-        if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()):
-            return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_initialized() else 0)
-        return torch.device("cpu")
+    def device_type(self) -> str:
+        """"cuda" or "cpu"; the runtime picks the CUDA index from LOCAL_RANK."""
+        return "cuda" if self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available()) else "cpu"
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":

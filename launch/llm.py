@@ -123,7 +123,7 @@ class LLM:
 
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         need = len(ids) + params.max_tokens
-        if len(ids) >= self.max_model_len or need > self.max_model_len:
+        if need > self.max_model_len:  # max_tokens >= 1, so this also covers len(ids) >= max_model_len
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds "
                              f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
         if need > self.kv_capacity_tokens:
@@ -144,7 +144,13 @@ class LLM:
         return rid
 
     @property
+    def inbox(self):
+        """The leader's command queue (see attention_nodes/leader.py for the commands)."""
+        return self._inbox
+
+    @property
     def outbox(self):
+        """Progress from the leader: ("out", request_id, [new token ids], finish_reason or None)."""
         return self._outbox
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -183,7 +189,7 @@ class LLM:
                 tokens[rid].extend(toks)
                 if reason is not None:
                     finish[rid] = reason
-        return [RequestOutput(rid, i, tokens[rid], self._decode(tokens[rid]), finish[rid])
+        return [RequestOutput(rid, i, tokens[rid], self.decode(tokens[rid]), finish[rid])
                 for rid, i in zip(rids, ids)]
 
     def stats(self) -> dict:
@@ -196,7 +202,8 @@ class LLM:
             if msg[0] == "stats":
                 return msg[1]
 
-    def _decode(self, ids: list[int]) -> str | None:
+    def decode(self, ids: list[int]) -> str | None:
+        """Token ids -> text with the checkpoint's tokenizer (None without one)."""
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _poll(self, q, deadline: float | None, what: str):

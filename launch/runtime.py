@@ -51,11 +51,11 @@ class Runtime:
         self.config = config
         par = config.parallel
         self.topo = Topology.from_env(par.attention_ranks, par.ranks_per_node, par.world_size)
-        self.device = config.torch_device()
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        if config.device_type() == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         else:
+            self.device = torch.device("cpu")
             tune_allocator()
             cores = os.cpu_count() or 1
             torch.set_num_threads(config.threads_per_rank or max(1, cores // self.topo.world_size))

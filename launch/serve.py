@@ -42,7 +42,7 @@ def _read_requests(llm: LLM, max_tokens: int, state: dict) -> None:
     with state["lock"]:
         state["eof"] = True
         if not state["open"]:
-            llm._inbox.put(("shutdown",))
+            llm.inbox.put(("shutdown",))
 
 
 def _write_outputs(llm: LLM, state: dict) -> None:
@@ -59,9 +59,9 @@ def _write_outputs(llm: LLM, state: dict) -> None:
                 continue
             del state["open"][rid]
             done = state["eof"] and not state["open"]
-        _emit({"id": rid, "token_ids": acc, "text": llm._decode(acc), "finish_reason": finish})
+        _emit({"id": rid, "token_ids": acc, "text": llm.decode(acc), "finish_reason": finish})
         if done:
-            llm._inbox.put(("shutdown",))
+            llm.inbox.put(("shutdown",))
 
 
 def main(argv=None) -> int:
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         state = {"lock": threading.Lock(), "open": {}, "eof": False}
         threading.Thread(target=_read_requests, args=(llm, args.max_tokens, state), daemon=True).start()
         threading.Thread(target=_write_outputs, args=(llm, state), daemon=True).start()
-        rt.leader.serve(llm._inbox, llm.outbox, llm.config.heartbeat_s)
+        rt.leader.serve(llm.inbox, llm.outbox, llm.config.heartbeat_s)
     rt.close()
     return 0
 
