@@ -21,6 +21,7 @@ class Leader:
         self.control, self.worker = control, worker
         self.num_attention_ranks = num_attention_ranks
         self.block_size = block_size
+        self.token_budget = worker.scheduler.max_num_batched_tokens
         self.step_id = 0
         self.pending: deque[dict] = deque()
         self.req2rank: dict[str, int] = {}
@@ -88,7 +89,10 @@ class Leader:
                     return PAUSE
                 continue
             self.step_id += 1
-            header = StepHeader(STEP, self.step_id, self._assign(), aborts)
+            new = self._assign()
+            # Ranks that get new requests may admit up to a full token budget this step.
+            capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new))
+            header = StepHeader(STEP, self.step_id, capacity, new, aborts)
             self.control.broadcast_header(header)
             reports = self.control.gather_reports(run_attention_step(self.worker, header))
             self._collect(reports, outbox)
@@ -115,4 +119,4 @@ def run_attention_step(worker: AttentionWorker, header: StepHeader) -> StepRepor
     """What every attention rank does with a "step" header."""
     worker.add_requests(header.requests_for(worker.rank))
     worker.abort(header.aborts_for(worker.rank))
-    return worker.step()
+    return worker.step(header.capacity)

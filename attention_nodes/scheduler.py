@@ -151,6 +151,18 @@ class Scheduler:
         assert out.num_tokens <= self.max_num_batched_tokens and len(out.scheduled) <= self.max_num_seqs
         return out
 
+    def max_next_tokens(self) -> int:
+        """Upper bound on the tokens the next schedule() runs if no request is added before it: what the
+        running sequences have left plus what the waiting ones that could still be admitted bring."""
+        total = sum(s.num_tokens - s.num_computed_tokens for s in self._running)
+        free_seats = self.max_num_seqs - len(self._running)
+        for seq in self._waiting:
+            if free_seats <= 0 or total >= self.max_num_batched_tokens:
+                break
+            total += seq.num_tokens - seq.num_computed_tokens
+            free_seats -= 1
+        return min(total, self.max_num_batched_tokens)
+
     def update(self, out: SchedulerOutput, sampled: list[int | None], eos_token_ids: frozenset[int],
                max_model_len: int) -> list[tuple[Sequence, int | None]]:
         """Record a finished step. `sampled[i]` is the token for `out.scheduled[i]`, None if not needs_sample.

@@ -46,8 +46,11 @@ class AttentionWorker:
             if self.scheduler.abort(rid) is not None:
                 self._aborted.append([rid, [], "abort"])
 
-    def step(self) -> StepReport:
+    def step(self, capacity: int) -> StepReport:
+        """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages)."""
         out = order_for_batch(self.scheduler.schedule())
+        assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
+        self.moe.dispatcher.set_capacity(capacity)
         if out.is_empty:
             batch = ForwardBatch.empty(self.device)
         else:
@@ -67,4 +70,4 @@ class AttentionWorker:
     def report(self, outputs: list[list] | None = None) -> StepReport:
         s = self.scheduler
         return StepReport(self.rank, self.block_pool.num_free_blocks, s.num_running, s.num_waiting,
-                          self.num_preemptions, self.num_partial_chunks, outputs or [])
+                          s.max_next_tokens(), self.num_preemptions, self.num_partial_chunks, outputs or [])

@@ -12,15 +12,19 @@ import torch
 import torch.distributed as dist
 
 STEP, IDLE, PAUSE, SHUTDOWN = "step", "idle", "pause", "shutdown"
+HEADER_BYTES = 4096
 
 
 @dataclass(slots=True)
 class StepHeader:
     """kind: "step" (run one forward), "idle" (heartbeat, nothing to run), "pause" (end of a generate()
-    call under torchrun), "shutdown". new_requests / aborts are keyed by attention rank (str for msgpack)."""
+    call under torchrun), "shutdown". new_requests / aborts are keyed by attention rank (str for msgpack).
+    capacity: no attention rank runs more tokens than this in the step, so the data plane can size its
+    messages without exchanging split sizes every layer."""
 
     kind: str
     step: int = 0
+    capacity: int = 0
     new_requests: dict[str, list[dict]] = field(default_factory=dict)
     aborts: dict[str, list[str]] = field(default_factory=dict)
 
@@ -44,6 +48,7 @@ class StepReport:
     num_free_blocks: int
     num_running: int
     num_waiting: int
+    max_next_tokens: int = 0            # upper bound on the next step's tokens absent new requests
     num_preemptions: int = 0            # cumulative on this rank
     num_prefill_chunks: int = 0         # cumulative: multi-token forward chunks that did not end a prompt
     outputs: list[list] = field(default_factory=list)
@@ -67,17 +72,23 @@ class ControlPlane:
         self.rank, self.num_attention_ranks = rank, num_attention_ranks
 
     def broadcast_header(self, header: StepHeader | None) -> StepHeader:
-        """Leader passes the header; everyone else passes None and gets it."""
-        size = torch.zeros(1, dtype=torch.int64)
-        payload = None
+        """Leader passes the header; everyone else passes None and gets it. One broadcast of a fixed-size
+        buffer (8-byte length, then msgpack); a header that does not fit sends its tail in a second one."""
+        buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         if self.rank == 0:
             payload = pack(header)
-            size[0] = payload.numel()
-        dist.broadcast(size, src=0, group=self.control)
-        if self.rank != 0:
-            payload = torch.empty(int(size[0]), dtype=torch.uint8)
-        dist.broadcast(payload, src=0, group=self.control)
-        return header if self.rank == 0 else StepHeader(**unpack(payload))
+            n = payload.numel()
+            buf[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+            buf[8:8 + min(n, HEADER_BYTES - 8)] = payload[:HEADER_BYTES - 8]
+        dist.broadcast(buf, src=0, group=self.control)
+        n = int(buf[:8].view(torch.int64))
+        if n > HEADER_BYTES - 8:
+            tail = payload[HEADER_BYTES - 8:] if self.rank == 0 else torch.empty(n - (HEADER_BYTES - 8),
+                                                                                dtype=torch.uint8)
+            dist.broadcast(tail, src=0, group=self.control)
+            if self.rank != 0:
+                return StepHeader(**unpack(torch.cat([buf[8:], tail])))
+        return header if self.rank == 0 else StepHeader(**unpack(buf[8:8 + n]))
 
     def gather_reports(self, report: StepReport) -> list[StepReport] | None:
         """Attention ranks only. Returns every rank's report on the leader, None elsewhere."""

@@ -15,8 +15,10 @@ class ExpertWorker:
         self.num_rows_served = 0
 
     @torch.inference_mode()
-    def step(self) -> None:
-        """Serve one engine step: one dispatch + combine per MoE layer, in layer order."""
+    def step(self, capacity: int) -> None:
+        """Serve one engine step: one dispatch + combine per MoE layer, in layer order.
+        capacity: the step header's bound on any attention rank's tokens."""
+        self.dispatcher.set_capacity(capacity)
         for layer in range(self.num_moe_layers):
             rows, handle = self.dispatcher.dispatch(layer, *self.dispatcher.empty_tokens())
             out = self.slots.ffn(layer, rows.hidden, rows.slots, rows.weights)

@@ -73,7 +73,8 @@ class Runtime:
                                  spec.max_position_embeddings)
         placement = Placement.identity(spec.num_moe_layers, spec.num_experts, par.expert_ranks)
         self.dispatcher = make_dispatcher(par.comm, group=self.groups.world, hidden_size=spec.hidden_size,
-                                          top_k=spec.top_k, dtype=self.dtype, device=self.device)
+                                          top_k=spec.top_k, dtype=self.dtype, device=self.device,
+                                          num_sources=par.attention_ranks)
         desc = f"rank {self.topo.rank} ({self.topo.role})"
         self.leader: Leader | None = None
         if self.topo.is_attention:
@@ -124,7 +125,7 @@ class Runtime:
             if self.topo.is_attention:
                 self.control.gather_reports(run_attention_step(self.worker, header))
             else:
-                self.worker.step()
+                self.worker.step(header.capacity)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -7,10 +7,10 @@ from comm.topology import Topology
 
 
 def test_header_and_report_roundtrip_msgpack():
-    h = StepHeader("step", 7, {"1": [{"id": "a", "prompt": [1, 2], "params": {"max_tokens": 3}}]}, {"0": ["b"]})
+    h = StepHeader("step", 7, 64, {"1": [{"id": "a", "prompt": [1, 2], "params": {"max_tokens": 3}}]}, {"0": ["b"]})
     back = StepHeader(**unpack(pack(h)))
     assert back == h and back.requests_for(1)[0]["prompt"] == [1, 2] and back.aborts_for(0) == ["b"]
-    r = StepReport(1, 10, 2, 3, 4, 5, [["a", [9], None]])
+    r = StepReport(1, 10, 2, 3, 64, 4, 5, [["a", [9], None]])
     assert StepReport(**unpack(pack(r))) == r
 
 
@@ -22,3 +22,23 @@ def test_topology_roles_and_nodes():
         Topology(0, 2, 0, 1)
     with pytest.raises(ValueError, match="leaves 0 expert ranks"):
         Topology(0, 2, 2, 1)
+
+
+def test_large_header_crosses_in_two_broadcasts():
+    from comm.control import HEADER_BYTES
+    from tests.dist_utils import run_ranks
+    big = {"0": [{"id": str(i), "prompt": list(range(300)), "params": {}} for i in range(40)]}
+    assert pack(StepHeader("step", 1, 512, big)).numel() > HEADER_BYTES
+    got = run_ranks(_broadcast_fn, 3, big)
+    assert all(h == StepHeader("step", 1, 512, big) for h in got)
+
+
+def _broadcast_fn(rank, world, big):
+    import torch.distributed as dist
+
+    from comm.control import ControlPlane
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cp = ControlPlane(dist.group.WORLD, None, rank, 1)
+    small = cp.broadcast_header(StepHeader("idle", 0) if rank == 0 else None)
+    assert small == StepHeader("idle", 0)
+    return cp.broadcast_header(StepHeader("step", 1, 512, big) if rank == 0 else None)

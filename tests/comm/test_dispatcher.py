@@ -29,7 +29,8 @@ def _rank_fn(rank, world, A, tokens_per_rank, seed):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     E = world - A
     d = DirectDispatcher(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32,
-                         device=torch.device("cpu"))
+                         device=torch.device("cpu"), num_sources=A)
+    d.set_capacity(max(tokens_per_rank))
     if rank < A:
         hidden, dst, slots, weights = _routing(rank, A, E, tokens_per_rank[rank], seed)
     else:
@@ -64,8 +65,13 @@ def test_direct_dispatch_combine(A, E, tokens):
             torch.testing.assert_close(mine, hidden[hit])
         assert rows.hidden.shape[0] == want
         assert ((rows.slots >= 0).sum(1) >= 1).all()
-    total_sent = sum(res[r]["stats"]["0"]["dispatch"]["bytes_sent"] for r in range(A))
-    assert total_sent == sum(res[e]["rows"].hidden.shape[0] for e in range(A, A + E)) * (4 * H + 8 * K)
+    # Each source sends every expert rank one block of capacity + 1 rows, whatever it routes there.
+    row_bytes, capacity = 4 * H + 8 * K, max(tokens)
+    for r in range(A):
+        st = res[r]["stats"]["0"]["dispatch"]
+        assert (st["bytes_sent"], st["messages_sent"]) == (E * (capacity + 1) * row_bytes, E)
+    for e in range(A, A + E):
+        assert res[e]["stats"]["0"]["dispatch"]["messages_sent"] == 0
 
 
 def test_plan_rows_dedups_per_destination():

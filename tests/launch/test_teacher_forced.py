@@ -29,9 +29,10 @@ def _rank_fn(rank, world, path, num_attention_ranks, prompt):
             batch.sample_rows = torch.arange(len(prompt))
         else:
             batch = ForwardBatch.empty(w.device)
+        w.moe.dispatcher.set_capacity(len(prompt))
         logits = w.model.forward(batch, w.kv, w.moe)
     else:
-        rt.worker.step()
+        rt.worker.step(len(prompt))
     return {"logits": logits, "names": list(rt.ckpt.names_read), "role": rt.topo.role}
 
 
