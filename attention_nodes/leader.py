@@ -3,8 +3,8 @@
 It takes commands from the front (LLM or HTTP server) through an inbox queue, gives each new
 request to the attention rank with the most free KV blocks, broadcasts the step header, and
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
-("abort", request_id), ("stats",), ("shutdown",). Outbox messages: ("out", request_id, [token ids],
-finish_reason or None), ("stats", dict).
+("abort", request_id), ("stats",), ("shutdown",). Outbox messages, one per step at most:
+("out", [[request_id, [new token ids], finish_reason or None], ...]), and ("stats", dict).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class Leader:
             before = len(self.pending)
             self.pending = deque(r for r in self.pending if r["id"] != rid)
             if len(self.pending) != before:
-                outbox.put(("out", rid, [], "abort"))
+                outbox.put(("out", [[rid, [], "abort"]]))
             elif rid in self.req2rank:
                 aborts.setdefault(str(self.req2rank[rid]), []).append(rid)
         elif kind == "stats":
@@ -73,7 +73,9 @@ class Leader:
             aborts: dict[str, list[str]] = {}
             alive = True
             try:
-                cmd = inbox.get(timeout=heartbeat_s) if not self.has_work else inbox.get_nowait()
+                # Block (heartbeating) only when idle and serving; a generate() call ends as soon as it is done.
+                idle_wait = not self.has_work and not stop_when_idle
+                cmd = inbox.get(timeout=heartbeat_s) if idle_wait else inbox.get_nowait()
                 alive = self._handle(cmd, aborts, outbox)
                 while alive:
                     alive = self._handle(inbox.get_nowait(), aborts, outbox)
@@ -108,11 +110,12 @@ class Leader:
 
     def _collect(self, reports: list[StepReport], outbox) -> None:
         self.reports = reports
-        for rep in reports:
-            for rid, tokens, finish in rep.outputs:
-                outbox.put(("out", rid, tokens, finish))
-                if finish is not None:
-                    self.req2rank.pop(rid, None)
+        outputs = [out for rep in reports for out in rep.outputs]
+        for rid, _, finish in outputs:
+            if finish is not None:
+                self.req2rank.pop(rid, None)
+        if outputs:
+            outbox.put(("out", outputs))
 
 
 def run_attention_step(worker: AttentionWorker, header: StepHeader) -> StepReport:

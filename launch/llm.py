@@ -133,7 +133,7 @@ class LLM:
 
     def submit(self, prompt, params: SamplingParams) -> str:
         """Validate one request and queue it for the leader; returns its request id. Progress arrives on
-        `outbox` as ("out", request_id, [new token ids], finish_reason or None)."""
+        `outbox` as ("out", [[request_id, [new token ids], finish_reason or None], ...])."""
         ids = self._prompt_ids(prompt)
         self._check_fits(ids, params)
         return self._enqueue(ids, params)
@@ -150,7 +150,7 @@ class LLM:
 
     @property
     def outbox(self):
-        """Progress from the leader: ("out", request_id, [new token ids], finish_reason or None)."""
+        """Progress from the leader: ("out", [[request_id, [new token ids], finish_reason or None], ...])."""
         return self._outbox
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -184,11 +184,11 @@ class LLM:
             msg = self._poll(self._outbox, None, "generate")
             if msg[0] != "out":
                 continue
-            _, rid, toks, reason = msg
-            if rid in tokens:
-                tokens[rid].extend(toks)
-                if reason is not None:
-                    finish[rid] = reason
+            for rid, toks, reason in msg[1]:
+                if rid in tokens:
+                    tokens[rid].extend(toks)
+                    if reason is not None:
+                        finish[rid] = reason
         return [RequestOutput(rid, i, tokens[rid], self.decode(tokens[rid]), finish[rid])
                 for rid, i in zip(rids, ids)]
 

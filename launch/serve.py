@@ -51,17 +51,17 @@ def _write_outputs(llm: LLM, state: dict) -> None:
         msg = llm.outbox.get()
         if msg[0] != "out":
             continue
-        _, rid, toks, finish = msg
-        with state["lock"]:
-            acc = state["open"].setdefault(rid, [])
-            acc.extend(toks)
-            if finish is None:
-                continue
-            del state["open"][rid]
-            done = state["eof"] and not state["open"]
-        _emit({"id": rid, "token_ids": acc, "text": llm.decode(acc), "finish_reason": finish})
-        if done:
-            llm.inbox.put(("shutdown",))
+        for rid, toks, finish in msg[1]:
+            with state["lock"]:
+                acc = state["open"].setdefault(rid, [])
+                acc.extend(toks)
+                if finish is None:
+                    continue
+                del state["open"][rid]
+                done = state["eof"] and not state["open"]
+            _emit({"id": rid, "token_ids": acc, "text": llm.decode(acc), "finish_reason": finish})
+            if done:
+                llm.inbox.put(("shutdown",))
 
 
 def main(argv=None) -> int:
