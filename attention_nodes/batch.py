@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .scheduler import SchedulerOutput
+from .scheduler import ScheduledSeq, SchedulerOutput
 
 
 @dataclass(slots=True)
@@ -33,13 +33,15 @@ class ForwardBatch:
         return cls(z, z, z, 0, torch.empty(0, 1, dtype=torch.int64, device=device), z, [], z)
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput, block_size: int, device: torch.device) -> ForwardBatch:
-        """out.scheduled must be ordered decodes first (see `order_for_batch`)."""
+    def from_scheduled(cls, scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> ForwardBatch:
+        """scheduled must be ordered decodes first (see `order_for_batch`)."""
+        if not scheduled:
+            return cls.empty(device)
         ids, pos, slots, sample_rows, prefills = [], [], [], [], []
         dec_tables, dec_lens = [], []
         num_decodes = 0
         row = 0
-        for s in out.scheduled:
+        for s in scheduled:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
             ids.extend(seq.token_ids[start:end])
@@ -66,6 +68,18 @@ class ForwardBatch:
 
         return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, dec.to(device), tensor(dec_lens),
                    prefills, tensor(sample_rows))
+
+
+def split_micro_batches(scheduled: list[ScheduledSeq], num: int) -> list[list[ScheduledSeq]]:
+    """Cut the (ordered) schedule into `num` contiguous parts of about equal token counts; parts may be empty."""
+    total = sum(s.num_new_tokens for s in scheduled)
+    parts: list[list[ScheduledSeq]] = [[] for _ in range(num)]
+    done = 0
+    for s in scheduled:
+        part = min(num - 1, (2 * done + s.num_new_tokens) * num // max(2 * total, 1))  # by chunk midpoint
+        parts[part].append(s)
+        done += s.num_new_tokens
+    return parts
 
 
 def order_for_batch(out: SchedulerOutput) -> SchedulerOutput:

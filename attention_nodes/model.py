@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from balancer.policy import ReplicaPolicy
-from comm.dispatcher import Dispatcher
+from comm.dispatcher import Dispatcher, PendingDispatch
 from kernels.paged_attention import paged_attention_decode_ref, paged_attention_prefill_ref, write_kv
 from models.spec import ModelSpec
 
@@ -48,11 +48,15 @@ class MoEContext:
     num_attention_ranks: int
     num_slots: int
 
-    def experts(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x `[T, H]`, ids `[T, K]`, weights `[T, K]` -> routed-expert output `[T, H]`."""
+    def start(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
+        """Send x `[T, H]` to the replicas of its experts ids `[T, K]` (router weights `[T, K]`), not waiting."""
         phy = self.policy.choose(moe_layer, ids)
         dst = self.num_attention_ranks + phy // self.num_slots
-        rows, handle = self.dispatcher.dispatch(moe_layer, x, dst, phy % self.num_slots, weights)
+        return self.dispatcher.start_dispatch(moe_layer, x, dst, phy % self.num_slots, weights)
+
+    def finish(self, pending: PendingDispatch) -> torch.Tensor:
+        """Wait for the experts -> routed-expert output `[T, H]`."""
+        rows, handle = self.dispatcher.finish_dispatch(pending)
         assert rows.hidden.shape[0] == 0, "attention ranks hold no experts"
         return self.dispatcher.combine(rows.hidden, handle)
 
@@ -108,36 +112,68 @@ class AttentionModel:
             out[row:row + n] = paged_attention_prefill_ref(q[row:row + n], k_cache, v_cache, table, ctx, self.scale)
         return self._linear(out.reshape(T, s.num_heads * s.head_dim), f"{p}.o_proj")
 
-    def _ffn(self, i: int, moe_index: int, x: torch.Tensor, moe: MoEContext) -> torch.Tensor:
-        s = self.spec
-        if not s.moe_layers[i]:
-            return self._mlp(x, f"model.layers.{i}.mlp")
-        p = s.moe_prefix(i)
-        weights, ids = route(F.linear(x, self.w[f"{p}.gate.weight"]), s.top_k, s.norm_topk_prob)
-        out = moe.experts(moe_index, x, ids, weights)
-        if s.shared_expert_size:
-            shared = self._mlp(x, f"{p}.shared_expert")
-            out = out + torch.sigmoid(F.linear(x, self.w[f"{p}.shared_expert_gate.weight"])) * shared
-        return out
-
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVCache, moe: MoEContext) -> torch.Tensor:
-        """Runs every layer (and so joins every layer's dispatch/combine, even with T = 0).
-        Returns logits `[len(batch.sample_rows), V]` fp32."""
+    def _layers(self, batch: ForwardBatch, kv: KVCache):
+        """The forward of one micro-batch as a generator: at each MoE layer it yields (moe_layer, x `[T, H]`,
+        ids `[T, K]`, weights `[T, K]`) and is sent back the routed-expert output `[T, H]`; it returns the
+        logits `[len(batch.sample_rows), V]` fp32."""
         s = self.spec
         h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
         cos, sin = self.rotary(h[None], batch.positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
-        moe_index = 0
+        moe_layer = 0
         for i in range(s.num_layers):
             p = f"model.layers.{i}"
             h = h + self._attention(i, rms_norm(h, self.w[f"{p}.input_layernorm.weight"], s.rms_norm_eps),
                                     cos, sin, batch, kv)
-            h = h + self._ffn(i, moe_index, rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"],
-                                                     s.rms_norm_eps), moe)
-            moe_index += s.moe_layers[i]
+            x = rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], s.rms_norm_eps)
+            if not s.moe_layers[i]:
+                h = h + self._mlp(x, f"{p}.mlp")
+                continue
+            m = s.moe_prefix(i)
+            weights, ids = route(F.linear(x, self.w[f"{m}.gate.weight"]), s.top_k, s.norm_topk_prob)
+            out = yield moe_layer, x, ids, weights
+            if s.shared_expert_size:
+                shared = self._mlp(x, f"{m}.shared_expert")
+                out = out + torch.sigmoid(F.linear(x, self.w[f"{m}.shared_expert_gate.weight"])) * shared
+            h = h + out
+            moe_layer += 1
         h = rms_norm(h[batch.sample_rows], self.w["model.norm.weight"], s.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
+
+    @torch.inference_mode()
+    def forward(self, batches: list[ForwardBatch], kv: KVCache, moe: MoEContext) -> torch.Tensor:
+        """Run micro-batches as a ping-pong pipeline: while the experts serve one micro-batch's layer, this
+        rank computes another's attention. Every micro-batch joins every MoE layer's dispatch and combine,
+        even with no tokens. Per layer the collectives go out as: dispatch mb 0..M-1, then combine
+        mb 0..M-1 (expert ranks follow the same order). Returns the logits of all micro-batches, in order."""
+        M = len(batches)
+        gens = [self._layers(b, kv) for b in batches]
+        logits: list[torch.Tensor | None] = [None] * M
+        # Step 1: each micro-batch runs to its first MoE layer; its dispatch starts at once.
+        pending = [self._advance(gens[j], None, moe, logits, j) for j in range(M)]
+        # Step 2: per layer, combine each micro-batch and compute its next attention while the experts
+        # work on the following micro-batches; the next layer's dispatches start after every combine.
+        while pending[0] is not None:
+            ready = []
+            for j in range(M):
+                out = moe.finish(pending[j])
+                ready.append(self._next(gens[j], out, logits, j) if j < M - 1 else out)
+            pending = [None if r is None else moe.start(*r) for r in ready[:-1]]
+            pending.append(self._advance(gens[-1], ready[-1], moe, logits, M - 1))
+        return torch.cat(logits)
+
+    @staticmethod
+    def _next(gen, value, logits: list, j: int):
+        """Resume a micro-batch up to its next MoE layer -> its request, or None once it has its logits."""
+        try:
+            return gen.send(value)
+        except StopIteration as stop:
+            logits[j] = stop.value
+            return None
+
+    def _advance(self, gen, value, moe: MoEContext, logits: list, j: int) -> PendingDispatch | None:
+        request = self._next(gen, value, logits, j)
+        return None if request is None else moe.start(*request)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

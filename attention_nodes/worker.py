@@ -6,7 +6,7 @@ import torch
 
 from comm.control import StepReport
 
-from .batch import ForwardBatch, order_for_batch
+from .batch import ForwardBatch, order_for_batch, split_micro_batches
 from .block_pool import BlockPool
 from .kv_cache import KVCache
 from .model import AttentionModel, MoEContext
@@ -18,8 +18,9 @@ from .sequence import Sequence
 
 class AttentionWorker:
     def __init__(self, rank: int, model: AttentionModel, kv: KVCache, scheduler: Scheduler, moe: MoEContext,
-                 max_model_len: int, device: torch.device):
+                 max_model_len: int, device: torch.device, micro_batches: int = 1):
         self.rank = rank
+        self.micro_batches = micro_batches
         self.model, self.kv, self.scheduler, self.moe = model, kv, scheduler, moe
         self.sampler = Sampler()
         self.eos = frozenset(model.spec.eos_token_ids)
@@ -51,11 +52,9 @@ class AttentionWorker:
         out = order_for_batch(self.scheduler.schedule())
         assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
         self.moe.dispatcher.set_capacity(capacity)
-        if out.is_empty:
-            batch = ForwardBatch.empty(self.device)
-        else:
-            batch = ForwardBatch.from_scheduler_output(out, self.kv.block_size, self.device)
-        logits = self.model.forward(batch, self.kv, self.moe)
+        batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device)
+                   for part in split_micro_batches(out.scheduled, self.micro_batches)]
+        logits = self.model.forward(batches, self.kv, self.moe)
         to_sample = [s for s in out.scheduled if s.needs_sample]
         tokens = iter(self.sampler.sample(logits, [s.seq.params for s in to_sample],
                                           [s.seq.generator for s in to_sample]) if to_sample else [])

@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads-per-rank", type=int, default=None)
+    ap.add_argument("--micro-batches", type=int, default=1)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -77,7 +78,7 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
         with LLM(path, attention_ranks=1, expert_ranks=2, max_num_seqs=64, max_num_batched_tokens=512,
-                 threads_per_rank=args.threads_per_rank) as llm:
+                 threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches) as llm:
             run_ours(llm, prompts[:16], olens[:16])        # warm-up
             run_hf(hf, prompts[:16], [8] * 16, batch=16)    # warm-up
             ours, base = [], []

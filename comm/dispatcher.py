@@ -39,6 +39,17 @@ class DispatchHandle:
     recv_counts: list[int]
 
 
+@dataclass(slots=True)
+class PendingDispatch:
+    """A dispatch in flight: the collective's work handle, the buffers it fills, and what combine needs."""
+
+    work: object | None
+    recv: torch.Tensor
+    send: torch.Tensor | None
+    handle: DispatchHandle
+    t0: float
+
+
 class Dispatcher(ABC):
     """Comm-mode interface. `set_capacity` once per step, then `dispatch` and `combine` once per MoE layer,
     on every rank. Ranks 0..num_sources-1 (the attention ranks) send tokens; the others hold experts."""
@@ -63,10 +74,19 @@ class Dispatcher(ABC):
         self.capacity = capacity
 
     @abstractmethod
+    def start_dispatch(self, layer: int, hidden: torch.Tensor, dst_ranks: torch.Tensor, slots: torch.Tensor,
+                       weights: torch.Tensor) -> PendingDispatch:
+        """Issue the dispatch without waiting for it. hidden `[T, H]`; dst_ranks `[T, K]` int64 world rank of
+        each choice's replica; slots `[T, K]` int64 slot on that rank; weights `[T, K]` fp32."""
+
+    @abstractmethod
+    def finish_dispatch(self, pending: PendingDispatch) -> tuple[ReceivedRows, DispatchHandle]:
+        """Wait for a started dispatch -> (rows this rank must compute, handle for combine)."""
+
     def dispatch(self, layer: int, hidden: torch.Tensor, dst_ranks: torch.Tensor, slots: torch.Tensor,
                  weights: torch.Tensor) -> tuple[ReceivedRows, DispatchHandle]:
-        """hidden `[T, H]`; dst_ranks `[T, K]` int64 world rank of each choice's replica; slots `[T, K]`
-        int64 slot on that rank; weights `[T, K]` fp32 -> (rows this rank must compute, handle)."""
+        """Blocking dispatch: start_dispatch, then finish_dispatch."""
+        return self.finish_dispatch(self.start_dispatch(layer, hidden, dst_ranks, slots, weights))
 
     @abstractmethod
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
@@ -126,7 +146,7 @@ class DirectDispatcher(Dispatcher):
     def _row_bytes(self) -> int:
         return self.hidden_size * torch.empty(0, dtype=self.dtype).element_size() + 8 * self.top_k
 
-    def dispatch(self, layer, hidden, dst_ranks, slots, weights):
+    def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
         # T tokens, N rows after dedup, W world, S sources, C capacity, B bytes per row
         t0 = time.perf_counter()
         W, S, C, B = self.world_size, self.num_sources, self.capacity, self._row_bytes()
@@ -138,23 +158,34 @@ class DirectDispatcher(Dispatcher):
             if self.is_source else None
         if S == 1:  # scatter from the single source (its own block is unused)
             recv = torch.empty(C + 1, B, dtype=torch.uint8, device=self.device)
-            dist.scatter(recv, list(blocks) if self.is_source else None, src=0, group=self.group)
+            work = dist.scatter(recv, list(blocks) if self.is_source else None, src=0, group=self.group,
+                                async_op=True)
             recv = recv[:0] if self.is_source else recv[None]
         else:
             send = blocks[S:] if self.is_source else torch.empty(0, C + 1, B, dtype=torch.uint8, device=self.device)
             recv = torch.empty(0 if self.is_source else S, C + 1, B, dtype=torch.uint8, device=self.device)
             out_splits = [0] * S + [C + 1] * (W - S) if self.is_source else [0] * W
             in_splits = [0] * W if self.is_source else [C + 1] * S + [0] * (W - S)
-            dist.all_to_all_single(recv.view(-1, B), send.reshape(-1, B), in_splits, out_splits, group=self.group)
+            work = dist.all_to_all_single(recv.view(-1, B), send.reshape(-1, B), in_splits, out_splits,
+                                          group=self.group, async_op=True)
+        handle = DispatchHandle(layer, hidden.shape[0], row2token, send_counts.tolist(), [0] * W)
+        return PendingDispatch(work, recv, blocks, handle, t0)
+
+    def finish_dispatch(self, pending):
+        W, S, C, B = self.world_size, self.num_sources, self.capacity, self._row_bytes()
+        pending.work.wait()
+        recv = pending.recv
         # Valid rows of each source, in source order.
         recv_counts = recv[:, 0, :8].contiguous().view(torch.int64).flatten().tolist() if recv.shape[0] else []
         valid = torch.cat([recv[i, 1:1 + n] for i, n in enumerate(recv_counts)]) if recv_counts else \
             torch.empty(0, B, dtype=torch.uint8, device=self.device)
         rows = unpack_rows(valid, self.hidden_size, self.top_k, self.dtype)
         num_out = W - S if self.is_source else 0
-        self.stats.phase(layer, "dispatch").add(num_out * (C + 1) * B, num_out, time.perf_counter() - t0)
-        recv_counts = recv_counts + [0] * (W - len(recv_counts))
-        return rows, DispatchHandle(layer, hidden.shape[0], row2token, send_counts.tolist(), recv_counts)
+        handle = pending.handle
+        self.stats.phase(handle.layer, "dispatch").add(num_out * (C + 1) * B, num_out,
+                                                       time.perf_counter() - pending.t0)
+        handle.recv_counts = recv_counts + [0] * (W - len(recv_counts))
+        return rows, handle
 
     def _pack_blocks(self, hidden, row2token, row_dst, row_slots, row_weights, send_counts) -> torch.Tensor:
         """`[W, C + 1, B]` uint8: per destination, row 0 holds the row count (int64), then the packed rows."""

@@ -9,18 +9,24 @@ from .slots import ExpertSlots
 
 
 class ExpertWorker:
-    def __init__(self, rank: int, slots: ExpertSlots, dispatcher: Dispatcher, num_moe_layers: int):
+    def __init__(self, rank: int, slots: ExpertSlots, dispatcher: Dispatcher, num_moe_layers: int,
+                 micro_batches: int = 1):
         self.rank, self.slots, self.dispatcher = rank, slots, dispatcher
         self.num_moe_layers = num_moe_layers
+        self.micro_batches = micro_batches
         self.num_rows_served = 0
 
     @torch.inference_mode()
     def step(self, capacity: int) -> None:
-        """Serve one engine step: one dispatch + combine per MoE layer, in layer order.
+        """Serve one engine step: per MoE layer, the dispatches of every micro-batch, then for each in turn
+        the grouped FFN and its combine (the attention ranks issue the collectives in the same order).
         capacity: the step header's bound on any attention rank's tokens."""
         self.dispatcher.set_capacity(capacity)
         for layer in range(self.num_moe_layers):
-            rows, handle = self.dispatcher.dispatch(layer, *self.dispatcher.empty_tokens())
-            out = self.slots.ffn(layer, rows.hidden, rows.slots, rows.weights)
-            self.num_rows_served += rows.hidden.shape[0]
-            self.dispatcher.combine(out, handle)
+            pending = [self.dispatcher.start_dispatch(layer, *self.dispatcher.empty_tokens())
+                       for _ in range(self.micro_batches)]
+            for p in pending:
+                rows, handle = self.dispatcher.finish_dispatch(p)
+                out = self.slots.ffn(layer, rows.hidden, rows.slots, rows.weights)
+                self.num_rows_served += rows.hidden.shape[0]
+                self.dispatcher.combine(out, handle)

@@ -22,9 +22,11 @@ class ParallelConfig:
     ranks_per_node: int | None = None   # None: from torchrun's LOCAL_WORLD_SIZE (or all ranks on one node)
     comm: str = "direct"
     balancer: str = "static"
+    micro_batches: int = 1              # >1: ping-pong, attention computes one while the experts serve another
 
     def __post_init__(self) -> None:
         _int("attention_ranks", self.attention_ranks, 1)
+        _int("micro_batches", self.micro_batches, 1)
         _int("expert_ranks", self.expert_ranks, 1)
         if self.ranks_per_node is not None:
             _int("ranks_per_node", self.ranks_per_node, 1)

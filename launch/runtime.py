@@ -87,13 +87,14 @@ class Runtime:
                               config.scheduler.max_num_batched_tokens)
             moe = MoEContext(self.dispatcher, make_policy(par.balancer, placement), par.attention_ranks,
                              placement.num_slots)
-            self.worker = AttentionWorker(self.topo.rank, model, kv, sched, moe, self.max_model_len, self.device)
+            self.worker = AttentionWorker(self.topo.rank, model, kv, sched, moe, self.max_model_len, self.device,
+                                          par.micro_batches)
             if self.topo.is_leader:
                 self.leader = Leader(self.control, self.worker, par.attention_ranks, config.cache.block_size)
         else:
             slots = ExpertSlots.load(self.ckpt, placement.slot2expert[:, self.topo.expert_index], self.dtype,
                                      self.device, desc)
-            self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers)
+            self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control)

@@ -29,3 +29,17 @@ def test_greedy_matches_transformers(tiny_checkpoint, arch, attention_ranks, exp
     assert stats["num_prefill_chunks"] > 0
     if attention_ranks == 1:
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("attention_ranks,expert_ranks", [(1, 2), (2, 2)])
+def test_ping_pong_micro_batches_match_transformers(tiny_checkpoint, arch, attention_ranks, expert_ranks):
+    path = tiny_checkpoint(arch)
+    prompts = make_prompts(6, 256, 1, 40, seed=4)  # includes tiny batches: some micro-batches are empty
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, micro_batches=2,
+             max_num_batched_tokens=32) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        single = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+    assert single[0].token_ids == expected[0]

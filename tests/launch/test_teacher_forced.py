@@ -18,19 +18,19 @@ def _rank_fn(rank, world, path, num_attention_ranks, prompt):
     from launch.runtime import Runtime
 
     cfg = EngineConfig.from_options(path, num_attention_ranks, world - num_attention_ranks,
-                                    max_num_batched_tokens=1024)
+                                    max_num_batched_tokens=1024, micro_batches=1)
     rt = Runtime(cfg)
     logits = None
     if rt.topo.is_attention:
         w = rt.worker
         if rank == 0:  # rank 0 runs the prompt; other attention ranks join with zero tokens
             w.scheduler.add(Sequence.from_request("r", prompt, SamplingParams(), 1))
-            batch = ForwardBatch.from_scheduler_output(w.scheduler.schedule(), w.kv.block_size, w.device)
+            batch = ForwardBatch.from_scheduled(w.scheduler.schedule().scheduled, w.kv.block_size, w.device)
             batch.sample_rows = torch.arange(len(prompt))
         else:
             batch = ForwardBatch.empty(w.device)
         w.moe.dispatcher.set_capacity(len(prompt))
-        logits = w.model.forward(batch, w.kv, w.moe)
+        logits = w.model.forward([batch], w.kv, w.moe)
     else:
         rt.worker.step(len(prompt))
     return {"logits": logits, "names": list(rt.ckpt.names_read), "role": rt.topo.role}
