@@ -8,6 +8,7 @@ them up over ranks. Names: T tokens, H hidden, K top-k, W world size, N rows.
 """
 from __future__ import annotations
 
+import shutil
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ class DispatchHandle:
     row2token: torch.Tensor
     send_counts: list[int]
     recv_counts: list[int]
+    round: int = 0          # the call's sequence number (same on every rank); the shm transport keys slots by it
 
 
 @dataclass(slots=True)
@@ -220,6 +222,101 @@ class DirectDispatcher(Dispatcher):
         if back is not None:
             out.index_add_(0, handle.row2token, back)
         self.stats.phase(handle.layer, "combine").add(bytes_out, num_out, time.perf_counter() - t0)
+        return out
+
+
+class ShmDispatcher(Dispatcher):
+    """`direct` semantics over same-host shared memory (comm/shm.py): one message per (attention rank,
+    expert rank) pair and direction, exact sizes, no collective. `control` (gloo) is used once, to set up.
+    max_tokens bounds any source's tokens per call (the token budget)."""
+
+    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, *, control,
+                 max_tokens: int, depth: int = 2, timeout_s: float = 600.0):
+        from .shm import Inbox, Outlet, _StoreFence, make_shared_dir
+
+        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats)
+        W, S = self.world_size, num_sources
+        self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
+        self.round = 0
+        elem = torch.empty(0, dtype=dtype).element_size()
+        # Slot sizes: expert inboxes hold dispatched rows, source inboxes hold combined rows.
+        self.expert_slot = 16 + max_tokens * self._row_bytes()
+        self.source_slot = 16 + max_tokens * hidden_size * elem
+        directory = make_shared_dir(control, self.rank)
+        if self.is_source:
+            self.inbox = Inbox(directory, self.rank, W - S, depth, self.source_slot)
+        else:
+            self.inbox = Inbox(directory, self.rank, S, depth, self.expert_slot)
+        dist.barrier(group=control)
+        fence = _StoreFence()
+        peers = range(S, W) if self.is_source else range(S)
+        self.outlets = [Outlet(directory, p, fence) for p in peers]
+        dist.barrier(group=control)
+        if self.rank == 0:  # every rank has mapped and opened what it needs: leave nothing behind
+            shutil.rmtree(directory)
+
+    def _row_bytes(self) -> int:
+        return self.hidden_size * torch.empty(0, dtype=self.dtype).element_size() + 8 * self.top_k
+
+    def set_capacity(self, capacity: int) -> None:
+        if capacity > self.max_tokens:
+            raise RuntimeError(f"rank {self.rank}: step capacity {capacity} exceeds the shm slots' "
+                               f"{self.max_tokens} tokens")
+        super().set_capacity(capacity)
+
+    def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
+        t0 = time.perf_counter()
+        W, S = self.world_size, self.num_sources
+        self.round += 1
+        row2token, row_dst, row_slots, row_weights = plan_rows(dst_ranks, slots, weights, W)
+        send_counts = torch.bincount(row_dst, minlength=W).tolist()
+        handle = DispatchHandle(layer, hidden.shape[0], row2token, send_counts, [0] * W, self.round)
+        if self.is_source:
+            if hidden.shape[0] > self.max_tokens:
+                raise RuntimeError(f"rank {self.rank}: {hidden.shape[0]} tokens exceed the shm slots' "
+                                   f"{self.max_tokens}")
+            packed = pack_rows(hidden[row2token], row_slots, row_weights)
+            start = 0
+            for i, outlet in enumerate(self.outlets):  # expert ranks S..W-1, in rank order
+                n = send_counts[S + i]
+                outlet.send(self.rank, self.depth, self.expert_slot, self.round, packed[start:start + n].view(-1), n)
+                start += n
+            self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), time.perf_counter() - t0)
+        return PendingDispatch(None, torch.empty(0), None, handle, t0)
+
+    def finish_dispatch(self, pending):
+        handle, B = pending.handle, self._row_bytes()
+        if self.is_source:
+            return unpack_rows(torch.empty(0, B, dtype=torch.uint8), self.hidden_size, self.top_k,
+                               self.dtype), handle
+        slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} dispatch (layer {handle.layer})")
+        counts = [int(slot[8:16].view(torch.int64)[0]) for slot in slots]
+        valid = torch.cat([slot[16:16 + n * B].view(n, B) for slot, n in zip(slots, counts)])
+        handle.recv_counts = counts + [0] * (self.world_size - len(counts))
+        self.stats.phase(handle.layer, "dispatch").add(0, 0, time.perf_counter() - pending.t0)
+        return unpack_rows(valid, self.hidden_size, self.top_k, self.dtype), handle
+
+    def combine(self, expert_out, handle):
+        t0 = time.perf_counter()
+        H, S = self.hidden_size, self.num_sources
+        out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
+        if not self.is_source:
+            rows = expert_out.to(self.dtype).contiguous()
+            start = 0
+            for s, outlet in enumerate(self.outlets):  # sources 0..S-1
+                n = handle.recv_counts[s]
+                outlet.send(self.rank - S, self.depth, self.source_slot, handle.round,
+                            rows[start:start + n].view(-1).view(torch.uint8), n)
+                start += n
+            self.stats.phase(handle.layer, "combine").add(rows.numel() * rows.element_size(), S,
+                                                          time.perf_counter() - t0)
+            return out
+        slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})")
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        back = torch.cat([slot[16:16 + n * H * elem].view(self.dtype).view(n, H)
+                          for slot, n in zip(slots, handle.send_counts[S:])])
+        out.index_add_(0, handle.row2token, back)
+        self.stats.phase(handle.layer, "combine").add(0, 0, time.perf_counter() - t0)
         return out
 
 

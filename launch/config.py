@@ -7,6 +7,7 @@ import torch
 
 COMM_MODES = ("direct",)
 BALANCERS = ("static",)
+TRANSPORTS = ("auto", "shm", "collective")
 
 
 def _int(name: str, value, minimum: int) -> int:
@@ -23,6 +24,7 @@ class ParallelConfig:
     comm: str = "direct"
     balancer: str = "static"
     micro_batches: int = 1              # >1: ping-pong, attention computes one while the experts serve another
+    transport: str = "auto"             # CPU data plane: shm (same host, one node), collective (gloo), auto
 
     def __post_init__(self) -> None:
         _int("attention_ranks", self.attention_ranks, 1)
@@ -32,6 +34,8 @@ class ParallelConfig:
             _int("ranks_per_node", self.ranks_per_node, 1)
         if self.comm not in COMM_MODES:
             raise ValueError(f"comm={self.comm!r} is invalid: choose one of {COMM_MODES}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is invalid: choose one of {TRANSPORTS}")
         if self.balancer not in BALANCERS:
             raise ValueError(f"balancer={self.balancer!r} is invalid: choose one of {BALANCERS}")
 

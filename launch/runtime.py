@@ -4,6 +4,7 @@ Used the same way by spawned local ranks (LLM from a plain process) and by torch
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from attention_nodes.worker import AttentionWorker
 from balancer.placement import Placement
 from balancer.policy import make_policy
 from comm.control import IDLE, PAUSE, SHUTDOWN, ControlPlane
-from comm.dispatcher import make_dispatcher
+from comm.dispatcher import ShmDispatcher, make_dispatcher
+from comm.shm import host_identity, shm_supported
 from comm.topology import ProcessGroups, Topology
 from expert_nodes.slots import ExpertSlots
 from expert_nodes.worker import ExpertWorker
@@ -72,9 +74,7 @@ class Runtime:
         self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
                                  spec.max_position_embeddings)
         placement = Placement.identity(spec.num_moe_layers, spec.num_experts, par.expert_ranks)
-        self.dispatcher = make_dispatcher(par.comm, group=self.groups.world, hidden_size=spec.hidden_size,
-                                          top_k=spec.top_k, dtype=self.dtype, device=self.device,
-                                          num_sources=par.attention_ranks)
+        self.dispatcher = self._make_dispatcher(spec)
         desc = f"rank {self.topo.rank} ({self.topo.role})"
         self.leader: Leader | None = None
         if self.topo.is_attention:
@@ -100,6 +100,31 @@ class Runtime:
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control)
         self.info = RankInfo(int(blocks), config.cache.block_size, self.max_model_len)
         logger.info("%s ready: %d tensors read", desc, len(self.ckpt.names_read))
+
+    def _make_dispatcher(self, spec):
+        par = self.config.parallel
+        kw = dict(group=self.groups.world, hidden_size=spec.hidden_size, top_k=spec.top_k, dtype=self.dtype,
+                  device=self.device, num_sources=par.attention_ranks)
+        if self._use_shm():
+            return ShmDispatcher(**kw, control=self.groups.control,
+                                 max_tokens=self.config.scheduler.max_num_batched_tokens,
+                                 depth=par.micro_batches + 1, timeout_s=self.config.collective_timeout_s)
+        return make_dispatcher(par.comm, **kw)
+
+    def _use_shm(self) -> bool:
+        """shm: CPU ranks on one host and one (emulated) node. Every rank must reach the same answer."""
+        choice = self.config.parallel.transport
+        if choice == "collective" or self.device.type != "cpu":
+            return False
+        host = int.from_bytes(hashlib.sha256(host_identity().encode()).digest()[:7], "little")
+        here = torch.tensor([host, int(shm_supported())])
+        every = [torch.zeros_like(here) for _ in range(self.topo.world_size)]
+        dist.all_gather(every, here, group=self.groups.control)
+        possible = all(int(e[0]) == int(here[0]) and int(e[1]) for e in every) and self.topo.num_nodes == 1
+        if choice == "shm" and not possible:
+            raise ValueError("transport='shm' needs every rank on one Linux x86-64 host and one node "
+                             "(ranks_per_node >= world size); use transport='collective'")
+        return possible
 
     def _num_kv_blocks(self, spec) -> int:
         cache = self.config.cache

@@ -22,14 +22,18 @@ def _routing(rank, A, E, T, seed):
     return hidden, A + phy // S, phy % S, weights
 
 
-def _rank_fn(rank, world, A, tokens_per_rank, seed):
+def _rank_fn(rank, world, A, tokens_per_rank, seed, transport="collective"):
     import torch.distributed as dist
 
-    from comm.dispatcher import DirectDispatcher
+    from comm.dispatcher import DirectDispatcher, ShmDispatcher
     dist.init_process_group("gloo", rank=rank, world_size=world)
     E = world - A
-    d = DirectDispatcher(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32,
-                         device=torch.device("cpu"), num_sources=A)
+    kw = dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),
+              num_sources=A)
+    if transport == "shm":
+        d = ShmDispatcher(**kw, control=dist.group.WORLD, max_tokens=16, timeout_s=30)
+    else:
+        d = DirectDispatcher(**kw)
     d.set_capacity(max(tokens_per_rank))
     if rank < A:
         hidden, dst, slots, weights = _routing(rank, A, E, tokens_per_rank[rank], seed)
@@ -43,9 +47,10 @@ def _rank_fn(rank, world, A, tokens_per_rank, seed):
     return {"out": out, "rows": rows, "stats": d.stats.to_dict(), "inputs": (hidden, dst, slots, weights)}
 
 
+@pytest.mark.parametrize("transport", ["collective", "shm"])
 @pytest.mark.parametrize("A,E,tokens", [(2, 2, [5, 7]), (1, 3, [9]), (2, 3, [0, 6]), (3, 1, [4, 0, 2])])
-def test_direct_dispatch_combine(A, E, tokens):
-    res = run_ranks(_rank_fn, A + E, A, tokens, 1)
+def test_direct_dispatch_combine(A, E, tokens, transport):
+    res = run_ranks(_rank_fn, A + E, A, tokens, 1, transport)
     for r in range(A):
         hidden, dst, slots, weights = res[r]["inputs"]
         scale = (slots + 1 + 10 * dst).float()
@@ -65,11 +70,14 @@ def test_direct_dispatch_combine(A, E, tokens):
             torch.testing.assert_close(mine, hidden[hit])
         assert rows.hidden.shape[0] == want
         assert ((rows.slots >= 0).sum(1) >= 1).all()
-    # Each source sends every expert rank one block of capacity + 1 rows, whatever it routes there.
+    # collective: each source sends every expert rank one block of capacity + 1 rows, whatever it routes
+    # there; shm: exactly the routed rows. Either way one message per expert rank.
     row_bytes, capacity = 4 * H + 8 * K, max(tokens)
     for r in range(A):
         st = res[r]["stats"]["0"]["dispatch"]
-        assert (st["bytes_sent"], st["messages_sent"]) == (E * (capacity + 1) * row_bytes, E)
+        routed = sum(int((res[r]["inputs"][1] == e).any(1).sum()) for e in range(A, A + E))
+        want = E * (capacity + 1) * row_bytes if transport == "collective" else routed * row_bytes
+        assert (st["bytes_sent"], st["messages_sent"]) == (want, E)
     for e in range(A, A + E):
         assert res[e]["stats"]["0"]["dispatch"]["messages_sent"] == 0
 

@@ -153,3 +153,10 @@ def test_idle_engine_outlives_collective_timeout(tiny_checkpoint):
         time.sleep(5)
         out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+def test_shm_transport_refused_across_nodes(tiny_checkpoint):
+    with pytest.raises(RuntimeError, match="transport='shm' needs every rank on one"):
+        LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=1, transport="shm", ranks_per_node=1)
+    with pytest.raises(ValueError, match="transport='nvlink' is invalid"):
+        LLM(tiny_checkpoint("qwen3_moe"), transport="nvlink")

@@ -43,3 +43,18 @@ def test_ping_pong_micro_batches_match_transformers(tiny_checkpoint, arch, atten
         single = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
     assert single[0].token_ids == expected[0]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("transport,attention_ranks,expert_ranks,ranks_per_node",
+                         [("collective", 1, 2, None), ("collective", 2, 2, None), ("auto", 2, 2, 2)])
+def test_gloo_transport_matches_transformers(tiny_checkpoint, arch, transport, attention_ranks, expert_ranks,
+                                             ranks_per_node):
+    """The gloo data plane (forced, or chosen by auto because the topology spans two emulated nodes)."""
+    path = tiny_checkpoint(arch)
+    prompts = make_prompts(5, 256, 2, 30, seed=5)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, transport=transport,
+             ranks_per_node=ranks_per_node) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected

@@ -1,0 +1,138 @@
+"""Same-host data plane over shared memory: the CPU stand-in for the fast intra-node link.
+
+With three or more rank processes on a few cores, every gloo collective costs ~1 ms of thread hand-offs
+(measured on the 2-core CI box: all_to_all of 8 bytes 1.2 ms with 3 ranks, 0.28 ms with 2). Here each
+rank owns an inbox: a shared-memory file holding, per sender and per round in flight, a slot of
+[round int64 | count int64 | payload], and a FIFO that senders write one byte to after filling a slot.
+A receiver checks its slots' round words and blocks on the FIFO only while one is missing, so wake-ups
+that arrive early for a later round are harmless. Rounds follow the call order, which is the same on
+every rank, so no sizes or sequence numbers are exchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import select
+import time
+
+import torch
+
+HEADER = 16  # round (int64) + count (int64)
+
+
+class _StoreFence:
+    """A full memory barrier between the payload copy and the round word, so a reader that sees the new round
+    also sees the payload (large copies may use non-temporal stores). A locked instruction orders them:
+    lock and unlock a private pthread spinlock."""
+
+    def __init__(self) -> None:
+        self.libc = ctypes.CDLL(None)
+        self.lock = ctypes.c_int(0)
+        self.libc.pthread_spin_init(ctypes.byref(self.lock), 0)
+
+    def __call__(self) -> None:
+        self.libc.pthread_spin_lock(ctypes.byref(self.lock))
+        self.libc.pthread_spin_unlock(ctypes.byref(self.lock))
+
+
+def shm_supported() -> bool:
+    """Linux on x86-64: total store order makes the reader's plain loads safe without a fence."""
+    return os.uname().sysname == "Linux" and os.uname().machine in ("x86_64", "AMD64")
+
+
+def host_identity() -> str:
+    """Hostname plus boot id: equal only for processes on the same running machine."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
+
+
+class Inbox:
+    """This rank's inbox: `num_senders` x `depth` slots of `slot_bytes` each (header included)."""
+
+    def __init__(self, directory: str, rank: int, num_senders: int, depth: int, slot_bytes: int):
+        self.num_senders, self.depth, self.slot_bytes = num_senders, depth, slot_bytes
+        self.path = os.path.join(directory, f"rank{rank}.buf")
+        self.fifo_path = os.path.join(directory, f"rank{rank}.fifo")
+        size = max(1, num_senders * depth * slot_bytes)
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
+        os.ftruncate(fd, size)
+        self.mm = mmap.mmap(fd, size)
+        os.close(fd)
+        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.buf.view(-1)[:] = 0
+        for s in range(num_senders):
+            for d in range(depth):
+                self._round_word(s, d)[0] = -1
+        os.mkfifo(self.fifo_path, 0o600)
+        self.fifo = os.open(self.fifo_path, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF, never blocks on open
+
+    def slot(self, sender: int, rnd: int) -> torch.Tensor:
+        start = (sender * self.depth + rnd % self.depth) * self.slot_bytes
+        return self.buf[start:start + self.slot_bytes]
+
+    def _round_word(self, sender: int, rnd: int) -> torch.Tensor:
+        return self.slot(sender, rnd)[:8].view(torch.int64)
+
+    def wait(self, rnd: int, timeout_s: float, what: str) -> list[torch.Tensor]:
+        """Block until every sender has filled its slot for round rnd -> the slots, in sender order."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            missing = [s for s in range(self.num_senders) if int(self._round_word(s, rnd)[0]) != rnd]
+            if not missing:
+                return [self.slot(s, rnd) for s in range(self.num_senders)]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"{what}: senders {missing} sent nothing for round {rnd} within {timeout_s}s")
+            ready, _, _ = select.select([self.fifo], [], [], min(left, 1.0))
+            if ready:
+                with contextlib.suppress(BlockingIOError):  # another reader of ours cannot exist; be safe
+                    os.read(self.fifo, 4096)
+
+
+class Outlet:
+    """A sender's handle on a peer's inbox: write a slot, fence, publish the round, wake the peer."""
+
+    def __init__(self, directory: str, peer: int, fence: _StoreFence):
+        path = os.path.join(directory, f"rank{peer}.buf")
+        fd = os.open(path, os.O_RDWR)
+        self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        os.close(fd)
+        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.fifo = os.open(os.path.join(directory, f"rank{peer}.fifo"), os.O_WRONLY | os.O_NONBLOCK)
+        self.fence = fence
+
+    def send(self, sender_index: int, depth: int, slot_bytes: int, rnd: int, payload: torch.Tensor,
+             count: int) -> None:
+        """payload: `[bytes]` uint8 (count rows already packed)."""
+        start = (sender_index * depth + rnd % depth) * slot_bytes
+        slot = self.buf[start:start + slot_bytes]
+        if payload.numel() > slot_bytes - HEADER:
+            raise RuntimeError(f"message of {payload.numel()} bytes exceeds the {slot_bytes - HEADER}-byte slot")
+        slot[HEADER:HEADER + payload.numel()] = payload
+        slot[8:16].view(torch.int64)[0] = count
+        self.fence()
+        slot[:8].view(torch.int64)[0] = rnd
+        # A full FIFO holds earlier wake-ups already: the reader will see the round word anyway.
+        with contextlib.suppress(BlockingIOError):
+            os.write(self.fifo, b"\x01")
+
+
+def make_shared_dir(control, rank: int) -> str:
+    """The leader creates a private directory (in /dev/shm when there is one) and broadcasts its path."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    buf = torch.zeros(512, dtype=torch.uint8)
+    if rank == 0:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        path = tempfile.mkdtemp(prefix="afserve-", dir=base).encode()
+        buf[:len(path)] = torch.tensor(list(path), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=control)
+    return bytes(buf[buf != 0].tolist()).decode()
