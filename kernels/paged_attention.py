@@ -41,8 +41,26 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int64; context_lens `[B]` -> `[B, h, d]`."""
+                               scale: float, group: int = 16) -> torch.Tensor:
+    """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int64; context_lens `[B]` -> `[B, h, d]`.
+
+    Sequences are sorted by length and done `group` at a time, each group gathering only up to its own
+    longest context (with mixed lengths, one padded gather reads mostly padding)."""
+    num_seqs = q.shape[0]
+    if num_seqs <= group:
+        return _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    lens_sorted, order = torch.sort(context_lens)
+    for start in range(0, num_seqs, group):
+        idx = order[start:start + group]
+        num_blocks = -(-int(lens_sorted[min(start + group, num_seqs) - 1]) // bs)
+        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx, :num_blocks], context_lens[idx], scale)
+    return out
+
+
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     k = _gather(k_cache, block_tables)
     v = _gather(v_cache, block_tables)
     pos = torch.arange(k.shape[2], device=q.device)

@@ -1,6 +1,7 @@
 """Paged attention references equal dense causal attention over the same keys and values."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.paged_attention import paged_attention_decode_ref, paged_attention_prefill_ref, write_kv
@@ -35,15 +36,16 @@ def setup(lens, N=40, bs=4, kvh=2, d=8, seed=0):
     return kc, vc, tables, keys, vals
 
 
-def test_decode_matches_dense():
-    lens = [1, 5, 9, 16]
-    kc, vc, tables, keys, vals = setup(lens)
+@pytest.mark.parametrize("group", [16, 2, 3])  # one group; several length-sorted groups
+def test_decode_matches_dense(group):
+    lens = [9, 1, 16, 5, 3, 12, 7]
+    kc, vc, tables, keys, vals = setup(lens, N=60)
     M = max(map(len, tables))
     bt = torch.full((len(lens), M), -1, dtype=torch.int64)
     for i, t in enumerate(tables):
         bt[i, :len(t)] = torch.tensor(t)
     q = torch.randn(len(lens), 4, 8)
-    out = paged_attention_decode_ref(q, kc, vc, bt, torch.tensor(lens), 0.3)
+    out = paged_attention_decode_ref(q, kc, vc, bt, torch.tensor(lens), 0.3, group=group)
     for i in range(len(lens)):
         torch.testing.assert_close(out[i], dense(q[i:i + 1], keys[i], vals[i], 0.3)[0], atol=1e-5, rtol=1e-5)
 
