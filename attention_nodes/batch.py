@@ -45,10 +45,12 @@ class ForwardBatch:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
             ids.extend(seq.token_ids[start:end])
-            p = list(range(start, end))
-            pos.extend(p)
+            pos.extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[i // block_size] * block_size + i % block_size for i in p)
+            if n == 1:
+                slots.append(table[start // block_size] * block_size + start % block_size)
+            else:
+                slots.extend(table[i // block_size] * block_size + i % block_size for i in range(start, end))
             if n == 1 and not prefills:
                 num_decodes += 1
                 dec_tables.append(table)
@@ -59,9 +61,7 @@ class ForwardBatch:
             if s.needs_sample:
                 sample_rows.append(row - 1)
         M = max((len(t) for t in dec_tables), default=1)
-        dec = torch.full((len(dec_tables), M), -1, dtype=torch.int64)
-        for i, t in enumerate(dec_tables):
-            dec[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        dec = torch.tensor([t + [-1] * (M - len(t)) for t in dec_tables], dtype=torch.int64).view(-1, M)
 
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64, device=device)

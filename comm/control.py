@@ -5,7 +5,7 @@ their `StepReport` back over the attention group.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import msgpack
 import torch
@@ -55,7 +55,10 @@ class StepReport:
 
 
 def pack(obj) -> torch.Tensor:
-    data = msgpack.packb(asdict(obj) if hasattr(obj, "__dataclass_fields__") else obj, use_bin_type=True)
+    """A message dataclass (fields of plain msgpack types) or a plain object -> uint8 tensor."""
+    if hasattr(obj, "__dataclass_fields__"):  # shallow: asdict() would deep-copy every request's prompt
+        obj = {f: getattr(obj, f) for f in obj.__dataclass_fields__}
+    data = msgpack.packb(obj, use_bin_type=True)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
