@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import BALANCERS, COMM_MODES
+from .config import BALANCERS, COMM_MODES, TRANSPORTS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -14,6 +14,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--comm", choices=COMM_MODES, default="direct")
     p.add_argument("--balancer", choices=BALANCERS, default="static")
     p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="CPU data plane: shared memory on one host, gloo collectives, or auto")
+    p.add_argument("--micro-batches", type=int, default=1, help="ping-pong micro-batches per step")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -26,6 +29,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The LLM(...) options named by the parsed arguments."""
-    keys = ("comm", "balancer", "ranks_per_node", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    keys = ("comm", "balancer", "ranks_per_node", "transport", "micro_batches", "max_num_seqs",
+            "max_num_batched_tokens", "max_model_len",
             "kv_cache_memory", "block_size", "dtype", "device")
     return {k: getattr(args, k) for k in keys}
