@@ -33,12 +33,11 @@ def _read_requests(llm: LLM, max_tokens: int, state: dict) -> None:
         try:
             req = json.loads(line)
             prompt = req.pop("prompt")
-            rid = llm.submit(prompt, SamplingParams(**{"max_tokens": max_tokens, **req}))
+            params = SamplingParams(**{"max_tokens": max_tokens, **req})
+            with state["lock"]:  # registered before the writer can see its first output
+                state["open"][llm.submit(prompt, params)] = []
         except (ValueError, TypeError, KeyError) as e:
             _emit({"error": f"{type(e).__name__}: {e}"})
-            continue
-        with state["lock"]:
-            state["open"][rid] = []
     with state["lock"]:
         state["eof"] = True
         if not state["open"]:
@@ -53,7 +52,7 @@ def _write_outputs(llm: LLM, state: dict) -> None:
             continue
         for rid, toks, finish in msg[1]:
             with state["lock"]:
-                acc = state["open"].setdefault(rid, [])
+                acc = state["open"][rid]
                 acc.extend(toks)
                 if finish is None:
                     continue
