@@ -8,6 +8,7 @@ them up over ranks. Names: T tokens, H hidden, K top-k, W world size, N rows.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from abc import ABC, abstractmethod
@@ -243,13 +244,17 @@ class ShmDispatcher(Dispatcher):
         self.expert_slot = 16 + max_tokens * self._row_bytes()
         self.source_slot = 16 + max_tokens * hidden_size * elem
         directory = make_shared_dir(control, self.rank)
+        pids = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
+        dist.all_gather(pids, torch.tensor([os.getpid()]), group=control)
+        peers = list(range(S, W)) if self.is_source else list(range(S))
+        self.peer_pids = [int(pids[p]) for p in peers]
+        self.peer_names = [f"rank {p}" for p in peers]
         if self.is_source:
             self.inbox = Inbox(directory, self.rank, W - S, depth, self.source_slot)
         else:
             self.inbox = Inbox(directory, self.rank, S, depth, self.expert_slot)
         dist.barrier(group=control)
         fence = _StoreFence()
-        peers = range(S, W) if self.is_source else range(S)
         self.outlets = [Outlet(directory, p, fence) for p in peers]
         dist.barrier(group=control)
         if self.rank == 0:  # every rank has mapped and opened what it needs: leave nothing behind
@@ -289,7 +294,8 @@ class ShmDispatcher(Dispatcher):
         if self.is_source:
             return unpack_rows(torch.empty(0, B, dtype=torch.uint8), self.hidden_size, self.top_k,
                                self.dtype), handle
-        slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} dispatch (layer {handle.layer})")
+        slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} dispatch (layer {handle.layer})",
+                                self.peer_pids, self.peer_names)
         counts = [int(slot[8:16].view(torch.int64)[0]) for slot in slots]
         valid = torch.cat([slot[16:16 + n * B].view(n, B) for slot, n in zip(slots, counts)])
         handle.recv_counts = counts + [0] * (self.world_size - len(counts))
@@ -311,7 +317,8 @@ class ShmDispatcher(Dispatcher):
             self.stats.phase(handle.layer, "combine").add(rows.numel() * rows.element_size(), S,
                                                           time.perf_counter() - t0)
             return out
-        slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})")
+        slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})",
+                                self.peer_pids, self.peer_names)
         elem = torch.empty(0, dtype=self.dtype).element_size()
         back = torch.cat([slot[16:16 + n * H * elem].view(self.dtype).view(n, H)
                           for slot, n in zip(slots, handle.send_counts[S:])])

@@ -42,6 +42,15 @@ def shm_supported() -> bool:
     return os.uname().sysname == "Linux" and os.uname().machine in ("x86_64", "AMD64")
 
 
+def _alive(pid: int) -> bool:
+    """Same-host process liveness (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 def host_identity() -> str:
     """Hostname plus boot id: equal only for processes on the same running machine."""
     try:
@@ -79,16 +88,24 @@ class Inbox:
     def _round_word(self, sender: int, rnd: int) -> torch.Tensor:
         return self.slot(sender, rnd)[:8].view(torch.int64)
 
-    def wait(self, rnd: int, timeout_s: float, what: str) -> list[torch.Tensor]:
-        """Block until every sender has filled its slot for round rnd -> the slots, in sender order."""
+    def wait(self, rnd: int, timeout_s: float, what: str, sender_pids: list[int] | None = None,
+             sender_names: list[str] | None = None) -> list[torch.Tensor]:
+        """Block until every sender has filled its slot for round rnd -> the slots, in sender order.
+        Raises within about a second once a missing sender's process (sender_pids) has died."""
         deadline = time.monotonic() + timeout_s
         while True:
             missing = [s for s in range(self.num_senders) if int(self._round_word(s, rnd)[0]) != rnd]
             if not missing:
                 return [self.slot(s, rnd) for s in range(self.num_senders)]
+            names = sender_names or [f"sender {s}" for s in range(self.num_senders)]
+            if sender_pids is not None:
+                dead = [names[s] for s in missing if not _alive(sender_pids[s])]
+                if dead:
+                    raise RuntimeError(f"{what}: {', '.join(dead)} died before sending round {rnd}")
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"{what}: senders {missing} sent nothing for round {rnd} within {timeout_s}s")
+                raise RuntimeError(f"{what}: {', '.join(names[s] for s in missing)} sent nothing for round {rnd} "
+                                   f"within {timeout_s}s")
             ready, _, _ = select.select([self.fifo], [], [], min(left, 1.0))
             if ready:
                 with contextlib.suppress(BlockingIOError):  # another reader of ours cannot exist; be safe

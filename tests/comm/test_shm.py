@@ -1,0 +1,39 @@
+"""Shared-memory inbox: slots keyed by round, early wake-ups harmless, a dead sender noticed fast."""
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import torch
+
+from comm.shm import Inbox, Outlet, _StoreFence
+
+
+def test_rounds_and_payloads(tmp_path):
+    inbox = Inbox(str(tmp_path), rank=1, num_senders=2, depth=2, slot_bytes=64)
+    out = [Outlet(str(tmp_path), 1, _StoreFence()) for _ in range(2)]
+    # Round 2 arrives from sender 1 before round 1 is complete: still read in order.
+    out[0].send(0, 2, 64, 1, torch.arange(4, dtype=torch.uint8), 4)
+    out[1].send(1, 2, 64, 2, torch.full((3,), 9, dtype=torch.uint8), 3)
+    out[1].send(1, 2, 64, 1, torch.full((2,), 7, dtype=torch.uint8), 2)
+    slots = inbox.wait(1, 5, "test")
+    assert int(slots[0][8:16].view(torch.int64)) == 4 and slots[0][16:20].tolist() == [0, 1, 2, 3]
+    assert int(slots[1][8:16].view(torch.int64)) == 2 and slots[1][16:18].tolist() == [7, 7]
+    out[0].send(0, 2, 64, 2, torch.zeros(0, dtype=torch.uint8), 0)
+    slots = inbox.wait(2, 5, "test")
+    assert slots[1][16:19].tolist() == [9, 9, 9]
+    with pytest.raises(RuntimeError, match="exceeds the 48-byte slot"):
+        out[0].send(0, 2, 64, 3, torch.zeros(49, dtype=torch.uint8), 49)
+
+
+def test_dead_sender_is_reported_quickly(tmp_path):
+    inbox = Inbox(str(tmp_path), rank=0, num_senders=1, depth=2, slot_bytes=32)
+    proc = subprocess.Popen(["sleep", "0"])
+    proc.wait()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 3 died before sending round 1"):
+        inbox.wait(1, 60, "test", [proc.pid], ["rank 3"])
+    assert time.monotonic() - t0 < 3
+    with pytest.raises(RuntimeError, match="rank 3 sent nothing for round 1 within 0.2s"):
+        inbox.wait(1, 0.2, "test", None, ["rank 3"])
