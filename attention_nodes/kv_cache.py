@@ -7,7 +7,7 @@ import torch
 def num_blocks_for(memory_bytes: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                    dtype: torch.dtype) -> int:
     """How many blocks fit in memory_bytes."""
-    per_block = num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    per_block = num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
     n = memory_bytes // per_block
     if n < 1:
         raise ValueError(f"kv_cache_memory={memory_bytes} bytes holds no KV block ({per_block} bytes each); "

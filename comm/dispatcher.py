@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .shm import HEADER, Inbox, Outlet, _StoreFence, make_shared_dir
 from .stats import CommStats
 
 
@@ -72,6 +73,10 @@ class Dispatcher(ABC):
     def is_source(self) -> bool:
         return self.rank < self.num_sources
 
+    def _row_bytes(self) -> int:
+        """Bytes of one dispatched row: the hidden vector, then K int32 slots and K fp32 weights."""
+        return self.hidden_size * self.dtype.itemsize + 8 * self.top_k
+
     def set_capacity(self, capacity: int) -> None:
         """No source dispatches more than `capacity` tokens until the next call (the step header's bound)."""
         self.capacity = capacity
@@ -110,7 +115,7 @@ def pack_rows(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) 
 
 
 def unpack_rows(buf: torch.Tensor, hidden_size: int, top_k: int, dtype: torch.dtype) -> ReceivedRows:
-    hb = hidden_size * torch.empty(0, dtype=dtype).element_size()
+    hb = hidden_size * dtype.itemsize
     hidden = buf[:, :hb].contiguous().view(dtype)
     slots = buf[:, hb:hb + 4 * top_k].contiguous().view(torch.int32).to(torch.int64)
     weights = buf[:, hb + 4 * top_k:].contiguous().view(torch.float32)
@@ -145,9 +150,6 @@ class DirectDispatcher(Dispatcher):
     a scatter and a gather (on gloo about half the latency of an all_to_all); otherwise variable-split
     all_to_all_single calls whose splits follow from the roles alone.
     """
-
-    def _row_bytes(self) -> int:
-        return self.hidden_size * torch.empty(0, dtype=self.dtype).element_size() + 8 * self.top_k
 
     def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
         # T tokens, N rows after dedup, W world, S sources, C capacity, B bytes per row
@@ -233,35 +235,31 @@ class ShmDispatcher(Dispatcher):
 
     def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, *, control,
                  max_tokens: int, depth: int = 2, timeout_s: float = 600.0):
-        from .shm import Inbox, Outlet, _StoreFence, make_shared_dir
-
         super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats)
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
         self.round = 0
-        elem = torch.empty(0, dtype=dtype).element_size()
         # Slot sizes: expert inboxes hold dispatched rows, source inboxes hold combined rows.
-        self.expert_slot = 16 + max_tokens * self._row_bytes()
-        self.source_slot = 16 + max_tokens * hidden_size * elem
+        expert_slot = HEADER + max_tokens * self._row_bytes()
+        source_slot = HEADER + max_tokens * hidden_size * dtype.itemsize
         directory = make_shared_dir(control, self.rank)
         pids = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
         dist.all_gather(pids, torch.tensor([os.getpid()]), group=control)
         peers = list(range(S, W)) if self.is_source else list(range(S))
         self.peer_pids = [int(pids[p]) for p in peers]
         self.peer_names = [f"rank {p}" for p in peers]
-        if self.is_source:
-            self.inbox = Inbox(directory, self.rank, W - S, depth, self.source_slot)
-        else:
-            self.inbox = Inbox(directory, self.rank, S, depth, self.expert_slot)
+        if self.is_source:  # receives combined rows from the experts, sends them tokens as sender `rank`
+            self.inbox = Inbox(directory, self.rank, W - S, depth, source_slot)
+            index, peer_slot = self.rank, expert_slot
+        else:               # receives tokens from the sources, returns rows as sender `rank - S`
+            self.inbox = Inbox(directory, self.rank, S, depth, expert_slot)
+            index, peer_slot = self.rank - S, source_slot
         dist.barrier(group=control)
         fence = _StoreFence()
-        self.outlets = [Outlet(directory, p, fence) for p in peers]
+        self.outlets = [Outlet(directory, p, fence, index, depth, peer_slot) for p in peers]
         dist.barrier(group=control)
         if self.rank == 0:  # every rank has mapped and opened what it needs: leave nothing behind
             shutil.rmtree(directory)
-
-    def _row_bytes(self) -> int:
-        return self.hidden_size * torch.empty(0, dtype=self.dtype).element_size() + 8 * self.top_k
 
     def set_capacity(self, capacity: int) -> None:
         if capacity > self.max_tokens:
@@ -284,7 +282,7 @@ class ShmDispatcher(Dispatcher):
             start = 0
             for i, outlet in enumerate(self.outlets):  # expert ranks S..W-1, in rank order
                 n = send_counts[S + i]
-                outlet.send(self.rank, self.depth, self.expert_slot, self.round, packed[start:start + n].view(-1), n)
+                outlet.send(self.round, packed[start:start + n].view(-1), n)
                 start += n
             self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), time.perf_counter() - t0)
         return PendingDispatch(None, torch.empty(0), None, handle, t0)
@@ -297,7 +295,7 @@ class ShmDispatcher(Dispatcher):
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} dispatch (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
         counts = [int(slot[8:16].view(torch.int64)[0]) for slot in slots]
-        valid = torch.cat([slot[16:16 + n * B].view(n, B) for slot, n in zip(slots, counts)])
+        valid = torch.cat([slot[HEADER:HEADER + n * B].view(n, B) for slot, n in zip(slots, counts)])
         handle.recv_counts = counts + [0] * (self.world_size - len(counts))
         self.stats.phase(handle.layer, "dispatch").add(0, 0, time.perf_counter() - pending.t0)
         return unpack_rows(valid, self.hidden_size, self.top_k, self.dtype), handle
@@ -311,16 +309,14 @@ class ShmDispatcher(Dispatcher):
             start = 0
             for s, outlet in enumerate(self.outlets):  # sources 0..S-1
                 n = handle.recv_counts[s]
-                outlet.send(self.rank - S, self.depth, self.source_slot, handle.round,
-                            rows[start:start + n].view(-1).view(torch.uint8), n)
+                outlet.send(handle.round, rows[start:start + n].view(-1).view(torch.uint8), n)
                 start += n
             self.stats.phase(handle.layer, "combine").add(rows.numel() * rows.element_size(), S,
                                                           time.perf_counter() - t0)
             return out
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        back = torch.cat([slot[16:16 + n * H * elem].view(self.dtype).view(n, H)
+        back = torch.cat([slot[HEADER:HEADER + n * H * self.dtype.itemsize].view(self.dtype).view(n, H)
                           for slot, n in zip(slots, handle.send_counts[S:])])
         out.index_add_(0, handle.row2token, back)
         self.stats.phase(handle.layer, "combine").add(0, 0, time.perf_counter() - t0)

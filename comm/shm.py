@@ -61,6 +61,12 @@ def host_identity() -> str:
     return f"{os.uname().nodename}/{boot}"
 
 
+def _slot(buf: torch.Tensor, sender: int, rnd: int, depth: int, slot_bytes: int) -> torch.Tensor:
+    """The slot of (sender, round) in an inbox buffer laid out as [sender][round % depth][slot_bytes]."""
+    start = (sender * depth + rnd % depth) * slot_bytes
+    return buf[start:start + slot_bytes]
+
+
 class Inbox:
     """This rank's inbox: `num_senders` x `depth` slots of `slot_bytes` each (header included)."""
 
@@ -82,8 +88,7 @@ class Inbox:
         self.fifo = os.open(self.fifo_path, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF, never blocks on open
 
     def slot(self, sender: int, rnd: int) -> torch.Tensor:
-        start = (sender * self.depth + rnd % self.depth) * self.slot_bytes
-        return self.buf[start:start + self.slot_bytes]
+        return _slot(self.buf, sender, rnd, self.depth, self.slot_bytes)
 
     def _round_word(self, sender: int, rnd: int) -> torch.Tensor:
         return self.slot(sender, rnd)[:8].view(torch.int64)
@@ -91,14 +96,16 @@ class Inbox:
     def wait(self, rnd: int, timeout_s: float, what: str, sender_pids: list[int] | None = None,
              sender_names: list[str] | None = None) -> list[torch.Tensor]:
         """Block until every sender has filled its slot for round rnd -> the slots, in sender order.
-        Raises within about a second once a missing sender's process (sender_pids) has died."""
+        Raises within about a second once a missing sender's process (sender_pids) has died: liveness is
+        checked only after a second without any wake-up, never on the fast path."""
         deadline = time.monotonic() + timeout_s
+        silent = False
         while True:
             missing = [s for s in range(self.num_senders) if int(self._round_word(s, rnd)[0]) != rnd]
             if not missing:
                 return [self.slot(s, rnd) for s in range(self.num_senders)]
             names = sender_names or [f"sender {s}" for s in range(self.num_senders)]
-            if sender_pids is not None:
+            if silent and sender_pids is not None:
                 dead = [names[s] for s in missing if not _alive(sender_pids[s])]
                 if dead:
                     raise RuntimeError(f"{what}: {', '.join(dead)} died before sending round {rnd}")
@@ -107,15 +114,19 @@ class Inbox:
                 raise RuntimeError(f"{what}: {', '.join(names[s] for s in missing)} sent nothing for round {rnd} "
                                    f"within {timeout_s}s")
             ready, _, _ = select.select([self.fifo], [], [], min(left, 1.0))
+            silent = not ready
             if ready:
                 with contextlib.suppress(BlockingIOError):  # another reader of ours cannot exist; be safe
                     os.read(self.fifo, 4096)
 
 
 class Outlet:
-    """A sender's handle on a peer's inbox: write a slot, fence, publish the round, wake the peer."""
+    """A sender's handle on a peer's inbox: write a slot, fence, publish the round, wake the peer.
+    sender_index, depth and slot_bytes describe this sender's place in the peer's Inbox layout."""
 
-    def __init__(self, directory: str, peer: int, fence: _StoreFence):
+    def __init__(self, directory: str, peer: int, fence: _StoreFence, sender_index: int, depth: int,
+                 slot_bytes: int):
+        self.sender_index, self.depth, self.slot_bytes = sender_index, depth, slot_bytes
         path = os.path.join(directory, f"rank{peer}.buf")
         fd = os.open(path, os.O_RDWR)
         self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
@@ -124,13 +135,11 @@ class Outlet:
         self.fifo = os.open(os.path.join(directory, f"rank{peer}.fifo"), os.O_WRONLY | os.O_NONBLOCK)
         self.fence = fence
 
-    def send(self, sender_index: int, depth: int, slot_bytes: int, rnd: int, payload: torch.Tensor,
-             count: int) -> None:
+    def send(self, rnd: int, payload: torch.Tensor, count: int) -> None:
         """payload: `[bytes]` uint8 (count rows already packed)."""
-        start = (sender_index * depth + rnd % depth) * slot_bytes
-        slot = self.buf[start:start + slot_bytes]
-        if payload.numel() > slot_bytes - HEADER:
-            raise RuntimeError(f"message of {payload.numel()} bytes exceeds the {slot_bytes - HEADER}-byte slot")
+        slot = _slot(self.buf, self.sender_index, rnd, self.depth, self.slot_bytes)
+        if payload.numel() > self.slot_bytes - HEADER:
+            raise RuntimeError(f"message of {payload.numel()} bytes exceeds the {self.slot_bytes - HEADER}-byte slot")
         slot[HEADER:HEADER + payload.numel()] = payload
         slot[8:16].view(torch.int64)[0] = count
         self.fence()

@@ -12,19 +12,19 @@ from comm.shm import Inbox, Outlet, _StoreFence
 
 def test_rounds_and_payloads(tmp_path):
     inbox = Inbox(str(tmp_path), rank=1, num_senders=2, depth=2, slot_bytes=64)
-    out = [Outlet(str(tmp_path), 1, _StoreFence()) for _ in range(2)]
+    out = [Outlet(str(tmp_path), 1, _StoreFence(), sender, depth=2, slot_bytes=64) for sender in range(2)]
     # Round 2 arrives from sender 1 before round 1 is complete: still read in order.
-    out[0].send(0, 2, 64, 1, torch.arange(4, dtype=torch.uint8), 4)
-    out[1].send(1, 2, 64, 2, torch.full((3,), 9, dtype=torch.uint8), 3)
-    out[1].send(1, 2, 64, 1, torch.full((2,), 7, dtype=torch.uint8), 2)
+    out[0].send(1, torch.arange(4, dtype=torch.uint8), 4)
+    out[1].send(2, torch.full((3,), 9, dtype=torch.uint8), 3)
+    out[1].send(1, torch.full((2,), 7, dtype=torch.uint8), 2)
     slots = inbox.wait(1, 5, "test")
     assert int(slots[0][8:16].view(torch.int64)) == 4 and slots[0][16:20].tolist() == [0, 1, 2, 3]
     assert int(slots[1][8:16].view(torch.int64)) == 2 and slots[1][16:18].tolist() == [7, 7]
-    out[0].send(0, 2, 64, 2, torch.zeros(0, dtype=torch.uint8), 0)
+    out[0].send(2, torch.zeros(0, dtype=torch.uint8), 0)
     slots = inbox.wait(2, 5, "test")
     assert slots[1][16:19].tolist() == [9, 9, 9]
     with pytest.raises(RuntimeError, match="exceeds the 48-byte slot"):
-        out[0].send(0, 2, 64, 3, torch.zeros(49, dtype=torch.uint8), 49)
+        out[0].send(3, torch.zeros(49, dtype=torch.uint8), 49)
 
 
 def test_dead_sender_is_reported_quickly(tmp_path):
