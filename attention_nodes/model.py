@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from balancer.policy import ReplicaPolicy
 from comm.dispatcher import Dispatcher, PendingDispatch
-from kernels.paged_attention import paged_attention_decode_ref, paged_attention_prefill_ref, write_kv
+from kernels.paged_attention import paged_attention_decode, paged_attention_prefill_ref, write_kv
 from models.spec import ModelSpec
 
 from .batch import ForwardBatch
@@ -106,8 +106,7 @@ class AttentionModel:
         out = torch.empty_like(q)
         nd = batch.num_decodes
         if nd:
-            out[:nd] = paged_attention_decode_ref(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                                  batch.decode_context_lens, self.scale)
+            out[:nd] = paged_attention_decode(q[:nd], k_cache, v_cache, batch.decode_plan, self.scale)
         for row, n, table, ctx in batch.prefills:
             out[row:row + n] = paged_attention_prefill_ref(q[row:row + n], k_cache, v_cache, table, ctx, self.scale)
         return self._linear(out.reshape(T, s.num_heads * s.head_dim), f"{p}.o_proj")

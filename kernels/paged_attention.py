@@ -6,6 +6,8 @@ Cache layout per layer: k_cache, v_cache `[N, bs, kvh, d]`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -30,42 +32,78 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return out.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B, Q, h, d)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """cache `[N, bs, kvh, d]`, block_table `[B, M]` (-1 padded) -> `[B, kvh, M * bs, d]` contiguous."""
+def _rows(block_table: torch.Tensor, bs: int) -> torch.Tensor:
+    """block_table `[B, M]` (-1 padded) -> the flat cache rows `[B * M * bs]` those blocks cover."""
+    return (block_table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=block_table.device)).view(-1)
+
+
+def _gather(cache: torch.Tensor, rows: torch.Tensor, B: int) -> torch.Tensor:
+    """cache `[N, bs, kvh, d]`, rows `[B * L]` flat cache rows -> `[B, kvh, L, d]` contiguous."""
     N, bs, kvh, d = cache.shape
-    B, M = block_table.shape
-    slots = (block_table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=cache.device)).view(-1)
-    rows = cache.view(N * bs, kvh, d).index_select(0, slots)   # index_select: far cheaper than cache[table]
-    return rows.view(B, M * bs, kvh, d).transpose(1, 2).contiguous()
+    out = cache.view(N * bs, kvh, d).index_select(0, rows)   # index_select: far cheaper than cache[table]
+    return out.view(B, -1, kvh, d).transpose(1, 2).contiguous()
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Up to `group` sequences of similar length: their rows in the batch (None = all, in order), the cache
+    rows to gather `[G * L]` and the mask `[G, 1, L]`."""
+
+    index: torch.Tensor | None
+    rows: torch.Tensor
+    mask: torch.Tensor
+    size: int
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                group: int = 16) -> list[DecodeGroup]:
+    """Work out once per step what every layer's decode attention gathers (the tables are the same in
+    every layer). Sequences are sorted by length and taken `group` at a time, each group gathering only up
+    to its own longest context (with mixed lengths, one padded gather reads mostly padding)."""
+    num_seqs = block_tables.shape[0]
+    if num_seqs == 0:
+        return []
+
+    def make(index, tables, lens):
+        pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
+        return DecodeGroup(index, _rows(tables, block_size), (pos[None, :] < lens[:, None])[:, None, :],
+                           tables.shape[0])
+
+    if num_seqs <= group:
+        return [make(None, block_tables, context_lens)]
+    lens_sorted, order = torch.sort(context_lens)
+    plan = []
+    for start in range(0, num_seqs, group):
+        idx = order[start:start + group]
+        num_blocks = -(-int(lens_sorted[min(start + group, num_seqs) - 1]) // block_size)
+        plan.append(make(idx, block_tables[idx, :num_blocks], context_lens[idx]))
+    return plan
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           plan: list[DecodeGroup], scale: float) -> torch.Tensor:
+    """One query per sequence. q `[B, h, d]`, plan from `plan_decode` -> `[B, h, d]`."""
+    if len(plan) == 1 and plan[0].index is None:
+        return _decode_group(q, k_cache, v_cache, plan[0], scale)
+    out = torch.empty_like(q)
+    for grp in plan:
+        out[grp.index] = _decode_group(q[grp.index], k_cache, v_cache, grp, scale)
+    return out
 
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float, group: int = 16) -> torch.Tensor:
-    """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int64; context_lens `[B]` -> `[B, h, d]`.
-
-    Sequences are sorted by length and done `group` at a time, each group gathering only up to its own
-    longest context (with mixed lengths, one padded gather reads mostly padding)."""
-    num_seqs = q.shape[0]
-    if num_seqs <= group:
-        return _decode_group(q, k_cache, v_cache, block_tables, context_lens, scale)
-    out = torch.empty_like(q)
-    bs = k_cache.shape[1]
-    lens_sorted, order = torch.sort(context_lens)
-    for start in range(0, num_seqs, group):
-        idx = order[start:start + group]
-        num_blocks = -(-int(lens_sorted[min(start + group, num_seqs) - 1]) // bs)
-        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx, :num_blocks], context_lens[idx], scale)
-    return out
+    """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int64; context_lens `[B]` -> `[B, h, d]`."""
+    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], group)
+    return paged_attention_decode(q, k_cache, v_cache, plan, scale)
 
 
-def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    k = _gather(k_cache, block_tables)
-    v = _gather(v_cache, block_tables)
-    pos = torch.arange(k.shape[2], device=q.device)
-    mask = (pos[None, :] < context_lens[:, None])[:, None, :]
-    return _attend(q[:, None], k, v, mask, scale)[:, 0]
+def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: DecodeGroup,
+                  scale: float) -> torch.Tensor:
+    k = _gather(k_cache, grp.rows, grp.size)
+    v = _gather(v_cache, grp.rows, grp.size)
+    return _attend(q[:, None], k, v, grp.mask, scale)[:, 0]
 
 
 def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -75,8 +113,9 @@ def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     q `[Q, h, d]`; block_table `[M]` int64 -> `[Q, h, d]`. Causal within the chunk.
     """
     Q = q.shape[0]
-    k = _gather(k_cache, block_table[None])[:, :, :context_len]
-    v = _gather(v_cache, block_table[None])[:, :, :context_len]
+    rows = _rows(block_table[None], k_cache.shape[1])[:context_len]
+    k = _gather(k_cache, rows, 1)
+    v = _gather(v_cache, rows, 1)
     q_pos = torch.arange(context_len - Q, context_len, device=q.device)
     mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
     return _attend(q[None], k, v, mask[None], scale)[0]
