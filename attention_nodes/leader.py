@@ -3,22 +3,28 @@
 It takes commands from the front (LLM or HTTP server) through an inbox queue, gives each new
 request to the attention rank with the most free KV blocks, broadcasts the step header, and
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
-("abort", request_id), ("stats",), ("shutdown",). Outbox messages, one per step at most:
-("out", [[request_id, [new token ids], finish_reason or None], ...]), and ("stats", dict).
+("abort", request_id), ("stats",), ("comm_stats",), ("shutdown",). Outbox messages, one per step at
+most: ("out", [[request_id, [new token ids], finish_reason or None], ...]), ("stats", dict) and
+("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
+every rank joins between steps.
 """
 from __future__ import annotations
 
 import queue
 from collections import deque
 
-from comm.control import IDLE, PAUSE, SHUTDOWN, STEP, ControlPlane, StepHeader, StepReport
+from comm.control import COLLECT_STATS, IDLE, PAUSE, REBALANCE, SHUTDOWN, STEP, ControlPlane, StepHeader, StepReport
 
 from .worker import AttentionWorker
 
 
 class Leader:
-    def __init__(self, control: ControlPlane, worker: AttentionWorker, num_attention_ranks: int, block_size: int):
+    def __init__(self, control: ControlPlane, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
+                 hooks: dict | None = None, rebalance_interval: int = 0):
+        """hooks: header kind -> what every rank runs for it (REBALANCE, COLLECT_STATS), given by the runtime."""
         self.control, self.worker = control, worker
+        self.hooks = hooks or {}
+        self.rebalance_interval = rebalance_interval
         self.num_attention_ranks = num_attention_ranks
         self.block_size = block_size
         self.token_budget = worker.scheduler.max_num_batched_tokens
@@ -60,6 +66,8 @@ class Leader:
                 aborts.setdefault(str(self.req2rank[rid]), []).append(rid)
         elif kind == "stats":
             outbox.put(("stats", self.stats()))
+        elif kind == "comm_stats":
+            outbox.put(("comm_stats", self._collective(COLLECT_STATS)))
         elif kind == "shutdown":
             return False
         else:
@@ -98,6 +106,15 @@ class Leader:
             self.control.broadcast_header(header)
             reports = self.control.gather_reports(run_attention_step(self.worker, header))
             self._collect(reports, outbox)
+            if self.rebalance_interval and self.step_id % self.rebalance_interval == 0:
+                self._collective(REBALANCE)
+
+    def _collective(self, kind: str):
+        """Between steps: tell every rank to join the hook for kind, and run it here too."""
+        if kind not in self.hooks:
+            raise ValueError(f"this engine has no {kind!r} hook")
+        self.control.broadcast_header(StepHeader.empty(kind, self.step_id))
+        return self.hooks[kind]()
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, plus per-rank free blocks."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from balancer.policy import ReplicaPolicy
@@ -41,16 +42,31 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 @dataclass(slots=True)
 class MoEContext:
     """How a MoE layer reaches its experts: the balancer's replica choice and the dispatcher.
-    phy ids from the policy map to (world rank, slot) via num_attention_ranks and num_slots."""
+    phy ids from the policy map to (world rank, slot) via num_attention_ranks and num_slots.
+    Policies that need every attention rank's per-expert counts get them by one all_gather of `[E]`
+    int64 over the attention group per layer and micro-batch (every attention rank joins, in the same
+    order as its dispatches)."""
 
     dispatcher: Dispatcher
     policy: ReplicaPolicy
     num_attention_ranks: int
     num_slots: int
+    num_experts: int = 0
+    attention_group: object = None
+    source: int = 0     # this rank's index among the attention ranks
 
     def start(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
         """Send x `[T, H]` to the replicas of its experts ids `[T, K]` (router weights `[T, K]`), not waiting."""
-        phy = self.policy.choose(moe_layer, ids)
+        counts = None
+        if self.policy.needs_counts:
+            mine = torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
+            if self.num_attention_ranks > 1:
+                every = [torch.empty_like(mine) for _ in range(self.num_attention_ranks)]
+                dist.all_gather(every, mine, group=self.attention_group)
+                counts = torch.stack(every)
+            else:
+                counts = mine[None]
+        phy = self.policy.choose(moe_layer, ids, counts, self.source)
         dst = self.num_attention_ranks + phy // self.num_slots
         return self.dispatcher.start_dispatch(moe_layer, x, dst, phy % self.num_slots, weights)
 

@@ -1,12 +1,22 @@
-"""Replica choice: map each (token, expert) to one physical slot.
+"""Replica choice: map each routed (token, expert) pair of one MoE layer to one physical slot.
 
-Policies sit behind `ReplicaPolicy`; they are pure tensor functions (no torch.distributed),
-so the runtime and the tests call them the same way.
+Policies sit behind `ReplicaPolicy`; they are pure tensor functions (no torch.distributed), so the
+runtime, the tests and bench/balancer.py call them the same way.
+
+- static: always the expert's first replica (SGLang's fixed map).
+- round_robin: replica = token index mod replica count (vLLM's choice).
+- random: a uniformly random replica per pair (SGLang's random dispatch).
+- least_loaded: every attention rank knows the layer's per-expert counts of every attention rank (one
+  small exchange), runs the same deterministic water-filling over the expert ranks' loads, and takes
+  its own share of each expert's per-replica quotas. Ranks agree without a coordinator.
+
+Names: L MoE layers, E experts, n expert ranks, P max replicas of one expert, A attention ranks.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 from .placement import Placement
@@ -15,24 +25,176 @@ from .placement import Placement
 class ReplicaPolicy(ABC):
     """Chooses a replica for every routed (token, expert) pair of one MoE layer."""
 
+    needs_counts = False   # True: choose() wants every attention rank's per-expert counts for the layer
+
     def __init__(self, placement: Placement):
+        self.set_placement(placement)
+
+    def set_placement(self, placement: Placement) -> None:
+        """Adopt a new placement (live re-placement); recomputes the lookup tables."""
         self.placement = placement
         self.log2phy, self.replica_count = placement.log2phy()
 
     @abstractmethod
-    def choose(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        """topk_ids: `[T, K]` int64 logical experts -> `[T, K]` int64 phy ids (rank * S + slot)."""
+    def choose(self, layer: int, topk_ids: torch.Tensor, counts: torch.Tensor | None = None,
+               source: int = 0) -> torch.Tensor:
+        """topk_ids: `[T, K]` int64 logical experts -> `[T, K]` int64 phy ids (rank * S + slot).
+        counts: `[A, E]` per-expert pair counts of every attention rank (needs_counts policies only);
+        source: this attention rank's row in counts."""
 
 
 class StaticPolicy(ReplicaPolicy):
     """Always the first replica of each expert (with identity placement: the expert's only copy)."""
 
-    def choose(self, layer: int, topk_ids: torch.Tensor) -> torch.Tensor:
-        table = self.log2phy[layer, :, 0].to(topk_ids.device)
-        return table[topk_ids]
+    def choose(self, layer, topk_ids, counts=None, source=0):
+        return self.log2phy[layer, :, 0].to(topk_ids.device)[topk_ids]
 
 
-POLICIES: dict[str, type[ReplicaPolicy]] = {"static": StaticPolicy}
+class RoundRobinPolicy(ReplicaPolicy):
+    """Token index modulo the expert's replica count."""
+
+    def choose(self, layer, topk_ids, counts=None, source=0):
+        table, count = self.log2phy[layer].to(topk_ids.device), self.replica_count[layer].to(topk_ids.device)
+        tok = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
+        return table[topk_ids, tok % count[topk_ids]]
+
+
+class RandomPolicy(ReplicaPolicy):
+    """A uniformly random replica per pair, from a seeded generator (reproducible per rank)."""
+
+    def __init__(self, placement: Placement, seed: int = 0):
+        super().__init__(placement)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def choose(self, layer, topk_ids, counts=None, source=0):
+        table, count = self.log2phy[layer], self.replica_count[layer]
+        ids = topk_ids.cpu()
+        u = torch.randint(0, 1 << 30, ids.shape, generator=self.generator)
+        return table[ids, u % count[ids]].to(topk_ids.device)
+
+
+WARM_START_ITERATIONS = 64
+
+
+class LeastLoadedPolicy(ReplicaPolicy):
+    """Water-filling onto the least-loaded replicas, the same plan on every attention rank.
+
+    Single-replica experts load their rank as they must. Each expert with several replicas starts split
+    evenly over them; then, `iterations` times, every such expert re-pours its tokens onto its replicas'
+    ranks topping up the lowest first, given where the other experts' tokens are (exact water-filling per
+    expert, all experts at once, moving `step` of the way). This is block-coordinate descent on the sum of
+    squared rank loads, so it walks load along chains of shared ranks, not just between two replicas.
+    Fractional amounts become integer per-replica quotas by largest remainder. Each attention rank takes
+    the slice of every expert's quotas at its offset among the attention ranks (rank order), so the union
+    over ranks meets every quota exactly."""
+
+    needs_counts = True
+
+    def __init__(self, placement: Placement, iterations: int = 4, step: float = 0.3):
+        self.iterations, self.step = iterations, step
+        super().__init__(placement)
+
+    def set_placement(self, placement: Placement) -> None:
+        super().set_placement(placement)
+        n, S = placement.num_ranks, placement.num_slots
+        self.num_ranks = n
+        rep_rank = torch.where(self.log2phy >= 0, self.log2phy // S, n).numpy()   # [L, E, P], pad -> n
+        count = self.replica_count.numpy()
+        self._valid = self.log2phy.numpy() >= 0
+        self._single = [np.flatnonzero(count[layer] == 1) for layer in range(placement.num_layers)]
+        self._single_rank = [rep_rank[layer, idx, 0] for layer, idx in enumerate(self._single)]
+        self._multi = [np.flatnonzero(count[layer] > 1) for layer in range(placement.num_layers)]
+        self._multi_rank = [rep_rank[layer, idx] for layer, idx in enumerate(self._multi)]
+        self._phy_np = self.log2phy.clamp(min=0).numpy()
+        self._k = np.arange(1, self.log2phy.shape[2] + 1, dtype=np.float64)
+        # Warm start: the split that balances the load the placement was made for (even when unknown).
+        self._fraction = []
+        for layer, multi in enumerate(self._multi):
+            valid = self._valid[layer, multi]
+            even = np.where(valid, 1.0 / np.maximum(valid.sum(axis=1, keepdims=True), 1), 0.0)
+            if placement.load is not None and multi.size:
+                expected = placement.load[layer].double().numpy()
+                split = self._split(layer, expected, even * expected[multi][:, None], WARM_START_ITERATIONS)
+                even = np.where(valid, split / np.maximum(expected[multi][:, None], 1e-12), even)
+            self._fraction.append(even)
+
+    def plan(self, layer: int, total: np.ndarray) -> np.ndarray:
+        """total `[E]` int64 pairs per expert over all attention ranks -> quotas `[E, P]` int64 (row e sums to
+        total[e], zero on padding). The same input gives the same output on every rank."""
+        E, P = self._valid.shape[1:]
+        quota = np.zeros((E, P), dtype=np.int64)
+        single, multi = self._single[layer], self._multi[layer]
+        quota[single, 0] = total[single]
+        if multi.size:
+            c = total[multi].astype(np.float64)
+            share = self._split(layer, total, self._fraction[layer] * c[:, None], self.iterations)
+            quota[multi] = _round_rows(share)
+        return quota
+
+    def _split(self, layer: int, total: np.ndarray, share: np.ndarray, iterations: int) -> np.ndarray:
+        """Improve share `[M, P]` (tokens of each replicated expert per replica) by water-filling iterations."""
+        n = self.num_ranks
+        rr, flat_rr = self._multi_rank[layer], self._multi_rank[layer].ravel()
+        c_col = share.sum(axis=1, keepdims=True)
+        load = np.bincount(self._single_rank[layer], weights=total[self._single[layer]], minlength=n + 1)
+        load += np.bincount(flat_rr, weights=share.ravel(), minlength=n + 1)
+        load[n] = np.inf                                         # padding replicas never take tokens
+        k = self._k
+        with np.errstate(invalid="ignore"):
+            for _ in range(iterations):
+                others = load[rr]
+                others -= share                                  # [M, P] rank loads without this expert
+                # Pouring c over levels o (sorted) fills to min over j of (c + o_1 + ... + o_j) / j;
+                # padding sits at +inf, so it never lowers the level and never takes a share.
+                lv = np.sort(others, axis=1)
+                np.cumsum(lv, axis=1, out=lv)
+                lv += c_col
+                lv /= k
+                delta = lv.min(axis=1)[:, None] - others
+                np.maximum(delta, 0.0, out=delta)
+                delta -= share
+                delta *= self.step
+                share += delta
+                load += np.bincount(flat_rr, weights=delta.ravel(), minlength=n + 1)
+        return share
+
+    def choose(self, layer, topk_ids, counts=None, source=0):
+        if counts is None:
+            raise ValueError("least_loaded needs every attention rank's per-expert counts")
+        counts = counts.cpu().numpy()
+        quota = self.plan(layer, counts.sum(axis=0))
+        return self.apply(layer, topk_ids, quota, counts[:source].sum(axis=0), counts[source])
+
+    def apply(self, layer: int, topk_ids: torch.Tensor, quota: np.ndarray, before: np.ndarray,
+              mine: np.ndarray) -> torch.Tensor:
+        """This rank's pairs take global positions [before[e], before[e] + mine[e]) in expert e's order;
+        replica j of e owns positions [sum(quota[e, :j]), sum(quota[e, :j + 1]))."""
+        cum = np.cumsum(quota, axis=1)
+        lo, hi = before[:, None], (before + mine)[:, None]
+        take = np.clip(cum, lo, hi) - np.clip(cum - quota, lo, hi)        # [E, P] my pairs per replica
+        flat = topk_ids.reshape(-1).cpu().numpy()
+        order = _stable_order(flat, quota.shape[0])
+        out = np.empty_like(flat)
+        out[order] = np.repeat(self._phy_np[layer].ravel(), take.ravel())
+        return torch.from_numpy(out).view(topk_ids.shape).to(topk_ids.device)
+
+
+def _stable_order(flat: np.ndarray, num_experts: int) -> np.ndarray:
+    """Stable argsort of expert ids; small integer types let numpy use its radix sort."""
+    small = np.uint8 if num_experts <= 256 else np.uint16 if num_experts <= 65536 else flat.dtype
+    return np.argsort(flat.astype(small, copy=False), kind="stable")
+
+
+def _round_rows(share: np.ndarray) -> np.ndarray:
+    """Integers from each row of share `[M, P]` by rounding its running sum: every row keeps its (integer)
+    total and no entry moves by a whole unit or more."""
+    cum = np.rint(np.cumsum(share, axis=1)).astype(np.int64)
+    cum[:, 1:] -= cum[:, :-1].copy()
+    return cum
+
+
+POLICIES: dict[str, type[ReplicaPolicy]] = {"static": StaticPolicy, "round_robin": RoundRobinPolicy,
+                                            "random": RandomPolicy, "least_loaded": LeastLoadedPolicy}
 
 
 def make_policy(name: str, placement: Placement) -> ReplicaPolicy:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 STEP, IDLE, PAUSE, SHUTDOWN = "step", "idle", "pause", "shutdown"
+REBALANCE, COLLECT_STATS = "rebalance", "collect_stats"   # every rank joins a collective between steps
 HEADER_BYTES = 4096
 
 
@@ -97,16 +98,23 @@ class ControlPlane:
         """Attention ranks only. Returns every rank's report on the leader, None elsewhere."""
         if self.num_attention_ranks == 1:
             return [report]
-        payload = pack(report)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.num_attention_ranks)]
-        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=self.attention)
+        every = self._gather(pack(report), self.attention, self.num_attention_ranks)
+        return None if every is None else [StepReport(**r) for r in every]
+
+    def gather_objects(self, obj) -> list | None:
+        """Every rank of the control group sends a msgpack-able object -> the list (rank order) on rank 0,
+        None elsewhere."""
+        return self._gather(pack(obj), self.control, dist.get_world_size(self.control))
+
+    def _gather(self, payload: torch.Tensor, group, size: int) -> list | None:
+        """Variable-size msgpack payloads to rank 0: one all_gather of the sizes, one gather of padded buffers."""
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
         max_size = int(max(s.item() for s in sizes))
         padded = torch.zeros(max_size, dtype=torch.uint8)
         padded[:payload.numel()] = payload
-        bufs = [torch.empty(max_size, dtype=torch.uint8) for _ in range(self.num_attention_ranks)] \
-            if self.rank == 0 else None
-        dist.gather(padded, bufs, dst=0, group=self.attention)
+        bufs = [torch.empty(max_size, dtype=torch.uint8) for _ in range(size)] if self.rank == 0 else None
+        dist.gather(padded, bufs, dst=0, group=group)
         if self.rank != 0:
             return None
-        return [StepReport(**unpack(b[:int(s.item())])) for b, s in zip(bufs, sizes)]
-
+        return [unpack(b[:int(s.item())]) for b, s in zip(bufs, sizes)]

@@ -38,6 +38,34 @@ class ExpertSlots:
             w2[li, slot] = tensors[down]
         return cls(slot2expert.clone(), w13, w2)
 
+    def move(self, moves: list[tuple[int, int, int, int, int]], slot2expert: torch.Tensor, me: int,
+             world_rank, group=None) -> int:
+        """Carry out this rank's part of a re-placement between steps. moves: every rank's (layer, dst rank,
+        dst slot, src rank, src slot), in the same order on every rank (expert-pool rank numbers);
+        world_rank maps them to ranks of `group`. Copies within this rank, sends what peers need from here
+        and receives what arrives, then adopts slot2expert `[L, S]`. Returns the number of slots received."""
+        import torch.distributed as dist
+
+        works, landed = [], []
+        for layer, dst, dslot, src, sslot in moves:
+            if dst == me:
+                if src == me:   # copy now: a later write may overwrite the source slot
+                    landed.append((layer, dslot, self.w13[layer, sslot].clone(), self.w2[layer, sslot].clone()))
+                    continue
+                b13, b2 = torch.empty_like(self.w13[layer, 0]), torch.empty_like(self.w2[layer, 0])
+                works += [dist.irecv(b13, world_rank(src), group=group), dist.irecv(b2, world_rank(src), group=group)]
+                landed.append((layer, dslot, b13, b2))
+            elif src == me:
+                works += [dist.isend(self.w13[layer, sslot], world_rank(dst), group=group),
+                          dist.isend(self.w2[layer, sslot], world_rank(dst), group=group)]
+        for w in works:
+            w.wait()
+        for layer, dslot, b13, b2 in landed:
+            self.w13[layer, dslot] = b13
+            self.w2[layer, dslot] = b2
+        self.slot2expert = slot2expert.clone()
+        return sum(1 for _, dst, _, src, _ in moves if dst == me and src != me)
+
     @property
     def num_slots(self) -> int:
         return self.slot2expert.shape[1]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from balancer.load import LoadTracker
 from comm.dispatcher import Dispatcher
 
 from .slots import ExpertSlots
@@ -15,6 +16,7 @@ class ExpertWorker:
         self.num_moe_layers = num_moe_layers
         self.micro_batches = micro_batches
         self.num_rows_served = 0
+        self.load = LoadTracker(num_moe_layers, slots.num_slots)
 
     @torch.inference_mode()
     def step(self, capacity: int) -> None:
@@ -27,6 +29,8 @@ class ExpertWorker:
                        for _ in range(self.micro_batches)]
             for p in pending:
                 rows, handle = self.dispatcher.finish_dispatch(p)
+                self.load.add(layer, rows.slots)
                 out = self.slots.ffn(layer, rows.hidden, rows.slots, rows.weights)
                 self.num_rows_served += rows.hidden.shape[0]
                 self.dispatcher.combine(out, handle)
+        self.load.end_step()

@@ -13,6 +13,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="default: world size - attention ranks under torchrun, 2 otherwise")
     p.add_argument("--comm", choices=COMM_MODES, default="direct")
     p.add_argument("--balancer", choices=BALANCERS, default="static")
+    p.add_argument("--redundant-experts", type=int, default=0, help="extra expert slots for replicas")
+    p.add_argument("--rebalance-interval", type=int, default=0,
+                   help="recompute the expert placement every N steps (0: never)")
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="CPU data plane: shared memory on one host, gloo collectives, or auto")
@@ -29,7 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The LLM(...) options named by the parsed arguments."""
-    keys = ("comm", "balancer", "ranks_per_node", "transport", "micro_batches", "max_num_seqs",
+    keys = ("comm", "balancer", "redundant_experts", "rebalance_interval", "ranks_per_node", "transport",
+            "micro_batches", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len",
             "kv_cache_memory", "block_size", "dtype", "device")
     return {k: getattr(args, k) for k in keys}

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 COMM_MODES = ("direct",)
-BALANCERS = ("static",)
+BALANCERS = ("static", "round_robin", "random", "least_loaded")
 TRANSPORTS = ("auto", "shm", "collective")
 
 
@@ -25,11 +25,15 @@ class ParallelConfig:
     balancer: str = "static"
     micro_batches: int = 1              # >1: ping-pong, attention computes one while the experts serve another
     transport: str = "auto"             # CPU data plane: shm (same host, one node), collective (gloo), auto
+    redundant_experts: int = 0          # extra expert slots in all, for replicas of the busiest experts
+    rebalance_interval: int = 0         # every N steps recompute the placement from observed load; 0 = never
 
     def __post_init__(self) -> None:
         _int("attention_ranks", self.attention_ranks, 1)
         _int("micro_batches", self.micro_batches, 1)
         _int("expert_ranks", self.expert_ranks, 1)
+        _int("redundant_experts", self.redundant_experts, 0)
+        _int("rebalance_interval", self.rebalance_interval, 0)
         if self.ranks_per_node is not None:
             _int("ranks_per_node", self.ranks_per_node, 1)
         if self.comm not in COMM_MODES:

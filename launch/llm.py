@@ -202,6 +202,20 @@ class LLM:
             if msg[0] == "stats":
                 return msg[1]
 
+    def comm_stats(self) -> dict:
+        """Per-layer data-plane statistics of every rank plus the expert-rank load balance; the schema is in
+        the README. Under torchrun every rank must call it (like generate); non-leaders get {}."""
+        if self.runtime is not None and not self.is_leader:
+            self.runtime.follow()
+            return {}
+        self._inbox.put(("comm_stats",))
+        if self.runtime is not None:
+            self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
+        while True:
+            msg = self._poll(self._outbox, time.monotonic() + 60, "comm_stats")
+            if msg[0] == "comm_stats":
+                return msg[1]
+
     def decode(self, ids: list[int]) -> str | None:
         """Token ids -> text with the checkpoint's tokenizer (None without one)."""
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)

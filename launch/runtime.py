@@ -19,9 +19,9 @@ from attention_nodes.leader import Leader, run_attention_step
 from attention_nodes.model import AttentionModel, MoEContext
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.worker import AttentionWorker
-from balancer.placement import Placement
+from balancer.placement import Placement, eplb, expert_load, load_balance, plan_moves, slot_capacities, stabilize
 from balancer.policy import make_policy
-from comm.control import IDLE, PAUSE, SHUTDOWN, ControlPlane
+from comm.control import COLLECT_STATS, IDLE, PAUSE, REBALANCE, SHUTDOWN, ControlPlane
 from comm.dispatcher import ShmDispatcher, make_dispatcher
 from comm.shm import host_identity, shm_supported
 from comm.topology import ProcessGroups, Topology
@@ -73,7 +73,17 @@ class Runtime:
         spec = self.ckpt.spec
         self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
                                  spec.max_position_embeddings)
-        placement = Placement.identity(spec.num_moe_layers, spec.num_experts, par.expert_ranks)
+        self.capacity = slot_capacities(spec.num_experts, par.redundant_experts, par.expert_ranks)
+        nodes = [self.topo.node_of(par.attention_ranks + r) for r in range(par.expert_ranks)]
+        self.rank_node = nodes if len(set(nodes)) > 1 else None
+        if par.redundant_experts == 0:
+            placement = Placement.identity(spec.num_moe_layers, spec.num_experts, par.expert_ranks)
+        else:   # no load observed yet: uniform
+            placement = eplb(torch.ones(spec.num_moe_layers, spec.num_experts), self.capacity, self.rank_node)
+        self.placement = placement
+        self.load_ema: torch.Tensor | None = None
+        self.num_replacements = 0
+        self.num_slots_moved = 0
         self.dispatcher = self._make_dispatcher(spec)
         desc = f"rank {self.topo.rank} ({self.topo.role})"
         self.leader: Leader | None = None
@@ -86,11 +96,12 @@ class Runtime:
             sched = Scheduler(BlockPool(num_blocks, config.cache.block_size), config.scheduler.max_num_seqs,
                               config.scheduler.max_num_batched_tokens)
             moe = MoEContext(self.dispatcher, make_policy(par.balancer, placement), par.attention_ranks,
-                             placement.num_slots)
+                             placement.num_slots, spec.num_experts, self.groups.attention, self.topo.rank)
             self.worker = AttentionWorker(self.topo.rank, model, kv, sched, moe, self.max_model_len, self.device,
                                           par.micro_batches)
             if self.topo.is_leader:
-                self.leader = Leader(self.control, self.worker, par.attention_ranks, config.cache.block_size)
+                self.leader = Leader(self.control, self.worker, par.attention_ranks, config.cache.block_size,
+                                     self.collective_hooks(), par.rebalance_interval)
         else:
             slots = ExpertSlots.load(self.ckpt, placement.slot2expert[:, self.topo.expert_index], self.dtype,
                                      self.device, desc)
@@ -148,10 +159,72 @@ class Runtime:
                 return header.kind
             if header.kind == IDLE:
                 continue
+            if header.kind in (REBALANCE, COLLECT_STATS):
+                self.collective_hooks()[header.kind]()
+                continue
             if self.topo.is_attention:
                 self.control.gather_reports(run_attention_step(self.worker, header))
             else:
                 self.worker.step(header.capacity)
+
+    def collective_hooks(self) -> dict:
+        """Header kinds that every rank (the leader too) answers with a collective between steps."""
+        return {REBALANCE: self.rebalance, COLLECT_STATS: self.gather_stats}
+
+    def rebalance(self) -> None:
+        """Live re-placement, on every rank at once between steps: gather what each expert slot served since
+        the last one, fold it into the load EMA, recompute the placement (every rank gets the same answer),
+        move the expert weights that change rank with send/recv, and adopt the new placement."""
+        par, spec = self.config.parallel, self.ckpt.spec
+        L, S = self.placement.num_layers, self.placement.num_slots
+        if self.topo.is_attention:
+            mine = torch.zeros(L, S, dtype=torch.int64)
+        else:
+            mine = self.worker.load.take_slot_counts()
+        every = [torch.empty_like(mine) for _ in range(self.topo.world_size)]
+        dist.all_gather(every, mine, group=self.groups.control)
+        counts = torch.stack(every[par.attention_ranks:], dim=1)                     # [L, n, S]
+        observed = expert_load(self.placement.slot2expert, counts, spec.num_experts)
+        if float(observed.sum()) == 0:
+            return
+        self.load_ema = observed if self.load_ema is None else 0.5 * self.load_ema + 0.5 * observed
+        old = self.placement.slot2expert
+        new = stabilize(old, eplb(self.load_ema, self.capacity, self.rank_node).slot2expert)
+        if torch.equal(new, old):
+            return
+        moves = plan_moves(old, new)
+        self.placement = Placement(new, spec.num_experts, self.load_ema)
+        if self.topo.is_attention:
+            self.worker.moe.policy.set_placement(self.placement)
+        else:
+            self.num_slots_moved += self.worker.slots.move(moves, new[:, self.topo.expert_index],
+                                                           self.topo.expert_index,
+                                                           lambda r: par.attention_ranks + r, self.groups.control)
+        self.num_replacements += 1
+        logger.info("rank %d: re-placement %d, %d slot copies", self.topo.rank, self.num_replacements, len(moves))
+
+    def gather_stats(self) -> dict | None:
+        """Every rank's comm stats and load history to the leader -> the merged dict there, None elsewhere."""
+        mine = {"rank": self.topo.rank, "role": self.topo.role, "layers": self.dispatcher.stats.to_dict()}
+        if not self.topo.is_attention:
+            mine["step_loads"] = self.worker.load.step_loads().tolist()
+            mine["slots_moved"] = self.num_slots_moved
+        every = self.control.gather_objects(mine)
+        if every is None:
+            return None
+        par = self.config.parallel
+        loads = [torch.tensor(r["step_loads"], dtype=torch.int64) for r in every if "step_loads" in r]
+        steps = min(t.shape[0] for t in loads)
+        L = self.placement.num_layers
+        stacked = torch.stack([t[t.shape[0] - steps:].reshape(steps, L) for t in loads])     # [n, steps, L]
+        balance = load_balance(stacked)
+        totals = stacked.sum(dim=1)                                                          # [n, L]
+        return {"comm": par.comm, "balancer": par.balancer, "redundant_experts": par.redundant_experts,
+                "replacements": self.num_replacements,
+                "slots_moved": sum(r.get("slots_moved", 0) for r in every),
+                "ranks": {str(r["rank"]): {"role": r["role"], "layers": r["layers"]} for r in every},
+                "expert_load": {"steps": steps, "layers": {str(layer): {
+                    "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,0 +1,100 @@
+"""Replica choice: every policy picks a replica of the right expert; least_loaded meets its quotas
+exactly across attention ranks, computes the same plan on every rank, and balances skewed routing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from balancer.placement import eplb, slot_capacities
+from balancer.policy import LeastLoadedPolicy, make_policy
+from tests.dist_utils import run_ranks
+
+E, K, N_RANKS = 32, 4, 8
+
+
+def skewed_ids(T: int, seed: int, s: float = 1.2) -> torch.Tensor:
+    probs = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** s
+    probs = probs[torch.randperm(E, generator=torch.Generator().manual_seed(0))]   # the same hot experts
+    g = torch.Generator().manual_seed(seed)
+    return torch.multinomial(probs.expand(T, E), K, replacement=False, generator=g)
+
+
+def placement(seed: int = 0):
+    load = torch.bincount(skewed_ids(2048, seed).flatten(), minlength=E)[None].repeat(2, 1).double()
+    return eplb(load, slot_capacities(E, 8, N_RANKS))
+
+
+def rank_loads(p, phy: torch.Tensor) -> torch.Tensor:
+    return torch.bincount(phy.flatten() // p.num_slots, minlength=p.num_ranks).double()
+
+
+@pytest.mark.parametrize("name", ["static", "round_robin", "random", "least_loaded"])
+def test_every_policy_picks_a_replica_of_the_routed_expert(name):
+    p = placement()
+    ids = skewed_ids(300, 1)
+    counts = torch.bincount(ids.flatten(), minlength=E)[None]
+    phy = make_policy(name, p).choose(1, ids, counts, 0)
+    assert phy.shape == ids.shape
+    assert torch.equal(p.slot2expert[1].flatten()[phy], ids)
+
+
+def test_least_loaded_quotas_are_met_exactly_across_attention_ranks():
+    p = placement()
+    policy = LeastLoadedPolicy(p)
+    parts = [skewed_ids(T, 10 + i) for i, T in enumerate([100, 0, 257])]   # one rank has no tokens
+    counts = torch.stack([torch.bincount(x.flatten(), minlength=E) for x in parts])
+    quota = policy.plan(0, counts.sum(0).numpy())
+    assert quota.sum(axis=1).tolist() == counts.sum(0).tolist()
+    got = torch.zeros(p.num_ranks * p.num_slots, dtype=torch.int64)
+    for a, ids in enumerate(parts):
+        phy = policy.choose(0, ids, counts, a)
+        assert torch.equal(p.slot2expert[0].flatten()[phy], ids)
+        got += torch.bincount(phy.flatten(), minlength=got.numel())
+    log2phy, _ = p.log2phy()
+    want = torch.zeros_like(got)
+    valid = log2phy[0] >= 0
+    want[log2phy[0][valid]] = torch.from_numpy(quota)[valid]
+    assert torch.equal(got, want)
+
+
+def test_least_loaded_beats_the_static_choices_on_skewed_routing():
+    p = placement()
+    ids = skewed_ids(4096, 7)
+    counts = torch.bincount(ids.flatten(), minlength=E)[None]
+    ratio = {}
+    for name in ("round_robin", "random", "least_loaded"):
+        loads = rank_loads(p, make_policy(name, p).choose(0, ids, counts, 0))
+        ratio[name] = float(loads.max() / loads.mean())
+    assert ratio["least_loaded"] < min(ratio["round_robin"], ratio["random"])
+    assert ratio["least_loaded"] < 1.05
+
+
+def test_least_loaded_needs_counts():
+    with pytest.raises(ValueError, match="per-expert counts"):
+        LeastLoadedPolicy(placement()).choose(0, skewed_ids(4, 0))
+
+
+def _plan_on_rank(rank, world):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    policy = LeastLoadedPolicy(placement())
+    ids = skewed_ids(64 * (rank + 1), 100 + rank)               # each rank routes different tokens
+    mine = torch.bincount(ids.flatten(), minlength=E)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    counts = torch.stack(every)
+    plans = [policy.plan(layer, counts.sum(0).numpy()).tolist() for layer in range(2)]
+    phy = policy.choose(0, ids, counts, rank)
+    return plans, torch.bincount(phy.flatten(), minlength=N_RANKS * policy.placement.num_slots).tolist()
+
+
+def test_least_loaded_plan_is_identical_on_every_rank():
+    results = run_ranks(_plan_on_rank, 3)
+    assert all(r[0] == results[0][0] for r in results)
+    # and the ranks' choices add up to the common plan, replica by replica
+    total = torch.tensor([r[1] for r in results]).sum(0)
+    p = placement()
+    log2phy, _ = p.log2phy()
+    quota = torch.tensor(results[0][0][0])
+    valid = log2phy[0] >= 0
+    assert torch.equal(total[log2phy[0][valid]], quota[valid])
