@@ -22,6 +22,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py
+	$(PY) bench/balancer.py
 
 clean:
 	rm -rf $(VENV)

@@ -90,7 +90,7 @@ class LeastLoadedPolicy(ReplicaPolicy):
 
     needs_counts = True
 
-    def __init__(self, placement: Placement, iterations: int = 4, step: float = 0.3):
+    def __init__(self, placement: Placement, iterations: int = 3, step: float = 0.3):
         self.iterations, self.step = iterations, step
         super().__init__(placement)
 

@@ -1,0 +1,126 @@
+"""Replica choice under skewed routing: max/mean expert-rank load and decision time per layer.
+
+Setup: 256 experts, top-8, 4096 tokens per layer, on 16, 32 and 64 expert ranks with 0%, 12.5% and 25%
+redundant slots. Routing: Zipf s=1.0 and s=1.5 over experts (each token picks 8 distinct experts), and a
+hot set that drifts (Zipf 1.0; every step one of the 16 hottest experts swaps places with a random colder one).
+The placement is EPLB's (balancer/placement.py) from an EMA of the counts observed in warm-up steps; with
+drift it is recomputed every 4 steps from the EMA, as live re-placement does. Every policy runs on the same
+placement and the same routing. Printed per cell: mean over measured steps of max/mean rank load.
+Decision time: the median per layer of least_loaded's plan (the water-filling from the per-expert counts,
+identical on every attention rank; "cold" is its first call after the other policies ran, "warm" the median
+of 10 calls back to back), its apply (each (token, expert) pair to a replica) and static's choose().
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import torch
+
+from balancer.placement import eplb, slot_capacities
+from balancer.policy import LeastLoadedPolicy, make_policy
+
+E, K = 256, 8
+POLICIES = ("static", "round_robin", "random", "least_loaded")
+
+
+def trace(kind: str, steps: int, tokens: int, seed: int = 0) -> list[torch.Tensor]:
+    """`steps` routings `[tokens, K]` of distinct experts per token."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(E, generator=g)
+    s = {"zipf1.0": 1.0, "zipf1.5": 1.5, "drift": 1.0}[kind]
+    base = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** s
+    out = []
+    for _ in range(steps):
+        if kind == "drift":
+            hot = torch.randperm(16, generator=g)[:1]
+            cold = 16 + torch.randperm(E - 16, generator=g)[:1]
+            perm[hot], perm[cold] = perm[cold].clone(), perm[hot].clone()
+        probs = torch.empty(E, dtype=torch.float64)
+        probs[perm] = base
+        out.append(torch.multinomial(probs.expand(tokens, E), K, replacement=False, generator=g))
+    return out
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0
+
+
+def run_cell(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, replace_every: int | None):
+    cap = slot_capacities(E, redundant, n)
+    counts = [torch.bincount(ids.flatten(), minlength=E) for ids in routing]
+    ema = None
+    ratios = {p: [] for p in POLICIES}
+    times = {p: [] for p in (*POLICIES, "plan", "warm", "apply")}
+    placement = policies = None
+    for t, ids in enumerate(routing):
+        if t >= warmup:
+            if placement is None or (replace_every and (t - warmup) % replace_every == 0):
+                placement = eplb(ema[None], cap)
+                policies = {name: make_policy(name, placement) for name in POLICIES}
+            c = counts[t][None]
+            for name, pol in policies.items():
+                phy, dt = timed(pol.choose, 0, ids, c, 0)
+                times[name].append(dt)
+                load = torch.bincount(phy.flatten() // placement.num_slots, minlength=n).double()
+                ratios[name].append(float(load.max() / load.mean()))
+            ll: LeastLoadedPolicy = policies["least_loaded"]
+            total = c[0].numpy()
+            quota, dt_plan = timed(ll.plan, 0, total)
+            times["warm"].append(statistics.median(timed(ll.plan, 0, total)[1] for _ in range(10)))
+            _, dt_apply = timed(ll.apply, 0, ids, quota, np.zeros(E, dtype=np.int64), total)
+            times["plan"].append(dt_plan)
+            times["apply"].append(dt_apply)
+        obs = counts[t].double()
+        ema = obs if ema is None else 0.5 * ema + 0.5 * obs
+    return ({p: statistics.mean(r) for p, r in ratios.items()},
+            {p: statistics.median(v) * 1e6 for p, v in times.items()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=12, help="measured steps per routing (after 4 warm-up)")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64])
+    args = ap.parse_args()
+    torch.set_num_threads(1)   # an attention rank's share of a CPU
+    warmup = 4
+    print(f"{E} experts, top-{K}, {args.tokens} tokens per layer; cells: max/mean expert-rank load "
+          f"(mean over {args.steps} steps); times: median per layer, microseconds")
+    header = (f"| routing | ranks | redundancy | {' | '.join(POLICIES)} | least_loaded plan µs cold / warm | "
+              f"least_loaded apply µs | static µs |")
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    summary = {}
+    for kind in ("zipf1.0", "zipf1.5", "drift"):
+        routing = trace(kind, warmup + args.steps, args.tokens)
+        for n in args.ranks:
+            for frac in (0.0, 0.125, 0.25):
+                R = int(E * frac)
+                ratios, times = run_cell(routing, n, R, warmup, 4 if kind == "drift" else None)
+                summary[(kind, n, frac)] = (ratios, times)
+                print(f"| {kind} | {n} | {frac:.1%} ({R}) | "
+                      + " | ".join(f"{ratios[p]:.3f}" for p in POLICIES)
+                      + f" | {times['plan']:.0f} / {times['warm']:.0f} | {times['apply']:.0f}"
+                      + f" | {times['static']:.0f} |",
+                      flush=True)
+    print()
+    for n in args.ranks:
+        if ("zipf1.0", n, 0.25) in summary:
+            r, t = summary[("zipf1.0", n, 0.25)]
+            print(f"target: least_loaded max/mean at 25% redundancy, Zipf 1.0, {n} ranks: "
+                  f"{r['least_loaded']:.3f} (<= 1.05); plan {t['plan']:.0f} µs cold, {t['warm']:.0f} µs warm "
+                  f"(<= 100 µs), apply {t['apply']:.0f} µs; round_robin {r['round_robin']:.3f}, "
+                  f"random {r['random']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
