@@ -199,7 +199,7 @@ class Runtime:
         else:
             self.num_slots_moved += self.worker.slots.move(moves, new[:, self.topo.expert_index],
                                                            self.topo.expert_index,
-                                                           lambda r: par.attention_ranks + r, self.groups.control)
+                                                           lambda r: par.attention_ranks + r, self.groups.world)
         self.num_replacements += 1
         logger.info("rank %d: re-placement %d, %d slot copies", self.topo.rank, self.num_replacements, len(moves))
 
