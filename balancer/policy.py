@@ -136,7 +136,9 @@ class LeastLoadedPolicy(ReplicaPolicy):
         n = self.num_ranks
         rr, flat_rr = self._multi_rank[layer], self._multi_rank[layer].ravel()
         c_col = share.sum(axis=1, keepdims=True)
-        load = np.bincount(self._single_rank[layer], weights=total[self._single[layer]], minlength=n + 1)
+        # float even when no expert is single (bincount of nothing is int64)
+        load = np.bincount(self._single_rank[layer], weights=total[self._single[layer]],
+                           minlength=n + 1).astype(np.float64)
         load += np.bincount(flat_rr, weights=share.ravel(), minlength=n + 1)
         load[n] = np.inf                                         # padding replicas never take tokens
         k = self._k

@@ -98,3 +98,13 @@ def test_least_loaded_plan_is_identical_on_every_rank():
     quota = torch.tensor(results[0][0][0])
     valid = log2phy[0] >= 0
     assert torch.equal(total[log2phy[0][valid]], quota[valid])
+
+
+def test_least_loaded_when_every_expert_is_replicated():
+    # 8 experts on 2 ranks x 14 slots: every expert has replicas (duplicates on a rank are unavoidable)
+    p = eplb(torch.ones(1, 8), slot_capacities(8, 20, 2))
+    assert int(p.log2phy()[1].min()) > 1
+    ids = torch.randint(0, 8, (50, 2), generator=torch.Generator().manual_seed(2))
+    counts = torch.bincount(ids.flatten(), minlength=8)[None]
+    phy = LeastLoadedPolicy(p).choose(0, ids, counts, 0)
+    assert torch.equal(p.slot2expert[0].flatten()[phy], ids)
