@@ -20,8 +20,6 @@ class ForwardBatch:
     positions: torch.Tensor      # [T] int64
     slot_mapping: torch.Tensor   # [T] int64 flat cache slot (block * block_size + offset) of each new token
     num_decodes: int             # the first num_decodes tokens are one-token decodes
-    decode_block_tables: torch.Tensor   # [num_decodes, M] int64, -1 padded
-    decode_context_lens: torch.Tensor   # [num_decodes] int64
     decode_plan: list[DecodeGroup]      # what each layer's decode attention gathers (same in every layer)
     prefills: list[tuple[int, int, torch.Tensor, int]]   # (first token row, num tokens, block table [m], context len)
     sample_rows: torch.Tensor    # [S] int64 rows whose logits are sampled
@@ -33,7 +31,7 @@ class ForwardBatch:
     @classmethod
     def empty(cls, device: torch.device) -> ForwardBatch:
         z = torch.empty(0, dtype=torch.int64, device=device)
-        return cls(z, z, z, 0, torch.empty(0, 1, dtype=torch.int64, device=device), z, [], [], z)
+        return cls(z, z, z, 0, [], [], z)
 
     @classmethod
     def from_scheduled(cls, scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> ForwardBatch:
@@ -69,9 +67,8 @@ class ForwardBatch:
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64, device=device)
 
-        dec, dec_lens = dec.to(device), tensor(dec_lens)
-        return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, dec, dec_lens,
-                   plan_decode(dec, dec_lens, block_size), prefills, tensor(sample_rows))
+        return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes,
+                   plan_decode(dec.to(device), tensor(dec_lens), block_size), prefills, tensor(sample_rows))
 
 
 def split_micro_batches(scheduled: list[ScheduledSeq], num: int) -> list[list[ScheduledSeq]]:

@@ -38,13 +38,11 @@ class Placement:
         if num_ranks < 1 or num_ranks > num_experts:
             raise ValueError(f"need 1 <= expert ranks ({num_ranks}) <= num_experts ({num_experts}); "
                              f"use at most {num_experts} expert ranks")
-        num_slots = -(-num_experts // num_ranks)
+        sizes = slot_capacities(num_experts, 0, num_ranks)   # ranks differ by at most one expert
+        num_slots = sizes[0]
         flat = torch.full((num_ranks * num_slots,), -1, dtype=torch.int64)
-        # Spread the remainder so ranks differ by at most one expert.
-        base, extra = divmod(num_experts, num_ranks)
         e = 0
-        for r in range(num_ranks):
-            n = base + (1 if r < extra else 0)
+        for r, n in enumerate(sizes):
             flat[r * num_slots:r * num_slots + n] = torch.arange(e, e + n)
             e += n
         return cls(flat.view(1, num_ranks, num_slots).repeat(num_layers, 1, 1), num_experts)
@@ -145,12 +143,30 @@ def pack_replicas(load: np.ndarray, counts: np.ndarray, capacity: list[int], lim
         held[b, e] += 1
         shared[b] |= counts[e] > 1
 
+    def swap_for(e: int) -> int | None:
+        """Every bin with a free slot already holds e: move some expert e2 from a full bin b2 without e into
+        the lightest open bin b (which lacks e2), freeing a slot on b2 for e. Returns b2, or None."""
+        open_bins = np.flatnonzero(free > 0)
+        b = int(open_bins[np.argmin(bin_load[open_bins])])
+        for b2 in np.argsort(bin_load, kind="stable").tolist():
+            if held[b2, e] or b2 == b:
+                continue
+            for i, (e2, w2) in enumerate(bins[b2]):
+                if not held[b, e2]:
+                    bins[b2].pop(i)
+                    bin_load[b2] -= w2
+                    held[b2, e2] -= 1
+                    free[b2] += 1
+                    put(b, e2, w2)
+                    return b2
+        return None
+
     for single, _, neg_w, e, i in items:
         w = -neg_w
         open_ = free > 0
         fewest = held[open_, e].min()
         if limit == 1 and fewest > 0 and (held[:, e] == 0).any():
-            b = _swap_for(bins, bin_load, free, held, e)
+            b = swap_for(e)
             if b is not None:
                 put(b, e, w)
                 continue
@@ -163,28 +179,6 @@ def pack_replicas(load: np.ndarray, counts: np.ndarray, capacity: list[int], lim
         b = int(np.argmin(np.where(cand, bin_load, np.inf)))
         put(b, e, w)
     return bins
-
-
-def _swap_for(bins, bin_load, free, held, e: int) -> int | None:
-    """Every bin with a free slot already holds e: move some expert e2 from a full bin b2 without e into the
-    lightest open bin b (which lacks e2), freeing a slot on b2 for e. Returns b2, or None if no such move."""
-    open_bins = np.flatnonzero(free > 0)
-    b = int(open_bins[np.argmin(bin_load[open_bins])])
-    for b2 in np.argsort(bin_load, kind="stable").tolist():
-        if held[b2, e] or b2 == b:
-            continue
-        for i, (e2, w2) in enumerate(bins[b2]):
-            if not held[b, e2]:
-                bins[b2].pop(i)
-                bin_load[b2] -= w2
-                held[b2, e2] -= 1
-                free[b2] += 1
-                bins[b].append((e2, w2))
-                bin_load[b] += w2
-                held[b, e2] += 1
-                free[b] -= 1
-                return b2
-    return None
 
 
 def eplb(load: torch.Tensor, capacity: list[int], rank_node: list[int] | None = None) -> Placement:

@@ -5,6 +5,7 @@ Names: L MoE layers, S slots on this rank, H hidden, I expert intermediate size.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from kernels.moe import grouped_ffn_ref
 from models.checkpoint import Checkpoint
@@ -44,8 +45,6 @@ class ExpertSlots:
         dst slot, src rank, src slot), in the same order on every rank (expert-pool rank numbers);
         world_rank maps them to ranks of `group`. Copies within this rank, sends what peers need from here
         and receives what arrives, then adopts slot2expert `[L, S]`. Returns the number of slots received."""
-        import torch.distributed as dist
-
         works, landed = [], []
         for layer, dst, dslot, src, sslot in moves:
             if dst == me:

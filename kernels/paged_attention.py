@@ -52,7 +52,6 @@ class DecodeGroup:
     index: torch.Tensor | None
     rows: torch.Tensor
     mask: torch.Tensor
-    size: int
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -66,8 +65,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
 
     def make(index, tables, lens):
         pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
-        return DecodeGroup(index, _rows(tables, block_size), (pos[None, :] < lens[:, None])[:, None, :],
-                           tables.shape[0])
+        return DecodeGroup(index, _rows(tables, block_size), (pos[None, :] < lens[:, None])[:, None, :])
 
     if num_seqs <= group:
         return [make(None, block_tables, context_lens)]
@@ -101,8 +99,8 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: DecodeGroup,
                   scale: float) -> torch.Tensor:
-    k = _gather(k_cache, grp.rows, grp.size)
-    v = _gather(v_cache, grp.rows, grp.size)
+    k = _gather(k_cache, grp.rows, grp.mask.shape[0])
+    v = _gather(v_cache, grp.rows, grp.mask.shape[0])
     return _attend(q[:, None], k, v, grp.mask, scale)[:, 0]
 
 
