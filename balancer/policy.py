@@ -74,17 +74,21 @@ class RandomPolicy(ReplicaPolicy):
 
 
 WARM_START_ITERATIONS = 64
+PRIOR_WEIGHT = 1e-3   # pull of the least-squares split toward the placement's split (makes it unique)
 
 
 class LeastLoadedPolicy(ReplicaPolicy):
     """Water-filling onto the least-loaded replicas, the same plan on every attention rank.
 
-    Single-replica experts load their rank as they must. Each expert with several replicas starts split
-    evenly over them; then, `iterations` times, every such expert re-pours its tokens onto its replicas'
-    ranks topping up the lowest first, given where the other experts' tokens are (exact water-filling per
-    expert, all experts at once, moving `step` of the way). This is block-coordinate descent on the sum of
-    squared rank loads, so it walks load along chains of shared ranks, not just between two replicas.
-    Fractional amounts become integer per-replica quotas by largest remainder. Each attention rank takes
+    Single-replica experts load their rank as they must. The tokens of experts with several replicas are
+    split over their replicas' ranks to minimise the sum of squared rank loads (the lexicographically most
+    balanced split, which walks load along chains of shared ranks). Without the sign constraint that split is
+    a linear function of the per-expert totals, so `set_placement` solves the KKT system once per layer and
+    `plan` is one small matrix-vector product. Where that puts a negative share on a replica (a rank already
+    over the level from its single experts), the split is solved once more without those replicas, clipped,
+    and polished by `iterations` rounds of exact per-expert water-filling, all experts at once, moving `step`
+    of the way (block-coordinate descent on the same objective), which can put load back on them.
+    Fractional amounts become integer per-replica quotas by rounding running sums. Each attention rank takes
     the slice of every expert's quotas at its offset among the attention ranks (rank order), so the union
     over ranks meets every quota exactly."""
 
@@ -109,6 +113,7 @@ class LeastLoadedPolicy(ReplicaPolicy):
         self._k = np.arange(1, self.log2phy.shape[2] + 1, dtype=np.float64)
         # Warm start: the split that balances the load the placement was made for (even when unknown).
         self._fraction = []
+        self._linear = []
         for layer, multi in enumerate(self._multi):
             valid = self._valid[layer, multi]
             even = np.where(valid, 1.0 / np.maximum(valid.sum(axis=1, keepdims=True), 1), 0.0)
@@ -117,6 +122,61 @@ class LeastLoadedPolicy(ReplicaPolicy):
                 split = self._split(layer, expected, even * expected[multi][:, None], WARM_START_ITERATIONS)
                 even = np.where(valid, split / np.maximum(expected[multi][:, None], 1e-12), even)
             self._fraction.append(even)
+            linear = None
+            if multi.size:
+                # Replicas the expected load leaves empty (their rank is over the level from single experts
+                # alone) are taken out of the linear map, one solve at a time, so it holds at that load.
+                active = self._valid[layer, multi].copy()
+                expected = placement.load[layer].double().numpy() if placement.load is not None else None
+                for _ in range(active.sum()):
+                    linear = self._least_squares(layer, even, active)
+                    if expected is None:
+                        break
+                    share = (linear @ expected).reshape(active.shape)
+                    negative = active & (share < 0)
+                    if not negative.any():
+                        break
+                    active = _keep_one(active & ~(negative & (share <= share[negative].min())), share)
+            self._linear.append(linear)
+
+    def _least_squares(self, layer: int, fraction: np.ndarray, active: np.ndarray,
+                       total: np.ndarray | None = None) -> np.ndarray:
+        """The split minimising sum over ranks of load^2 + PRIOR_WEIGHT * |share - fraction * total|^2 subject
+        to each expert's shares summing to its total (signs free), with shares only on the active `[M, P]`
+        replicas. With total `[E]`: that share `[M, P]`. Without: K `[M * P, E]`, share = K @ total.
+        Solved through the Schur complement on the experts: the Hessian over replicas is eps * I plus a
+        block of ones per rank, whose inverse has a closed form (Woodbury), leaving an M x M system."""
+        multi, rr = self._multi[layer], self._multi_rank[layer]
+        E, n = self._valid.shape[1], self.num_ranks
+        M, P = active.shape
+        T = np.eye(E) if total is None else total.astype(np.float64)[:, None]     # [E, k] columns of totals
+        edge = np.flatnonzero(active.ravel())                      # replica entries of share.ravel()
+        ranks, experts = rr.ravel()[edge], edge // P
+
+        def per_rank(v: np.ndarray) -> np.ndarray:                 # sum of replica values [m, k] per rank
+            out = np.zeros((n, v.shape[1]))
+            np.add.at(out, ranks, v)
+            return out
+
+        eps = PRIOR_WEIGHT
+        single_load = np.zeros((n, T.shape[1]))
+        np.add.at(single_load, self._single_rank[layer], T[self._single[layer]])
+        r = eps * fraction.ravel()[edge][:, None] * T[multi[experts]] - single_load[ranks]      # [m, k]
+        inv_deg = 1.0 / (eps + np.bincount(ranks, minlength=n))   # [n]
+
+        def h_inv(v: np.ndarray) -> np.ndarray:                    # (eps I + A^T A)^-1 v, A: replica -> rank
+            return (v - (inv_deg[:, None] * per_rank(v))[ranks]) / eps
+
+        C = np.bincount(experts * n + ranks, minlength=M * n).reshape(M, n).astype(np.float64)
+        schur = (np.diag(C.sum(axis=1)) - (C * inv_deg) @ C.T) / eps
+        hr = h_inv(r)
+        rhs = np.zeros((M, T.shape[1]))
+        np.add.at(rhs, experts, hr)
+        mu = np.linalg.solve(schur, rhs - T[multi])
+        x = hr - h_inv(mu[experts])
+        out = np.zeros((M * P, T.shape[1]))
+        out[edge] = x
+        return out.reshape(M, P) if total is not None else out
 
     def plan(self, layer: int, total: np.ndarray) -> np.ndarray:
         """total `[E]` int64 pairs per expert over all attention ranks -> quotas `[E, P]` int64 (row e sums to
@@ -127,7 +187,17 @@ class LeastLoadedPolicy(ReplicaPolicy):
         quota[single, 0] = total[single]
         if multi.size:
             c = total[multi].astype(np.float64)
-            share = self._split(layer, total, self._fraction[layer] * c[:, None], self.iterations)
+            share = (self._linear[layer] @ total.astype(np.float64)).reshape(len(multi), P)
+            if (share < 0).any():
+                # Replicas the linear split drains below zero (their rank is over the level): solve again
+                # without them, clip what is still negative, then let water-filling put load back where fits.
+                active = _keep_one(self._valid[layer, multi] & (share > 0), share)
+                share = self._least_squares(layer, self._fraction[layer], active, total)
+                np.maximum(share, 0.0, out=share)
+                row = share.sum(axis=1)
+                fallback = self._fraction[layer] * c[:, None]
+                share = np.where((row > 0)[:, None], share * (c / np.where(row > 0, row, 1.0))[:, None], fallback)
+                share = self._split(layer, total, share, self.iterations)
             quota[multi] = _round_rows(share)
         return quota
 
@@ -185,6 +255,16 @@ def _stable_order(flat: np.ndarray, num_experts: int) -> np.ndarray:
     """Stable argsort of expert ids; small integer types let numpy use its radix sort."""
     small = np.uint8 if num_experts <= 256 else np.uint16 if num_experts <= 65536 else flat.dtype
     return np.argsort(flat.astype(small, copy=False), kind="stable")
+
+
+def _keep_one(active: np.ndarray, share: np.ndarray) -> np.ndarray:
+    """active `[M, P]` with every row that lost all its replicas given back its largest-share replica (an expert
+    with no replica left makes the least-squares system singular)."""
+    empty = np.flatnonzero(~active.any(axis=1))
+    if empty.size:
+        active = active.copy()
+        active[empty, np.argmax(share[empty], axis=1)] = True
+    return active
 
 
 def _round_rows(share: np.ndarray) -> np.ndarray:

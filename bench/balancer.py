@@ -6,7 +6,7 @@ hot set that drifts (Zipf 1.0; every step one of the 16 hottest experts swaps pl
 The placement is EPLB's (balancer/placement.py) from an EMA of the counts observed in warm-up steps; with
 drift it is recomputed every 4 steps from the EMA, as live re-placement does. Every policy runs on the same
 placement and the same routing. Printed per cell: mean over measured steps of max/mean rank load.
-Decision time: the median per layer of least_loaded's plan (the water-filling from the per-expert counts,
+Decision time: the median per layer of least_loaded's plan (the balanced split from the per-expert counts,
 identical on every attention rank; "cold" is its first call after the other policies ran, "warm" the median
 of 10 calls back to back), its apply (each (token, expert) pair to a replica) and static's choose().
 """

@@ -108,3 +108,61 @@ def test_least_loaded_when_every_expert_is_replicated():
     counts = torch.bincount(ids.flatten(), minlength=8)[None]
     phy = LeastLoadedPolicy(p).choose(0, ids, counts, 0)
     assert torch.equal(p.slot2expert[0].flatten()[phy], ids)
+
+
+def _plan_rank_loads(policy: LeastLoadedPolicy, quota) -> torch.Tensor:
+    p = policy.placement
+    log2phy, _ = p.log2phy()
+    valid = log2phy[0] >= 0
+    return torch.bincount(log2phy[0][valid] // p.num_slots, weights=torch.from_numpy(quota)[valid].double(),
+                          minlength=p.num_ranks)
+
+
+def test_least_loaded_linear_split_matches_converged_water_filling():
+    """The one-product split is as balanced as water-filling run to convergence (the same optimum)."""
+    p = placement()
+    policy = LeastLoadedPolicy(p)
+    for seed in range(3):
+        total = torch.bincount(skewed_ids(1024, 20 + seed).flatten(), minlength=E).numpy()
+        fast = _plan_rank_loads(policy, policy.plan(0, total))
+        converged = LeastLoadedPolicy(p, iterations=2000)
+        multi = converged._multi[0]
+        share = converged._split(0, total, converged._fraction[0] * total[multi][:, None].astype(float), 2000)
+        level = torch.bincount(torch.from_numpy(converged._single_rank[0]),
+                               weights=torch.from_numpy(total[converged._single[0]]).double(),
+                               minlength=p.num_ranks + 1)
+        level += torch.bincount(torch.from_numpy(converged._multi_rank[0].ravel()),
+                                weights=torch.from_numpy(share.ravel()), minlength=p.num_ranks + 1)
+        assert fast.sum() == total.sum()
+        assert fast.max() <= level[:-1].max() + 2          # rounding moves each replica by under one pair
+
+
+def test_least_loaded_drops_replicas_on_overloaded_ranks():
+    """Routing far from the placement's load drives the linear split negative; the fallback still gives
+    non-negative quotas that sum to each expert's total, nothing on padding, and beats round_robin."""
+    p = placement()
+    policy = LeastLoadedPolicy(p)
+    flipped = skewed_ids(2048, 3).flip(1)
+    ids = (E - 1 - flipped)                              # the cold experts are now the hot ones
+    total = torch.bincount(ids.flatten(), minlength=E).numpy()
+    multi = policy._multi[0]
+    assert (policy._linear[0] @ total.astype(float) < 0).any()     # the fallback path runs
+    quota = policy.plan(0, total)
+    assert (quota >= 0).all() and quota.sum(axis=1).tolist() == total.tolist()
+    assert (quota[multi][~policy._valid[0, multi]] == 0).all()
+    counts = torch.from_numpy(total)[None]
+    ll = rank_loads(p, policy.choose(0, ids, counts, 0))
+    rr = rank_loads(p, make_policy("round_robin", p).choose(0, ids, counts, 0))
+    assert ll.max() <= rr.max()
+
+
+def test_least_loaded_with_an_idle_replicated_expert():
+    """A replicated expert that gets no tokens at all (every share of it rounds to zero or below) still plans."""
+    p = placement()
+    policy = LeastLoadedPolicy(p)
+    multi = policy._multi[0]
+    total = torch.bincount(skewed_ids(512, 5).flatten(), minlength=E).numpy()
+    total[multi[0]] = 0
+    total[multi[-1]] = 0
+    quota = policy.plan(0, total)
+    assert (quota >= 0).all() and quota.sum(axis=1).tolist() == total.tolist()
