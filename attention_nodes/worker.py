@@ -69,4 +69,5 @@ class AttentionWorker:
     def report(self, outputs: list[list] | None = None) -> StepReport:
         s = self.scheduler
         return StepReport(self.rank, self.block_pool.num_free_blocks, s.num_running, s.num_waiting,
-                          s.max_next_tokens(), self.num_preemptions, self.num_partial_chunks, outputs or [])
+                          s.max_next_tokens(), self.num_preemptions, self.num_partial_chunks, outputs or [],
+                          self.block_pool.num_blocks)

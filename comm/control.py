@@ -53,6 +53,7 @@ class StepReport:
     num_preemptions: int = 0            # cumulative on this rank
     num_prefill_chunks: int = 0         # cumulative: multi-token forward chunks that did not end a prompt
     outputs: list[list] = field(default_factory=list)
+    num_blocks: int = 0                 # KV blocks in this rank's pool
 
 
 def pack(obj) -> torch.Tensor:

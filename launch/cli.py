@@ -27,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--collective-timeout-s", type=float, default=600.0,
+                   help="a collective that waits longer fails the job")
+    p.add_argument("--heartbeat-s", type=float, default=1.0,
+                   help="an idle leader broadcasts at least this often (must be below the collective timeout)")
     return p
 
 
@@ -35,5 +39,5 @@ def engine_options(args: argparse.Namespace) -> dict:
     keys = ("comm", "balancer", "redundant_experts", "rebalance_interval", "ranks_per_node", "transport",
             "micro_batches", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len",
-            "kv_cache_memory", "block_size", "dtype", "device")
+            "kv_cache_memory", "block_size", "dtype", "device", "collective_timeout_s", "heartbeat_s")
     return {k: getattr(args, k) for k in keys}

@@ -101,6 +101,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} is invalid: pass a positive number of seconds")
         if self.threads_per_rank is not None:
             _int("threads_per_rank", self.threads_per_rank, 1)
+        if self.heartbeat_s >= self.collective_timeout_s:
+            raise ValueError(f"heartbeat_s={self.heartbeat_s} must be below collective_timeout_s="
+                             f"{self.collective_timeout_s}: idle ranks would time out between heartbeats")
 
     @classmethod
     def from_options(cls, model: str, attention_ranks: int, expert_ranks: int, **options) -> EngineConfig:

@@ -103,7 +103,8 @@ class LLM:
         return [p.pid for p in self._procs]
 
     # ----- requests -------------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> list[int]:
+    def prompt_ids(self, prompt) -> list[int]:
+        """A prompt (string or token ids) -> checked token ids; ValueError names what is wrong."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {prompt[:40]!r} is a string but {self.config.model!r} has no tokenizer; "
@@ -121,7 +122,8 @@ class LLM:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
         return ids
 
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+    def check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        """ValueError unless prompt + max_tokens fits max_model_len and one attention rank's KV cache."""
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:  # max_tokens >= 1, so this also covers len(ids) >= max_model_len
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds "
@@ -134,8 +136,8 @@ class LLM:
     def submit(self, prompt, params: SamplingParams) -> str:
         """Validate one request and queue it for the leader; returns its request id. Progress arrives on
         `outbox` as ("out", [[request_id, [new token ids], finish_reason or None], ...])."""
-        ids = self._prompt_ids(prompt)
-        self._check_fits(ids, params)
+        ids = self.prompt_ids(prompt)
+        self.check_fits(ids, params)
         return self._enqueue(ids, params)
 
     def _enqueue(self, ids: list[int], params: SamplingParams) -> str:
@@ -169,9 +171,9 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be SamplingParams instances")
-        ids = [self._prompt_ids(p) for p in prompts]
+        ids = [self.prompt_ids(p) for p in prompts]
         for i, p in zip(ids, params):
-            self._check_fits(i, p)
+            self.check_fits(i, p)
         if not self.is_leader:
             self.runtime.follow()
             return []
@@ -227,24 +229,30 @@ class LLM:
                 return q.get(timeout=0.2)
             except queue.Empty:
                 pass
-            dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
-            if dead:
-                detail = ""
-                try:
-                    while True:
-                        msg = self._status.get_nowait()
-                        if msg[0] == "error":
-                            detail = f": {msg[2]}"
-                            break
-                except (queue.Empty, AttributeError):
-                    pass
-                self._kill()
-                self._closed = True
-                raise RuntimeError(f"rank {dead[0][0]} died (exit code {dead[0][1]}) during {what}; "
-                                   f"all ranks were stopped{detail}")
+            self.check_alive(what)
             if deadline is not None and time.monotonic() > deadline:
                 self._kill()
                 raise RuntimeError(f"{what} timed out; all ranks were stopped")
+
+    def check_alive(self, what: str = "serving") -> None:
+        """RuntimeError naming the rank if a spawned rank has died (the others are then stopped too). Ranks
+        under torchrun are watched by torchrun itself."""
+        dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
+        if not dead:
+            return
+        detail = ""
+        try:
+            while True:
+                msg = self._status.get_nowait()
+                if msg[0] == "error":
+                    detail = f": {msg[2]}"
+                    break
+        except (queue.Empty, AttributeError):
+            pass
+        self._kill()
+        self._closed = True
+        raise RuntimeError(f"rank {dead[0][0]} died (exit code {dead[0][1]}) during {what}; "
+                           f"all ranks were stopped{detail}")
 
     # ----- shutdown -------------------------------------------------------------------------------------
     def _kill(self) -> None:

@@ -1,17 +1,25 @@
 """torchrun entry point: `torchrun --nproc-per-node W launch/serve.py --model DIR --attention-ranks A`.
 
-Every rank joins the runtime. Until the HTTP front lands, attention rank 0 reads JSON lines on
-stdin ({"prompt": str | [ids], plus SamplingParams fields}) and writes one JSON line per finished
-request to stdout ({"id", "token_ids", "text", "finish_reason"} or {"error"}); EOF shuts every
-rank down once the last request is answered. With --prompt it answers those prompts and exits.
+Every rank joins the runtime. Attention rank 0 also runs the OpenAI-compatible HTTP server (FastAPI on
+uvicorn, in a thread beside the leader loop) on --host/--port, 127.0.0.1:8000 by default; /health answers
+503 until every rank has loaded its weights. SIGTERM or SIGINT on rank 0 shuts every rank down (open
+requests get a 503); the other ranks leave on the leader's shutdown header. A rank that fails makes the job
+exit non-zero.
+
+Other modes: with --prompt it answers those prompts and exits; with --stdin attention rank 0 reads JSON
+lines ({"prompt": str | [ids], plus SamplingParams fields}) and writes one JSON line per finished request
+({"id", "token_ids", "text", "finish_reason"} or {"error"}); EOF shuts every rank down.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import signal
 import sys
 import threading
+import time
 
 if __package__ in (None, ""):  # run as a script by torchrun: make the project importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,9 +28,15 @@ from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.llm import LLM
 
+SHUTDOWN_GRACE_S = 10.0   # after SIGTERM a rank that has not left by then exits non-zero
+
 
 def _emit(obj: dict) -> None:
     print(json.dumps(obj), flush=True)
+
+
+def _say(text: str) -> None:
+    print(f"afserve: {text}", file=sys.stderr, flush=True)
 
 
 def _read_requests(llm: LLM, max_tokens: int, state: dict) -> None:
@@ -63,18 +77,101 @@ def _write_outputs(llm: LLM, state: dict) -> None:
                 llm.inbox.put(("shutdown",))
 
 
+def _exit_later(seconds: float, why: str) -> None:
+    """A bounded shutdown: if this process is still here after `seconds`, leave with status 1."""
+    def run():
+        time.sleep(seconds)
+        _say(f"{why}: still running {seconds:.0f} s later, exiting with status 1")
+        os._exit(1)
+    threading.Thread(target=run, daemon=True).start()
+
+
+def _start_http(args, model_name: str):
+    """uvicorn in a thread on rank 0, up before the weights load (so /health can say "loading")."""
+    import uvicorn
+
+    from launch.api_server import build_app
+
+    app = build_app(model_name, args.model, args.api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=3))
+    thread = threading.Thread(target=server.run, name="afserve-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise SystemExit(f"afserve: the HTTP server could not listen on {args.host}:{args.port}")
+        time.sleep(0.05)
+    return app, server, thread
+
+
+def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    http = _start_http(args, model_name) if rank == 0 else None
+    llm = LLM(args.model, **llm_kwargs)
+    rt = llm.runtime
+    _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
+    if rt.leader is None:
+        def on_term(signum, _frame):   # the leader decides; leave on its shutdown header
+            _exit_later(SHUTDOWN_GRACE_S, f"rank {rank} got signal {signum}")
+        signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGINT, on_term)
+        try:
+            rt.follow()
+        except Exception as e:
+            _say(f"rank {rank} failed: {type(e).__name__}: {e}")
+            os._exit(1)
+        rt.close()
+        return 0
+
+    from launch.api_server import attach, shut_down
+
+    app, server, thread = http
+    attach(app, llm)
+
+    def on_term(signum, _frame):
+        _say(f"rank 0 got signal {signum}: shutting down every rank")
+        _exit_later(SHUTDOWN_GRACE_S, "shutdown")
+        llm.inbox.put(("shutdown",))
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    _say(f"serving {model_name!r} on http://{args.host}:{args.port}")
+    try:
+        rt.leader.serve(llm.inbox, llm.outbox, llm.config.heartbeat_s)
+    except Exception as e:
+        _say(f"the engine failed: {type(e).__name__}: {e}")
+        os._exit(1)
+    shut_down(app, "the server is shutting down")
+    server.should_exit = True
+    thread.join(timeout=5)
+    rt.close()
+    _say("shut down cleanly")
+    return 0
+
+
 def main(argv=None) -> int:
     p = add_engine_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", default=None, help="the model id clients pass (default: the directory "
+                                                              "name of --model)")
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
+    p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
     args = p.parse_args(argv)
     if not args.model:
         p.error("--model DIR is required")
     world = int(os.environ.get("WORLD_SIZE", 0))
     if not world:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     expert_ranks = args.expert_ranks if args.expert_ranks is not None else world - args.attention_ranks
-    llm = LLM(args.model, attention_ranks=args.attention_ranks, expert_ranks=expert_ranks, **engine_options(args))
+    llm_kwargs = dict(attention_ranks=args.attention_ranks, expert_ranks=expert_ranks, **engine_options(args))
+    if not (args.prompt or args.stdin):
+        name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+        return _serve_http(args, llm_kwargs, name)
+    llm = LLM(args.model, **llm_kwargs)
     if args.prompt:
         outs = llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens))
         for o in outs:

@@ -46,8 +46,15 @@ def make_tiny_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, max_
     return os.fspath(path)
 
 
+# A minimal chat format of our own: each message as "<s>role\ncontent</s>\n", then "<s>assistant\n" to answer.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
 def save_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = TINY_VOCAB) -> None:
-    """Train a small byte-level BPE tokenizer on local text and save it beside a tiny checkpoint."""
+    """Train a small byte-level BPE tokenizer on local text and save it (with a chat template) beside a tiny
+    checkpoint."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -64,4 +71,5 @@ def save_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = TINY_VOCAB) -
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(os.fspath(path))

@@ -36,7 +36,7 @@ def test_serve_json_lines(tiny_checkpoint):
     lines = [{"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True},
              {"prompt": [], "max_tokens": 3},
              {"prompt": [9, 9], "max_tokens": 5, "ignore_eos": True, "temperature": -1}]
-    out = torchrun(3, "--model", path, "--attention-ranks", "1",
+    out = torchrun(3, "--model", path, "--attention-ranks", "1", "--stdin",
                    stdin="".join(json.dumps(x) + "\n" for x in lines))
     errors = [o["error"] for o in out if "error" in o]
     answers = [o for o in out if "token_ids" in o]

@@ -1,0 +1,171 @@
+"""OpenAI-compatible request and response shapes for the HTTP front (launch/api_server.py).
+
+Requests are pydantic models in strict mode, so a wrong JSON type is a 400 that names the field, and the
+server's OpenAPI schema (which the fuzz test reads) says exactly what is accepted. Fields that OpenAI
+defines but this server does not implement are accepted by the schema and refused with a 400 that names
+them (`unsupported`), so a client learns what to change instead of getting silently different output.
+Extensions that vLLM also takes: top_k, stop_token_ids, ignore_eos.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from attention_nodes.sampling_params import SamplingParams
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Seed = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's {"error": {...}} body with the given HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    temperature: Annotated[float, Field(ge=0, le=1e6)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
+    n: Annotated[int, Field(ge=1, lt=2**31)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, why) for every set field this server does not implement."""
+        out = []
+        if self.n != 1:
+            out.append(("n", f"n={self.n} is not supported: this server returns one choice per prompt; pass n=1"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                out.append((name, f"{name} is not supported; leave it at 0"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported; leave it out"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options is only allowed with stream=true"))
+        return out
+
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(s == "" for s in stops):
+            raise APIError(400, "stop strings must not be empty", "stop")
+        return stops
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters (stop strings are the front's job, not the engine's)."""
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=self.seed,
+                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported; leave it false"))
+        if self.logprobs is not None:
+            out.append(("logprobs", "logprobs are not supported; leave them out"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", f"best_of={self.best_of} is not supported; pass 1 or leave it out"))
+        if self.suffix is not None:
+            out.append(("suffix", "suffix is not supported; leave it out"))
+        return out
+
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt or a batch; each becomes one choice."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise APIError(400, "prompt is empty: pass a string, a list of token ids, or a list of either",
+                           "prompt")
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"messages[{index}] has a content part of type {part.type!r}; this server "
+                                    f"takes text parts only", f"messages.{index}.content")
+            parts.append(part.text)
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    add_generation_prompt: bool = True
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.logprobs or self.top_logprobs is not None:
+            out.append(("logprobs", "logprobs are not supported; leave them out"))
+        if self.tools:
+            out.append(("tools", "tool calling is not supported; leave tools out"))
+        if self.tool_choice not in (None, "none"):
+            out.append(("tool_choice", "tool calling is not supported; leave tool_choice out"))
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
+        return out
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]

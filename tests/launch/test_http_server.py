@@ -1,0 +1,340 @@
+"""The OpenAI-compatible server (launch/serve.py under torchrun, 1 attention + 2 expert ranks) on loopback:
+the real `openai` client gets what LLM.generate gives; bad requests get OpenAI-style 4xx errors; stop
+strings, stop token ids and seeds work; a client that goes away has its request aborted and its KV blocks
+returned; an idle server outlives its collective timeout; a schema fuzz pass gets no 5xx; 500 requests at
+concurrency 32 all complete in full; SIGTERM stops every rank; a killed rank takes the server down."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import re
+import signal
+import time
+
+import openai
+import pytest
+
+from launch import LLM, SamplingParams
+from launch.local_server import LocalServer
+
+KEY = "test-key"
+MODEL = "tiny"
+MAX_LEN = 128
+COLLECTIVE_TIMEOUT_S = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint, tmp_path_factory):
+    import os
+    import shutil
+    path = os.path.join(tmp_path_factory.mktemp("served"), MODEL)
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    srv = LocalServer(model_dir, nproc=3, args=[
+        "--attention-ranks", "1", "--api-key", KEY, "--max-model-len", str(MAX_LEN),
+        "--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--heartbeat-s", "0.5"])
+    with srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    with LLM(model_dir, attention_ranks=1, expert_ranks=1, max_model_len=MAX_LEN) as llm:
+        yield llm
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, key: str | None = KEY, raw: bytes | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request("POST", path, body=raw if raw is not None else json.dumps(body), headers=headers)
+    resp = conn.getresponse()
+    data = json.loads(resp.read() or b"{}")
+    conn.close()
+    return resp.status, data
+
+
+GREEDY = dict(temperature=0, max_tokens=8)
+PROMPTS = ["Hello experts", "The quick brown fox"]
+
+
+def test_health_said_loading_before_ready(server):
+    assert server.health_seen[-1] == 200
+    assert 503 in server.health_seen, server.health_seen
+
+
+def test_models_lists_the_served_model(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+
+
+def test_completions_equal_generate(client, reference):
+    want = reference.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    got = client.completions.create(model=MODEL, prompt=PROMPTS, extra_body={"ignore_eos": True}, **GREEDY)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [w.text for w in want]
+    assert all(c.finish_reason == "length" for c in got.choices)
+    assert got.usage.completion_tokens == 16
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    for prompt, w in zip(PROMPTS, want):
+        stream = client.completions.create(model=MODEL, prompt=prompt, stream=True, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True}, **GREEDY)
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == w.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_equals_generate_on_the_template(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello experts"}]
+    tok = reference.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    want = reference.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    got = client.chat.completions.create(model=MODEL, messages=messages, extra_body={"ignore_eos": True}, **GREEDY)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), 8)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}, **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.total_tokens == len(ids) + 8
+
+
+def test_stop_strings_and_stop_token_ids(client, reference):
+    full = reference.generate(["Hello experts"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    # a stop token id: generation ends on it (its text is a special-free decode, so compare token counts)
+    stop_id = full.token_ids[3]
+    first = full.token_ids.index(stop_id)
+    got = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=12,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == first + 1
+    # a stop string: the text ends right before its first occurrence
+    text = full.text
+    stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2]
+                and text.find(text[i:i + 2]) == i)
+    for stream in (False, True):
+        res = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=12,
+                                        stop=[stop, "never-appears"], stream=stream, extra_body={"ignore_eos": True})
+        if stream:
+            chunks = list(res)
+            out = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            out, reason = res.choices[0].text, res.choices[0].finish_reason
+        assert out == text[:text.index(stop)] and reason == "stop", (stream, out, stop, text)
+
+
+def test_seed_makes_sampling_reproducible(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="Hello", temperature=1.0, top_p=0.9, max_tokens=12,
+                                         seed=seed, extra_body={"ignore_eos": True, "top_k": 50}).choices[0].text
+    a, b, c = sample(7), sample(7), sample(8)
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize("body, raw, status, words", [
+    (None, b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, None, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": 42}, None, 400, "prompt"),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, None, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, None, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, None, 400, "max_model_len"),
+    ({"model": MODEL, "prompt": list(range(3, 3 + MAX_LEN + 5))}, None, 400, "max_model_len"),
+    ({"model": "gpt-nothing", "prompt": "hi"}, None, 404, "gpt-nothing"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, None, 400, "n=2"),
+    ({"model": MODEL, "prompt": [], "max_tokens": 2}, None, 400, "empty"),
+    ({"model": MODEL, "prompt": [999999]}, None, 400, "vocabulary"),
+    ({"model": MODEL, "prompt": "hi", "stop": [""]}, None, 400, "stop"),
+])
+def test_bad_completion_requests_get_openai_errors(server, body, raw, status, words):
+    code, data = post(server, "/v1/completions", body, raw=raw)
+    assert code == status, data
+    err = data["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_bad_chat_requests_get_openai_errors(server):
+    code, data = post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert code == 400 and "messages" in data["error"]["message"]
+    code, data = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": 1}]})
+    assert code == 400 and "messages" in data["error"]["param"]
+    code, data = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert code == 400 and "text parts only" in data["error"]["message"]
+    code, data = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": MAX_LEN,
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert code == 400 and data["error"]["code"] == "context_length_exceeded"
+
+
+def test_api_key_is_required(server):
+    for key in (None, "wrong"):
+        code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}, key=key)
+        assert code == 401 and data["error"]["code"] == "invalid_api_key"
+    assert server.health() == 200     # /health and /metrics stay open for probes and scrapers
+
+
+def _kv_used(server) -> int:
+    return sum(int(float(v)) for v in re.findall(r'^afserve_kv_blocks_used\{rank="\d+"\} (\S+)$', server.metrics(),
+                                                 re.M))
+
+
+def _aborted(server) -> int:
+    m = re.search(r'^afserve_requests_finished_total\{finish_reason="abort"\} (\S+)$', server.metrics(), re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def test_client_disconnect_aborts_and_frees_kv_blocks(server):
+    before_used, before_aborted = _kv_used(server), _aborted(server)
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": MODEL, "prompt": "Hello experts " * 8, "max_tokens": 90, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.read(6) == b"data: "                      # generation has started: it holds KV blocks
+    conn.sock.close()                                      # the client goes away mid-stream
+    conn.close()
+    deadline = time.monotonic() + 20
+    while (_aborted(server) <= before_aborted or _kv_used(server) != before_used) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _aborted(server) == before_aborted + 1
+    assert _kv_used(server) == before_used
+    text = server.metrics()
+    assert re.search(r'^afserve_requests_running 0\.0$', text, re.M)
+
+
+def test_metrics_cover_latency_tokens_and_per_layer_comm(server, client):
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    text = server.metrics()
+    for name in ("afserve_time_to_first_token_seconds_bucket", "afserve_time_per_output_token_seconds_count",
+                 "afserve_e2e_request_latency_seconds_sum", "afserve_generation_tokens_total",
+                 "afserve_requests_waiting", 'afserve_kv_blocks_total{rank="0"}', "afserve_expert_load_max_mean"):
+        assert name in text, name
+    for role, rank in (("attention", 0), ("expert", 1), ("expert", 2)):
+        for layer in (0, 1):
+            for phase in ("dispatch", "combine"):
+                pat = (rf'^afserve_layer_comm_seconds_total\{{layer="{layer}",phase="{phase}",rank="{rank}",'
+                       rf'role="{role}"\}} (\S+)$')
+                m = re.search(pat, text, re.M)
+                assert m and float(m.group(1)) > 0, pat
+
+
+def test_idle_server_outlives_the_collective_timeout(server, client):
+    time.sleep(COLLECTIVE_TIMEOUT_S + 2)
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+
+
+def test_schema_fuzz_gets_no_5xx(server):
+    """Positive (schema-valid) and negative (schema-violating) cases for every operation."""
+    import collections
+
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    failures, seen = [], collections.Counter()
+
+    def checker(positive: bool):
+        @settings(max_examples=40, deadline=None, database=None, phases=[Phase.generate], derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        def check(case):
+            if positive and isinstance(case.body, dict):
+                case.body["model"] = MODEL          # a random model name only ever gets the 404
+            response = case.call(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+            seen[response.status_code // 100] += 1
+            if response.status_code >= 500:
+                failures.append((case.operation.label, case.body, response.status_code, response.text[:300]))
+        return check
+
+    for result in schema.get_all_operations():
+        op = result.ok()
+        given(case=op.as_strategy(schemathesis.GenerationMode.POSITIVE))(checker(True))()
+        if op.method.upper() == "POST":     # GETs without parameters have no schema to violate
+            given(case=op.as_strategy(schemathesis.GenerationMode.NEGATIVE))(checker(False))()
+    assert not failures, failures[:3]
+    print("fuzz statuses by class:", dict(seen))
+    assert seen[2] >= 10 and seen[4] >= 20, seen      # both served requests and refusals were exercised
+    assert server.health() == 200
+
+
+def test_load_500_requests_at_concurrency_32_all_complete(server):
+    rng = __import__("random").Random(0)
+    wanted = [rng.randint(2, 12) for _ in range(500)]
+    words = ["experts", "tokens", "layer", "rank", "hello", "world"]
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 12))) for _ in wanted]
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+        sem = asyncio.Semaphore(32)
+
+        async def one(prompt, n, stream):
+            async with sem:
+                if stream:
+                    res = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0.8,
+                                                           stream=True, stream_options={"include_usage": True},
+                                                           extra_body={"ignore_eos": True})
+                    chunks = [c async for c in res]
+                    return chunks[-1].usage.completion_tokens, [c for c in chunks if c.choices][-1].choices[0]
+                res = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0.8,
+                                                       extra_body={"ignore_eos": True})
+                return res.usage.completion_tokens, res.choices[0]
+
+        try:
+            return await asyncio.gather(*(one(p, n, i % 2 == 0) for i, (p, n) in enumerate(zip(prompts, wanted))))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(run())
+    assert [n for n, _ in results] == wanted
+    assert all(choice.finish_reason == "length" for _, choice in results)
+
+
+def test_sigterm_shuts_down_every_rank(model_dir):
+    with LocalServer(model_dir, nproc=3, args=["--attention-ranks", "1"]) as srv:
+        pids = srv.rank_pids
+        assert sorted(pids) == [0, 1, 2]
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.wait(30) is not None
+        log = srv.log()
+    assert "shut down cleanly" in log and "failed" not in log, log[-3000:]
+    for pid in pids.values():
+        assert not _alive(pid), f"rank pid {pid} outlived the shutdown"
+
+
+def test_killed_rank_takes_the_server_down(model_dir):
+    with LocalServer(model_dir, nproc=3, args=["--attention-ranks", "1"]) as srv:
+        pids = srv.rank_pids
+        t0 = time.monotonic()
+        __import__("os").kill(pids[2], signal.SIGKILL)
+        code = srv.wait(30)
+        took = time.monotonic() - t0
+    assert code not in (None, 0), code
+    assert took < 15, took
+    for pid in pids.values():
+        assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
