@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/throughput.py
 	$(PY) bench/balancer.py
+	$(PY) bench/serve_load.py
 
 clean:
 	rm -rf $(VENV)
