@@ -350,8 +350,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None) -> F
         ids = tok.encode(text, add_special_tokens=False)
         prompts = [_ids(eng.llm, ids, "messages")]
         limit = body.limit()
-        params = _params(eng.llm, body, limit if limit is not None else max(1, eng.llm.max_model_len - len(ids)),
-                         prompts)
+        room = min(eng.llm.max_model_len, eng.llm.kv_capacity_tokens) - len(ids)   # the default: all that fits
+        params = _params(eng.llm, body, limit if limit is not None else max(1, room), prompts)
         return await _respond(state, eng, body, request, prompts, params, chat=True)
 
     @app.get("/metrics")
@@ -450,9 +450,14 @@ async def _respond(state: _ServerState, eng: EngineClient, body, request: Reques
     stops = body.stop_strings()
     sink: asyncio.Queue = asyncio.Queue()
     choices: dict[str, _Choice] = {}
-    for i, ids in enumerate(prompts):
-        rid = eng.submit(ids, params, sink)
-        choices[rid] = _Choice(i, rid, len(ids), TextStream(eng.llm.tokenizer, stops))
+    try:
+        for i, ids in enumerate(prompts):
+            rid = eng.submit(ids, params, sink)
+            choices[rid] = _Choice(i, rid, len(ids), TextStream(eng.llm.tokenizer, stops))
+    except BaseException:
+        for rid in choices:      # a batch is all or nothing
+            eng.release(rid, "abort")
+        raise
     rid_prefix = "chatcmpl-" if chat else "cmpl-"
     resp_id, created = rid_prefix + uuid.uuid4().hex, int(time.time())
 

@@ -74,6 +74,15 @@ def test_health_said_loading_before_ready(server):
     assert 503 in server.health_seen, server.health_seen
 
 
+def test_listens_on_loopback_by_default(server):
+    """The fixture passes no --host: the listening socket is bound to 127.0.0.1 only."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    listening = [r[1] for r in rows if r[3] == "0A" and int(r[1].split(":")[1], 16) == server.port]
+    assert listening == [f"0100007F:{server.port:04X}"], listening
+    assert f"on http://127.0.0.1:{server.port}" in server.log()
+
+
 def test_models_lists_the_served_model(client):
     ids = [m.id for m in client.models.list().data]
     assert ids == [MODEL]
