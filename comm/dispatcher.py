@@ -59,10 +59,14 @@ class Dispatcher(ABC):
     on every rank. Ranks 0..num_sources-1 (the attention ranks) send tokens; the others hold experts."""
 
     def __init__(self, group: dist.ProcessGroup, hidden_size: int, top_k: int, dtype: torch.dtype,
-                 device: torch.device, num_sources: int, stats: CommStats | None = None):
+                 device: torch.device, num_sources: int, stats: CommStats | None = None,
+                 ranks_per_node: int | None = None):
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.ranks_per_node = ranks_per_node or self.world_size      # nodes: consecutive blocks of ranks
+        self.node_of = [r // self.ranks_per_node for r in range(self.world_size)]
+        self.my_node = self.node_of[self.rank]
         self.num_sources = num_sources
         self.hidden_size, self.top_k = hidden_size, top_k
         self.dtype, self.device = dtype, device
@@ -185,10 +189,11 @@ class DirectDispatcher(Dispatcher):
         valid = torch.cat([recv[i, 1:1 + n] for i, n in enumerate(recv_counts)]) if recv_counts else \
             torch.empty(0, B, dtype=torch.uint8, device=self.device)
         rows = unpack_rows(valid, self.hidden_size, self.top_k, self.dtype)
-        num_out = W - S if self.is_source else 0
         handle = pending.handle
-        self.stats.phase(handle.layer, "dispatch").add(num_out * (C + 1) * B, num_out,
-                                                       time.perf_counter() - pending.t0)
+        st = self.stats.phase(handle.layer, "dispatch")
+        for peer in (range(S, W) if self.is_source else ()):
+            st.add_message((C + 1) * B, self.node_of[peer] != self.my_node)
+        st.add(0, 0, time.perf_counter() - pending.t0)
         handle.recv_counts = recv_counts + [0] * (W - len(recv_counts))
         return rows, handle
 
@@ -213,18 +218,21 @@ class DirectDispatcher(Dispatcher):
             gathered = [torch.empty_like(block) for _ in range(W)] if self.is_source else None
             dist.gather(block, gathered, dst=0, group=self.group)
             back = torch.cat([g[:n] for g, n in zip(gathered, handle.send_counts)]) if self.is_source else None
-            num_out, bytes_out = (0, 0) if self.is_source else (1, block.numel() * block.element_size())
+            sent = [] if self.is_source else [(0, block.numel() * block.element_size())]
         else:
             # Each source gets back exactly the rows it sent: both sides know the counts already.
             in_splits = handle.send_counts if self.is_source else [0] * W
             out_splits = [0] * W if self.is_source else handle.recv_counts
             back = torch.empty(sum(in_splits), H, dtype=self.dtype, device=self.device)
             dist.all_to_all_single(back, expert_out.contiguous(), in_splits, out_splits, group=self.group)
-            num_out, bytes_out = sum(c > 0 for c in out_splits), expert_out.numel() * expert_out.element_size()
+            sent = [(p, n * H * self.dtype.itemsize) for p, n in enumerate(out_splits) if n > 0]
         out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         if back is not None:
             out.index_add_(0, handle.row2token, back)
-        self.stats.phase(handle.layer, "combine").add(bytes_out, num_out, time.perf_counter() - t0)
+        st = self.stats.phase(handle.layer, "combine")
+        for peer, nbytes in sent:
+            st.add_message(nbytes, self.node_of[peer] != self.my_node)
+        st.add(0, 0, time.perf_counter() - t0)
         return out
 
 
@@ -233,9 +241,9 @@ class ShmDispatcher(Dispatcher):
     expert rank) pair and direction, exact sizes, no collective. `control` (gloo) is used once, to set up.
     max_tokens bounds any source's tokens per call (the token budget)."""
 
-    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, *, control,
-                 max_tokens: int, depth: int = 2, timeout_s: float = 600.0):
-        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats)
+    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
+                 control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0):
+        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node)
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
         self.round = 0
@@ -323,10 +331,9 @@ class ShmDispatcher(Dispatcher):
         return out
 
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {"direct": DirectDispatcher}
-
-
 def make_dispatcher(mode: str, **kwargs) -> Dispatcher:
-    if mode not in DISPATCHERS:
-        raise ValueError(f"comm mode {mode!r} is not available; choose one of {sorted(DISPATCHERS)}")
-    return DISPATCHERS[mode](**kwargs)
+    from .two_phase import TwoPhaseDispatcher
+    dispatchers: dict[str, type[Dispatcher]] = {"direct": DirectDispatcher, "two_phase": TwoPhaseDispatcher}
+    if mode not in dispatchers:
+        raise ValueError(f"comm mode {mode!r} is not available; choose one of {sorted(dispatchers)}")
+    return dispatchers[mode](**kwargs)

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-COMM_MODES = ("direct",)
+COMM_MODES = ("direct", "two_phase")
 BALANCERS = ("static", "round_robin", "random", "least_loaded")
 TRANSPORTS = ("auto", "shm", "collective")
 

@@ -115,7 +115,7 @@ class Runtime:
     def _make_dispatcher(self, spec):
         par = self.config.parallel
         kw = dict(group=self.groups.world, hidden_size=spec.hidden_size, top_k=spec.top_k, dtype=self.dtype,
-                  device=self.device, num_sources=par.attention_ranks)
+                  device=self.device, num_sources=par.attention_ranks, ranks_per_node=self.topo.ranks_per_node)
         if self._use_shm():
             return ShmDispatcher(**kw, control=self.groups.control,
                                  max_tokens=self.config.scheduler.max_num_batched_tokens,
@@ -124,8 +124,11 @@ class Runtime:
 
     def _use_shm(self) -> bool:
         """shm: CPU ranks on one host and one (emulated) node. Every rank must reach the same answer."""
-        choice = self.config.parallel.transport
-        if choice == "collective" or self.device.type != "cpu":
+        choice, comm = self.config.parallel.transport, self.config.parallel.comm
+        if choice == "shm" and comm != "direct":
+            raise ValueError(f"transport='shm' carries comm='direct' only, not comm={comm!r}; "
+                             f"use transport='collective' or 'auto'")
+        if choice == "collective" or self.device.type != "cpu" or comm != "direct":
             return False
         host = int.from_bytes(hashlib.sha256(host_identity().encode()).digest()[:7], "little")
         here = torch.tensor([host, int(shm_supported())])

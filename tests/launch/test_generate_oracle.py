@@ -58,3 +58,21 @@ def test_gloo_transport_matches_transformers(tiny_checkpoint, arch, transport, a
              ranks_per_node=ranks_per_node) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
+
+
+@pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), (4, 4, 2), (4, 4, 4)])
+def test_two_phase_matches_transformers(tiny_checkpoint, attention_ranks, expert_ranks, ranks_per_node):
+    """comm='two_phase' over emulated nodes: tokens gathered per node, one message per node pair."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(6, 256, 2, 30, seed=6)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, comm="two_phase",
+             ranks_per_node=ranks_per_node) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        stats = llm.comm_stats()
+    assert [o.token_ids for o in outs] == expected
+    nodes = -(-(attention_ranks + expert_ranks) // ranks_per_node)
+    src_nodes, dst_nodes = -(-attention_ranks // ranks_per_node), nodes - -(-attention_ranks // ranks_per_node)
+    layer0 = [r["layers"]["0"]["dispatch"] for r in stats["ranks"].values()]
+    calls = layer0[0]["calls"]
+    assert sum(p["inter_node_messages"] for p in layer0) == calls * src_nodes * dst_nodes

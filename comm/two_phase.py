@@ -1,0 +1,239 @@
+"""two_phase: aggregate inside a node, cross nodes once per node pair, fan out inside the destination node.
+
+Dispatch, for every destination node nd that holds expert ranks:
+  1. each source rank sends its tokens that have any choice on nd (once per token, deduplicated) to the
+     gateway of (its node, nd) on its own node;
+  2. that gateway sends everything its node has for nd in one message to its peer gateway on nd, the rank
+     with the same local index;
+  3. the peer gateway splits each row per expert rank of nd it names (once per (row, rank)) and sends each
+     expert rank its rows.
+Combine runs the same path backwards: expert ranks return one weighted-sum row per row; the nd gateway
+adds up the rows of each token over nd's expert ranks and returns one row per token to the source node's
+gateway, which hands each source its rows; the source adds them up over nodes.
+
+Gateways are chosen by local index: (ns, nd) uses local index (ns + nd) mod min(|ns|, |nd|) on both nodes, so
+nodes of different sizes work and different node pairs spread over different ranks. Per layer and direction
+the inter-node messages are one per (source node, destination node) pair with tokens, instead of one per
+(source rank, expert rank) pair.
+
+Every message is point-to-point (isend/irecv over the data-plane group): a block of bound + 1 rows whose
+first row holds the row count, where the bound (the step capacity times the sources whose tokens the
+message can carry) is known to both sides, so there is no size exchange, as in `direct`. Choices cross
+nodes as a code (rank << 20 | slot). Names: T tokens, H hidden, K top-k, W world size, S sources.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .dispatcher import Dispatcher, PendingDispatch, pack_rows, plan_rows, unpack_rows
+
+SLOT_BITS = 20
+MAX_RANKS = 1 << (31 - SLOT_BITS)   # a code must fit an int32
+
+
+@dataclass(slots=True)
+class TwoPhaseHandle:
+    """What combine needs to walk the path back (all lists in the order the dispatch used)."""
+
+    layer: int
+    num_tokens: int
+    to_gateway: dict[int, torch.Tensor] = field(default_factory=dict)      # source: nd -> token of each row sent
+    from_sources: dict[int, list[int]] = field(default_factory=dict)       # gateway: nd -> rows from each source
+    from_gateways: list[int] = field(default_factory=list)                 # nd gateway: rows from each ns gateway
+    exploded: torch.Tensor | None = None                                   # nd gateway: merged row of each row sent
+    to_experts: list[int] = field(default_factory=list)                    # nd gateway: rows sent to each expert
+    from_nd_gateways: list[int] = field(default_factory=list)              # expert: rows from each nd gateway
+
+
+class TwoPhaseDispatcher(Dispatcher):
+    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None):
+        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node)
+        W, S = self.world_size, num_sources
+        if W > MAX_RANKS:
+            raise ValueError(f"two_phase addresses at most {MAX_RANKS} ranks; this job has {W}")
+        self.members: dict[int, list[int]] = {}
+        for r in range(W):
+            self.members.setdefault(self.node_of[r], []).append(r)
+        self.src_nodes = sorted({self.node_of[r] for r in range(S)})
+        self.dst_nodes = sorted({self.node_of[r] for r in range(S, W)})
+
+    def gateways(self, ns: int, nd: int) -> tuple[int, int]:
+        """(gateway on ns, gateway on nd) for traffic from source node ns to destination node nd."""
+        a, b = self.members[ns], self.members[nd]
+        i = (ns + nd) % min(len(a), len(b))
+        return a[i], b[i]
+
+    def _sources_on(self, node: int) -> list[int]:
+        return [r for r in self.members[node] if r < self.num_sources]
+
+    def _experts_on(self, node: int) -> list[int]:
+        return [r for r in self.members[node] if r >= self.num_sources]
+
+    def _nd_gateways_here(self) -> list[int]:
+        """The distinct ranks of my node that receive other nodes' (or this node's) tokens for it."""
+        if self.my_node not in self.dst_nodes:
+            return []
+        return sorted({self.gateways(ns, self.my_node)[1] for ns in self.src_nodes})
+
+    # ----- messages ----------------------------------------------------------------------------------------
+    def _exchange(self, sends: list[tuple[int, int, torch.Tensor, int]], recvs: list[tuple[int, int, int]],
+                  width: int, layer: int, phase: str) -> list[torch.Tensor]:
+        """Point-to-point rows. sends: (peer, tag, `[n, width]` uint8 rows, bound); recvs: (peer, tag, bound)
+        -> the rows of each recv, in order. Each message is a block of bound + 1 rows (row 0: the count), a
+        size both sides know; a message to oneself is a reference, not a message."""
+        me, stats = self.rank, self.stats.phase(layer, phase)
+        local = {tag: rows for peer, tag, rows, _ in sends if peer == me}
+        ops, blocks = [], []
+        for peer, tag, rows, bound in sends:
+            if peer == me:
+                continue
+            n = rows.shape[0]
+            assert n <= bound, (n, bound)
+            block = torch.empty(bound + 1, width, dtype=torch.uint8, device=self.device)
+            block[0, :8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+            block[1:1 + n] = rows
+            ops.append(dist.P2POp(dist.isend, block, peer, self.group, tag))
+            stats.add_message(block.numel(), self.node_of[peer] != self.my_node)
+        for peer, tag, bound in recvs:
+            buf = None
+            if peer != me:
+                buf = torch.empty(bound + 1, width, dtype=torch.uint8, device=self.device)
+                ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, tag))
+            blocks.append(buf)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return [local[tag] if buf is None else buf[1:1 + int(buf[0, :8].view(torch.int64))]
+                for (_, tag, _), buf in zip(recvs, blocks)]
+
+    def _bound(self, ns: int) -> int:
+        """Most rows a source node can have for one destination node: one per token of each of its sources."""
+        return len(self._sources_on(ns)) * self.capacity
+
+    def _nd_bound(self, gateway: int) -> int:
+        """Most rows an nd gateway can hold: the bounds of the source nodes it serves."""
+        nd = self.node_of[gateway]
+        return sum(self._bound(ns) for ns in self.src_nodes if self.gateways(ns, nd)[1] == gateway)
+
+    @staticmethod
+    def _tag(hop: int, key: int) -> int:
+        """Hops 1-3 dispatch, 4-6 combine; key a node (< 4096)."""
+        return hop * 4096 + key
+
+    # ----- dispatch ----------------------------------------------------------------------------------------
+    def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
+        t0 = time.perf_counter()
+        W, me, B = self.world_size, self.rank, self._row_bytes()
+        if hidden.shape[0] > self.capacity:
+            raise RuntimeError(f"rank {me}: {hidden.shape[0]} tokens exceed the step capacity {self.capacity}")
+        handle = TwoPhaseHandle(layer, hidden.shape[0])
+        # hop 1: my tokens, once per destination node, to my node's gateway for it
+        sends = []
+        if self.is_source:
+            code = torch.where(slots >= 0, (dst_ranks << SLOT_BITS) | slots, -1)
+            row2token, row_node, row_code, row_w = plan_rows(dst_ranks // self.ranks_per_node, code, weights, W)
+            for nd in self.dst_nodes:
+                sel = row_node == nd
+                handle.to_gateway[nd] = row2token[sel]
+                sends.append((self.gateways(self.my_node, nd)[0], self._tag(1, nd),
+                              pack_rows(hidden[row2token[sel]], row_code[sel], row_w[sel]), self.capacity))
+        mine = [nd for nd in self.dst_nodes
+                if self.my_node in self.src_nodes and self.gateways(self.my_node, nd)[0] == me]
+        srcs = self._sources_on(self.my_node)
+        got = self._exchange(sends, [(s, self._tag(1, nd), self.capacity) for nd in mine for s in srcs], B, layer,
+                             "dispatch")
+        # hop 2: what my node has for nd, in one message to nd's gateway
+        sends = []
+        for i, nd in enumerate(mine):
+            part = got[i * len(srcs):(i + 1) * len(srcs)]
+            handle.from_sources[nd] = [p.shape[0] for p in part]
+            sends.append((self.gateways(self.my_node, nd)[1], self._tag(2, self.my_node), torch.cat(part),
+                          self._bound(self.my_node)))
+        froms = [ns for ns in self.src_nodes
+                 if self.my_node in self.dst_nodes and self.gateways(ns, self.my_node)[1] == me]
+        got = self._exchange(sends, [(self.gateways(ns, self.my_node)[0], self._tag(2, ns), self._bound(ns))
+                                     for ns in froms], B, layer, "dispatch")
+        # hop 3: split each row per expert rank of this node it names
+        sends = []
+        if froms:
+            handle.from_gateways = [g.shape[0] for g in got]
+            merged = unpack_rows(torch.cat(got), self.hidden_size, self.top_k, self.dtype)
+            rank = torch.where(merged.slots >= 0, merged.slots >> SLOT_BITS, W)
+            slot = torch.where(merged.slots >= 0, merged.slots & ((1 << SLOT_BITS) - 1), -1)
+            row2row, row_dst, row_slot, row_w = plan_rows(rank, slot, merged.weights, W + 1)
+            keep = row_dst < W
+            row2row, row_dst, row_slot, row_w = row2row[keep], row_dst[keep], row_slot[keep], row_w[keep]
+            handle.exploded = row2row
+            for r in self._experts_on(self.my_node):
+                sel = row_dst == r
+                handle.to_experts.append(int(sel.sum()))
+                sends.append((r, self._tag(3, 0), pack_rows(merged.hidden[row2row[sel]], row_slot[sel], row_w[sel]),
+                              self._nd_bound(me)))
+        gws = self._nd_gateways_here() if not self.is_source else []
+        got = self._exchange(sends, [(g, self._tag(3, 0), self._nd_bound(g)) for g in gws], B, layer, "dispatch")
+        handle.from_nd_gateways = [g.shape[0] for g in got]
+        rows = torch.cat(got) if got else torch.empty(0, B, dtype=torch.uint8, device=self.device)
+        self.stats.phase(layer, "dispatch").add(0, 0, time.perf_counter() - t0)
+        return PendingDispatch(None, rows, None, handle, t0)
+
+    def finish_dispatch(self, pending):
+        return unpack_rows(pending.recv, self.hidden_size, self.top_k, self.dtype), pending.handle
+
+    # ----- combine -----------------------------------------------------------------------------------------
+    def combine(self, expert_out: torch.Tensor, handle: TwoPhaseHandle) -> torch.Tensor:
+        t0 = time.perf_counter()
+        H, me, layer = self.hidden_size, self.rank, handle.layer
+        width = H * self.dtype.itemsize
+
+        def as_bytes(x: torch.Tensor) -> torch.Tensor:
+            return x.to(self.dtype).contiguous().view(torch.uint8).view(-1, width)
+
+        def as_hidden(x: torch.Tensor) -> torch.Tensor:
+            return x.contiguous().view(self.dtype).view(-1, H)
+
+        # hop 3 back: each expert rank returns its rows to the nd gateways they came from
+        out_rows = as_bytes(expert_out)
+        sends, start = [], 0
+        for g, n in zip(self._nd_gateways_here() if not self.is_source else [], handle.from_nd_gateways):
+            sends.append((g, self._tag(6, 0), out_rows[start:start + n], self._nd_bound(g)))
+            start += n
+        experts = self._experts_on(self.my_node) if handle.exploded is not None else []
+        got = self._exchange(sends, [(r, self._tag(6, 0), self._nd_bound(me)) for r in experts], width, layer,
+                             "combine")
+        # hop 2 back: sum each merged row over this node's experts, return each ns gateway its rows
+        sends = []
+        if handle.exploded is not None:
+            acc = torch.zeros(sum(handle.from_gateways), H, dtype=self.dtype, device=self.device)
+            if handle.exploded.numel():
+                acc.index_add_(0, handle.exploded, as_hidden(torch.cat(got)))
+            acc, start = as_bytes(acc), 0
+            froms = [ns for ns in self.src_nodes if self.gateways(ns, self.my_node)[1] == me]
+            for ns, n in zip(froms, handle.from_gateways):
+                sends.append((self.gateways(ns, self.my_node)[0], self._tag(5, ns), acc[start:start + n],
+                              self._bound(ns)))
+                start += n
+        mine = list(handle.from_sources)
+        got = self._exchange(sends, [(self.gateways(self.my_node, nd)[1], self._tag(5, self.my_node),
+                                      self._bound(self.my_node)) for nd in mine], width, layer, "combine")
+        # hop 1 back: hand each source its rows
+        sends = []
+        srcs = self._sources_on(self.my_node)
+        for nd, rows in zip(mine, got):
+            start = 0
+            for s, n in zip(srcs, handle.from_sources[nd]):
+                sends.append((s, self._tag(4, nd), rows[start:start + n], self.capacity))
+                start += n
+        back = list(handle.to_gateway)
+        got = self._exchange(sends, [(self.gateways(self.my_node, nd)[0], self._tag(4, nd), self.capacity)
+                                     for nd in back], width, layer, "combine")
+        out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
+        for nd, rows in zip(back, got):
+            if rows.shape[0]:
+                out.index_add_(0, handle.to_gateway[nd], as_hidden(rows))
+        self.stats.phase(layer, "combine").add(0, 0, time.perf_counter() - t0)
+        return out
+
