@@ -104,6 +104,10 @@ class Dispatcher(ABC):
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_out `[N_received, H]` -> `[T, H]` summed over the ranks each token visited."""
 
+    def describe(self) -> dict:
+        """Mode-specific facts for comm_stats (auto: its choices and cost model)."""
+        return {}
+
     def empty_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Zero-token inputs for ranks with nothing to send (expert ranks, idle attention ranks)."""
         K = self.top_k
@@ -196,6 +200,13 @@ class DirectDispatcher(Dispatcher):
         st.add(0, 0, time.perf_counter() - pending.t0)
         handle.recv_counts = recv_counts + [0] * (W - len(recv_counts))
         return rows, handle
+
+    def planned_messages(self, capacity: int) -> list[list[tuple[int, int, int]]]:
+        """The (src, dst, bytes) messages of one layer at this capacity, per hop: dispatch, then combine."""
+        W, S, C = self.world_size, self.num_sources, capacity
+        hb = self.hidden_size * self.dtype.itemsize
+        return [[(s, e, (C + 1) * self._row_bytes()) for s in range(S) for e in range(S, W)],
+                [(e, s, C * hb) for e in range(S, W) for s in range(S)]]
 
     def _pack_blocks(self, hidden, row2token, row_dst, row_slots, row_weights, send_counts) -> torch.Tensor:
         """`[W, C + 1, B]` uint8: per destination, row 0 holds the row count (int64), then the packed rows."""
@@ -332,8 +343,10 @@ class ShmDispatcher(Dispatcher):
 
 
 def make_dispatcher(mode: str, **kwargs) -> Dispatcher:
-    from .two_phase import TwoPhaseDispatcher
-    dispatchers: dict[str, type[Dispatcher]] = {"direct": DirectDispatcher, "two_phase": TwoPhaseDispatcher}
+    """direct / two_phase / auto (auto needs model=CostModel)."""
+    from .two_phase import AutoDispatcher, TwoPhaseDispatcher
+    dispatchers: dict[str, type[Dispatcher]] = {"direct": DirectDispatcher, "two_phase": TwoPhaseDispatcher,
+                                                "auto": AutoDispatcher}
     if mode not in dispatchers:
         raise ValueError(f"comm mode {mode!r} is not available; choose one of {sorted(dispatchers)}")
     return dispatchers[mode](**kwargs)

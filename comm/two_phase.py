@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .dispatcher import Dispatcher, PendingDispatch, pack_rows, plan_rows, unpack_rows
+from .cost_model import CostModel
+from .dispatcher import DirectDispatcher, Dispatcher, PendingDispatch, pack_rows, plan_rows, unpack_rows
 
 SLOT_BITS = 20
 MAX_RANKS = 1 << (31 - SLOT_BITS)   # a code must fit an int32
@@ -118,6 +119,30 @@ class TwoPhaseDispatcher(Dispatcher):
         """Most rows an nd gateway can hold: the bounds of the source nodes it serves."""
         nd = self.node_of[gateway]
         return sum(self._bound(ns) for ns in self.src_nodes if self.gateways(ns, nd)[1] == gateway)
+
+    def planned_messages(self, capacity: int) -> list[list[tuple[int, int, int]]]:
+        """The (src, dst, bytes) messages of one layer at this capacity, per hop: 3 dispatch, 3 combine."""
+        saved, self.capacity = self.capacity, capacity
+        B, hb = self._row_bytes(), self.hidden_size * self.dtype.itemsize
+        hops: list[list[tuple[int, int, int]]] = [[] for _ in range(6)]
+        for ns in self.src_nodes:
+            for nd in self.dst_nodes:
+                g1, g2 = self.gateways(ns, nd)
+                for s in self._sources_on(ns):
+                    if s != g1:
+                        hops[0].append((s, g1, (capacity + 1) * B))
+                        hops[5].append((g1, s, (capacity + 1) * hb))
+                if g1 != g2:
+                    hops[1].append((g1, g2, (self._bound(ns) + 1) * B))
+                    hops[4].append((g2, g1, (self._bound(ns) + 1) * hb))
+        for nd in self.dst_nodes:
+            for g2 in sorted({self.gateways(ns, nd)[1] for ns in self.src_nodes}):
+                for r in self._experts_on(nd):
+                    if r != g2:
+                        hops[2].append((g2, r, (self._nd_bound(g2) + 1) * B))
+                        hops[3].append((r, g2, (self._nd_bound(g2) + 1) * hb))
+        self.capacity = saved
+        return hops
 
     @staticmethod
     def _tag(hop: int, key: int) -> int:
@@ -237,3 +262,48 @@ class TwoPhaseDispatcher(Dispatcher):
         self.stats.phase(layer, "combine").add(0, 0, time.perf_counter() - t0)
         return out
 
+
+
+class AutoDispatcher(Dispatcher):
+    """Per call, `direct` or `two_phase`, whichever the cost model predicts faster for the step's capacity and
+    this topology (every rank holds the same model and capacity, so every rank makes the same choice)."""
+
+    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
+                 model: CostModel):
+        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node)
+        args = (group, hidden_size, top_k, dtype, device, num_sources, self.stats, ranks_per_node)
+        self.modes: dict[str, Dispatcher] = {"direct": DirectDispatcher(*args), "two_phase": TwoPhaseDispatcher(*args)}
+        self.model = model
+        self.choice = "direct"
+        self.calls = {name: 0 for name in self.modes}
+        self._choices: dict[int, str] = {}
+
+    def predict(self, capacity: int) -> dict[str, float]:
+        """Predicted seconds of one layer (dispatch + combine) per mode."""
+        return {name: self.model.layer_time(d.planned_messages(capacity), self.node_of)
+                for name, d in self.modes.items()}
+
+    def set_capacity(self, capacity: int) -> None:
+        super().set_capacity(capacity)
+        for d in self.modes.values():
+            d.set_capacity(capacity)
+        if capacity not in self._choices:
+            t = self.predict(capacity)
+            self._choices[capacity] = min(t, key=lambda name: (t[name], name))
+        self.choice = self._choices[capacity]
+
+    def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
+        self.calls[self.choice] += 1
+        return self.modes[self.choice].start_dispatch(layer, hidden, dst_ranks, slots, weights)
+
+    def _mode_of(self, handle) -> Dispatcher:
+        return self.modes["two_phase" if isinstance(handle, TwoPhaseHandle) else "direct"]
+
+    def finish_dispatch(self, pending):
+        return self._mode_of(pending.handle).finish_dispatch(pending)
+
+    def combine(self, expert_out, handle):
+        return self._mode_of(handle).combine(expert_out, handle)
+
+    def describe(self) -> dict:
+        return {"calls": dict(self.calls), "cost_model": self.model.to_dict()}

@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--rebalance-interval", type=int, default=0,
                    help="recompute the expert placement every N steps (0: never)")
     p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--comm-calibration", default=None,
+                   help="comm=auto: alpha-beta calibration JSON to load (or to write after measuring)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="CPU data plane: shared memory on one host, gloo collectives, or auto")
     p.add_argument("--micro-batches", type=int, default=1, help="ping-pong micro-batches per step")
@@ -36,8 +38,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The LLM(...) options named by the parsed arguments."""
-    keys = ("comm", "balancer", "redundant_experts", "rebalance_interval", "ranks_per_node", "transport",
-            "micro_batches", "max_num_seqs",
-            "max_num_batched_tokens", "max_model_len",
+    keys = ("comm", "comm_calibration", "balancer", "redundant_experts", "rebalance_interval", "ranks_per_node",
+            "transport", "micro_batches", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
             "kv_cache_memory", "block_size", "dtype", "device", "collective_timeout_s", "heartbeat_s")
     return {k: getattr(args, k) for k in keys}

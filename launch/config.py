@@ -5,7 +5,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-COMM_MODES = ("direct", "two_phase")
+COMM_MODES = ("direct", "two_phase", "auto")
 BALANCERS = ("static", "round_robin", "random", "least_loaded")
 TRANSPORTS = ("auto", "shm", "collective")
 
@@ -27,6 +27,7 @@ class ParallelConfig:
     transport: str = "auto"             # CPU data plane: shm (same host, one node), collective (gloo), auto
     redundant_experts: int = 0          # extra expert slots in all, for replicas of the busiest experts
     rebalance_interval: int = 0         # every N steps recompute the placement from observed load; 0 = never
+    comm_calibration: str | None = None  # auto: load the alpha-beta calibration from this JSON, or measure and save
 
     def __post_init__(self) -> None:
         _int("attention_ranks", self.attention_ranks, 1)

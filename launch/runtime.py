@@ -22,6 +22,7 @@ from attention_nodes.worker import AttentionWorker
 from balancer.placement import Placement, eplb, expert_load, load_balance, plan_moves, slot_capacities, stabilize
 from balancer.policy import make_policy
 from comm.control import COLLECT_STATS, IDLE, PAUSE, REBALANCE, SHUTDOWN, ControlPlane
+from comm.cost_model import shared_model
 from comm.dispatcher import ShmDispatcher, make_dispatcher
 from comm.shm import host_identity, shm_supported
 from comm.topology import ProcessGroups, Topology
@@ -120,6 +121,9 @@ class Runtime:
             return ShmDispatcher(**kw, control=self.groups.control,
                                  max_tokens=self.config.scheduler.max_num_batched_tokens,
                                  depth=par.micro_batches + 1, timeout_s=self.config.collective_timeout_s)
+        if par.comm == "auto":   # a collective: every rank measures (or rank 0 loads) the same model
+            kw["model"] = shared_model(self.groups.world, [self.topo.node_of(r) for r in range(self.topo.world_size)],
+                                       self.device, par.comm_calibration)
         return make_dispatcher(par.comm, **kw)
 
     def _use_shm(self) -> bool:
@@ -222,7 +226,8 @@ class Runtime:
         stacked = torch.stack([t[t.shape[0] - steps:].reshape(steps, L) for t in loads])     # [n, steps, L]
         balance = load_balance(stacked)
         totals = stacked.sum(dim=1)                                                          # [n, L]
-        return {"comm": par.comm, "balancer": par.balancer, "redundant_experts": par.redundant_experts,
+        return {"comm": par.comm, "comm_mode": self.dispatcher.describe(),
+                "balancer": par.balancer, "redundant_experts": par.redundant_experts,
                 "replacements": self.num_replacements,
                 "slots_moved": sum(r.get("slots_moved", 0) for r in every),
                 "ranks": {str(r["rank"]): {"role": r["role"], "layers": r["layers"]} for r in every},

@@ -2,6 +2,8 @@
 including mixed prompt lengths, chunked prefill and preemption in the same batch."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from launch import LLM, SamplingParams
@@ -76,3 +78,24 @@ def test_two_phase_matches_transformers(tiny_checkpoint, attention_ranks, expert
     layer0 = [r["layers"]["0"]["dispatch"] for r in stats["ranks"].values()]
     calls = layer0[0]["calls"]
     assert sum(p["inter_node_messages"] for p in layer0) == calls * src_nodes * dst_nodes
+
+
+@pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), (4, 4, 2)])
+def test_auto_comm_matches_transformers(tiny_checkpoint, tmp_path, attention_ranks, expert_ranks, ranks_per_node):
+    """comm='auto': a start-up calibration (saved, then loaded by a second engine) picks direct or two_phase
+    per call; tokens are identical whichever it picks."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(5, 256, 2, 30, seed=7)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    calib = str(tmp_path / "calib.json")
+    for _ in range(2):
+        with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, comm="auto",
+                 ranks_per_node=ranks_per_node, comm_calibration=calib) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+            stats = llm.comm_stats()
+        assert [o.token_ids for o in outs] == expected
+        calls = stats["comm_mode"]["calls"]
+        layer0 = stats["ranks"]["0"]["layers"]["0"]["dispatch"]["calls"]
+        assert sum(calls.values()) == layer0 * len(stats["ranks"]["0"]["layers"])
+    with open(calib) as f:
+        assert set(json.load(f)) == {"intra", "inter"}
