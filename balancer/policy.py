@@ -117,8 +117,8 @@ class LeastLoadedPolicy(ReplicaPolicy):
         for layer, multi in enumerate(self._multi):
             valid = self._valid[layer, multi]
             even = np.where(valid, 1.0 / np.maximum(valid.sum(axis=1, keepdims=True), 1), 0.0)
-            if placement.load is not None and multi.size:
-                expected = placement.load[layer].double().numpy()
+            expected = placement.load[layer].double().numpy() if placement.load is not None else None
+            if expected is not None and multi.size:
                 split = self._split(layer, expected, even * expected[multi][:, None], WARM_START_ITERATIONS)
                 even = np.where(valid, split / np.maximum(expected[multi][:, None], 1e-12), even)
             self._fraction.append(even)
@@ -127,7 +127,6 @@ class LeastLoadedPolicy(ReplicaPolicy):
                 # Replicas the expected load leaves empty (their rank is over the level from single experts
                 # alone) are taken out of the linear map, one solve at a time, so it holds at that load.
                 active = self._valid[layer, multi].copy()
-                expected = placement.load[layer].double().numpy() if placement.load is not None else None
                 for _ in range(active.sum()):
                     linear = self._least_squares(layer, even, active)
                     if expected is None:

@@ -13,6 +13,7 @@ makes the same choice. A calibration can be saved to JSON and loaded instead of 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -151,8 +152,6 @@ def calibrate(group, node_of: list[int], device) -> CostModel:
 def shared_model(group, node_of: list[int], device, path: str | None = None) -> CostModel:
     """The model every rank uses: rank 0 loads `path` when it exists, else every rank joins a calibration
     (and rank 0 saves it to `path` when given). Rank 0's model is broadcast, so all ranks agree."""
-    import os
-
     me = dist.get_rank(group)
     have = torch.tensor([int(me == 0 and path is not None and os.path.exists(path))], dtype=torch.int64)
     dist.broadcast(have, src=0, group=group)

@@ -46,7 +46,6 @@ class TwoPhaseHandle:
     from_sources: dict[int, list[int]] = field(default_factory=dict)       # gateway: nd -> rows from each source
     from_gateways: list[int] = field(default_factory=list)                 # nd gateway: rows from each ns gateway
     exploded: torch.Tensor | None = None                                   # nd gateway: merged row of each row sent
-    to_experts: list[int] = field(default_factory=list)                    # nd gateway: rows sent to each expert
     from_nd_gateways: list[int] = field(default_factory=list)              # expert: rows from each nd gateway
 
 
@@ -61,6 +60,22 @@ class TwoPhaseDispatcher(Dispatcher):
             self.members.setdefault(self.node_of[r], []).append(r)
         self.src_nodes = sorted({self.node_of[r] for r in range(S)})
         self.dst_nodes = sorted({self.node_of[r] for r in range(S, W)})
+        # What this rank does on every call, fixed by the topology:
+        me, here = self.rank, self.my_node
+        self.node_sources = self._sources_on(here)
+        self.node_experts = self._experts_on(here)
+        self.gateway_for = [nd for nd in self.dst_nodes            # source-node gateway for these nd
+                            if here in self.src_nodes and self.gateways(here, nd)[0] == me]
+        self.gateway_of = [ns for ns in self.src_nodes             # nd gateway for these source nodes
+                           if here in self.dst_nodes and self.gateways(ns, here)[1] == me]
+        self.nd_gateways = [] if self.is_source or here not in self.dst_nodes else \
+            sorted({self.gateways(ns, here)[1] for ns in self.src_nodes})          # an expert rank hears from these
+        self.num_sources_on = {n: len(self._sources_on(n)) for n in self.members}
+        self.served_sources = {}                                    # nd gateway -> sources whose tokens it takes
+        for ns in self.src_nodes:
+            for nd in self.dst_nodes:
+                g2 = self.gateways(ns, nd)[1]
+                self.served_sources[g2] = self.served_sources.get(g2, 0) + self.num_sources_on[ns]
 
     def gateways(self, ns: int, nd: int) -> tuple[int, int]:
         """(gateway on ns, gateway on nd) for traffic from source node ns to destination node nd."""
@@ -73,12 +88,6 @@ class TwoPhaseDispatcher(Dispatcher):
 
     def _experts_on(self, node: int) -> list[int]:
         return [r for r in self.members[node] if r >= self.num_sources]
-
-    def _nd_gateways_here(self) -> list[int]:
-        """The distinct ranks of my node that receive other nodes' (or this node's) tokens for it."""
-        if self.my_node not in self.dst_nodes:
-            return []
-        return sorted({self.gateways(ns, self.my_node)[1] for ns in self.src_nodes})
 
     # ----- messages ----------------------------------------------------------------------------------------
     def _exchange(self, sends: list[tuple[int, int, torch.Tensor, int]], recvs: list[tuple[int, int, int]],
@@ -111,18 +120,16 @@ class TwoPhaseDispatcher(Dispatcher):
         return [local[tag] if buf is None else buf[1:1 + int(buf[0, :8].view(torch.int64))]
                 for (_, tag, _), buf in zip(recvs, blocks)]
 
-    def _bound(self, ns: int) -> int:
+    def _bound(self, ns: int, capacity: int) -> int:
         """Most rows a source node can have for one destination node: one per token of each of its sources."""
-        return len(self._sources_on(ns)) * self.capacity
+        return self.num_sources_on[ns] * capacity
 
-    def _nd_bound(self, gateway: int) -> int:
-        """Most rows an nd gateway can hold: the bounds of the source nodes it serves."""
-        nd = self.node_of[gateway]
-        return sum(self._bound(ns) for ns in self.src_nodes if self.gateways(ns, nd)[1] == gateway)
+    def _nd_bound(self, gateway: int, capacity: int) -> int:
+        """Most rows an nd gateway can hold: one per token of each source whose node it serves."""
+        return self.served_sources[gateway] * capacity
 
     def planned_messages(self, capacity: int) -> list[list[tuple[int, int, int]]]:
         """The (src, dst, bytes) messages of one layer at this capacity, per hop: 3 dispatch, 3 combine."""
-        saved, self.capacity = self.capacity, capacity
         B, hb = self._row_bytes(), self.hidden_size * self.dtype.itemsize
         hops: list[list[tuple[int, int, int]]] = [[] for _ in range(6)]
         for ns in self.src_nodes:
@@ -133,15 +140,14 @@ class TwoPhaseDispatcher(Dispatcher):
                         hops[0].append((s, g1, (capacity + 1) * B))
                         hops[5].append((g1, s, (capacity + 1) * hb))
                 if g1 != g2:
-                    hops[1].append((g1, g2, (self._bound(ns) + 1) * B))
-                    hops[4].append((g2, g1, (self._bound(ns) + 1) * hb))
+                    hops[1].append((g1, g2, (self._bound(ns, capacity) + 1) * B))
+                    hops[4].append((g2, g1, (self._bound(ns, capacity) + 1) * hb))
         for nd in self.dst_nodes:
             for g2 in sorted({self.gateways(ns, nd)[1] for ns in self.src_nodes}):
                 for r in self._experts_on(nd):
                     if r != g2:
-                        hops[2].append((g2, r, (self._nd_bound(g2) + 1) * B))
-                        hops[3].append((r, g2, (self._nd_bound(g2) + 1) * hb))
-        self.capacity = saved
+                        hops[2].append((g2, r, (self._nd_bound(g2, capacity) + 1) * B))
+                        hops[3].append((r, g2, (self._nd_bound(g2, capacity) + 1) * hb))
         return hops
 
     @staticmethod
@@ -152,7 +158,7 @@ class TwoPhaseDispatcher(Dispatcher):
     # ----- dispatch ----------------------------------------------------------------------------------------
     def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
         t0 = time.perf_counter()
-        W, me, B = self.world_size, self.rank, self._row_bytes()
+        W, me, B, C = self.world_size, self.rank, self._row_bytes(), self.capacity
         if hidden.shape[0] > self.capacity:
             raise RuntimeError(f"rank {me}: {hidden.shape[0]} tokens exceed the step capacity {self.capacity}")
         handle = TwoPhaseHandle(layer, hidden.shape[0])
@@ -165,26 +171,22 @@ class TwoPhaseDispatcher(Dispatcher):
                 sel = row_node == nd
                 handle.to_gateway[nd] = row2token[sel]
                 sends.append((self.gateways(self.my_node, nd)[0], self._tag(1, nd),
-                              pack_rows(hidden[row2token[sel]], row_code[sel], row_w[sel]), self.capacity))
-        mine = [nd for nd in self.dst_nodes
-                if self.my_node in self.src_nodes and self.gateways(self.my_node, nd)[0] == me]
-        srcs = self._sources_on(self.my_node)
-        got = self._exchange(sends, [(s, self._tag(1, nd), self.capacity) for nd in mine for s in srcs], B, layer,
+                              pack_rows(hidden[row2token[sel]], row_code[sel], row_w[sel]), C))
+        srcs = self.node_sources
+        got = self._exchange(sends, [(s, self._tag(1, nd), C) for nd in self.gateway_for for s in srcs], B, layer,
                              "dispatch")
         # hop 2: what my node has for nd, in one message to nd's gateway
         sends = []
-        for i, nd in enumerate(mine):
+        for i, nd in enumerate(self.gateway_for):
             part = got[i * len(srcs):(i + 1) * len(srcs)]
             handle.from_sources[nd] = [p.shape[0] for p in part]
             sends.append((self.gateways(self.my_node, nd)[1], self._tag(2, self.my_node), torch.cat(part),
-                          self._bound(self.my_node)))
-        froms = [ns for ns in self.src_nodes
-                 if self.my_node in self.dst_nodes and self.gateways(ns, self.my_node)[1] == me]
-        got = self._exchange(sends, [(self.gateways(ns, self.my_node)[0], self._tag(2, ns), self._bound(ns))
-                                     for ns in froms], B, layer, "dispatch")
+                          self._bound(self.my_node, C)))
+        got = self._exchange(sends, [(self.gateways(ns, self.my_node)[0], self._tag(2, ns), self._bound(ns, C))
+                                     for ns in self.gateway_of], B, layer, "dispatch")
         # hop 3: split each row per expert rank of this node it names
         sends = []
-        if froms:
+        if self.gateway_of:
             handle.from_gateways = [g.shape[0] for g in got]
             merged = unpack_rows(torch.cat(got), self.hidden_size, self.top_k, self.dtype)
             rank = torch.where(merged.slots >= 0, merged.slots >> SLOT_BITS, W)
@@ -193,13 +195,12 @@ class TwoPhaseDispatcher(Dispatcher):
             keep = row_dst < W
             row2row, row_dst, row_slot, row_w = row2row[keep], row_dst[keep], row_slot[keep], row_w[keep]
             handle.exploded = row2row
-            for r in self._experts_on(self.my_node):
+            for r in self.node_experts:
                 sel = row_dst == r
-                handle.to_experts.append(int(sel.sum()))
                 sends.append((r, self._tag(3, 0), pack_rows(merged.hidden[row2row[sel]], row_slot[sel], row_w[sel]),
-                              self._nd_bound(me)))
-        gws = self._nd_gateways_here() if not self.is_source else []
-        got = self._exchange(sends, [(g, self._tag(3, 0), self._nd_bound(g)) for g in gws], B, layer, "dispatch")
+                              self._nd_bound(me, C)))
+        got = self._exchange(sends, [(g, self._tag(3, 0), self._nd_bound(g, C)) for g in self.nd_gateways], B, layer,
+                             "dispatch")
         handle.from_nd_gateways = [g.shape[0] for g in got]
         rows = torch.cat(got) if got else torch.empty(0, B, dtype=torch.uint8, device=self.device)
         self.stats.phase(layer, "dispatch").add(0, 0, time.perf_counter() - t0)
@@ -211,7 +212,7 @@ class TwoPhaseDispatcher(Dispatcher):
     # ----- combine -----------------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: TwoPhaseHandle) -> torch.Tensor:
         t0 = time.perf_counter()
-        H, me, layer = self.hidden_size, self.rank, handle.layer
+        H, me, layer, C = self.hidden_size, self.rank, handle.layer, self.capacity
         width = H * self.dtype.itemsize
 
         def as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -223,11 +224,11 @@ class TwoPhaseDispatcher(Dispatcher):
         # hop 3 back: each expert rank returns its rows to the nd gateways they came from
         out_rows = as_bytes(expert_out)
         sends, start = [], 0
-        for g, n in zip(self._nd_gateways_here() if not self.is_source else [], handle.from_nd_gateways):
-            sends.append((g, self._tag(6, 0), out_rows[start:start + n], self._nd_bound(g)))
+        for g, n in zip(self.nd_gateways, handle.from_nd_gateways):
+            sends.append((g, self._tag(6, 0), out_rows[start:start + n], self._nd_bound(g, C)))
             start += n
-        experts = self._experts_on(self.my_node) if handle.exploded is not None else []
-        got = self._exchange(sends, [(r, self._tag(6, 0), self._nd_bound(me)) for r in experts], width, layer,
+        experts = self.node_experts if handle.exploded is not None else []
+        got = self._exchange(sends, [(r, self._tag(6, 0), self._nd_bound(me, C)) for r in experts], width, layer,
                              "combine")
         # hop 2 back: sum each merged row over this node's experts, return each ns gateway its rows
         sends = []
@@ -236,25 +237,23 @@ class TwoPhaseDispatcher(Dispatcher):
             if handle.exploded.numel():
                 acc.index_add_(0, handle.exploded, as_hidden(torch.cat(got)))
             acc, start = as_bytes(acc), 0
-            froms = [ns for ns in self.src_nodes if self.gateways(ns, self.my_node)[1] == me]
-            for ns, n in zip(froms, handle.from_gateways):
+            for ns, n in zip(self.gateway_of, handle.from_gateways):
                 sends.append((self.gateways(ns, self.my_node)[0], self._tag(5, ns), acc[start:start + n],
-                              self._bound(ns)))
+                              self._bound(ns, C)))
                 start += n
-        mine = list(handle.from_sources)
         got = self._exchange(sends, [(self.gateways(self.my_node, nd)[1], self._tag(5, self.my_node),
-                                      self._bound(self.my_node)) for nd in mine], width, layer, "combine")
+                                      self._bound(self.my_node, C)) for nd in self.gateway_for], width, layer,
+                             "combine")
         # hop 1 back: hand each source its rows
         sends = []
-        srcs = self._sources_on(self.my_node)
-        for nd, rows in zip(mine, got):
+        for nd, rows in zip(self.gateway_for, got):
             start = 0
-            for s, n in zip(srcs, handle.from_sources[nd]):
-                sends.append((s, self._tag(4, nd), rows[start:start + n], self.capacity))
+            for s, n in zip(self.node_sources, handle.from_sources[nd]):
+                sends.append((s, self._tag(4, nd), rows[start:start + n], C))
                 start += n
         back = list(handle.to_gateway)
-        got = self._exchange(sends, [(self.gateways(self.my_node, nd)[0], self._tag(4, nd), self.capacity)
-                                     for nd in back], width, layer, "combine")
+        got = self._exchange(sends, [(self.gateways(self.my_node, nd)[0], self._tag(4, nd), C) for nd in back],
+                             width, layer, "combine")
         out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         for nd, rows in zip(back, got):
             if rows.shape[0]:

@@ -91,16 +91,12 @@ class EngineClient:
     def close(self) -> None:
         self._closed.set()
 
-    @property
-    def num_open(self) -> int:
-        return len(self._tracks)
-
     # ----- called from asyncio handlers ---------------------------------------------------------------------
     def submit(self, ids: list[int], params: SamplingParams, sink: asyncio.Queue) -> str:
         if self.dead:
             raise APIError(503, f"the engine is down: {self.dead}", kind="server_error", code="engine_dead")
         with self._lock:   # registered before the router can see the request's first tokens
-            rid = self.llm.submit(ids, params)
+            rid = self.llm.enqueue(ids, params)   # the handler checked ids and params already
             self._tracks[rid] = _Track(sink, time.monotonic())
         self.metrics.prompt.inc(len(ids))
         return rid

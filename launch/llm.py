@@ -138,9 +138,10 @@ class LLM:
         `outbox` as ("out", [[request_id, [new token ids], finish_reason or None], ...])."""
         ids = self.prompt_ids(prompt)
         self.check_fits(ids, params)
-        return self._enqueue(ids, params)
+        return self.enqueue(ids, params)
 
-    def _enqueue(self, ids: list[int], params: SamplingParams) -> str:
+    def enqueue(self, ids: list[int], params: SamplingParams) -> str:
+        """Queue token ids already checked by prompt_ids and check_fits; returns the request id."""
         rid = f"req-{next(self._ids)}"
         self._inbox.put(("add", {"id": rid, "prompt": ids, "params": params.to_dict()}))
         return rid
@@ -177,7 +178,7 @@ class LLM:
         if not self.is_leader:
             self.runtime.follow()
             return []
-        rids = [self._enqueue(i, p) for i, p in zip(ids, params)]
+        rids = [self.enqueue(i, p) for i, p in zip(ids, params)]
         if self.runtime is not None:
             self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         tokens = {rid: [] for rid in rids}

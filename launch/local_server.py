@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -72,11 +71,6 @@ class LocalServer:
     def rank_pids(self) -> dict[int, int]:
         """rank -> pid, from the ranks' "ready" lines."""
         return {int(r): int(p) for r, p in re.findall(r"afserve: rank (\d+) \(\w+\) pid (\d+) ready", self.log())}
-
-    def get_json(self, path: str, headers: dict | None = None):
-        req = urllib.request.Request(self.url + path, headers=headers or {})
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return json.loads(r.read())
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
