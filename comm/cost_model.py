@@ -1,28 +1,26 @@
 """An alpha-beta cost model per link class (intra-node, inter-node) for choosing a comm mode per call.
 
 A message of n bytes on a link class costs alpha + beta * n. A comm mode's layer is a sequence of hops; in
-each hop every rank sends and receives some messages, and the hop takes as long as its busiest rank
-(max over ranks of the larger of its send and receive sums); the layer's cost is the sum over hops, for
-dispatch and combine. The dispatchers list their messages for a given step capacity
-(`planned_messages`), so the model sees exactly what each mode would send, padding included.
+each hop every rank sends and receives some messages, and the hop takes as long as its busiest resource: a
+rank (the larger of its send and receive sums) or, when ranks share a network port (`ranks_per_nic` > 1, as
+the ranks of an emulated node share its one veth), a port (beta times the inter-node bytes all its ranks
+send, or receive). The layer's cost is the sum over hops, for dispatch and combine. The dispatchers list
+their messages for a given step capacity (`planned_messages`), so the model sees exactly what each mode would
+send, padding included.
 
-Calibration: rank 0 ping-pongs with one rank on its node and one on another node for a few sizes, fits
-alpha and beta per class by least squares, and broadcasts them, so every rank holds the same model and
-makes the same choice. A calibration can be saved to JSON and loaded instead of measured.
+Fitting: `fit_layers` takes measured layers (their planned messages and seconds) and solves for the four
+parameters by non-negative least squares on relative error. Which resource is busiest depends on the
+parameters, so it alternates between the two a bounded number of times. The start-up calibration that feeds
+it (timing real layers of both modes) lives in comm/calibration.py. A calibration can be saved to JSON and
+loaded instead of measured.
 """
 from __future__ import annotations
 
+import itertools
 import json
-import os
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
-
-CALIBRATION_SIZES = (64, 16 << 10, 256 << 10, 1 << 20)   # bytes
-CALIBRATION_REPEATS = 5
 
 
 @dataclass(slots=True)
@@ -33,54 +31,33 @@ class LinkCost:
     def time(self, nbytes: int) -> float:
         return self.alpha_s + self.beta_s_per_byte * nbytes
 
-    @classmethod
-    def fit(cls, samples: list[tuple[int, float]]) -> LinkCost:
-        """Least squares of seconds on bytes; alpha and beta kept non-negative."""
-        x = torch.tensor([float(n) for n, _ in samples], dtype=torch.float64)
-        y = torch.tensor([t for _, t in samples], dtype=torch.float64)
-        A = torch.stack([torch.ones_like(x), x], dim=1)
-        sol = torch.linalg.lstsq(A, y[:, None]).solution.flatten()
-        alpha, beta = float(sol[0]), float(sol[1])
-        if beta < 0:
-            beta = 0.0
-            alpha = float(y.mean())
-        if alpha < 0:
-            alpha = 0.0
-            beta = float((x * y).sum() / (x * x).sum())
-        return cls(alpha, beta)
-
 
 @dataclass(slots=True)
 class CostModel:
     intra: LinkCost
     inter: LinkCost
+    ranks_per_nic: int = 1      # ranks of a node that share one inter-node port (consecutive local indices)
 
     def link(self, inter_node: bool) -> LinkCost:
         return self.inter if inter_node else self.intra
 
+    def params(self) -> list[float]:
+        return [self.intra.alpha_s, self.intra.beta_s_per_byte, self.inter.alpha_s, self.inter.beta_s_per_byte]
+
     def layer_time(self, hops: list[list[tuple[int, int, int]]], node_of: list[int]) -> float:
         """hops: per hop, (src rank, dst rank, bytes) messages -> predicted seconds."""
-        total = 0.0
-        for hop in hops:
-            send: dict[int, float] = {}
-            recv: dict[int, float] = {}
-            for src, dst, nbytes in hop:
-                t = self.link(node_of[src] != node_of[dst]).time(nbytes)
-                send[src] = send.get(src, 0.0) + t
-                recv[dst] = recv.get(dst, 0.0) + t
-            total += max([*send.values(), *recv.values(), 0.0])
-        return total
+        return sum(x * p for x, p in zip(layer_features(hops, node_of, self), self.params()))
 
     def to_dict(self) -> dict:
-        return {"intra": asdict(self.intra), "inter": asdict(self.inter)}
+        return {"intra": asdict(self.intra), "inter": asdict(self.inter), "ranks_per_nic": self.ranks_per_nic}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         try:
-            return cls(LinkCost(**d["intra"]), LinkCost(**d["inter"]))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"a comm calibration needs {{'intra': {{alpha_s, beta_s_per_byte}}, 'inter': ...}}; "
-                             f"got {d!r}") from e
+            return cls(LinkCost(**d["intra"]), LinkCost(**d["inter"]), int(d.get("ranks_per_nic", 1)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a comm calibration needs {{'intra': {{alpha_s, beta_s_per_byte}}, 'inter': ..., "
+                             f"'ranks_per_nic': int}}; got {d!r}") from e
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -95,71 +72,98 @@ class CostModel:
             raise ValueError(f"comm calibration file {path!r} could not be read: {e}") from e
 
     def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.intra.alpha_s, self.intra.beta_s_per_byte, self.inter.alpha_s,
-                             self.inter.beta_s_per_byte], dtype=torch.float64)
+        return torch.tensor([*self.params(), float(self.ranks_per_nic)], dtype=torch.float64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> CostModel:
         v = t.tolist()
-        return cls(LinkCost(v[0], v[1]), LinkCost(v[2], v[3]))
+        return cls(LinkCost(v[0], v[1]), LinkCost(v[2], v[3]), int(v[4]) if len(v) > 4 else 1)
 
 
-def _pingpong(group, me: int, peer: int, first: bool, device) -> list[tuple[int, float]]:
-    """One-way time (half the median round trip) per calibration size between me and peer."""
-    out = []
-    for n in CALIBRATION_SIZES:
-        buf = torch.zeros(n, dtype=torch.uint8, device=device)
-        times = []
-        for _ in range(CALIBRATION_REPEATS + 1):          # the first round warms the connection up
-            t0 = time.perf_counter()
-            if first:
-                dist.send(buf, peer, group=group)
-                dist.recv(buf, peer, group=group)
-            else:
-                dist.recv(buf, peer, group=group)
-                dist.send(buf, peer, group=group)
-            times.append((time.perf_counter() - t0) / 2)
-        out.append((n, statistics.median(times[1:])))
-    return out
+def hop_resources(hop: list[tuple[int, int, int]], node_of: list[int], ranks_per_nic: int) -> list[list[float]]:
+    """Per resource of one hop, its (intra messages, intra bytes, inter messages, inter bytes): each rank's
+    sends and its receives and, when ports are shared, each port's inter-node bytes out and in."""
+    local: dict[int, int] = {}
+    seen: dict[int, int] = {}
+    for r, n in enumerate(node_of):
+        local[r] = seen.get(n, 0)
+        seen[n] = local[r] + 1
+    vec: dict[tuple, list[float]] = {}
+    for src, dst, nbytes in hop:
+        inter = int(node_of[src] != node_of[dst])
+        keys = [("send", src), ("recv", dst)]
+        if inter and ranks_per_nic > 1:
+            keys += [("out", node_of[src], local[src] // ranks_per_nic),
+                     ("in", node_of[dst], local[dst] // ranks_per_nic)]
+        for key in keys:
+            v = vec.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+            if key[0] in ("send", "recv"):
+                v[2 * inter] += 1
+            v[2 * inter + 1] += nbytes
+    return list(vec.values())
 
 
-def calibrate(group, node_of: list[int], device) -> CostModel:
-    """Measure on the data-plane group (every rank calls it): rank 0 with the first other rank of its node
-    (intra) and the first rank of another node (inter). A class with no such pair takes the other's fit."""
-    me = dist.get_rank(group)
-    W = len(node_of)
-    intra_peer = next((r for r in range(1, W) if node_of[r] == node_of[0]), None)
-    inter_peer = next((r for r in range(1, W) if node_of[r] != node_of[0]), None)
-    fits: dict[str, LinkCost] = {}
-    for name, peer in (("intra", intra_peer), ("inter", inter_peer)):
-        if peer is None:
+def layer_features(hops, node_of: list[int], model: CostModel) -> list[float]:
+    """The layer's cost as counts: per hop the busiest resource's vector under `model`, summed over hops; the
+    predicted seconds are its dot product with model.params()."""
+    p, total = model.params(), [0.0] * 4
+    for hop in hops:
+        vs = hop_resources(hop, node_of, model.ranks_per_nic)
+        if vs:
+            busiest = max(vs, key=lambda v: sum(a * b for a, b in zip(v, p)))
+            total = [a + b for a, b in zip(total, busiest)]
+    return total
+
+
+def nnls_relative(rows: list[list[float]], seconds: list[float]) -> list[float]:
+    """Non-negative x minimising sum((row . x / seconds - 1)^2), over few unknowns: every support is solved
+    by least squares and the best non-negative solution is kept."""
+    A = torch.tensor(rows, dtype=torch.float64) / torch.tensor(seconds, dtype=torch.float64)[:, None]
+    n = A.shape[1]
+    scale = A.abs().amax(0).clamp_min(1e-300)
+    ones = torch.ones(A.shape[0], 1, dtype=torch.float64)
+    best: tuple[float, list[float]] | None = None
+    for keep in itertools.product((False, True), repeat=n):
+        idx = [i for i in range(n) if keep[i]]
+        if not idx:
             continue
-        if me in (0, peer):
-            samples = _pingpong(group, me, peer if me == 0 else 0, me == 0, device)
-            if me == 0:
-                fits[name] = LinkCost.fit(samples)
-        dist.barrier(group=group)
-    if me == 0:
-        intra = fits.get("intra") or fits.get("inter") or LinkCost(0.0, 0.0)
-        model = CostModel(intra, fits.get("inter") or intra)
-        t = model.as_tensor()
-    else:
-        t = torch.zeros(4, dtype=torch.float64)
-    dist.broadcast(t, src=0, group=group)
-    return CostModel.from_tensor(t)
+        sol = torch.linalg.lstsq(A[:, idx] / scale[idx], ones).solution.flatten() / scale[idx]
+        if (sol < 0).any():
+            continue
+        x = [0.0] * n
+        for i, v in zip(idx, sol.tolist()):
+            x[i] = v
+        err = float((A @ torch.tensor(x, dtype=torch.float64) - 1).pow(2).sum())
+        if best is None or err < best[0]:
+            best = (err, x)
+    return best[1] if best else [0.0] * n
 
 
-def shared_model(group, node_of: list[int], device, path: str | None = None) -> CostModel:
-    """The model every rank uses: rank 0 loads `path` when it exists, else every rank joins a calibration
-    (and rank 0 saves it to `path` when given). Rank 0's model is broadcast, so all ranks agree."""
-    me = dist.get_rank(group)
-    have = torch.tensor([int(me == 0 and path is not None and os.path.exists(path))], dtype=torch.int64)
-    dist.broadcast(have, src=0, group=group)
-    if not int(have):
-        model = calibrate(group, node_of, device)
-        if me == 0 and path is not None:
-            model.save(path)
-        return model
-    t = CostModel.load(path).as_tensor() if me == 0 else torch.zeros(4, dtype=torch.float64)
-    dist.broadcast(t, src=0, group=group)
-    return CostModel.from_tensor(t)
+def fit_layers(samples: list[tuple[list, list[int], float]], start: CostModel, rounds: int = 8) -> CostModel:
+    """samples: (planned hops, node_of, measured seconds) of whole layers -> the model that predicts them best
+    (relative error), from `start` (which also fixes ranks_per_nic)."""
+    model = start
+    for _ in range(rounds):
+        rows = [layer_features(hops, node_of, model) for hops, node_of, _ in samples]
+        x = nnls_relative(rows, [t for _, _, t in samples])
+        new = CostModel(LinkCost(x[0], x[1]), LinkCost(x[2], x[3]), start.ranks_per_nic)
+        if new == model:
+            break
+        model = new
+    return model
+
+
+def fit_port_sharing(samples: list[tuple[list, list[int], float]], ranks_per_node: int) -> CostModel:
+    """fit_layers with one inter-node port per rank and with one per node; the better fit wins, so the fit
+    also tells whether a node's ranks share their port."""
+    best: tuple[float, CostModel] | None = None
+    for share in sorted({1, ranks_per_node}):
+        model = fit_layers(samples, CostModel(LinkCost(1e-5, 1e-9), LinkCost(1e-5, 1e-9), share))
+        err = sum(e * e for e in relative_errors(model, samples))
+        if best is None or err < best[0] - 1e-12:
+            best = (err, model)
+    return best[1]
+
+
+def relative_errors(model: CostModel, samples: list[tuple[list, list[int], float]]) -> list[float]:
+    return [model.layer_time(hops, node_of) / t - 1 for hops, node_of, t in samples]

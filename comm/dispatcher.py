@@ -54,16 +54,28 @@ class PendingDispatch:
     t0: float
 
 
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Stands in for a process group when a dispatcher is built only to plan (planned_messages, the cost
+    model's predictions for a cluster this process is not part of): the world size and the rank it plans as."""
+
+    world_size: int
+    rank: int = 0
+
+
 class Dispatcher(ABC):
     """Comm-mode interface. `set_capacity` once per step, then `dispatch` and `combine` once per MoE layer,
-    on every rank. Ranks 0..num_sources-1 (the attention ranks) send tokens; the others hold experts."""
+    on every rank. Ranks 0..num_sources-1 (the attention ranks) send tokens; the others hold experts.
+    `group` is the data-plane process group, or a Layout for a dispatcher that only plans."""
 
-    def __init__(self, group: dist.ProcessGroup, hidden_size: int, top_k: int, dtype: torch.dtype,
+    def __init__(self, group: dist.ProcessGroup | Layout, hidden_size: int, top_k: int, dtype: torch.dtype,
                  device: torch.device, num_sources: int, stats: CommStats | None = None,
                  ranks_per_node: int | None = None):
         self.group = group
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        if isinstance(group, Layout):
+            self.world_size, self.rank = group.world_size, group.rank
+        else:
+            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.ranks_per_node = ranks_per_node or self.world_size      # nodes: consecutive blocks of ranks
         self.node_of = [r // self.ranks_per_node for r in range(self.world_size)]
         self.my_node = self.node_of[self.rank]

@@ -90,22 +90,30 @@ class TwoPhaseDispatcher(Dispatcher):
         return [r for r in self.members[node] if r >= self.num_sources]
 
     # ----- messages ----------------------------------------------------------------------------------------
-    def _exchange(self, sends: list[tuple[int, int, torch.Tensor, int]], recvs: list[tuple[int, int, int]],
+    def _block(self, bound: int, width: int, n: int) -> torch.Tensor:
+        """An outgoing message: `[bound + 1, width]` uint8 whose row 0 holds the count n; rows 1..n to be filled."""
+        assert n <= bound, (n, bound)
+        block = torch.empty(bound + 1, width, dtype=torch.uint8, device=self.device)
+        block[0, :8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+        return block
+
+    def _exchange(self, sends: list[tuple[int, int, torch.Tensor, int | None]], recvs: list[tuple[int, int, int]],
                   width: int, layer: int, phase: str) -> list[torch.Tensor]:
-        """Point-to-point rows. sends: (peer, tag, `[n, width]` uint8 rows, bound); recvs: (peer, tag, bound)
-        -> the rows of each recv, in order. Each message is a block of bound + 1 rows (row 0: the count), a
-        size both sides know; a message to oneself is a reference, not a message."""
+        """Point-to-point rows. sends: (peer, tag, `[n, width]` uint8 rows, bound), or (peer, tag, block, None)
+        for a block made by `_block` and filled already; recvs: (peer, tag, bound) -> the rows of each recv, in
+        order. Each message is a block of bound + 1 rows (row 0: the count), a size both sides know; a message
+        to oneself is a reference, not a message."""
         me, stats = self.rank, self.stats.phase(layer, phase)
-        local = {tag: rows for peer, tag, rows, _ in sends if peer == me}
-        ops, blocks = [], []
+        local, ops, blocks = {}, [], []
         for peer, tag, rows, bound in sends:
+            if bound is None:
+                block, rows = rows, rows[1:1 + int(rows[0, :8].view(torch.int64))]
+            elif peer != me:
+                block = self._block(bound, width, rows.shape[0])
+                block[1:1 + rows.shape[0]] = rows
             if peer == me:
+                local[tag] = rows
                 continue
-            n = rows.shape[0]
-            assert n <= bound, (n, bound)
-            block = torch.empty(bound + 1, width, dtype=torch.uint8, device=self.device)
-            block[0, :8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
-            block[1:1 + n] = rows
             ops.append(dist.P2POp(dist.isend, block, peer, self.group, tag))
             stats.add_message(block.numel(), self.node_of[peer] != self.my_node)
         for peer, tag, bound in recvs:
@@ -184,21 +192,30 @@ class TwoPhaseDispatcher(Dispatcher):
                           self._bound(self.my_node, C)))
         got = self._exchange(sends, [(self.gateways(ns, self.my_node)[0], self._tag(2, ns), self._bound(ns, C))
                                      for ns in self.gateway_of], B, layer, "dispatch")
-        # hop 3: split each row per expert rank of this node it names
+        # hop 3: each expert rank of this node gets the rows naming it, copied once into its message, with
+        # the other ranks' choices blanked (slot -1, weight 0)
         sends = []
         if self.gateway_of:
             handle.from_gateways = [g.shape[0] for g in got]
-            merged = unpack_rows(torch.cat(got), self.hidden_size, self.top_k, self.dtype)
-            rank = torch.where(merged.slots >= 0, merged.slots >> SLOT_BITS, W)
-            slot = torch.where(merged.slots >= 0, merged.slots & ((1 << SLOT_BITS) - 1), -1)
-            row2row, row_dst, row_slot, row_w = plan_rows(rank, slot, merged.weights, W + 1)
-            keep = row_dst < W
-            row2row, row_dst, row_slot, row_w = row2row[keep], row_dst[keep], row_slot[keep], row_w[keep]
-            handle.exploded = row2row
+            merged = torch.cat(got)
+            hb, K = self.hidden_size * self.dtype.itemsize, self.top_k
+            codes = merged[:, hb:hb + 4 * K].contiguous().view(torch.int32)
+            weights_ = merged[:, hb + 4 * K:].contiguous().view(torch.float32)
+            rank = torch.where(codes >= 0, codes >> SLOT_BITS, W)
+            slot = codes & ((1 << SLOT_BITS) - 1)
+            exploded = []
             for r in self.node_experts:
-                sel = row_dst == r
-                sends.append((r, self._tag(3, 0), pack_rows(merged.hidden[row2row[sel]], row_slot[sel], row_w[sel]),
-                              self._nd_bound(me, C)))
+                mine = rank == r
+                rows = mine.any(dim=1).nonzero().flatten()
+                exploded.append(rows)
+                block = self._block(self._nd_bound(me, C), B, rows.numel())
+                body = block[1:1 + rows.numel()]
+                torch.index_select(merged, 0, rows, out=body)
+                mine = mine[rows]
+                body[:, hb:hb + 4 * K] = torch.where(mine, slot[rows], -1).view(torch.uint8)
+                body[:, hb + 4 * K:] = torch.where(mine, weights_[rows], 0.0).view(torch.uint8)
+                sends.append((r, self._tag(3, 0), block, None))
+            handle.exploded = torch.cat(exploded) if exploded else torch.empty(0, dtype=torch.int64)
         got = self._exchange(sends, [(g, self._tag(3, 0), self._nd_bound(g, C)) for g in self.nd_gateways], B, layer,
                              "dispatch")
         handle.from_nd_gateways = [g.shape[0] for g in got]
@@ -234,8 +251,11 @@ class TwoPhaseDispatcher(Dispatcher):
         sends = []
         if handle.exploded is not None:
             acc = torch.zeros(sum(handle.from_gateways), H, dtype=self.dtype, device=self.device)
-            if handle.exploded.numel():
-                acc.index_add_(0, handle.exploded, as_hidden(torch.cat(got)))
+            start = 0
+            for rows in got:                      # in node_experts order, as handle.exploded
+                if rows.shape[0]:
+                    acc.index_add_(0, handle.exploded[start:start + rows.shape[0]], as_hidden(rows))
+                start += rows.shape[0]
             acc, start = as_bytes(acc), 0
             for ns, n in zip(self.gateway_of, handle.from_gateways):
                 sends.append((self.gateways(ns, self.my_node)[0], self._tag(5, ns), acc[start:start + n],

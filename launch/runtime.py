@@ -21,8 +21,8 @@ from attention_nodes.scheduler import Scheduler
 from attention_nodes.worker import AttentionWorker
 from balancer.placement import Placement, eplb, expert_load, load_balance, plan_moves, slot_capacities, stabilize
 from balancer.policy import make_policy
+from comm.calibration import shared_model
 from comm.control import COLLECT_STATS, IDLE, PAUSE, REBALANCE, SHUTDOWN, ControlPlane
-from comm.cost_model import shared_model
 from comm.dispatcher import ShmDispatcher, make_dispatcher
 from comm.shm import host_identity, shm_supported
 from comm.topology import ProcessGroups, Topology
@@ -122,8 +122,7 @@ class Runtime:
                                  max_tokens=self.config.scheduler.max_num_batched_tokens,
                                  depth=par.micro_batches + 1, timeout_s=self.config.collective_timeout_s)
         if par.comm == "auto":   # a collective: every rank measures (or rank 0 loads) the same model
-            kw["model"] = shared_model(self.groups.world, [self.topo.node_of(r) for r in range(self.topo.world_size)],
-                                       self.device, par.comm_calibration)
+            kw["model"] = shared_model(par.comm_calibration, self.config.scheduler.max_num_batched_tokens, **kw)
         return make_dispatcher(par.comm, **kw)
 
     def _use_shm(self) -> bool:

@@ -98,4 +98,4 @@ def test_auto_comm_matches_transformers(tiny_checkpoint, tmp_path, attention_ran
         layer0 = stats["ranks"]["0"]["layers"]["0"]["dispatch"]["calls"]
         assert sum(calls.values()) == layer0 * len(stats["ranks"]["0"]["layers"])
     with open(calib) as f:
-        assert set(json.load(f)) == {"intra", "inter"}
+        assert set(json.load(f)) == {"intra", "inter", "ranks_per_nic"}
