@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-comm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,10 +20,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-bench: $(STAMP)
+$(VENV)/.bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[test,serve,bench]"
+	touch $@
+
+bench: $(VENV)/.bench
 	$(PY) bench/throughput.py
 	$(PY) bench/balancer.py
 	$(PY) bench/serve_load.py
+
+# needs root: network namespaces, a veth pair and tc (see the README's comm modes section)
+bench-comm: $(VENV)/.bench
+	$(PY) bench/comm_emulated.py
 
 clean:
 	rm -rf $(VENV)
