@@ -12,10 +12,10 @@ layers back to back (dispatch, identity experts, combine) after a barrier; a rep
 rank's mean per layer, and the modes take turns inside each repeat so drift hits them alike. Printed: medians,
 two_phase/direct and auto/best ratios, inter-node messages per layer read from the dispatchers' own stats.
 
-Then the alpha-beta model: fitted to these runs (intra-node alpha and beta shared by all rates, inter-node per
-rate), with its prediction error on each run; the start-up ping-pong calibration that auto used is reported
-beside it. Last, a prediction (not a measurement) of two_phase/direct on 32+32 GPUs, 8 per node, from the
-same model with documented NVLink and 400 Gbit/s InfiniBand figures.
+Then the alpha-beta model: fitted to these runs, per rate (comm/cost_model.fit_port_sharing), with its
+prediction error on each run; the error of auto's own start-up calibration (comm/calibration.py, timed
+before the sizes run) is reported beside it. Last, a prediction (not a measurement) of two_phase/direct on
+32+32 GPUs, 8 per node, from the same model with documented NVLink and 400 Gbit/s InfiniBand figures.
 
 Writes bench/results/comm_emulated.json and docs/comm_modes.png (latency against tokens per rank). The
 namespaces are removed on every exit path; every wait is bounded by --timeout-s.
