@@ -189,7 +189,6 @@ def worker(args) -> None:
 
     from comm.calibration import calibrate, synthetic_tokens, time_layers
     from comm.dispatcher import make_dispatcher
-    from comm.stats import CommStats
     from launch.procs import tune_allocator
 
     tune_allocator()                              # as the engine's ranks do
@@ -207,13 +206,10 @@ def worker(args) -> None:
                "startup_calibration": model.to_dict(), "calibration_s": time.perf_counter() - t0, "sizes": {}}
     for T in sizes:
         disp = {m: make_dispatcher(m, **kw, **({"model": model} if m == "auto" else {})) for m in MODES}
-        # one layer per mode on fresh stats: the messages, read from the dispatchers' own counters
+        # one layer per mode on the fresh dispatchers: the messages, read from their own counters
         counts = {}
         for m, d in disp.items():
             d.set_capacity(T)
-            d.stats = CommStats()
-            for sub in getattr(d, "modes", {}).values():
-                sub.stats = d.stats
             rows, handle = d.dispatch(0, *synthetic_tokens(d, T, seed=T))
             d.combine(rows.hidden, handle)
             ph = d.stats.layers[0]

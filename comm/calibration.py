@@ -95,7 +95,7 @@ def shared_model(path: str | None = None, max_tokens: int | None = None, **dispa
         except ValueError as e:
             problem = e
     # 0: measure, 1: rank 0 loaded the file, 2: the file is unreadable (every rank raises, none hangs)
-    state = torch.tensor([0 if loaded is None and problem is None else 1 if problem is None else 2], device=device)
+    state = torch.tensor([2 if problem is not None else 1 if loaded is not None else 0], device=device)
     dist.broadcast(state, src=0, group=group)
     if int(state) == 2:
         raise problem if problem is not None else ValueError(f"rank 0 could not read the comm calibration {path!r}")

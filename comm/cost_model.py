@@ -28,18 +28,12 @@ class LinkCost:
     alpha_s: float          # per message
     beta_s_per_byte: float  # per byte
 
-    def time(self, nbytes: int) -> float:
-        return self.alpha_s + self.beta_s_per_byte * nbytes
-
 
 @dataclass(slots=True)
 class CostModel:
     intra: LinkCost
     inter: LinkCost
     ranks_per_nic: int = 1      # ranks of a node that share one inter-node port (consecutive local indices)
-
-    def link(self, inter_node: bool) -> LinkCost:
-        return self.inter if inter_node else self.intra
 
     def params(self) -> list[float]:
         return [self.intra.alpha_s, self.intra.beta_s_per_byte, self.inter.alpha_s, self.inter.beta_s_per_byte]
@@ -77,24 +71,20 @@ class CostModel:
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> CostModel:
         v = t.tolist()
-        return cls(LinkCost(v[0], v[1]), LinkCost(v[2], v[3]), int(v[4]) if len(v) > 4 else 1)
+        return cls(LinkCost(v[0], v[1]), LinkCost(v[2], v[3]), int(v[4]))
 
 
-def hop_resources(hop: list[tuple[int, int, int]], node_of: list[int], ranks_per_nic: int) -> list[list[float]]:
+def hop_resources(hop: list[tuple[int, int, int]], node_of: list[int], port_of: list[int] | None
+                  ) -> list[list[float]]:
     """Per resource of one hop, its (intra messages, intra bytes, inter messages, inter bytes): each rank's
-    sends and its receives and, when ports are shared, each port's inter-node bytes out and in."""
-    local: dict[int, int] = {}
-    seen: dict[int, int] = {}
-    for r, n in enumerate(node_of):
-        local[r] = seen.get(n, 0)
-        seen[n] = local[r] + 1
+    sends and its receives and, when ports are shared (port_of: each rank's port), each port's inter-node
+    bytes out and in."""
     vec: dict[tuple, list[float]] = {}
     for src, dst, nbytes in hop:
         inter = int(node_of[src] != node_of[dst])
         keys = [("send", src), ("recv", dst)]
-        if inter and ranks_per_nic > 1:
-            keys += [("out", node_of[src], local[src] // ranks_per_nic),
-                     ("in", node_of[dst], local[dst] // ranks_per_nic)]
+        if inter and port_of is not None:
+            keys += [("out", port_of[src]), ("in", port_of[dst])]
         for key in keys:
             v = vec.setdefault(key, [0.0, 0.0, 0.0, 0.0])
             if key[0] in ("send", "recv"):
@@ -103,12 +93,24 @@ def hop_resources(hop: list[tuple[int, int, int]], node_of: list[int], ranks_per
     return list(vec.values())
 
 
+def ports(node_of: list[int], ranks_per_nic: int) -> list[int] | None:
+    """Each rank's inter-node port: consecutive local indices of a node share one; None when each has its own."""
+    if ranks_per_nic <= 1:
+        return None
+    out, seen, index = [], {}, {}
+    for n in node_of:
+        local = seen.get(n, 0)
+        seen[n] = local + 1
+        out.append(index.setdefault((n, local // ranks_per_nic), len(index)))
+    return out
+
+
 def layer_features(hops, node_of: list[int], model: CostModel) -> list[float]:
     """The layer's cost as counts: per hop the busiest resource's vector under `model`, summed over hops; the
     predicted seconds are its dot product with model.params()."""
-    p, total = model.params(), [0.0] * 4
+    p, total, port_of = model.params(), [0.0] * 4, ports(node_of, model.ranks_per_nic)
     for hop in hops:
-        vs = hop_resources(hop, node_of, model.ranks_per_nic)
+        vs = hop_resources(hop, node_of, port_of)
         if vs:
             busiest = max(vs, key=lambda v: sum(a * b for a, b in zip(v, p)))
             total = [a + b for a, b in zip(total, busiest)]
