@@ -94,7 +94,7 @@ class EngineClient:
     # ----- called from asyncio handlers ---------------------------------------------------------------------
     def submit(self, ids: list[int], params: SamplingParams, sink: asyncio.Queue) -> str:
         if self.dead:
-            raise APIError(503, f"the engine is down: {self.dead}", kind="server_error", code="engine_dead")
+            raise _engine_down(self.dead)
         with self._lock:   # registered before the router can see the request's first tokens
             rid = self.llm.enqueue(ids, params)   # the handler checked ids and params already
             self._tracks[rid] = _Track(sink, time.monotonic())
@@ -112,7 +112,7 @@ class EngineClient:
     async def query(self, kind: str) -> dict:
         """("stats",) or ("comm_stats",) through the leader; the answer comes back on the outbox."""
         if self.dead:
-            raise APIError(503, f"the engine is down: {self.dead}", kind="server_error", code="engine_dead")
+            raise _engine_down(self.dead)
         fut = self.loop.create_future()
         with self._lock:
             self._waiters[kind].append(fut)
@@ -177,8 +177,11 @@ class EngineClient:
         for rid, track in tracks:
             self.loop.call_soon_threadsafe(track.sink.put_nowait, (rid, None, why))
         for fut in waiters:
-            self.loop.call_soon_threadsafe(_resolve, fut, APIError(503, f"the engine is down: {why}",
-                                                                   kind="server_error", code="engine_dead"))
+            self.loop.call_soon_threadsafe(_resolve, fut, _engine_down(why))
+
+
+def _engine_down(why: str) -> APIError:
+    return APIError(503, f"the engine is down: {why}", kind="server_error", code="engine_dead")
 
 
 def _resolve(fut: asyncio.Future, value) -> None:
@@ -199,7 +202,6 @@ class TextStream:
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
-        self.text = ""
         self.sent = 0
         self.stopped = False
 
@@ -221,14 +223,13 @@ class TextStream:
             while end > self.sent and text[end - 1] == "\ufffd":
                 end -= 1
         piece = text[self.sent:max(end, self.sent)]
-        self.text, self.sent = text, max(end, self.sent)
+        self.sent = max(end, self.sent)
         return piece
 
 
 @dataclass(slots=True)
 class _Choice:
     index: int
-    rid: str
     prompt_len: int
     stream: TextStream
     num_tokens: int = 0
@@ -242,7 +243,7 @@ class _ServerState:
         self.engine: EngineClient | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
-        self.scrape_lock: asyncio.Lock | None = None
+        self.scrape_lock = asyncio.Lock()       # one stats collective at a time
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_ready = threading.Event()
 
@@ -425,7 +426,7 @@ async def _drive(eng: EngineClient, choices: dict[str, _Choice], sink: asyncio.Q
             if rid not in open_:
                 continue
             if toks is None:     # the engine went down
-                raise APIError(503, f"the engine is down: {finish}", kind="server_error", code="engine_dead")
+                raise _engine_down(finish)
             c = choices[rid]
             c.num_tokens += len(toks)
             piece = c.stream.add(toks, final=finish is not None)
@@ -449,7 +450,7 @@ async def _respond(state: _ServerState, eng: EngineClient, body, request: Reques
     try:
         for i, ids in enumerate(prompts):
             rid = eng.submit(ids, params, sink)
-            choices[rid] = _Choice(i, rid, len(ids), TextStream(eng.llm.tokenizer, stops))
+            choices[rid] = _Choice(i, len(ids), TextStream(eng.llm.tokenizer, stops))
     except BaseException:
         for rid in choices:      # a batch is all or nothing
             eng.release(rid, "abort")
@@ -572,9 +573,7 @@ async def _scrape(state: _ServerState) -> str:
     eng = state.engine
     if eng is None or eng.dead:
         return text
-    if state.scrape_lock is None:
-        state.scrape_lock = asyncio.Lock()
-    async with state.scrape_lock:        # one stats collective at a time
+    async with state.scrape_lock:
         stats = await eng.query("stats")
         comm = await eng.query("comm_stats")
     reg = CollectorRegistry()

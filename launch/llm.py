@@ -200,23 +200,24 @@ class LLM:
         if self.runtime is not None:
             return self.runtime.leader.stats() if self.runtime.leader is not None else {}
         self._inbox.put(("stats",))
-        while True:
-            msg = self._poll(self._outbox, time.monotonic() + 60, "stats")
-            if msg[0] == "stats":
-                return msg[1]
+        return self._reply("stats")
 
     def comm_stats(self) -> dict:
         """Per-layer data-plane statistics of every rank plus the expert-rank load balance; the schema is in
         the README. Under torchrun every rank must call it (like generate); non-leaders get {}."""
-        if self.runtime is not None and not self.is_leader:
+        if not self.is_leader:
             self.runtime.follow()
             return {}
         self._inbox.put(("comm_stats",))
         if self.runtime is not None:
             self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
+        return self._reply("comm_stats")
+
+    def _reply(self, kind: str) -> dict:
+        """The leader's answer to a ("stats",) or ("comm_stats",) query just put on the inbox."""
         while True:
-            msg = self._poll(self._outbox, time.monotonic() + 60, "comm_stats")
-            if msg[0] == "comm_stats":
+            msg = self._poll(self._outbox, time.monotonic() + 60, kind)
+            if msg[0] == kind:
                 return msg[1]
 
     def decode(self, ids: list[int]) -> str | None:

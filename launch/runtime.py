@@ -75,8 +75,7 @@ class Runtime:
         self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
                                  spec.max_position_embeddings)
         self.capacity = slot_capacities(spec.num_experts, par.redundant_experts, par.expert_ranks)
-        nodes = [self.topo.node_of(par.attention_ranks + r) for r in range(par.expert_ranks)]
-        self.rank_node = nodes if len(set(nodes)) > 1 else None
+        self.rank_node = [self.topo.node_of(par.attention_ranks + r) for r in range(par.expert_ranks)]
         if par.redundant_experts == 0:
             placement = Placement.identity(spec.num_moe_layers, spec.num_experts, par.expert_ranks)
         else:   # no load observed yet: uniform

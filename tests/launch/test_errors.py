@@ -10,6 +10,7 @@ import time
 import pytest
 
 from launch import LLM, SamplingParams
+from tests.dist_utils import alive
 
 
 @pytest.fixture(scope="module")
@@ -117,14 +118,6 @@ def test_engine_still_serves_after_bad_requests(llm):
     assert isinstance(outs[1].text, str) and outs[1].prompt_token_ids == llm.tokenizer.encode("Hello experts")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.parametrize("victim", [0, 2])
 def test_crashed_rank_fails_fast(tiny_checkpoint, victim):
     llm = LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=2)
@@ -141,7 +134,7 @@ def test_crashed_rank_fails_fast(tiny_checkpoint, victim):
     with pytest.raises(RuntimeError, match=f"rank {victim} died|rank .* died"):
         llm.generate(prompts, SamplingParams(max_tokens=400, ignore_eos=True))
     assert killed_at and time.monotonic() - killed_at[0] < 10
-    assert not any(_alive(p) for p in pids), "orphan rank processes remain"
+    assert not any(alive(p) for p in pids), "orphan rank processes remain"
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate([[1]])
 

@@ -74,7 +74,8 @@ def test_two_phase_matches_transformers(tiny_checkpoint, attention_ranks, expert
         stats = llm.comm_stats()
     assert [o.token_ids for o in outs] == expected
     nodes = -(-(attention_ranks + expert_ranks) // ranks_per_node)
-    src_nodes, dst_nodes = -(-attention_ranks // ranks_per_node), nodes - -(-attention_ranks // ranks_per_node)
+    src_nodes = -(-attention_ranks // ranks_per_node)
+    dst_nodes = nodes - src_nodes
     layer0 = [r["layers"]["0"]["dispatch"] for r in stats["ranks"].values()]
     calls = layer0[0]["calls"]
     assert sum(p["inter_node_messages"] for p in layer0) == calls * src_nodes * dst_nodes

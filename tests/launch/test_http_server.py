@@ -17,6 +17,7 @@ import pytest
 
 from launch import LLM, SamplingParams
 from launch.local_server import LocalServer
+from tests.dist_utils import alive
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -197,18 +198,16 @@ def test_api_key_is_required(server):
     assert server.health() == 200     # /health and /metrics stay open for probes and scrapers
 
 
-def _kv_used(server) -> int:
-    return sum(int(float(v)) for v in re.findall(r'^afserve_kv_blocks_used\{rank="\d+"\} (\S+)$', server.metrics(),
-                                                 re.M))
-
-
-def _aborted(server) -> int:
-    m = re.search(r'^afserve_requests_finished_total\{finish_reason="abort"\} (\S+)$', server.metrics(), re.M)
-    return int(float(m.group(1))) if m else 0
+def _kv_used_and_aborted(server) -> tuple[int, int]:
+    """KV blocks in use over all ranks and requests finished by abort, from one /metrics scrape."""
+    text = server.metrics()
+    used = sum(int(float(v)) for v in re.findall(r'^afserve_kv_blocks_used\{rank="\d+"\} (\S+)$', text, re.M))
+    m = re.search(r'^afserve_requests_finished_total\{finish_reason="abort"\} (\S+)$', text, re.M)
+    return used, int(float(m.group(1))) if m else 0
 
 
 def test_client_disconnect_aborts_and_frees_kv_blocks(server):
-    before_used, before_aborted = _kv_used(server), _aborted(server)
+    before_used, before_aborted = _kv_used_and_aborted(server)
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     body = {"model": MODEL, "prompt": "Hello experts " * 8, "max_tokens": 90, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -220,10 +219,12 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(server):
     conn.sock.close()                                      # the client goes away mid-stream
     conn.close()
     deadline = time.monotonic() + 20
-    while (_aborted(server) <= before_aborted or _kv_used(server) != before_used) and time.monotonic() < deadline:
+    used, aborted = _kv_used_and_aborted(server)
+    while (aborted <= before_aborted or used != before_used) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _aborted(server) == before_aborted + 1
-    assert _kv_used(server) == before_used
+        used, aborted = _kv_used_and_aborted(server)
+    assert aborted == before_aborted + 1
+    assert used == before_used
     text = server.metrics()
     assert re.search(r'^afserve_requests_running 0\.0$', text, re.M)
 
@@ -325,7 +326,7 @@ def test_sigterm_shuts_down_every_rank(model_dir):
         log = srv.log()
     assert "shut down cleanly" in log and "failed" not in log, log[-3000:]
     for pid in pids.values():
-        assert not _alive(pid), f"rank pid {pid} outlived the shutdown"
+        assert not alive(pid), f"rank pid {pid} outlived the shutdown"
 
 
 def test_killed_rank_takes_the_server_down(model_dir):
@@ -338,12 +339,4 @@ def test_killed_rank_takes_the_server_down(model_dir):
     assert code not in (None, 0), code
     assert took < 15, took
     for pid in pids.values():
-        assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+        assert not alive(pid)
