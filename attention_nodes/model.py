@@ -1,8 +1,8 @@
 """The non-expert half of the model, run on attention ranks.
 
 Embeddings, attention over the paged KV, norms, router, shared expert, dense FFN layers and the
-LM head. Routed experts are reached through `MoEContext.experts(...)`, which dispatches to the
-expert ranks and combines their results: the only collective in the forward.
+LM head. Routed experts are reached through `MoEContext.start(...)` / `finish(...)`, which dispatch to
+the expert ranks and combine their results: the only collectives in the forward.
 Names: T tokens, H hidden, h/kvh heads, d head dim, K top-k, E experts, V vocab.
 """
 from __future__ import annotations
@@ -51,9 +51,9 @@ class MoEContext:
     policy: ReplicaPolicy
     num_attention_ranks: int
     num_slots: int
-    num_experts: int = 0
-    attention_group: object = None
-    source: int = 0     # this rank's index among the attention ranks
+    num_experts: int
+    attention_group: object
+    source: int         # this rank's index among the attention ranks
 
     def start(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
         """Send x `[T, H]` to the replicas of its experts ids `[T, K]` (router weights `[T, K]`), not waiting."""

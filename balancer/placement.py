@@ -193,6 +193,8 @@ def eplb(load: torch.Tensor, capacity: list[int], rank_node: list[int] | None = 
     max_replicas = max(n, -(-total // E))  # > n only if a rank has more slots than there are experts
     out = torch.full((L, n, S), -1, dtype=torch.int64)
     nodes = sorted(set(rank_node)) if rank_node is not None else [0]
+    members = [[r for r in range(n) if rank_node[r] == node] for node in nodes] if len(nodes) > 1 else []
+    node_capacity = [sum(capacity[r] for r in m) for m in members]
     for layer in range(L):
         counts = replica_counts(load[layer], total, max_replicas)
         if len(nodes) == 1:
@@ -200,9 +202,7 @@ def eplb(load: torch.Tensor, capacity: list[int], rank_node: list[int] | None = 
             for r, b in enumerate(bins):
                 out[layer, r, :len(b)] = torch.tensor(sorted(e for e, _ in b))
             continue
-        members = [[r for r in range(n) if rank_node[r] == node] for node in nodes]
-        node_bins = pack_replicas(load[layer], counts, [sum(capacity[r] for r in m) for m in members],
-                                  limit=max(len(m) for m in members))
+        node_bins = pack_replicas(load[layer], counts, node_capacity, limit=max(len(m) for m in members))
         for m, nb in zip(members, node_bins):
             node_counts = np.bincount([e for e, _ in nb], minlength=E)
             node_load = load[layer] * node_counts / counts   # the share of each expert's load this node holds

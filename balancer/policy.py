@@ -185,11 +185,11 @@ class LeastLoadedPolicy(ReplicaPolicy):
         single, multi = self._single[layer], self._multi[layer]
         quota[single, 0] = total[single]
         if multi.size:
-            c = total[multi].astype(np.float64)
             share = (self._linear[layer] @ total.astype(np.float64)).reshape(len(multi), P)
             if (share < 0).any():
                 # Replicas the linear split drains below zero (their rank is over the level): solve again
                 # without them, clip what is still negative, then let water-filling put load back where fits.
+                c = total[multi].astype(np.float64)
                 active = _keep_one(self._valid[layer, multi] & (share > 0), share)
                 share = self._least_squares(layer, self._fraction[layer], active, total)
                 np.maximum(share, 0.0, out=share)

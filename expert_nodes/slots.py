@@ -45,7 +45,7 @@ class ExpertSlots:
         dst slot, src rank, src slot), in the same order on every rank (expert-pool rank numbers);
         world_rank maps them to ranks of `group`. Copies within this rank, sends what peers need from here
         and receives what arrives, then adopts slot2expert `[L, S]`. Returns the number of slots received."""
-        works, landed = [], []
+        works, landed, received = [], [], 0
         for layer, dst, dslot, src, sslot in moves:
             if dst == me:
                 if src == me:   # copy now: a later write may overwrite the source slot
@@ -54,6 +54,7 @@ class ExpertSlots:
                 b13, b2 = torch.empty_like(self.w13[layer, 0]), torch.empty_like(self.w2[layer, 0])
                 works += [dist.irecv(b13, world_rank(src), group=group), dist.irecv(b2, world_rank(src), group=group)]
                 landed.append((layer, dslot, b13, b2))
+                received += 1
             elif src == me:
                 works += [dist.isend(self.w13[layer, sslot], world_rank(dst), group=group),
                           dist.isend(self.w2[layer, sslot], world_rank(dst), group=group)]
@@ -63,7 +64,7 @@ class ExpertSlots:
             self.w13[layer, dslot] = b13
             self.w2[layer, dslot] = b2
         self.slot2expert = slot2expert.clone()
-        return sum(1 for _, dst, _, src, _ in moves if dst == me and src != me)
+        return received
 
     @property
     def num_slots(self) -> int:
