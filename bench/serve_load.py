@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import torch
 
-from bench.throughput import MODEL, run_hf
+from bench.throughput import MODEL, run_hf, workload
 from launch.local_server import LocalServer
 from models.tiny import make_tiny_checkpoint
 
@@ -31,10 +31,7 @@ LEVELS = (1, 8, 32, 64)
 
 
 def requests(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    plens = torch.randint(16, 257, (n,), generator=g)
-    olens = (8 + 120 * torch.rand(n, generator=g) ** 3).round().long()
-    return [torch.randint(3, 300, (int(L),), generator=g).tolist() for L in plens], olens.tolist()
+    return workload(n, seed, max_output=128)
 
 
 async def run_level(url: str, concurrency: int, prompts, olens) -> dict:

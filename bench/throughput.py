@@ -25,11 +25,12 @@ MODEL = dict(hidden_size=128, num_hidden_layers=4, num_experts=16, num_experts_p
              max_position_embeddings=1024)
 
 
-def workload(n: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def workload(n: int, seed: int = 0, max_output: int = 256) -> tuple[list[list[int]], list[int]]:
+    """n token-id prompts of 16-256 tokens and output lengths of 8-max_output."""
     g = torch.Generator().manual_seed(seed)
     plens = torch.randint(16, 257, (n,), generator=g)
-    # Long tail: most outputs short, a few near 256 (u^3 puts ~half of the mass below 40 tokens).
-    olens = (8 + 248 * torch.rand(n, generator=g) ** 3).round().long()
+    # Long tail: most outputs short, a few near max_output (u^3 puts ~half of the mass below 40 of 256).
+    olens = (8 + (max_output - 8) * torch.rand(n, generator=g) ** 3).round().long()
     prompts = [torch.randint(3, 300, (int(L),), generator=g).tolist() for L in plens]
     return prompts, olens.tolist()
 
