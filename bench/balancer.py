@@ -59,7 +59,7 @@ def run_cell(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, r
     counts = [torch.bincount(ids.flatten(), minlength=E) for ids in routing]
     ema = None
     ratios = {p: [] for p in POLICIES}
-    times = {p: [] for p in (*POLICIES, "plan", "warm", "apply")}
+    times = {p: [] for p in ("static", "plan", "warm", "apply")}
     placement = policies = None
     for t, ids in enumerate(routing):
         if t >= warmup:
@@ -67,18 +67,22 @@ def run_cell(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, r
                 placement = eplb(ema[None], cap)
                 policies = {name: make_policy(name, placement) for name in POLICIES}
             c = counts[t][None]
-            for name, pol in policies.items():
-                phy, dt = timed(pol.choose, 0, ids, c, 0)
-                times[name].append(dt)
-                load = torch.bincount(phy.flatten() // placement.num_slots, minlength=n).double()
-                ratios[name].append(float(load.max() / load.mean()))
+            phys = {}
+            for name in POLICIES[:-1]:
+                phys[name], dt = timed(policies[name].choose, 0, ids, c, 0)
+                if name == "static":
+                    times["static"].append(dt)
+            # least_loaded's choose, timed in its two parts (one attention rank: its plan, then its apply)
             ll: LeastLoadedPolicy = policies["least_loaded"]
             total = c[0].numpy()
             quota, dt_plan = timed(ll.plan, 0, total)
+            phys["least_loaded"], dt_apply = timed(ll.apply, 0, ids, quota, np.zeros(E, dtype=np.int64), total)
             times["warm"].append(statistics.median(timed(ll.plan, 0, total)[1] for _ in range(10)))
-            _, dt_apply = timed(ll.apply, 0, ids, quota, np.zeros(E, dtype=np.int64), total)
             times["plan"].append(dt_plan)
             times["apply"].append(dt_apply)
+            for name, phy in phys.items():
+                load = torch.bincount(phy.flatten() // placement.num_slots, minlength=n).double()
+                ratios[name].append(float(load.max() / load.mean()))
         obs = counts[t].double()
         ema = obs if ema is None else 0.5 * ema + 0.5 * obs
     return ({p: statistics.mean(r) for p, r in ratios.items()},
