@@ -233,5 +233,9 @@ class Runtime:
                     "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}
 
     def close(self) -> None:
+        """Leave the job, on every rank after the shutdown header: first wait until all ranks are here, so that
+        none tears its connections down while a peer still reads from them (gloo then aborts the process with
+        'terminate called without an active exception'; seen on rank 0 right after it sent the header)."""
         if dist.is_initialized():
+            dist.barrier(group=self.groups.control)
             dist.destroy_process_group()
