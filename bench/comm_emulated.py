@@ -183,18 +183,11 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=30)
 
 
-def layers_per_repeat(tokens: int) -> int:
-    """Layers timed back to back per repeat: enough that the tiniest layers are not all timer and barrier, few
-    at larger sizes so that many repeats fit (with 41 repeats the medians of two identical modes differed by
-    up to 8% at 10 Gbit/s, where a repeat's spread is ~20%: more repeats, not longer ones, tighten that)."""
-    return 8 if tokens <= 32 else 2 if tokens <= 256 else 1
-
-
 # ----- the ranks -----------------------------------------------------------------------------------------------
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from comm.calibration import calibrate, synthetic_tokens, time_layers
+    from comm.calibration import calibrate, layers_per_repeat, synthetic_tokens, time_layers
     from comm.dispatcher import make_dispatcher
     from launch.procs import tune_allocator
 

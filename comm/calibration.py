@@ -21,9 +21,17 @@ from .cost_model import CostModel, fit_port_sharing
 from .dispatcher import Dispatcher, make_dispatcher
 
 CAPACITIES = (8, 32, 128, 512)      # tokens per attention rank; and the largest the engine will use
-REPEATS = 5
-LARGE_REPEATS = 3                   # above 512 tokens a layer is long enough to need fewer
+REPEATS = 11
+LARGE_REPEATS = 5                   # above 512 tokens a layer is long enough to need fewer
 SLOTS_PER_RANK = 8
+
+
+def layers_per_repeat(tokens: int) -> int:
+    """Layers timed back to back per repeat: enough that the tiniest layers are not all timer and barrier, few
+    at larger sizes so that many repeats fit. On a busy host a repeat's spread is ~20% and bursts of slow ones
+    come in runs, so a median needs many short repeats more than a few long ones (with 5 repeats of 2 layers
+    the calibration once over-predicted every layer of a run by 30-45%)."""
+    return 8 if tokens <= 32 else 2 if tokens <= 256 else 1
 
 
 def synthetic_tokens(d: Dispatcher, capacity: int, seed: int):
@@ -72,7 +80,7 @@ def calibrate(max_tokens: int | None = None, repeats: int = REPEATS, **dispatche
     top = max_tokens or CAPACITIES[-1]
     samples = []
     for C in sorted({c for c in CAPACITIES if c <= top} | {top}):
-        for m, ts in time_layers(modes, C, repeats if C <= 512 else LARGE_REPEATS).items():
+        for m, ts in time_layers(modes, C, repeats if C <= 512 else LARGE_REPEATS, layers_per_repeat(C)).items():
             samples.append((modes[m].planned_messages(C), d.node_of, statistics.median(ts)))
     return _from_rank0(fit_port_sharing(samples, d.ranks_per_node), d.group, d.device)
 

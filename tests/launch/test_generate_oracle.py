@@ -81,7 +81,7 @@ def test_two_phase_matches_transformers(tiny_checkpoint, attention_ranks, expert
     assert sum(p["inter_node_messages"] for p in layer0) == calls * src_nodes * dst_nodes
 
 
-@pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), (4, 4, 2)])
+@pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), (4, 4, 2), (4, 4, 4)])
 def test_auto_comm_matches_transformers(tiny_checkpoint, tmp_path, attention_ranks, expert_ranks, ranks_per_node):
     """comm='auto': a start-up calibration (saved, then loaded by a second engine) picks direct or two_phase
     per call; tokens are identical whichever it picks."""
