@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,serve]"
+	$(PY) -m pip install -q -e ".[test,serve,profile]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -21,7 +21,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 $(VENV)/.bench: $(STAMP)
-	$(PY) -m pip install -q -e ".[test,serve,bench]"
+	$(PY) -m pip install -q -e ".[test,serve,profile,bench]"
 	touch $@
 
 bench: $(VENV)/.bench

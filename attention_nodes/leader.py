@@ -3,7 +3,7 @@
 It takes commands from the front (LLM or HTTP server) through an inbox queue, gives each new
 request to the attention rank with the most free KV blocks, broadcasts the step header, and
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
-("abort", request_id), ("stats",), ("comm_stats",), ("shutdown",). Outbox messages, one per step at
+("abort", request_id), ("stats",), ("comm_stats"[, events]), ("shutdown",). Outbox messages, one per step at
 most: ("out", [[request_id, [new token ids], finish_reason or None], ...]), ("stats", dict) and
 ("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
 every rank joins between steps.
@@ -66,8 +66,12 @@ class Leader:
                 aborts.setdefault(str(self.req2rank[rid]), []).append(rid)
         elif kind == "stats":
             outbox.put(("stats", self.stats()))
-        elif kind == "comm_stats":
-            outbox.put(("comm_stats", self._collective(COLLECT_STATS)))
+        elif kind == "comm_stats":      # ("comm_stats", events: bool = False)
+            stats = self._collective(COLLECT_STATS)
+            if not (len(cmd) > 1 and cmd[1]):
+                for r in stats["ranks"].values():
+                    del r["events"]
+            outbox.put(("comm_stats", stats))
         elif kind == "shutdown":
             return False
         else:

@@ -7,6 +7,7 @@ Names: T tokens, H hidden, h/kvh heads, d head dim, K top-k, E experts, V vocab.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -172,22 +173,27 @@ class AttentionModel:
             ready = []
             for j in range(M):
                 out = moe.finish(pending[j])
-                ready.append(self._next(gens[j], out, logits, j) if j < M - 1 else out)
+                ready.append(self._next(gens[j], out, logits, j, moe) if j < M - 1 else out)
             pending = [None if r is None else moe.start(*r) for r in ready[:-1]]
             pending.append(self._advance(gens[-1], ready[-1], moe, logits, M - 1))
         return torch.cat(logits)
 
     @staticmethod
-    def _next(gen, value, logits: list, j: int):
-        """Resume a micro-batch up to its next MoE layer -> its request, or None once it has its logits."""
+    def _next(gen, value, logits: list, j: int, moe: MoEContext):
+        """Resume a micro-batch up to its next MoE layer -> its request, or None once it has its logits. The
+        time it computes goes to the comm stats, under that MoE layer (-1: the tail up to the logits)."""
+        t0 = time.perf_counter()
         try:
-            return gen.send(value)
+            request = gen.send(value)
         except StopIteration as stop:
             logits[j] = stop.value
+            moe.dispatcher.stats.add_compute(-1, t0, time.perf_counter())
             return None
+        moe.dispatcher.stats.add_compute(request[0], t0, time.perf_counter())
+        return request
 
     def _advance(self, gen, value, moe: MoEContext, logits: list, j: int) -> PendingDispatch | None:
-        request = self._next(gen, value, logits, j)
+        request = self._next(gen, value, logits, j, moe)
         return None if request is None else moe.start(*request)
 
 

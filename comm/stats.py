@@ -1,7 +1,11 @@
-"""Per-layer communication statistics recorded by every dispatcher call."""
+"""Per-layer communication statistics recorded by every dispatcher call, and a bounded log of the calls."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import collections
+import time
+from dataclasses import asdict, dataclass, field
+
+MAX_EVENTS = 4096       # calls kept per rank for a timeline (comm_profile's Chrome trace): the most recent ones
 
 
 @dataclass(slots=True)
@@ -14,13 +18,18 @@ class PhaseStats:
     time_s: float = 0.0
     inter_node_bytes: int = 0       # the part of bytes_sent / messages_sent that crossed nodes
     inter_node_messages: int = 0
+    log: object = field(default=None, repr=False, compare=False)      # (events deque, layer, phase) or None
 
     def add(self, bytes_sent: int, messages_sent: int, time_s: float) -> None:
-        """One call: its (intra-node) bytes and messages not recorded with add_message, and its time."""
+        """One call that ends now: its (intra-node) bytes and messages not recorded with add_message, its time."""
         self.calls += 1
         self.bytes_sent += bytes_sent
         self.messages_sent += messages_sent
         self.time_s += time_s
+        if self.log is not None:
+            events, layer, phase = self.log
+            end = time.perf_counter()
+            events.append((layer, phase, end - time_s, end))
 
     def add_message(self, nbytes: int, inter_node: bool) -> None:
         self.bytes_sent += nbytes
@@ -29,15 +38,42 @@ class PhaseStats:
             self.inter_node_bytes += nbytes
             self.inter_node_messages += 1
 
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        del d["log"]
+        return d
+
 
 class CommStats:
-    """layer -> {"dispatch": PhaseStats, "combine": PhaseStats} for this rank."""
+    """layer -> {"dispatch": PhaseStats, "combine": PhaseStats} for this rank, and `events`: the last MAX_EVENTS
+    calls as (layer, phase, start, end) in time.perf_counter() seconds (CLOCK_MONOTONIC on Linux, so the ranks
+    of one host share the clock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_events: int = MAX_EVENTS) -> None:
         self.layers: dict[int, dict[str, PhaseStats]] = {}
+        self.compute: dict[int, list] = {}          # layer -> [calls, seconds] of this rank's own compute
+        self.events: collections.deque = collections.deque(maxlen=max_events)
+
+    def add_compute(self, layer: int, start: float, end: float) -> None:
+        """This rank computed from start to end (perf_counter) for MoE layer `layer`: on an attention rank the
+        forward up to that layer's dispatch (attention, router; -1: after the last MoE layer, up to the
+        logits), on an expert rank the layer's grouped FFN."""
+        c = self.compute.setdefault(layer, [0, 0.0])
+        c[0] += 1
+        c[1] += end - start
+        self.events.append((layer, "compute", start, end))
+
+    def compute_dict(self) -> dict:
+        return {str(layer): {"calls": c, "time_s": t} for layer, (c, t) in sorted(self.compute.items())}
 
     def phase(self, layer: int, name: str) -> PhaseStats:
-        return self.layers.setdefault(layer, {"dispatch": PhaseStats(), "combine": PhaseStats()})[name]
+        phases = self.layers.get(layer)
+        if phases is None:
+            phases = self.layers[layer] = {p: PhaseStats(log=(self.events, layer, p)) for p in ("dispatch", "combine")}
+        return phases[name]
 
     def to_dict(self) -> dict:
-        return {str(layer): {k: asdict(v) for k, v in phases.items()} for layer, phases in self.layers.items()}
+        return {str(layer): {k: v.to_dict() for k, v in phases.items()} for layer, phases in self.layers.items()}
+
+    def events_list(self) -> list[list]:
+        return [list(e) for e in self.events]

@@ -1,6 +1,8 @@
 """One expert rank's step: for every MoE layer, receive rows, run the grouped FFN, send results back."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from balancer.load import LoadTracker
@@ -30,7 +32,9 @@ class ExpertWorker:
             for p in pending:
                 rows, handle = self.dispatcher.finish_dispatch(p)
                 self.load.add(layer, rows.slots)
+                t0 = time.perf_counter()
                 out = self.slots.ffn(layer, rows.hidden, rows.slots, rows.weights)
+                self.dispatcher.stats.add_compute(layer, t0, time.perf_counter())
                 self.num_rows_served += rows.hidden.shape[0]
                 self.dispatcher.combine(out, handle)
         self.load.end_step()

@@ -202,13 +202,14 @@ class LLM:
         self._inbox.put(("stats",))
         return self._reply("stats")
 
-    def comm_stats(self) -> dict:
+    def comm_stats(self, events: bool = False) -> dict:
         """Per-layer data-plane statistics of every rank plus the expert-rank load balance; the schema is in
-        the README. Under torchrun every rank must call it (like generate); non-leaders get {}."""
+        the README. events: also each rank's most recent dispatch/combine calls (a timeline). Under torchrun
+        every rank must call it (like generate); non-leaders get {}."""
         if not self.is_leader:
             self.runtime.follow()
             return {}
-        self._inbox.put(("comm_stats",))
+        self._inbox.put(("comm_stats", events))
         if self.runtime is not None:
             self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         return self._reply("comm_stats")

@@ -210,7 +210,8 @@ class Runtime:
 
     def gather_stats(self) -> dict | None:
         """Every rank's comm stats and load history to the leader -> the merged dict there, None elsewhere."""
-        mine = {"rank": self.topo.rank, "role": self.topo.role, "layers": self.dispatcher.stats.to_dict()}
+        mine = {"rank": self.topo.rank, "role": self.topo.role, "layers": self.dispatcher.stats.to_dict(),
+                "compute": self.dispatcher.stats.compute_dict(), "events": self.dispatcher.stats.events_list()}
         if not self.topo.is_attention:
             mine["step_loads"] = self.worker.load.step_loads().tolist()
             mine["slots_moved"] = self.num_slots_moved
@@ -228,7 +229,8 @@ class Runtime:
                 "balancer": par.balancer, "redundant_experts": par.redundant_experts,
                 "replacements": self.num_replacements,
                 "slots_moved": sum(r.get("slots_moved", 0) for r in every),
-                "ranks": {str(r["rank"]): {"role": r["role"], "layers": r["layers"]} for r in every},
+                "ranks": {str(r["rank"]): {"role": r["role"], "layers": r["layers"], "compute": r["compute"],
+                                           "events": r["events"]} for r in every},
                 "expert_load": {"steps": steps, "layers": {str(layer): {
                     "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}
 
