@@ -136,7 +136,10 @@ class LeastLoadedPolicy(ReplicaPolicy):
                     if not negative.any():
                         break
                     active = _keep_one(active & ~(negative & (share <= share[negative].min())), share)
-            self._linear.append(linear)
+            # Only the rows of replicas that can take load: a hot expert's row block is padded to the most
+            # replicas any expert has, and reading those zero rows dominated a cache-cold plan.
+            rows = np.flatnonzero(np.abs(linear).sum(axis=1) > 0) if linear is not None else None
+            self._linear.append(None if linear is None else (rows, np.ascontiguousarray(linear[rows])))
 
     def _least_squares(self, layer: int, fraction: np.ndarray, active: np.ndarray,
                        total: np.ndarray | None = None) -> np.ndarray:
@@ -185,7 +188,7 @@ class LeastLoadedPolicy(ReplicaPolicy):
         single, multi = self._single[layer], self._multi[layer]
         quota[single, 0] = total[single]
         if multi.size:
-            share = (self._linear[layer] @ total.astype(np.float64)).reshape(len(multi), P)
+            share = self.linear_share(layer, total)
             if (share < 0).any():
                 # Replicas the linear split drains below zero (their rank is over the level): solve again
                 # without them, clip what is still negative, then let water-filling put load back where fits.
@@ -199,6 +202,13 @@ class LeastLoadedPolicy(ReplicaPolicy):
                 share = self._split(layer, total, share, self.iterations)
             quota[multi] = _round_rows(share)
         return quota
+
+    def linear_share(self, layer: int, total: np.ndarray) -> np.ndarray:
+        """The linear map's split of total `[E]` over the replicated experts' replicas -> `[M, P]` float64."""
+        rows, K = self._linear[layer]
+        share = np.zeros(self._valid.shape[2] * len(self._multi[layer]))
+        share[rows] = K @ total.astype(np.float64)
+        return share.reshape(len(self._multi[layer]), -1)
 
     def _split(self, layer: int, total: np.ndarray, share: np.ndarray, iterations: int) -> np.ndarray:
         """Improve share `[M, P]` (tokens of each replicated expert per replica) by water-filling iterations."""
