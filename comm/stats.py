@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 MAX_EVENTS = 4096       # calls kept per rank for a timeline (comm_profile's Chrome trace): the most recent ones
 
@@ -39,9 +39,8 @@ class PhaseStats:
             self.inter_node_messages += 1
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        del d["log"]
-        return d
+        """The counters (not the shared event log, which asdict would deep-copy once per phase)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "log"}
 
 
 class CommStats:
