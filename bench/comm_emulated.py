@@ -52,8 +52,7 @@ MASTER_PORT = 29533
 #  - InfiniBand NDR: 400 Gbit/s = 50 GB/s per ConnectX-7, one per GPU; per-message latency across the
 #    network taken as 5 us (switch and NIC are ~1 us, the rest is the software path), with 10 us as the
 #    pessimistic case.
-NVLINK = {"alpha_s": 3e-6, "beta_s_per_byte": 1 / 450e9}
-IB_400G = [{"alpha_s": 5e-6, "beta_s_per_byte": 1 / 50e9}, {"alpha_s": 10e-6, "beta_s_per_byte": 1 / 50e9}]
+IB_ALPHAS = (5e-6, 10e-6)      # per-message latency of the 400 Gbit/s InfiniBand link in the 32+32 prediction
 
 
 # ----- the namespaces ------------------------------------------------------------------------------------------
@@ -237,20 +236,14 @@ def worker(args) -> None:
 
 
 def predict_cluster(ib: dict, sizes: list[int], hidden: int, top_k: int) -> list[dict]:
-    """two_phase/direct on 32 attention + 32 expert GPUs, 8 per node, from the alpha-beta model."""
+    """two_phase/direct on 32 attention + 32 expert GPUs, 8 per node, from the alpha-beta model (NVLink inside a
+    node, `ib` between nodes), as launch/comm_profile.py --simulate predicts it."""
     from comm.cost_model import CostModel, LinkCost
-    from comm.dispatcher import Layout, make_dispatcher
+    from launch.comm_profile import NVLINK, simulate_layers
     model = CostModel(LinkCost(**NVLINK), LinkCost(**ib))
-    kw = dict(group=Layout(64), hidden_size=hidden, top_k=top_k, dtype=torch.bfloat16, device=torch.device("cpu"),
-              num_sources=32, ranks_per_node=8)
-    d = {m: make_dispatcher(m, **kw) for m in ("direct", "two_phase")}
-    node_of = [r // 8 for r in range(64)]
-    out = []
-    for T in sizes:
-        t = {m: model.layer_time(x.planned_messages(T), node_of) for m, x in d.items()}
-        out.append({"tokens": T, "direct_s": t["direct"], "two_phase_s": t["two_phase"],
-                    "ratio": t["two_phase"] / t["direct"]})
-    return out
+    return [{"tokens": e["tokens"], "direct_s": e["direct"]["layer_s"], "two_phase_s": e["two_phase"]["layer_s"],
+             "ratio": e["two_phase_over_direct"]}
+            for e in simulate_layers(model, 32, 32, 8, hidden, top_k, torch.bfloat16, sizes)]
 
 
 def plot(results: dict, rates: list[str], path: str) -> None:
@@ -376,7 +369,8 @@ def report(results: dict, rates: list[str], args) -> None:
     results["prediction_32x32"] = {}
     print("\nPREDICTION (alpha-beta model, not measured): 32 attention + 32 expert GPUs, 8 per node, NVLink "
           "450 GB/s/3 us inside a node, 400 Gbit/s InfiniBand between nodes; hidden 7168 bf16, top-8 (DeepSeek-V3)")
-    for ib in IB_400G:
+    from launch.comm_profile import IB_400G
+    for ib in ({**IB_400G, "alpha_s": a} for a in IB_ALPHAS):
         pred = predict_cluster(ib, sizes, 7168, 8)
         results["prediction_32x32"][f"ib_alpha_{ib['alpha_s'] * 1e6:g}us"] = pred
         print(f"  IB per-message latency {ib['alpha_s'] * 1e6:g} us: two_phase/direct " +

@@ -112,7 +112,6 @@ def simulate(args) -> dict:
     import torch
 
     from comm.cost_model import CostModel, LinkCost
-    from comm.dispatcher import Layout, make_dispatcher
     A, E, R = args.attention_ranks, args.expert_ranks, args.ranks_per_node
     if E is None or R is None:
         raise SystemExit("--simulate needs --expert-ranks and --ranks-per-node")
@@ -122,32 +121,44 @@ def simulate(args) -> dict:
             raise SystemExit(f"{name} must be at least 1, got {v}")
     model = CostModel.load(args.comm_calibration) if args.comm_calibration else \
         CostModel(LinkCost(**NVLINK), LinkCost(**IB_400G))
-    W = A + E
-    node_of = [r // R for r in range(W)]
-    dtype = getattr(torch, args.sim_dtype)
-    kw = dict(group=Layout(W), hidden_size=args.hidden, top_k=args.top_k, dtype=dtype, device=torch.device("cpu"),
-              num_sources=A, ranks_per_node=R)
-    modes = {m: make_dispatcher(m, **kw) for m in ("direct", "two_phase")}
-    sizes = []
-    for T in args.tokens:
-        entry = {"tokens": T}
-        for m, d in modes.items():
-            hops = d.planned_messages(T)
-            half = len(hops) // 2                     # dispatch hops, then combine hops
-            entry[m] = {ph: _hop_summary(model, part, node_of) for ph, part in zip(PHASES, (hops[:half], hops[half:]))}
-            entry[m]["hops_s"] = [model.layer_time([h], node_of) for h in hops]
-            entry[m]["layer_s"] = model.layer_time(hops, node_of)
-        entry["two_phase_over_direct"] = entry["two_phase"]["layer_s"] / entry["direct"]["layer_s"]
-        sizes.append(entry)
+    sizes = simulate_layers(model, A, E, R, args.hidden, args.top_k, getattr(torch, args.sim_dtype), args.tokens)
     return {"mode": "simulated", "attention_ranks": A, "expert_ranks": E, "ranks_per_node": R, "hidden": args.hidden,
             "top_k": args.top_k, "dtype": args.sim_dtype, "cost_model": model.to_dict(), "sizes": sizes}
 
 
-def _hop_summary(model, hops, node_of) -> dict:
-    inter = [(s, d, b) for h in hops for s, d, b in h if node_of[s] != node_of[d]]
-    intra = [(s, d, b) for h in hops for s, d, b in h if node_of[s] == node_of[d]]
-    return {"intra_bytes": sum(b for *_, b in intra), "inter_bytes": sum(b for *_, b in inter),
-            "intra_messages": len(intra), "inter_messages": len(inter), "time_s": model.layer_time(hops, node_of)}
+def simulate_layers(model, attention_ranks: int, expert_ranks: int, ranks_per_node: int, hidden: int, top_k: int,
+                    dtype, tokens: list[int]) -> list[dict]:
+    """Per token count: each mode's predicted seconds per hop (dispatch hops, then combine hops), per phase
+    (bytes and messages per link class, seconds) and per layer, and two_phase/direct."""
+    import torch
+
+    from comm.dispatcher import Layout, make_dispatcher
+    W = attention_ranks + expert_ranks
+    node_of = [r // ranks_per_node for r in range(W)]
+    kw = dict(group=Layout(W), hidden_size=hidden, top_k=top_k, dtype=dtype, device=torch.device("cpu"),
+              num_sources=attention_ranks, ranks_per_node=ranks_per_node)
+    modes = {m: make_dispatcher(m, **kw) for m in ("direct", "two_phase")}
+    sizes = []
+    for T in tokens:
+        entry = {"tokens": T}
+        for m, d in modes.items():
+            hops = d.planned_messages(T)
+            hops_s = [model.layer_time([h], node_of) for h in hops]      # a layer's time is the sum of its hops'
+            half = len(hops) // 2
+            entry[m] = {ph: {**_message_totals(hops[part], node_of), "time_s": sum(hops_s[part])}
+                        for ph, part in zip(PHASES, (slice(0, half), slice(half, None)))}
+            entry[m]["hops_s"] = hops_s
+            entry[m]["layer_s"] = sum(hops_s)
+        entry["two_phase_over_direct"] = entry["two_phase"]["layer_s"] / entry["direct"]["layer_s"]
+        sizes.append(entry)
+    return sizes
+
+
+def _message_totals(hops, node_of) -> dict:
+    inter = [b for h in hops for s, d, b in h if node_of[s] != node_of[d]]
+    intra = [b for h in hops for s, d, b in h if node_of[s] == node_of[d]]
+    return {"intra_bytes": sum(intra), "inter_bytes": sum(inter), "intra_messages": len(intra),
+            "inter_messages": len(inter)}
 
 
 def simulated_trace(profile: dict) -> dict:
