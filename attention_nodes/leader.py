@@ -13,7 +13,18 @@ from __future__ import annotations
 import queue
 from collections import deque
 
-from comm.control import COLLECT_STATS, IDLE, PAUSE, REBALANCE, SHUTDOWN, STEP, ControlPlane, StepHeader, StepReport
+from comm.control import (
+    COLLECT_EVENTS,
+    COLLECT_STATS,
+    IDLE,
+    PAUSE,
+    REBALANCE,
+    SHUTDOWN,
+    STEP,
+    ControlPlane,
+    StepHeader,
+    StepReport,
+)
 
 from .worker import AttentionWorker
 
@@ -21,7 +32,8 @@ from .worker import AttentionWorker
 class Leader:
     def __init__(self, control: ControlPlane, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
                  hooks: dict | None = None, rebalance_interval: int = 0):
-        """hooks: header kind -> what every rank runs for it (REBALANCE, COLLECT_STATS), given by the runtime."""
+        """hooks: header kind -> what every rank runs for it (REBALANCE, COLLECT_STATS, COLLECT_EVENTS), given by
+        the runtime."""
         self.control, self.worker = control, worker
         self.hooks = hooks or {}
         self.rebalance_interval = rebalance_interval
@@ -67,11 +79,7 @@ class Leader:
         elif kind == "stats":
             outbox.put(("stats", self.stats()))
         elif kind == "comm_stats":      # ("comm_stats", events: bool = False)
-            stats = self._collective(COLLECT_STATS)
-            if not (len(cmd) > 1 and cmd[1]):
-                for r in stats["ranks"].values():
-                    del r["events"]
-            outbox.put(("comm_stats", stats))
+            outbox.put(("comm_stats", self._collective(COLLECT_EVENTS if len(cmd) > 1 and cmd[1] else COLLECT_STATS)))
         elif kind == "shutdown":
             return False
         else:

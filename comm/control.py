@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 STEP, IDLE, PAUSE, SHUTDOWN = "step", "idle", "pause", "shutdown"
-REBALANCE, COLLECT_STATS = "rebalance", "collect_stats"   # every rank joins a collective between steps
+# every rank joins a collective between steps; COLLECT_EVENTS: the stats plus each rank's recent calls
+REBALANCE, COLLECT_STATS, COLLECT_EVENTS = "rebalance", "collect_stats", "collect_events"
 HEADER_BYTES = 4096
 
 

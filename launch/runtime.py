@@ -22,7 +22,7 @@ from attention_nodes.worker import AttentionWorker
 from balancer.placement import Placement, eplb, expert_load, load_balance, plan_moves, slot_capacities, stabilize
 from balancer.policy import make_policy
 from comm.calibration import shared_model
-from comm.control import COLLECT_STATS, IDLE, PAUSE, REBALANCE, SHUTDOWN, ControlPlane
+from comm.control import COLLECT_EVENTS, COLLECT_STATS, IDLE, PAUSE, REBALANCE, SHUTDOWN, ControlPlane
 from comm.dispatcher import ShmDispatcher, make_dispatcher
 from comm.shm import host_identity, shm_supported
 from comm.topology import ProcessGroups, Topology
@@ -164,8 +164,9 @@ class Runtime:
                 return header.kind
             if header.kind == IDLE:
                 continue
-            if header.kind in (REBALANCE, COLLECT_STATS):
-                self.collective_hooks()[header.kind]()
+            hooks = self.collective_hooks()
+            if header.kind in hooks:
+                hooks[header.kind]()
                 continue
             if self.topo.is_attention:
                 self.control.gather_reports(run_attention_step(self.worker, header))
@@ -174,7 +175,8 @@ class Runtime:
 
     def collective_hooks(self) -> dict:
         """Header kinds that every rank (the leader too) answers with a collective between steps."""
-        return {REBALANCE: self.rebalance, COLLECT_STATS: self.gather_stats}
+        return {REBALANCE: self.rebalance, COLLECT_STATS: self.gather_stats,
+                COLLECT_EVENTS: lambda: self.gather_stats(events=True)}
 
     def rebalance(self) -> None:
         """Live re-placement, on every rank at once between steps: gather what each expert slot served since
@@ -208,10 +210,14 @@ class Runtime:
         self.num_replacements += 1
         logger.info("rank %d: re-placement %d, %d slot copies", self.topo.rank, self.num_replacements, len(moves))
 
-    def gather_stats(self) -> dict | None:
-        """Every rank's comm stats and load history to the leader -> the merged dict there, None elsewhere."""
-        mine = {"rank": self.topo.rank, "role": self.topo.role, "layers": self.dispatcher.stats.to_dict(),
-                "compute": self.dispatcher.stats.compute_dict(), "events": self.dispatcher.stats.events_list()}
+    def gather_stats(self, events: bool = False) -> dict | None:
+        """Every rank's comm stats and load history (and with `events` its recent calls) to the leader -> the
+        merged dict there, None elsewhere."""
+        stats = self.dispatcher.stats
+        mine = {"rank": self.topo.rank, "role": self.topo.role, "layers": stats.to_dict(),
+                "compute": stats.compute_dict()}
+        if events:
+            mine["events"] = stats.events_list()
         if not self.topo.is_attention:
             mine["step_loads"] = self.worker.load.step_loads().tolist()
             mine["slots_moved"] = self.num_slots_moved
@@ -229,8 +235,8 @@ class Runtime:
                 "balancer": par.balancer, "redundant_experts": par.redundant_experts,
                 "replacements": self.num_replacements,
                 "slots_moved": sum(r.get("slots_moved", 0) for r in every),
-                "ranks": {str(r["rank"]): {"role": r["role"], "layers": r["layers"], "compute": r["compute"],
-                                           "events": r["events"]} for r in every},
+                "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "layers", "compute", "events") if k in r}
+                          for r in every},
                 "expert_load": {"steps": steps, "layers": {str(layer): {
                     "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}
 
