@@ -1,7 +1,7 @@
 """ForwardBatch: the flat token batch one attention rank runs in a step.
 
-Names: T tokens, B sequences, M max blocks per sequence. Decodes (one new token) come first so
-the attention reference can batch them; prefill chunks follow, one sequence each.
+Names: T tokens, B decode sequences, P prefill sequences, M max blocks per sequence. Decodes (one new
+token) come first, prefill chunks follow; the attention metadata of both is built once per step.
 """
 from __future__ import annotations
 
@@ -9,9 +9,29 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.paged_attention import DecodeGroup, plan_decode
+from kernels.ops import plan_decode_attention
+from kernels.paged_attention import DecodeGroup
 
 from .scheduler import ScheduledSeq, SchedulerOutput
+
+
+@dataclass(slots=True)
+class DecodeMeta:
+    """The decode rows' attention inputs, the same in every layer."""
+
+    block_tables: torch.Tensor          # [B, M] int32, -1 padded
+    context_lens: torch.Tensor          # [B] int32, counting the token being decoded
+    max_context_len: int                # host-side bound on context_lens: sizes the Triton grid without a sync
+    plan: list[DecodeGroup] | None      # torch backend: the gathers each layer makes; None for Triton
+
+
+@dataclass(slots=True)
+class PrefillMeta:
+    """The prefill chunks' attention inputs: chunk i is rows num_decodes + cu_seqlens_q[i] onwards."""
+
+    block_tables: torch.Tensor          # [P, M] int32, -1 padded
+    cu_seqlens_q: torch.Tensor          # [P+1] int32, counted from the first prefill row
+    context_lens: torch.Tensor          # [P] int32, the cached prefix plus the chunk
 
 
 @dataclass(slots=True)
@@ -20,8 +40,8 @@ class ForwardBatch:
     positions: torch.Tensor      # [T] int64
     slot_mapping: torch.Tensor   # [T] int64 flat cache slot (block * block_size + offset) of each new token
     num_decodes: int             # the first num_decodes tokens are one-token decodes
-    decode_plan: list[DecodeGroup]      # what each layer's decode attention gathers (same in every layer)
-    prefills: list[tuple[int, int, torch.Tensor, int]]   # (first token row, num tokens, block table [m], context len)
+    decode: DecodeMeta | None    # None when num_decodes == 0
+    prefill: PrefillMeta | None  # None when every token is a decode
     sample_rows: torch.Tensor    # [S] int64 rows whose logits are sampled
 
     @property
@@ -31,15 +51,17 @@ class ForwardBatch:
     @classmethod
     def empty(cls, device: torch.device) -> ForwardBatch:
         z = torch.empty(0, dtype=torch.int64, device=device)
-        return cls(z, z, z, 0, [], [], z)
+        return cls(z, z, z, 0, None, None, z)
 
     @classmethod
-    def from_scheduled(cls, scheduled: list[ScheduledSeq], block_size: int, device: torch.device) -> ForwardBatch:
-        """scheduled must be ordered decodes first (see `order_for_batch`)."""
+    def from_scheduled(cls, scheduled: list[ScheduledSeq], block_size: int, device: torch.device,
+                       kernel_backend: str = "torch") -> ForwardBatch:
+        """scheduled must be ordered decodes first (see `order_for_batch`); kernel_backend: the resolved backend
+        ("triton" or "torch") whose metadata to build."""
         if not scheduled:
             return cls.empty(device)
-        ids, pos, slots, sample_rows, prefills = [], [], [], [], []
-        dec_tables, dec_lens = [], []
+        ids, pos, slots, sample_rows = [], [], [], []
+        dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         num_decodes = 0
         row = 0
         for s in scheduled:
@@ -52,23 +74,36 @@ class ForwardBatch:
                 slots.append(table[start // block_size] * block_size + start % block_size)
             else:
                 slots.extend(table[i // block_size] * block_size + i % block_size for i in range(start, end))
-            if n == 1 and not prefills:
+            if n == 1 and not pre_tables:
                 num_decodes += 1
                 dec_tables.append(table)
                 dec_lens.append(end)
             else:
-                prefills.append((row, n, torch.tensor(table, dtype=torch.int64, device=device), end))
+                pre_tables.append(table)
+                pre_lens.append(end)
+                cu.append(cu[-1] + n)
             row += n
             if s.needs_sample:
                 sample_rows.append(row - 1)
-        M = max((len(t) for t in dec_tables), default=1)
-        dec = torch.tensor([t + [-1] * (M - len(t)) for t in dec_tables], dtype=torch.int64).view(-1, M)
 
-        def tensor(x):
-            return torch.tensor(x, dtype=torch.int64, device=device)
+        def tensor(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype, device=device)
 
-        return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes,
-                   plan_decode(dec.to(device), tensor(dec_lens), block_size), prefills, tensor(sample_rows))
+        decode = prefill = None
+        if dec_tables:
+            tables, lens = _padded(dec_tables).to(device), tensor(dec_lens, torch.int32)
+            decode = DecodeMeta(tables, lens, max(dec_lens),
+                                plan_decode_attention(tables, lens, block_size, kernel_backend))
+        if pre_tables:
+            prefill = PrefillMeta(_padded(pre_tables).to(device), tensor(cu, torch.int32),
+                                  tensor(pre_lens, torch.int32))
+        return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, decode, prefill, tensor(sample_rows))
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables of several sequences -> `[n, M]` int32, -1 padded."""
+    M = max(len(t) for t in tables)
+    return torch.tensor([t + [-1] * (M - len(t)) for t in tables], dtype=torch.int32)
 
 
 def split_micro_batches(scheduled: list[ScheduledSeq], num: int) -> list[list[ScheduledSeq]]:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from balancer.policy import ReplicaPolicy
 from comm.dispatcher import Dispatcher, PendingDispatch
-from kernels.paged_attention import paged_attention_decode, paged_attention_prefill_ref, write_kv
+from kernels import ops
 from models.spec import ModelSpec
 
 from .batch import ForwardBatch
@@ -79,10 +79,13 @@ class MoEContext:
 
 
 class AttentionModel:
-    """Holds the non-expert weights (named as in the HF checkpoint) and runs the forward."""
+    """Holds the non-expert weights (named as in the HF checkpoint) and runs the forward. kernel_backend: the
+    resolved `kernels.ops` backend ("triton" or "torch") of its attention calls."""
 
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
+                 kernel_backend: str = "torch"):
         self.spec = spec
+        self.kernel_backend = kernel_backend
         self.w = weights
         self.device = device
         self.rotary = spec.rotary_embedding().to(device)
@@ -119,13 +122,16 @@ class AttentionModel:
             k = rms_norm(k, self.w[f"{p}.k_norm.weight"], s.rms_norm_eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_cache, v_cache = kv.layer(i)
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, self.kernel_backend)
         out = torch.empty_like(q)
-        nd = batch.num_decodes
-        if nd:
-            out[:nd] = paged_attention_decode(q[:nd], k_cache, v_cache, batch.decode_plan, self.scale)
-        for row, n, table, ctx in batch.prefills:
-            out[row:row + n] = paged_attention_prefill_ref(q[row:row + n], k_cache, v_cache, table, ctx, self.scale)
+        nd, dec, pre = batch.num_decodes, batch.decode, batch.prefill
+        if dec is not None:
+            out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, dec.block_tables, dec.context_lens,
+                                                  self.scale, self.kernel_backend,
+                                                  max_context_len=dec.max_context_len, plan=dec.plan)
+        if pre is not None:
+            out[nd:] = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q,
+                                                   pre.context_lens, self.scale, self.kernel_backend)
         return self._linear(out.reshape(T, s.num_heads * s.head_dim), f"{p}.o_proj")
 
     def _layers(self, batch: ForwardBatch, kv: KVCache):

@@ -52,7 +52,7 @@ class AttentionWorker:
         out = order_for_batch(self.scheduler.schedule())
         assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
         self.moe.dispatcher.set_capacity(capacity)
-        batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device)
+        batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device, self.model.kernel_backend)
                    for part in split_micro_batches(out.scheduled, self.micro_batches)]
         logits = self.model.forward(batches, self.kv, self.moe)
         to_sample = [s for s in out.scheduled if s.needs_sample]

@@ -7,20 +7,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kernels.moe import grouped_ffn_ref
+from kernels import ops
 from models.checkpoint import Checkpoint
 
 
 class ExpertSlots:
     """w13 `[L, S, 2I, H]` (gate rows, then up rows), w2 `[L, S, H, I]`; slot2expert `[L, S]` int64, -1 = empty.
-    Empty slots stay zero and are never addressed."""
+    Empty slots stay zero and are never addressed. kernel_backend: the resolved `kernels.ops` backend of ffn."""
 
-    def __init__(self, slot2expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor):
+    def __init__(self, slot2expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, kernel_backend: str = "torch"):
         self.slot2expert, self.w13, self.w2 = slot2expert, w13, w2
+        self.kernel_backend = kernel_backend
 
     @classmethod
     def load(cls, ckpt: Checkpoint, slot2expert: torch.Tensor, dtype: torch.dtype, device: torch.device,
-             desc: str = "") -> ExpertSlots:
+             desc: str = "", kernel_backend: str = "torch") -> ExpertSlots:
         """Read only the experts named in slot2expert `[L, S]`."""
         spec = ckpt.spec
         L, S = slot2expert.shape
@@ -37,7 +38,7 @@ class ExpertSlots:
             w13[li, slot, :I] = tensors[gate]
             w13[li, slot, I:] = tensors[up]
             w2[li, slot] = tensors[down]
-        return cls(slot2expert.clone(), w13, w2)
+        return cls(slot2expert.clone(), w13, w2, kernel_backend)
 
     def move(self, moves: list[tuple[int, int, int, int, int]], slot2expert: torch.Tensor, me: int,
              world_rank, group=None) -> int:
@@ -72,4 +73,4 @@ class ExpertSlots:
 
     def ffn(self, moe_layer: int, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[N, H]`, slots `[N, K]` (-1 = elsewhere), weights `[N, K]` -> weighted expert sum `[N, H]`."""
-        return grouped_ffn_ref(x, slots, weights, self.w13[moe_layer], self.w2[moe_layer])
+        return ops.fused_moe(x, slots, weights, self.w13[moe_layer], self.w2[moe_layer], self.kernel_backend)

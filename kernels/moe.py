@@ -1,4 +1,5 @@
-"""Grouped expert FFN (SwiGLU) over the slots an expert rank holds: torch reference.
+"""Grouped expert FFN (SwiGLU) over the slots an expert rank holds: torch reference (the CPU path and the fused
+kernel's oracle).
 
 Names: N received rows, H hidden, K top-k, S slots on this rank, I expert intermediate size.
 """
@@ -24,7 +25,7 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> t
     return out
 
 
-def grouped_ffn_ref(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
+def fused_moe_ref(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
                     w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """Weighted sum over each row's local experts.
 

@@ -1,7 +1,7 @@
-"""Paged attention over a block-table KV cache: torch reference.
+"""Paged attention over a block-table KV cache: torch references (the CPU path and the kernels' oracle).
 
-Names: T query tokens in the batch, B sequences, h query heads, g = h / kvh query heads per
-KV head, d head dim, N cache blocks, bs block size, M max blocks per sequence.
+Names: T query tokens in the batch, B sequences, h query heads, kvh KV heads, g = h / kvh query heads
+per KV head, d head dim, N cache blocks, bs block size, M max blocks per sequence.
 Cache layout per layer: k_cache, v_cache `[N, bs, kvh, d]`.
 """
 from __future__ import annotations
@@ -11,10 +11,14 @@ from dataclasses import dataclass
 import torch
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store new keys/values. k, v: `[T, kvh, d]`; slot_mapping: `[T]` int64 flat slot = block * bs + offset."""
+def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values. k, v: `[T, kvh, d]`; slot_mapping: `[T]` int64 flat slot = block * bs + offset,
+    -1 = skip this token (padding)."""
     N, bs, kvh, d = k_cache.shape
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -34,7 +38,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 def _rows(block_table: torch.Tensor, bs: int) -> torch.Tensor:
     """block_table `[B, M]` (-1 padded) -> the flat cache rows `[B * M * bs]` those blocks cover."""
-    return (block_table.clamp(min=0)[:, :, None] * bs + torch.arange(bs, device=block_table.device)).view(-1)
+    table = block_table.long().clamp(min=0)
+    return (table[:, :, None] * bs + torch.arange(bs, device=block_table.device)).view(-1)
 
 
 def _gather(cache: torch.Tensor, rows: torch.Tensor, B: int) -> torch.Tensor:
@@ -78,23 +83,20 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return plan
 
 
-def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           plan: list[DecodeGroup], scale: float) -> torch.Tensor:
-    """One query per sequence. q `[B, h, d]`, plan from `plan_decode` -> `[B, h, d]`."""
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                               plan: list[DecodeGroup] | None = None) -> torch.Tensor:
+    """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int32/int64, -1 padded; context_lens `[B]`
+    (counting the token being decoded, already written) -> `[B, h, d]`. plan: `plan_decode` of the same
+    tables, made once per step (made here when None)."""
+    if plan is None:
+        plan = plan_decode(block_tables, context_lens, k_cache.shape[1])
     if len(plan) == 1 and plan[0].index is None:
         return _decode_group(q, k_cache, v_cache, plan[0], scale)
     out = torch.empty_like(q)
     for grp in plan:
         out[grp.index] = _decode_group(q[grp.index], k_cache, v_cache, grp, scale)
     return out
-
-
-def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, group: int = 16) -> torch.Tensor:
-    """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int64; context_lens `[B]` -> `[B, h, d]`."""
-    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], group)
-    return paged_attention_decode(q, k_cache, v_cache, plan, scale)
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: DecodeGroup,
@@ -104,16 +106,24 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return _attend(q[:, None], k, v, grp.mask, scale)[:, 0]
 
 
-def paged_attention_prefill_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                block_table: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
-    """One sequence's chunk of Q queries, the last Q of its context_len tokens.
-
-    q `[Q, h, d]`; block_table `[M]` int64 -> `[Q, h, d]`. Causal within the chunk.
-    """
-    Q = q.shape[0]
-    rows = _rows(block_table[None], k_cache.shape[1])[:context_len]
-    k = _gather(k_cache, rows, 1)
-    v = _gather(v_cache, rows, 1)
-    q_pos = torch.arange(context_len - Q, context_len, device=q.device)
-    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
-    return _attend(q[None], k, v, mask[None], scale)[0]
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+    """Prefill chunks over a cached prefix. q `[T, h, d]`: sequence i's queries are rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1], its last positions of context_lens[i] tokens (whose K/V are written);
+    block_tables `[P, M]`; cu_seqlens_q `[P+1]`; context_lens `[P]` -> `[T, h, d]`, causal."""
+    out = torch.empty_like(q)
+    bs = k_cache.shape[1]
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    for i, ctx in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        Q = end - start
+        if Q == 0:
+            continue
+        rows = _rows(block_tables[i:i + 1, :-(-ctx // bs)], bs)[:ctx]
+        k = _gather(k_cache, rows, 1)
+        v = _gather(v_cache, rows, 1)
+        q_pos = torch.arange(ctx - Q, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        out[start:end] = _attend(q[None, start:end], k, v, mask[None], scale)[0]
+    return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import BALANCERS, COMM_MODES, TRANSPORTS
+from .config import BALANCERS, COMM_MODES, KERNEL_BACKENDS, TRANSPORTS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
+    p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
+                   help="attention and MoE kernels: Triton on CUDA and torch references on CPU (auto), or either")
     p.add_argument("--collective-timeout-s", type=float, default=600.0,
                    help="a collective that waits longer fails the job")
     p.add_argument("--heartbeat-s", type=float, default=1.0,
@@ -40,5 +42,6 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The LLM(...) options named by the parsed arguments."""
     keys = ("comm", "comm_calibration", "balancer", "redundant_experts", "rebalance_interval", "ranks_per_node",
             "transport", "micro_batches", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-            "kv_cache_memory", "block_size", "dtype", "device", "collective_timeout_s", "heartbeat_s")
+            "kv_cache_memory", "block_size", "dtype", "device", "kernel_backend", "collective_timeout_s",
+            "heartbeat_s")
     return {k: getattr(args, k) for k in keys}

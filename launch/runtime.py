@@ -28,6 +28,7 @@ from comm.shm import host_identity, shm_supported
 from comm.topology import ProcessGroups, Topology
 from expert_nodes.slots import ExpertSlots
 from expert_nodes.worker import ExpertWorker
+from kernels.ops import resolve_backend
 from models.checkpoint import Checkpoint
 
 from .config import EngineConfig
@@ -63,6 +64,7 @@ class Runtime:
             cores = os.cpu_count() or 1
             torch.set_num_threads(config.threads_per_rank or max(1, cores // self.topo.world_size))
         self.dtype = config.torch_dtype(self.device)
+        self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend, rank=self.topo.rank, world_size=self.topo.world_size,
@@ -89,7 +91,7 @@ class Runtime:
         self.leader: Leader | None = None
         if self.topo.is_attention:
             weights = self.ckpt.read(self.ckpt.attention_tensor_names(), self.dtype, self.device, desc)
-            model = AttentionModel(spec, weights, self.device)
+            model = AttentionModel(spec, weights, self.device, self.kernel_backend)
             num_blocks = self._num_kv_blocks(spec)
             kv = KVCache(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads, spec.head_dim,
                          self.dtype, self.device)
@@ -104,7 +106,7 @@ class Runtime:
                                      self.collective_hooks(), par.rebalance_interval)
         else:
             slots = ExpertSlots.load(self.ckpt, placement.slot2expert[:, self.topo.expert_index], self.dtype,
-                                     self.device, desc)
+                                     self.device, desc, self.kernel_backend)
             self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
@@ -214,8 +216,8 @@ class Runtime:
         """Every rank's comm stats and load history (and with `events` its recent calls) to the leader -> the
         merged dict there, None elsewhere."""
         stats = self.dispatcher.stats
-        mine = {"rank": self.topo.rank, "role": self.topo.role, "layers": stats.to_dict(),
-                "compute": stats.compute_dict()}
+        mine = {"rank": self.topo.rank, "role": self.topo.role, "kernel_backend": self.kernel_backend,
+                "layers": stats.to_dict(), "compute": stats.compute_dict()}
         if events:
             mine["events"] = stats.events_list()
         if not self.topo.is_attention:
@@ -235,7 +237,8 @@ class Runtime:
                 "balancer": par.balancer, "redundant_experts": par.redundant_experts,
                 "replacements": self.num_replacements,
                 "slots_moved": sum(r.get("slots_moved", 0) for r in every),
-                "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "layers", "compute", "events") if k in r}
+                "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "kernel_backend", "layers", "compute", "events")
+                                           if k in r}
                           for r in every},
                 "expert_load": {"steps": steps, "layers": {str(layer): {
                     "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}

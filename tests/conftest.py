@@ -1,8 +1,15 @@
 """Shared fixtures: tiny random checkpoints (made with transformers, no network) and the HF oracle."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under Triton's CPU interpreter. It is chosen when a kernel module is
+# imported, so it is set before any test imports one (and spawned ranks inherit it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from models.tiny import ARCHS, make_tiny_checkpoint
 

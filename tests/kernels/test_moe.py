@@ -31,6 +31,6 @@ def test_grouped_ffn_matches_definition(monkeypatch, use_grouped_mm, N):
     slots[:, 0] = -1 if N == 0 else slots[:, 0]
     weights = torch.rand(N, K, generator=g)
     w13, w2 = torch.randn(S, 2 * I, H, generator=g), torch.randn(S, H, I, generator=g)
-    out = moe.grouped_ffn_ref(x, slots, weights, w13, w2)
+    out = moe.fused_moe_ref(x, slots, weights, w13, w2)
     assert out.shape == (N, H)
     torch.testing.assert_close(out, naive(x, slots, weights, w13, w2), atol=1e-4, rtol=1e-4)

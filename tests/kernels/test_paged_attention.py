@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention_decode_ref, paged_attention_prefill_ref, write_kv
+from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref, plan_decode, write_kv_ref
 
 
 def dense(q, k, v, scale):
@@ -20,17 +20,18 @@ def dense(q, k, v, scale):
 
 
 def setup(lens, N=40, bs=4, kvh=2, d=8, seed=0):
+    """Scattered blocks holding each sequence's keys/values -> caches, int32 tables `[B, M]` (-1 padded), keys."""
     g = torch.Generator().manual_seed(seed)
     kc, vc = torch.zeros(N, bs, kvh, d), torch.zeros(N, bs, kvh, d)
     perm = torch.randperm(N, generator=g).tolist()  # scattered, non-contiguous blocks
-    tables, keys, vals = [], [], []
-    for L in lens:
-        nb = -(-L // bs)
-        table = [perm.pop() for _ in range(nb)]
+    M = max(-(-L // bs) for L in lens)
+    tables = torch.full((len(lens), M), -1, dtype=torch.int32)
+    keys, vals = [], []
+    for i, L in enumerate(lens):
+        table = [perm.pop() for _ in range(-(-L // bs))]
+        tables[i, :len(table)] = torch.tensor(table)
         k, v = torch.randn(L, kvh, d, generator=g), torch.randn(L, kvh, d, generator=g)
-        slots = torch.tensor([table[i // bs] * bs + i % bs for i in range(L)])
-        write_kv(kc, vc, k, v, slots)
-        tables.append(table)
+        write_kv_ref(kc, vc, k, v, torch.tensor([table[j // bs] * bs + j % bs for j in range(L)]))
         keys.append(k)
         vals.append(v)
     return kc, vc, tables, keys, vals
@@ -40,18 +41,29 @@ def setup(lens, N=40, bs=4, kvh=2, d=8, seed=0):
 def test_decode_matches_dense(group):
     lens = [9, 1, 16, 5, 3, 12, 7]
     kc, vc, tables, keys, vals = setup(lens, N=60)
-    M = max(map(len, tables))
-    bt = torch.full((len(lens), M), -1, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
     q = torch.randn(len(lens), 4, 8)
-    out = paged_attention_decode_ref(q, kc, vc, bt, torch.tensor(lens), 0.3, group=group)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention_ref(q, kc, vc, tables, lens_t, 0.3, plan=plan_decode(tables, lens_t, 4, group))
     for i in range(len(lens)):
         torch.testing.assert_close(out[i], dense(q[i:i + 1], keys[i], vals[i], 0.3)[0], atol=1e-5, rtol=1e-5)
 
 
-def test_prefill_chunk_matches_dense():
-    kc, vc, tables, keys, vals = setup([11])
-    q = torch.randn(6, 4, 8)  # the last 6 of 11 positions: a later prefill chunk
-    out = paged_attention_prefill_ref(q, kc, vc, torch.tensor(tables[0]), 11, 0.3)
-    torch.testing.assert_close(out, dense(q, keys[0], vals[0], 0.3), atol=1e-5, rtol=1e-5)
+def test_prefill_chunks_match_dense():
+    """Three sequences in one call: a later chunk (the last 6 of 11), a whole prompt, one token."""
+    lens, chunks = [11, 7, 5], [6, 7, 1]
+    kc, vc, tables, keys, vals = setup(lens)
+    q = torch.randn(sum(chunks), 4, 8)
+    cu = torch.tensor([0, 6, 13, 14], dtype=torch.int32)
+    out = paged_prefill_attention_ref(q, kc, vc, tables, cu, torch.tensor(lens, dtype=torch.int32), 0.3)
+    for i in range(3):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        torch.testing.assert_close(out[rows], dense(q[rows], keys[i], vals[i], 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_skips_padding_slots():
+    kc, vc = torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv_ref(kc, vc, k, v, torch.tensor([5, -1, 0]))
+    torch.testing.assert_close(kc[1, 1], k[0])
+    torch.testing.assert_close(vc[0, 0], v[2])
+    assert int((kc.abs().sum(dim=(-1, -2)) > 0).sum()) == 2

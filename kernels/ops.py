@@ -1,0 +1,103 @@
+"""The one entry point to the kernels. Every op takes `backend`: "triton" (CUDA tensors, or any tensors under
+Triton's CPU interpreter, `TRITON_INTERPRET=1`), "torch" (the references beside each kernel), or "auto":
+Triton on CUDA, torch elsewhere. The Triton modules are imported only when first used.
+
+Names: T tokens, B sequences, P prefill sequences, h query heads, kvh KV heads, d head dim, N cache blocks,
+bs block size, M max blocks per sequence, H hidden, I expert intermediate size, S slots, K top-k.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+
+import torch
+
+from .moe import fused_moe_ref
+from .paged_attention import (
+    DecodeGroup,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    plan_decode,
+    write_kv_ref,
+)
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(backend: str, device: torch.device | str) -> str:
+    """"auto" | "triton" | "torch" on `device` -> the backend that runs: "triton" or "torch"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel backend {backend!r} is invalid: choose one of {BACKENDS}")
+    if backend == "torch":
+        return backend
+    if backend == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise RuntimeError("kernel backend 'triton' needs the triton package (pip install triton); "
+                           "use backend 'torch' or 'auto'")
+    return backend
+
+
+@functools.cache
+def _triton(module: str):
+    return importlib.import_module(f"kernels.triton_{module}")
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, backend: str = "auto") -> None:
+    """k, v `[T, kvh, d]` into k_cache, v_cache `[N, bs, kvh, d]` at slot_mapping `[T]` int64 flat slots
+    (block * bs + offset), -1 = skip (padding)."""
+    if resolve_backend(backend, k.device) == "triton":
+        _triton("attention").write_kv(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+
+
+def plan_decode_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                          backend: str = "auto") -> list[DecodeGroup] | None:
+    """What the torch backend's decode gathers, worked out once per step and passed to every layer's call as
+    `plan`; None for Triton, which needs no plan."""
+    if resolve_backend(backend, block_tables.device) == "triton":
+        return None
+    return plan_decode(block_tables, context_lens, block_size)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           backend: str = "auto", *, max_context_len: int | None = None,
+                           plan: list[DecodeGroup] | None = None) -> torch.Tensor:
+    """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int32, -1 padded; context_lens `[B]` int32,
+    counting the token being decoded (its K/V already written) -> `[B, h, d]` in q.dtype.
+    max_context_len: a host-side bound on context_lens (Triton sizes its split-KV grid by it; default M * bs);
+    plan: `plan_decode_attention` of the same tables (torch; made here when None)."""
+    if resolve_backend(backend, q.device) == "triton":
+        return _triton("attention").paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                           max_context_len)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, plan)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, backend: str = "auto") -> torch.Tensor:
+    """Prefill chunks over cached prefixes. q `[T, h, d]`: sequence i's queries are rows
+    cu_seqlens_q[i]:cu_seqlens_q[i+1] and its last positions of context_lens[i] tokens, whose K/V are written;
+    block_tables `[P, M]` int32; cu_seqlens_q `[P+1]` int32; context_lens `[P]` int32 -> `[T, h, d]`, causal."""
+    if resolve_backend(backend, q.device) == "triton":
+        return _triton("attention").paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                            context_lens, scale)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+def fused_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              backend: str = "auto") -> torch.Tensor:
+    """x `[N, H]`; slots `[N, K]` int64 local slot, -1 = that choice lives on another rank; weights `[N, K]` fp32;
+    w13 `[S, 2I, H]` (gate rows, then up rows); w2 `[S, H, I]` -> `[N, H]` in x.dtype:
+    sum_k weights[n, k] * SwiGLU-FFN_{slots[n, k]}(x[n])."""
+    if resolve_backend(backend, x.device) == "triton":
+        return _triton("moe").fused_moe(x, slots, weights, w13, w2)
+    return fused_moe_ref(x, slots, weights, w13, w2)
