@@ -28,6 +28,7 @@ bench: $(VENV)/.bench
 	$(PY) bench/throughput.py
 	$(PY) bench/balancer.py
 	$(PY) bench/serve_load.py
+	$(PY) bench/kernels.py
 
 # needs root: network namespaces, a veth pair and tc (see the README's comm modes section)
 bench-comm: $(VENV)/.bench
