@@ -57,6 +57,29 @@ def _slot_rows(cache: torch.Tensor, name: str) -> torch.Tensor:
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, toks, t_mask, allowed, kh, qk_scale, offs_d, d_mask,
+                 stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
+                 BS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """One online-softmax step: queries q `[ROWS, BLOCK_D]` against KV head kh of tokens toks `[BLOCK_N]` (t_mask:
+    the real ones), found through the sequence's block table at table_ptr; allowed `[ROWS, BLOCK_N]` masks the
+    scores. Every row must be allowed at least one key of the first tile it sees. -> (m_i, l_i, acc)."""
+    blk = tl.load(table_ptr + toks // BS, mask=t_mask, other=0).to(tl.int64)
+    off = toks % BS
+    k = tl.load(k_ptr + (blk * stride_kn + off * stride_kb + kh * stride_kh)[None, :] + offs_d[:, None],
+                mask=d_mask[:, None] & t_mask[None, :], other=0.0)                           # [BLOCK_D, BLOCK_N]
+    s = mma(q, k, tl.zeros([ROWS, BLOCK_N], tl.float32), PRECISION, UPCAST) * qk_scale
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    v = tl.load(v_ptr + (blk * stride_vn + off * stride_vb + kh * stride_vh)[:, None] + offs_d[None, :],
+                mask=t_mask[:, None] & d_mask[None, :], other=0.0)                           # [BLOCK_N, BLOCK_D]
+    acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
                          stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
                          stride_bt, stride_ob, stride_oh, part_size, num_parts, H,
@@ -86,20 +109,9 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ou
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + offs_n
         t_mask = toks < end
-        blk = tl.load(bt_ptr + b * stride_bt + toks // BS, mask=t_mask, other=0).to(tl.int64)
-        off = toks % BS
-        k = tl.load(k_ptr + (blk * stride_kn + off * stride_kb + kh * stride_kh)[None, :] + offs_d[:, None],
-                    mask=d_mask[:, None] & t_mask[None, :], other=0.0)                       # [BLOCK_D, BLOCK_N]
-        s = mma(q, k, tl.zeros([BLOCK_G, BLOCK_N], tl.float32), PRECISION, UPCAST) * qk_scale
-        s = tl.where(t_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        pr = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, 1)
-        v = tl.load(v_ptr + (blk * stride_vn + off * stride_vb + kh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=t_mask[:, None] & d_mask[None, :], other=0.0)                       # [BLOCK_N, BLOCK_D]
-        acc = mma(pr.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + b * stride_bt, toks, t_mask,
+                                     t_mask[None, :], kh, qk_scale, offs_d, d_mask, stride_kn, stride_kb, stride_kh,
+                                     stride_vn, stride_vb, stride_vh, BS, BLOCK_G, BLOCK_N, PRECISION, UPCAST)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]      # an empty partition (ctx 0) stays zero
     mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE:
@@ -231,20 +243,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr, qk_s
         for n0 in range(0, end, BLOCK_N):
             toks = n0 + offs_n
             t_mask = toks < end
-            blk = tl.load(bt_ptr + s * stride_bt + toks // BS, mask=t_mask, other=0).to(tl.int64)
-            off = toks % BS
-            k = tl.load(k_ptr + (blk * stride_kn + off * stride_kb + kh * stride_kh)[None, :] + offs_d[:, None],
-                        mask=d_mask[:, None] & t_mask[None, :], other=0.0)
-            sc = mma(q, k, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), PRECISION, UPCAST) * qk_scale
-            sc = tl.where((toks[None, :] <= q_pos[:, None]) & t_mask[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, 1))
-            alpha = tl.exp2(m_i - m_new)
-            pr = tl.exp2(sc - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, 1)
-            v = tl.load(v_ptr + (blk * stride_vn + off * stride_vb + kh * stride_vh)[:, None] + offs_d[None, :],
-                        mask=t_mask[:, None] & d_mask[None, :], other=0.0)
-            acc = mma(pr.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
-            m_i = m_new
+            causal = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + s * stride_bt, toks, t_mask,
+                                         causal, kh, qk_scale, offs_d, d_mask, stride_kn, stride_kb, stride_kh,
+                                         stride_vn, stride_vb, stride_vh, BS, BLOCK_M, BLOCK_N, PRECISION, UPCAST)
         out = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])

@@ -57,12 +57,16 @@ def moe_align(slots: torch.Tensor, num_slots: int, block_m: int) -> MoEAlignment
 
 
 @triton.jit
-def _tile_ids(pid, num_tiles, num_n, GROUP_M: tl.constexpr):
-    """Program id -> (tile, column block), GROUP_M tiles sharing a column block run together (L2 reuse)."""
+def _tile(pid, num_tiles, num_n, tile_slot_ptr, pairs_ptr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (column block, tile's slot, the tile's sorted rows `[BLOCK_M]`, their pair ids). GROUP_M tiles
+    sharing a column block run together (L2 reuse)."""
     per_group = GROUP_M * num_n
     first = (pid // per_group) * GROUP_M
     size = tl.minimum(num_tiles - first, GROUP_M)
-    return first + (pid % per_group) % size, (pid % per_group) // size
+    pid_m = first + (pid % per_group) % size
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(tile_slot_ptr + pid_m).to(tl.int64)
+    return (pid % per_group) // size, slot, offs_m, tl.load(pairs_ptr + offs_m)
 
 
 @triton.jit
@@ -71,11 +75,9 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, out_ptr, pairs_ptr, tile_slot_ptr, num_pa
                          K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """out[r, i] = silu(x[row] . gate_i) * (x[row] . up_i) for sorted row r of a tile; w `[S, 2I, H]`."""
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_tiles, tl.cdiv(I, BLOCK_N), GROUP_M)
-    slot = tl.load(tile_slot_ptr + pid_m).to(tl.int64)
+    pid_n, slot, offs_m, pair = _tile(tl.program_id(0), num_tiles, tl.cdiv(I, BLOCK_N), tile_slot_ptr, pairs_ptr,
+                                      BLOCK_M, GROUP_M)
     if slot < S:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pairs_ptr + offs_m)
         m_mask = pair < num_pairs
         rows = (pair // K).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -106,11 +108,9 @@ def _gemm2_weighted_kernel(a_ptr, w_ptr, out_ptr, pairs_ptr, tile_slot_ptr, weig
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            GROUP_M: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """out[r, j] = weight[pair] * (a[r] . down_j) for sorted row r, fp32; w `[S, H, I]`."""
-    pid_m, pid_n = _tile_ids(tl.program_id(0), num_tiles, tl.cdiv(H, BLOCK_N), GROUP_M)
-    slot = tl.load(tile_slot_ptr + pid_m).to(tl.int64)
+    pid_n, slot, offs_m, pair = _tile(tl.program_id(0), num_tiles, tl.cdiv(H, BLOCK_N), tile_slot_ptr, pairs_ptr,
+                                      BLOCK_M, GROUP_M)
     if slot < S:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(pairs_ptr + offs_m)
         m_mask = pair < num_pairs
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
