@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import os
 
 import torch
 
@@ -30,16 +31,21 @@ def triton_available() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """"auto" | "triton" | "torch" on `device` -> the backend that runs: "triton" or "torch"."""
+    """"auto" | "triton" | "torch" on `device` -> the backend that runs: "triton" or "torch". Raises ValueError
+    for a backend that cannot run there."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is invalid: choose one of {BACKENDS}")
-    if backend == "torch":
-        return backend
+    is_cuda = torch.device(device).type == "cuda"
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
-    if not triton_available():
-        raise RuntimeError("kernel backend 'triton' needs the triton package (pip install triton); "
-                           "use backend 'torch' or 'auto'")
+        return "triton" if is_cuda and triton_available() else "torch"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("kernel backend 'triton' needs the triton package (pip install triton); "
+                             "use 'auto' or 'torch'")
+        if not is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"kernel backend 'triton' on {torch.device(device).type} runs only under Triton's "
+                             f"interpreter (set TRITON_INTERPRET=1 before starting; slow, meant for tests); "
+                             f"use 'auto' or 'torch'")
     return backend
 
 

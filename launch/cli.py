@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from .config import BALANCERS, COMM_MODES, KERNEL_BACKENDS, TRANSPORTS
+from kernels.ops import BACKENDS as KERNEL_BACKENDS
+
+from .config import BALANCERS, COMM_MODES, TRANSPORTS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:

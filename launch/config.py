@@ -1,13 +1,11 @@
 """The configuration tree. Only top-level objects (the runtime, the LLM front) see all of it."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from kernels.ops import BACKENDS as KERNEL_BACKENDS
-from kernels.ops import triton_available
+from kernels.ops import resolve_backend
 
 COMM_MODES = ("direct", "two_phase", "auto")
 BALANCERS = ("static", "round_robin", "random", "least_loaded")
@@ -101,15 +99,7 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} is invalid: choose auto, cpu or cuda")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise ValueError(f"kernel_backend={self.kernel_backend!r} is invalid: choose one of {KERNEL_BACKENDS}")
-        if self.kernel_backend == "triton":
-            if not triton_available():
-                raise ValueError("kernel_backend='triton' needs the triton package (pip install triton); "
-                                 "use kernel_backend='auto' or 'torch'")
-            if self.device_type() == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-                raise ValueError("kernel_backend='triton' on CPU runs only under Triton's interpreter (set "
-                                 "TRITON_INTERPRET=1 before starting; slow, meant for tests); use 'auto' or 'torch'")
+        resolve_backend(self.kernel_backend, self.device_type())   # an unknown or unrunnable kernel_backend raises
         for name in ("collective_timeout_s", "heartbeat_s", "startup_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
