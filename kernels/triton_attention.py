@@ -175,7 +175,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _check_heads(h, kvh, d, k_cache, v_cache)
     q = q if q.stride(-1) == 1 else q.contiguous()
     max_ctx = block_tables.shape[1] * bs if max_context_len is None else max_context_len
-    block_n = 64 if d <= 128 else 32
+    block_n = _tile(d, q.dtype)
     if partition_size is None:
         num_parts, part = decode_partitions(B, kvh, max_ctx, block_n, _num_sms(q.device))
     else:
@@ -211,7 +211,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr, qk_s
     pid = tl.program_id(0)
     hq = tl.program_id(1)
     # Step 1: the sequence and query tile of this program.
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
@@ -268,14 +268,20 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     float_dtype_ok("paged_prefill_attention", q)
     _check_heads(h, kvh, d, k_cache, v_cache)
     q = q if q.stride(-1) == 1 else q.contiguous()
-    block_m = 64 if d <= 128 else 32
+    block_m = _tile(d, q.dtype)
     _prefill_kernel[(T // block_m + P, h)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
         block_tables.stride(0), P,
-        G=h // kvh, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=triton.next_power_of_2(d),
+        G=h // kvh, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_D=triton.next_power_of_2(d),
         **mma_flags(q.dtype, interpreted), num_warps=4, num_stages=2)
     return out
+
+
+def _tile(d: int, dtype: torch.dtype) -> int:
+    """Tile edge (KV tokens; prefill queries too): 64; 16 where 64 and 32 spill registers (fp32, d > 128), as
+    `python -m kernels.aot` reads from the sm_90 compiler."""
+    return 64 if d <= 128 and dtype.itemsize == 2 else 16
 
 
 def _check_heads(h: int, kvh: int, d: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -143,12 +143,16 @@ def _sum_choices_kernel(y_ptr, pos_ptr, out_ptr, H, stride_y, stride_o, K: tl.co
     tl.store(out_ptr + n.to(tl.int64) * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_tiles(num_pairs: int, num_slots: int) -> dict:
-    """Tile sizes from shapes alone (no sync): the tile height follows the mean pairs per slot."""
+def moe_tiles(num_pairs: int, num_slots: int, dtype: torch.dtype) -> dict:
+    """Tile sizes from shapes alone (no sync): the tile height follows the mean pairs per slot; fp32 takes
+    smaller tiles (larger ones spill registers, as `python -m kernels.aot` reads from the sm_90 compiler)."""
     per_slot = num_pairs / max(num_slots, 1)
     block_m = 16 if per_slot <= 16 else 32 if per_slot <= 32 else 64 if per_slot <= 512 else 128
-    return {"BLOCK_M": block_m, "GROUP_M": 1 if block_m <= 32 else 8, "num_warps": 4 if block_m <= 64 else 8,
-            "num_stages": 3}
+    if dtype.itemsize == 4:
+        return {"BLOCK_M": min(block_m, 32), "BLOCK_N1": 32, "BLOCK_N2": 64, "BLOCK_K": 32, "GROUP_M": 1,
+                "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": block_m, "BLOCK_N1": 64, "BLOCK_N2": 128 if block_m >= 64 else 64, "BLOCK_K": 64,
+            "GROUP_M": 1 if block_m <= 32 else 8, "num_warps": 4 if block_m <= 64 else 8, "num_stages": 3}
 
 
 def fused_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
@@ -168,23 +172,23 @@ def fused_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: 
                          f"match x {tuple(x.shape)} {x.dtype}: want w13 [S, 2I, H], w2 [S, H, I] in x's dtype")
     x, w13, w2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, w13, w2))
     weights = weights.to(torch.float32).contiguous()
-    tiles = moe_tiles(N * K, S)
-    bm, group = tiles["BLOCK_M"], tiles["GROUP_M"]
+    tiles = moe_tiles(N * K, S, x.dtype)
+    bm, bk, group = tiles["BLOCK_M"], tiles["BLOCK_K"], tiles["GROUP_M"]
     launch = {"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"], **mma_flags(x.dtype, interpreted)}
     align = moe_align(slots, S, bm)
     T = align.num_tiles
     inter = torch.empty(T * bm, I, dtype=x.dtype, device=x.device)
-    bn1 = 64
+    bn1 = tiles["BLOCK_N1"]
     _gemm1_swiglu_kernel[(T * triton.cdiv(I, bn1),)](
         x, w13, inter, align.sorted_pairs, align.tile_slot, N * K, T, S, H, I,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        K=K, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=64, GROUP_M=group, **launch)
+        K=K, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk, GROUP_M=group, **launch)
     y = torch.empty(T * bm, H, dtype=torch.float32, device=x.device)
-    bn2 = 128 if bm >= 64 else 64
+    bn2 = tiles["BLOCK_N2"]
     _gemm2_weighted_kernel[(T * triton.cdiv(H, bn2),)](
         inter, w2, y, align.sorted_pairs, align.tile_slot, weights, N * K, T, S, H, I,
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=64, GROUP_M=group, **launch)
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk, GROUP_M=group, **launch)
     block_h = min(1024, triton.next_power_of_2(H))
     _sum_choices_kernel[(N, triton.cdiv(H, block_h))](y, align.pair_pos, out, H, y.stride(0), out.stride(0),
                                                       K=K, BLOCK_H=block_h, num_warps=4)
