@@ -192,7 +192,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         out.stride(0), out.stride(1), part, num_parts, h,
         G=g, D=d, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_N=block_n, SINGLE=single, **mma_flags(q.dtype, interpreted), num_warps=4, num_stages=2)
+        BLOCK_N=block_n, SINGLE=single, **mma_flags(q.dtype, interpreted), num_warps=4, num_stages=3)
     if not single:
         _decode_reduce_kernel[(B, h)](part_out, part_lse, context_lens, out, out.stride(0), out.stride(1), part,
                                       num_parts, h, D=d, BLOCK_P=triton.next_power_of_2(num_parts),
@@ -274,7 +274,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
         block_tables.stride(0), P,
         G=h // kvh, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_D=triton.next_power_of_2(d),
-        **mma_flags(q.dtype, interpreted), num_warps=4, num_stages=2)
+        **mma_flags(q.dtype, interpreted), num_warps=4, num_stages=3)
     return out
 
 
