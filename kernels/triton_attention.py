@@ -169,11 +169,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if B == 0:
         return out
-    interpreted = check_launch(_decode_split_kernel, "paged_decode_attention", q, k_cache, v_cache, block_tables,
-                               context_lens)
-    float_dtype_ok("paged_decode_attention", q)
-    _check_heads(h, kvh, d, k_cache, v_cache)
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, interpreted = _checked(_decode_split_kernel, "paged_decode_attention", q, k_cache, v_cache, block_tables,
+                              context_lens)
     max_ctx = block_tables.shape[1] * bs if max_context_len is None else max_context_len
     block_n = _tile(d, q.dtype)
     if partition_size is None:
@@ -263,11 +260,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q)
     if T == 0 or P == 0:
         return out
-    interpreted = check_launch(_prefill_kernel, "paged_prefill_attention", q, k_cache, v_cache, block_tables,
-                               cu_seqlens_q, context_lens)
-    float_dtype_ok("paged_prefill_attention", q)
-    _check_heads(h, kvh, d, k_cache, v_cache)
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    q, interpreted = _checked(_prefill_kernel, "paged_prefill_attention", q, k_cache, v_cache, block_tables,
+                              cu_seqlens_q, context_lens)
     block_m = _tile(d, q.dtype)
     _prefill_kernel[(T // block_m + P, h)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
@@ -284,10 +278,17 @@ def _tile(d: int, dtype: torch.dtype) -> int:
     return 64 if d <= 128 and dtype.itemsize == 2 else 16
 
 
-def _check_heads(h: int, kvh: int, d: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _checked(kernel, name: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             *meta: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The attention wrappers' input checks -> (q with a contiguous head dim, whether the kernel runs
+    interpreted)."""
+    interpreted = check_launch(kernel, name, q, k_cache, v_cache, *meta)
+    float_dtype_ok(name, q)
+    h, d, kvh = q.shape[-2], q.shape[-1], k_cache.shape[2]
     if h % kvh:
         raise ValueError(f"{h} query heads are not a multiple of {kvh} KV heads")
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} / v_cache {tuple(v_cache.shape)} do not hold head dim {d}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the KV cache's head dim must be contiguous")
+    return (q if q.stride(-1) == 1 else q.contiguous()), interpreted
