@@ -26,7 +26,9 @@ from .paged_attention import (
 BACKENDS = ("auto", "triton", "torch")
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether triton is installed (asked once: every op call resolves its backend)."""
     return importlib.util.find_spec("triton") is not None
 
 
