@@ -42,7 +42,8 @@ class ForwardBatch:
     num_decodes: int             # the first num_decodes tokens are one-token decodes
     decode: DecodeMeta | None    # None when num_decodes == 0
     prefill: PrefillMeta | None  # None when every token is a decode
-    sample_rows: torch.Tensor    # [S] int64 rows whose logits are sampled
+    logit_rows: torch.Tensor    # [S] int64 rows whose logits are computed: per sequence in order, its prompt
+                                 # logprob rows (if asked for), then its sampled row (if it samples)
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +61,7 @@ class ForwardBatch:
         ("triton" or "torch") whose metadata to build."""
         if not scheduled:
             return cls.empty(device)
-        ids, pos, slots, sample_rows = [], [], [], []
+        ids, pos, slots, logit_rows = [], [], [], []
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         num_decodes = 0
         row = 0
@@ -82,9 +83,10 @@ class ForwardBatch:
                 pre_tables.append(table)
                 pre_lens.append(end)
                 cu.append(cu[-1] + n)
+            logit_rows.extend(row + p - start for p in seq.prompt_logprob_positions(start, end))
             row += n
             if s.needs_sample:
-                sample_rows.append(row - 1)
+                logit_rows.append(row - 1)
 
         def tensor(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=device)
@@ -97,7 +99,7 @@ class ForwardBatch:
         if pre_tables:
             prefill = PrefillMeta(_padded(pre_tables).to(device), tensor(cu, torch.int32),
                                   tensor(pre_lens, torch.int32))
-        return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, decode, prefill, tensor(sample_rows))
+        return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, decode, prefill, tensor(logit_rows))
 
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:

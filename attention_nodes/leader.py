@@ -4,7 +4,8 @@ It takes commands from the front (LLM or HTTP server) through an inbox queue, gi
 request to the attention rank with the most free KV blocks, broadcasts the step header, and
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
 ("abort", request_id), ("stats",), ("comm_stats"[, events]), ("shutdown",). Outbox messages, one per step at
-most: ("out", [[request_id, [new token ids], finish_reason or None], ...]), ("stats", dict) and
+most: ("out", [[request_id, [new token ids], finish_reason or None, new
+prompt logprobs or None], ...]), ("stats", dict) and
 ("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
 every rank joins between steps.
 """
@@ -73,7 +74,7 @@ class Leader:
             before = len(self.pending)
             self.pending = deque(r for r in self.pending if r["id"] != rid)
             if len(self.pending) != before:
-                outbox.put(("out", [[rid, [], "abort"]]))
+                outbox.put(("out", [[rid, [], "abort", None]]))
             elif rid in self.req2rank:
                 aborts.setdefault(str(self.req2rank[rid]), []).append(rid)
         elif kind == "stats":
@@ -142,7 +143,7 @@ class Leader:
     def _collect(self, reports: list[StepReport], outbox) -> None:
         self.reports = reports
         outputs = [out for rep in reports for out in rep.outputs]
-        for rid, _, finish in outputs:
+        for rid, _, finish, _ in outputs:
             if finish is not None:
                 self.req2rank.pop(rid, None)
         if outputs:

@@ -137,7 +137,7 @@ class AttentionModel:
     def _layers(self, batch: ForwardBatch, kv: KVCache):
         """The forward of one micro-batch as a generator: at each MoE layer it yields (moe_layer, x `[T, H]`,
         ids `[T, K]`, weights `[T, K]`) and is sent back the routed-expert output `[T, H]`; it returns the
-        logits `[len(batch.sample_rows), V]` fp32."""
+        logits `[len(batch.logit_rows), V]` fp32."""
         s = self.spec
         h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
         cos, sin = self.rotary(h[None], batch.positions[None])
@@ -159,7 +159,7 @@ class AttentionModel:
                 out = out + torch.sigmoid(F.linear(x, self.w[f"{m}.shared_expert_gate.weight"])) * shared
             h = h + out
             moe_layer += 1
-        h = rms_norm(h[batch.sample_rows], self.w["model.norm.weight"], s.rms_norm_eps)
+        h = rms_norm(h[batch.logit_rows], self.w["model.norm.weight"], s.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
 
     @torch.inference_mode()

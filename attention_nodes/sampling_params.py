@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20  # the most top alternatives a request may ask for per position (vLLM's default cap)
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -12,6 +14,8 @@ class SamplingParams:
     seed makes sampling reproducible per request, whatever else is in the batch.
     stop_token_ids end generation like EOS does (the stop token is kept in the output).
     ignore_eos keeps generating past EOS until max_tokens.
+    prompt_logprobs: None (off) or k >= 0: return each prompt token's log-probability given the tokens before
+        it, plus the k most likely tokens at that position (vLLM's meaning). The first prompt token has none.
     """
 
     max_tokens: int = 16
@@ -21,6 +25,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value, want: str) -> ValueError:
@@ -43,6 +48,10 @@ class SamplingParams:
             raise bad("stop_token_ids", self.stop_token_ids, "pass a list of non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "pass True or False")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool) or not isinstance(
+                self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise bad("prompt_logprobs", self.prompt_logprobs,
+                      f"pass None (off) or an integer in [0, {MAX_LOGPROBS}] (top alternatives per prompt token)")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.stop_token_ids = list(self.stop_token_ids)

@@ -25,6 +25,9 @@ class Sequence:
     block_table: KV block ids covering token_ids[i] at block_table[i // block_size].
     finish_reason: "stop", "length" or "abort" once finished.
     generator: per-request RNG, set when params.seed is not None.
+    prompt_logprobs: with params.prompt_logprobs set, one entry per prompt token computed so far ({token id:
+        log-probability} holding the prompt token and the top alternatives; None for the first token).
+    num_prompt_logprobs_sent: how many of those entries the worker has reported.
     """
 
     request_id: str
@@ -38,6 +41,8 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_prompt_logprobs_sent: int = 0
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -47,7 +52,15 @@ class Sequence:
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         return cls(request_id=request_id, token_ids=list(prompt_token_ids),
                    num_prompt_tokens=len(prompt_token_ids), params=params, arrival=arrival,
-                   generator=generator)
+                   generator=generator, prompt_logprobs=None if params.prompt_logprobs is None else [None])
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """Of a forward over positions [start, end), those whose logits score a prompt token not yet scored
+        (position p scores token p + 1). Empty unless prompt logprobs were asked for; a chunk recomputed after
+        preemption scores nothing twice."""
+        if self.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1), min(end, self.num_prompt_tokens - 1))
 
     @property
     def num_tokens(self) -> int:

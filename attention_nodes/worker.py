@@ -45,7 +45,7 @@ class AttentionWorker:
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             if self.scheduler.abort(rid) is not None:
-                self._aborted.append([rid, [], "abort"])
+                self._aborted.append([rid, [], "abort", None])
 
     def step(self, capacity: int) -> StepReport:
         """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages)."""
@@ -55,7 +55,20 @@ class AttentionWorker:
         batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device, self.model.kernel_backend)
                    for part in split_micro_batches(out.scheduled, self.micro_batches)]
         logits = self.model.forward(batches, self.kv, self.moe)
-        to_sample = [s for s in out.scheduled if s.needs_sample]
+        # The logit rows hold, per scheduled sequence in order, its prompt-logprob rows, then its sampled row.
+        to_sample, sample_rows, scored, row = [], [], [], 0
+        for s in out.scheduled:
+            positions = s.seq.prompt_logprob_positions(s.start, s.start + s.num_new_tokens)
+            if positions:
+                scored.append((s.seq, positions, row))
+                row += len(positions)
+            if s.needs_sample:
+                to_sample.append(s)
+                sample_rows.append(row)
+                row += 1
+        if scored:
+            score_prompt_tokens(logits, scored)
+            logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
         tokens = iter(self.sampler.sample(logits, [s.seq.params for s in to_sample],
                                           [s.seq.generator for s in to_sample]) if to_sample else [])
         sampled = [next(tokens) if s.needs_sample else None for s in out.scheduled]
@@ -63,7 +76,10 @@ class AttentionWorker:
         self.num_preemptions += len(out.preempted)
         produced = self.scheduler.update(out, sampled, self.eos, self.max_model_len)
         outputs, self._aborted = self._aborted, []
-        outputs += [[seq.request_id, [tok], seq.finish_reason] for seq, tok in produced]
+        outputs += [[seq.request_id, [tok], seq.finish_reason, _new_prompt_logprobs(seq)] for seq, tok in produced]
+        reported = {id(seq) for seq, _ in produced}
+        outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq)] for seq, _, _ in scored
+                    if id(seq) not in reported]
         return self.report(outputs)
 
     def report(self, outputs: list[list] | None = None) -> StepReport:
@@ -71,3 +87,33 @@ class AttentionWorker:
         return StepReport(self.rank, self.block_pool.num_free_blocks, s.num_running, s.num_waiting,
                           s.max_next_tokens(), self.num_preemptions, self.num_partial_chunks, outputs or [],
                           self.block_pool.num_blocks)
+
+
+def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:
+    """Append prompt logprobs to each sequence: for position p, log-softmax of row (row0 + p - positions.start)
+    at prompt token p + 1, plus the sequence's top-k tokens there. One host copy for all of them."""
+    rows = torch.cat([torch.arange(r0, r0 + len(pos)) for _, pos, r0 in scored]).to(logits.device)
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    targets = torch.tensor([t for seq, pos, _ in scored for t in seq.token_ids[pos.start + 1:pos.stop + 1]],
+                           dtype=torch.int64, device=logits.device)
+    chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
+    k = max(seq.params.prompt_logprobs for seq, _, _ in scored)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    i = 0
+    for seq, pos, _ in scored:
+        k_seq = seq.params.prompt_logprobs
+        for p in pos:
+            entry = dict(zip(top_ids[i][:k_seq], top_lp[i][:k_seq]))
+            entry[seq.token_ids[p + 1]] = chosen[i]
+            seq.prompt_logprobs.append(entry)
+            i += 1
+
+
+def _new_prompt_logprobs(seq: Sequence) -> list | None:
+    """The prompt logprobs this rank has not reported yet (None when the request asked for none)."""
+    if seq.prompt_logprobs is None or seq.num_prompt_logprobs_sent == len(seq.prompt_logprobs):
+        return None
+    new = seq.prompt_logprobs[seq.num_prompt_logprobs_sent:]
+    seq.num_prompt_logprobs_sent = len(seq.prompt_logprobs)
+    return new

@@ -142,7 +142,7 @@ class EngineClient:
     def _deliver(self, outputs: list) -> None:
         now = time.monotonic()
         with self._lock:
-            for rid, toks, finish in outputs:
+            for rid, toks, finish, _ in outputs:
                 track = self._tracks.get(rid)
                 if track is None:       # released by the front (its abort is on the way)
                     continue

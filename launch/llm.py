@@ -18,13 +18,16 @@ from .procs import free_port, rank_main
 @dataclass(slots=True)
 class RequestOutput:
     """One prompt's result. token_ids: the generated ids only; text: decoded (None without a tokenizer);
-    finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context limit) or "abort"."""
+    finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context limit) or "abort".
+    prompt_logprobs: with SamplingParams.prompt_logprobs set, one entry per prompt token: None for the first,
+    then {token id: log-probability} holding the prompt token and the top alternatives asked for."""
 
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def _load_tokenizer(path: str):
@@ -135,7 +138,8 @@ class LLM:
 
     def submit(self, prompt, params: SamplingParams) -> str:
         """Validate one request and queue it for the leader; returns its request id. Progress arrives on
-        `outbox` as ("out", [[request_id, [new token ids], finish_reason or None], ...])."""
+        `outbox` as ("out", [[request_id, [new token ids], finish_reason or None,
+        new prompt logprobs or None], ...])."""
         ids = self.prompt_ids(prompt)
         self.check_fits(ids, params)
         return self.enqueue(ids, params)
@@ -153,7 +157,8 @@ class LLM:
 
     @property
     def outbox(self):
-        """Progress from the leader: ("out", [[request_id, [new token ids], finish_reason or None], ...])."""
+        """Progress from the leader: ("out", [[request_id, [new token ids], finish_reason or None,
+        new prompt logprobs or None], ...])."""
         return self._outbox
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -182,17 +187,20 @@ class LLM:
         if self.runtime is not None:
             self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         tokens = {rid: [] for rid in rids}
+        prompt_logprobs = {rid: [] if p.prompt_logprobs is not None else None for rid, p in zip(rids, params)}
         finish: dict[str, str] = {}
         while len(finish) < len(rids):
             msg = self._poll(self._outbox, None, "generate")
             if msg[0] != "out":
                 continue
-            for rid, toks, reason in msg[1]:
+            for rid, toks, reason, new_logprobs in msg[1]:
                 if rid in tokens:
                     tokens[rid].extend(toks)
+                    if new_logprobs:
+                        prompt_logprobs[rid].extend(new_logprobs)
                     if reason is not None:
                         finish[rid] = reason
-        return [RequestOutput(rid, i, tokens[rid], self.decode(tokens[rid]), finish[rid])
+        return [RequestOutput(rid, i, tokens[rid], self.decode(tokens[rid]), finish[rid], prompt_logprobs[rid])
                 for rid, i in zip(rids, ids)]
 
     def stats(self) -> dict:

@@ -26,7 +26,7 @@ def _rank_fn(rank, world, path, num_attention_ranks, prompt):
         if rank == 0:  # rank 0 runs the prompt; other attention ranks join with zero tokens
             w.scheduler.add(Sequence.from_request("r", prompt, SamplingParams(), 1))
             batch = ForwardBatch.from_scheduled(w.scheduler.schedule().scheduled, w.kv.block_size, w.device)
-            batch.sample_rows = torch.arange(len(prompt))
+            batch.logit_rows = torch.arange(len(prompt))
         else:
             batch = ForwardBatch.empty(w.device)
         w.moe.dispatcher.set_capacity(len(prompt))
