@@ -4,12 +4,14 @@ from __future__ import annotations
 import argparse
 
 from kernels.ops import BACKENDS as KERNEL_BACKENDS
+from models import SHIPPED_MODEL
 
 from .config import BALANCERS, COMM_MODES, TRANSPORTS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", help="HF checkpoint directory (local)")
+    p.add_argument("--model", default=SHIPPED_MODEL,
+                   help="HF checkpoint directory (local; default: the shipped Shakespeare MoE, models/shakespeare-moe)")
     p.add_argument("--attention-ranks", type=int, default=1)
     p.add_argument("--expert-ranks", type=int, default=None,
                    help="default: world size - attention ranks under torchrun, 2 otherwise")

@@ -1,4 +1,6 @@
-"""torchrun entry point: `torchrun --nproc-per-node W launch/serve.py --model DIR --attention-ranks A`.
+"""torchrun entry point: `torchrun --nproc-per-node W launch/serve.py [--model DIR] --attention-ranks A`.
+
+Without --model it serves the shipped Shakespeare MoE (models/shakespeare-moe).
 
 Every rank joins the runtime. Attention rank 0 also runs the OpenAI-compatible HTTP server (FastAPI on
 uvicorn, in a thread beside the leader loop) on --host/--port, 127.0.0.1:8000 by default; /health answers
@@ -160,8 +162,6 @@ def main(argv=None) -> int:
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
     args = p.parse_args(argv)
-    if not args.model:
-        p.error("--model DIR is required")
     world = int(os.environ.get("WORLD_SIZE", 0))
     if not world:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
