@@ -52,10 +52,10 @@ def _gather(cache: torch.Tensor, rows: torch.Tensor, B: int) -> torch.Tensor:
 @dataclass(slots=True)
 class DecodeGroup:
     """Up to `group` sequences of similar length: their rows in the batch (None = all, in order), the cache
-    rows to gather `[G * L]` and the mask `[G, 1, L]`."""
+    blocks to gather `[G * M]` (-1 padding read as block 0, masked) and the mask `[G, 1, M * bs]`."""
 
     index: torch.Tensor | None
-    rows: torch.Tensor
+    blocks: torch.Tensor
     mask: torch.Tensor
 
 
@@ -70,7 +70,8 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
 
     def make(index, tables, lens):
         pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
-        return DecodeGroup(index, _rows(tables, block_size), (pos[None, :] < lens[:, None])[:, None, :])
+        return DecodeGroup(index, tables.long().clamp(min=0).reshape(-1),
+                           (pos[None, :] < lens[:, None])[:, None, :])
 
     if num_seqs <= group:
         return [make(None, block_tables, context_lens)]
@@ -101,9 +102,23 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: DecodeGroup,
                   scale: float) -> torch.Tensor:
-    k = _gather(k_cache, grp.rows, grp.mask.shape[0])
-    v = _gather(v_cache, grp.rows, grp.mask.shape[0])
-    return _attend(q[:, None], k, v, grp.mask, scale)[:, 0]
+    """q `[G, h, d]` -> `[G, h, d]`. The group's blocks are copied whole (one contiguous block per index, not
+    one token row) into `[G, L, kvh, d]`, and each KV head attends through strided batched matmuls, so the
+    gathered K/V are never transposed into a second copy."""
+    N, bs, kvh, d = k_cache.shape
+    G, h, _ = q.shape
+    g = h // kvh
+    k = k_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d)
+    v = v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d)
+    keep = grp.mask                                                      # [G, 1, L]
+    out = torch.empty_like(q)
+    for j in range(kvh):
+        qj = q[:, j * g:(j + 1) * g]                                     # [G, g, d]
+        scores = torch.bmm(qj, k[:, :, j].transpose(1, 2)) * scale       # [G, g, L]
+        scores = scores.masked_fill_(~keep, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out[:, j * g:(j + 1) * g] = torch.bmm(probs, v[:, :, j])         # [G, g, d]
+    return out
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
