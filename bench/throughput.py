@@ -1,9 +1,11 @@
-"""Offline throughput: this runtime (1 attention + 2 expert ranks, continuous batching) against HF
+"""Offline throughput: this runtime (1 attention + 2 expert ranks by default, continuous batching) against HF
 `generate` in static batches of 64 (left-padded), on the same workload, in the same run.
 
-Workload: 256 requests on a tiny random Qwen3-MoE; prompts 16-256 tokens; outputs 8-256 tokens,
-long-tailed; at most 64 in flight. Only the tokens each request asked for count as output.
-Prints the median over --repeats runs after a warm-up, the spread, and the ratio.
+Model: the shipped Shakespeare MoE (models/shakespeare-moe: Qwen3-MoE, 5 layers, hidden 256, 8 experts, top-2),
+or --model. Workload: 256 requests whose prompts are 16-256-token passages of the held-out play (random token
+ids for a checkpoint without heldout.txt); outputs 8-256 tokens, long-tailed; at most 64 in flight. Only the
+tokens each request asked for count as output. Prints the median over --repeats runs after a warm-up, the
+spread, and the ratio.
 """
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -19,19 +20,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from launch import LLM, SamplingParams
-from models.tiny import make_tiny_checkpoint
-
-MODEL = dict(hidden_size=128, num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
-             max_position_embeddings=1024)
+from models import SHIPPED_MODEL
 
 
-def workload(n: int, seed: int = 0, max_output: int = 256) -> tuple[list[list[int]], list[int]]:
+def workload(n: int, seed: int = 0, max_output: int = 256, model: str = SHIPPED_MODEL
+             ) -> tuple[list[list[int]], list[int]]:
     """n token-id prompts of 16-256 tokens and output lengths of 8-max_output."""
     g = torch.Generator().manual_seed(seed)
     plens = torch.randint(16, 257, (n,), generator=g)
     # Long tail: most outputs short, a few near max_output (u^3 puts ~half of the mass below 40 of 256).
     olens = (8 + (max_output - 8) * torch.rand(n, generator=g) ** 3).round().long()
-    prompts = [torch.randint(3, 300, (int(L),), generator=g).tolist() for L in plens]
+    text = os.path.join(model, "heldout.txt")
+    if os.path.exists(text):
+        from transformers import AutoTokenizer
+        with open(text) as f:
+            ids = AutoTokenizer.from_pretrained(model)(f.read(), add_special_tokens=False)["input_ids"]
+        starts = torch.randint(0, len(ids) - 256, (n,), generator=g).tolist()
+        prompts = [ids[s:s + int(L)] for s, L in zip(starts, plens)]
+    else:
+        prompts = [torch.randint(3, 300, (int(L),), generator=g).tolist() for L in plens]
     return prompts, olens.tolist()
 
 
@@ -68,28 +75,31 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads-per-rank", type=int, default=None)
     ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
+    ap.add_argument("--attention-ranks", type=int, default=1)
+    ap.add_argument("--expert-ranks", type=int, default=2)
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    prompts, olens = workload(args.requests)
+    prompts, olens = workload(args.requests, model=args.model)
     print(f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
           f"output tokens {sum(olens)} (min {min(olens)}, median {int(statistics.median(olens))}, max {max(olens)})")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint("qwen3_moe", tmp, **MODEL)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        hf.generation_config.eos_token_id = None
-        with LLM(path, attention_ranks=1, expert_ranks=2, max_num_seqs=64, max_num_batched_tokens=512,
-                 threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches) as llm:
-            run_ours(llm, prompts[:16], olens[:16])        # warm-up
-            run_hf(hf, prompts[:16], [8] * 16, batch=16)    # warm-up
-            ours, base = [], []
-            for _ in range(args.repeats):
-                dt, n = run_ours(llm, prompts, olens)
-                ours.append(n / dt)
-                dt, n = run_hf(hf, prompts, olens)
-                base.append(n / dt)
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    A, E = args.attention_ranks, args.expert_ranks
+    # 64 requests in flight in all, as in HF's batches: max_num_seqs is per attention rank.
+    with LLM(args.model, attention_ranks=A, expert_ranks=E, max_num_seqs=64 // A, max_num_batched_tokens=512,
+             threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches) as llm:
+        run_ours(llm, prompts[:16], olens[:16])        # warm-up
+        run_hf(hf, prompts[:16], [8] * 16, batch=16)    # warm-up
+        ours, base = [], []
+        for _ in range(args.repeats):
+            dt, n = run_ours(llm, prompts, olens)
+            ours.append(n / dt)
+            dt, n = run_hf(hf, prompts, olens)
+            base.append(n / dt)
     mo, mb = statistics.median(ours), statistics.median(base)
-    print(f"afserve 1+2 ranks      : {mo:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in ours)})")
+    print(f"afserve {A}+{E} ranks      : {mo:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in ours)})")
     print(f"HF generate, batch 64  : {mb:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in base)})")
     print(f"ratio                  : {mo / mb:.2f}x")
 
