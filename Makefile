@@ -26,6 +26,8 @@ $(VENV)/.bench: $(STAMP)
 
 bench: $(VENV)/.bench
 	$(PY) bench/throughput.py
+	$(PY) bench/step_breakdown.py
+	$(PY) bench/deepspeed_moe.py
 	$(PY) bench/balancer.py
 	$(PY) bench/serve_load.py
 	$(PY) bench/kernels.py
