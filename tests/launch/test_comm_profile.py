@@ -47,7 +47,7 @@ def test_simulated_profile_counts_planned_messages(tmp_path, capsys):
     (["--simulate", "--attention-ranks", "2", "--expert-ranks", "2", "--ranks-per-node", "0"], "--ranks-per-node"),
     (["--simulate", "--attention-ranks", "2", "--expert-ranks", "2", "--ranks-per-node", "2", "--tokens", "8,x"],
      "--tokens"),
-    (["--prompts", "4"], "--model")])
+    (["--model", "", "--prompts", "4"], "--model")])  # --model defaults to the shipped model
 def test_bad_arguments_name_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
