@@ -46,6 +46,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.throughput import left_padded, workload  # noqa: E402
 from models import SHIPPED_MODEL  # noqa: E402
 
 BATCH = 64  # requests in flight in total, as throughput.py's HF batches and afserve's max_num_seqs
@@ -169,17 +170,6 @@ def deepspeed_model(path: str, ep_size: int):
     return model.eval()
 
 
-def padded(prompts: list[list[int]]):
-    import torch
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for j, p in enumerate(prompts):
-        ids[j, width - len(p):] = torch.tensor(p)
-        mask[j, width - len(p):] = 1
-    return ids, mask
-
-
 def share(items: list, rank: int, world: int) -> list:
     """rank's contiguous part of items (sizes differ by at most one)."""
     q, r = divmod(len(items), world)
@@ -196,17 +186,11 @@ def run_rounds(model, prompts, olens, rank: int, world: int, batch: int = BATCH)
         for i in range(0, len(prompts), batch):
             ps, os_ = share(prompts[i:i + batch], rank, world), share(olens[i:i + batch], rank, world)
             steps = max(olens[i:i + batch])            # the round's longest request, the same on every rank
-            ids, mask = padded(ps or [[3]])
+            ids, mask = left_padded(ps or [[3]])
             out = model.generate(ids, attention_mask=mask, max_new_tokens=steps, do_sample=False, pad_token_id=0)
             assert out.shape[1] == ids.shape[1] + steps, "generation stopped early: ranks would fall out of step"
             n += sum(os_)
     return n
-
-
-def workload(model: str, n: int, seed: int = 0, max_output: int = 256):
-    """bench/throughput.py's workload, for this checkpoint (passages of its held-out text when it has one)."""
-    from bench.throughput import workload as wl
-    return wl(n, seed=seed, max_output=max_output, model=model)
 
 
 def check(model, ref, prompts, rank: int, world: int, tokens: int) -> dict:
@@ -214,7 +198,7 @@ def check(model, ref, prompts, rank: int, world: int, tokens: int) -> dict:
     padding, the same for both). Returns this rank's result."""
     import torch
     ps = share(prompts, rank, world)
-    ids, mask = padded(ps or [[3]])
+    ids, mask = left_padded(ps or [[3]])
     kw = dict(attention_mask=mask, max_new_tokens=tokens, do_sample=False, pad_token_id=0,
               return_dict_in_generate=True, output_logits=True)
     with torch.no_grad():
@@ -260,7 +244,7 @@ def worker(args) -> None:
     if args.check_tokens:
         ref = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         ref.generation_config.eos_token_id = None
-        cp, _ = workload(args.model, args.check_prompts * world, seed=1)
+        cp, _ = workload(args.check_prompts * world, seed=1, model=args.model)
         mine = check(model, ref, cp, rank, world, args.check_tokens)
         del ref
         allres = [None] * world
@@ -268,7 +252,7 @@ def worker(args) -> None:
         result["check"] = {"tokens": args.check_tokens, "ranks": allres,
                            "pass": all(r["mismatch"] is None for r in allres)}
     if not args.check_only:
-        prompts, olens = workload(args.model, args.requests, max_output=args.max_output)
+        prompts, olens = workload(args.requests, max_output=args.max_output, model=args.model)
         run_rounds(model, prompts[:16], [8] * 16, rank, world, batch=16)   # warm-up
         runs = []
         for _ in range(args.repeats):
@@ -396,7 +380,7 @@ def main() -> None:
     from bench.throughput import run_hf, run_ours
     from launch import LLM
 
-    prompts, olens = workload(args.model, args.requests, max_output=args.max_output)
+    prompts, olens = workload(args.requests, max_output=args.max_output, model=args.model)
     print(f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, output tokens "
           f"{sum(olens)} (min {min(olens)}, median {int(statistics.median(olens))}, max {max(olens)})")
 

@@ -52,18 +52,24 @@ def run_ours(llm: LLM, prompts, olens) -> tuple[float, int]:
     return dt, n
 
 
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static batch as HF `generate` takes it: ids and attention mask `[n, longest]`, left-padded with 0."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for j, p in enumerate(prompts):
+        ids[j, width - len(p):] = torch.tensor(p)
+        mask[j, width - len(p):] = 1
+    return ids, mask
+
+
 def run_hf(model, prompts, olens, batch: int = 64) -> tuple[float, int]:
     t0 = time.perf_counter()
     n = 0
     with torch.no_grad():
         for i in range(0, len(prompts), batch):
             ps, os_ = prompts[i:i + batch], olens[i:i + batch]
-            width = max(len(p) for p in ps)
-            ids = torch.zeros(len(ps), width, dtype=torch.long)
-            mask = torch.zeros(len(ps), width, dtype=torch.long)
-            for j, p in enumerate(ps):
-                ids[j, width - len(p):] = torch.tensor(p)
-                mask[j, width - len(p):] = 1
+            ids, mask = left_padded(ps)
             model.generate(ids, attention_mask=mask, max_new_tokens=max(os_), do_sample=False, pad_token_id=0)
             n += sum(os_)  # useful tokens only: the padded batch runs to its longest request
     return time.perf_counter() - t0, n
