@@ -130,15 +130,16 @@ class Leader:
         return self.hooks[kind]()
 
     def stats(self) -> dict:
-        """Engine counters summed over attention ranks, as of the last step, plus per-rank free and total KV
-        blocks."""
+        """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV
+        blocks, and the KV-cache bytes one token takes per layer (every attention rank holds the same layout)."""
         return {"steps": self.step_id,
                 "num_preemptions": sum(r.num_preemptions for r in self.reports),
                 "num_prefill_chunks": sum(r.num_prefill_chunks for r in self.reports),
                 "num_running": sum(r.num_running for r in self.reports),
                 "num_waiting": sum(r.num_waiting for r in self.reports) + len(self.pending),
                 "free_kv_blocks": [r.num_free_blocks for r in self.reports],
-                "kv_blocks": [r.num_blocks for r in self.reports]}
+                "kv_blocks": [r.num_blocks for r in self.reports],
+                "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token}
 
     def _collect(self, reports: list[StepReport], outbox) -> None:
         self.reports = reports

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,10 @@ from models.spec import ModelSpec
 
 from .batch import ForwardBatch
 from .kv_cache import KVCache
+from .routing import route
+
+# DeepSeek's q_a/kv_a norms are built without the config's eps: transformers' RMSNorm default.
+MLA_NORM_EPS = 1e-6
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,16 +33,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-then-top-k router (Qwen2/3-MoE, Mixtral, OLMoE). logits `[T, E]` ->
-    (weights `[T, K]` fp32, ids `[T, K]` int64)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 @dataclass(slots=True)
@@ -89,10 +84,19 @@ class AttentionModel:
         self.w = weights
         self.device = device
         self.rotary = spec.rotary_embedding().to(device)
-        self.scale = spec.head_dim ** -0.5
+        self.scale = spec.attention_scale
+        self.absorbed = [self._absorb(i) for i in range(spec.num_layers)] if spec.mla else []
         lm = "model.embed_tokens.weight" if spec.tie_word_embeddings and "lm_head.weight" not in weights \
             else "lm_head.weight"
         self.lm_head = weights[lm]
+
+    def _absorb(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA layer i's kv_b_proj split for the weight-absorbed form: (W_UK `[h, nope, c]`, which folds into
+        the query, and W_UV^T `[h, c, v]`, which maps the attended latent to each head's value)."""
+        m, h = self.spec.mla, self.spec.num_heads
+        w = self.w[f"model.layers.{i}.self_attn.kv_b_proj.weight"].view(h, m.qk_nope_head_dim + m.v_head_dim,
+                                                                         m.kv_lora_rank)
+        return w[:, :m.qk_nope_head_dim].contiguous(), w[:, m.qk_nope_head_dim:].transpose(1, 2).contiguous()
 
     def _get(self, name: str) -> torch.Tensor | None:
         return self.w.get(name)
@@ -123,16 +127,65 @@ class AttentionModel:
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_cache, v_cache = kv.layer(i)
         ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, self.kernel_backend)
-        out = torch.empty_like(q)
-        nd, dec, pre = batch.num_decodes, batch.decode, batch.prefill
-        if dec is not None:
-            out[:nd] = ops.paged_decode_attention(q[:nd], k_cache, v_cache, dec.block_tables, dec.context_lens,
-                                                  self.scale, self.kernel_backend,
-                                                  max_context_len=dec.max_context_len, plan=dec.plan)
-        if pre is not None:
-            out[nd:] = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, pre.block_tables, pre.cu_seqlens_q,
-                                                   pre.context_lens, self.scale, self.kernel_backend)
+        out = self._paged(q, batch, ops.paged_decode_attention, ops.paged_prefill_attention, k_cache, v_cache)
         return self._linear(out.reshape(T, s.num_heads * s.head_dim), f"{p}.o_proj")
+
+    def _mla_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """Multi-head latent attention in the weight-absorbed form: the cache holds [latent | rotary key] per
+        token; W_UK folds into the query, so attention reads only the latent cache, and W_UV maps the
+        attended latent to values (the same for decode and prefill)."""
+        s, m, p = self.spec, self.spec.mla, f"model.layers.{i}.self_attn"
+        T, h = x.shape[0], s.num_heads
+        if m.q_lora_rank:
+            q = rms_norm(self._linear(x, f"{p}.q_a_proj"), self.w[f"{p}.q_a_layernorm.weight"], MLA_NORM_EPS)
+            q = self._linear(q, f"{p}.q_b_proj")
+        else:
+            q = self._linear(x, f"{p}.q_proj")
+        split = [m.qk_nope_head_dim, m.qk_rope_head_dim]
+        q_nope, q_pe = q.view(T, h, sum(split)).split(split, dim=-1)
+        compressed = self._linear(x, f"{p}.kv_a_proj_with_mqa")
+        latent, k_pe = compressed.split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        latent = rms_norm(latent, self.w[f"{p}.kv_a_layernorm.weight"], MLA_NORM_EPS)
+        q_pe = _rope(q_pe, cos, sin, s.rope_interleave)
+        k_pe = _rope(k_pe[:, None], cos, sin, s.rope_interleave)
+        (cache,) = kv.layer(i)
+        ops.write_latent(cache, torch.cat((latent[:, None], k_pe), dim=-1), batch.slot_mapping)
+        w_uk, w_uv = self.absorbed[i]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)            # [T, h, c]
+        query = torch.cat((q_latent, q_pe), dim=-1)                                     # [T, h, c + r]
+        out = self._paged(query, batch, partial(ops.paged_mla_decode, v_dim=m.kv_lora_rank),
+                          partial(ops.paged_mla_prefill, v_dim=m.kv_lora_rank), cache,
+                          out_dim=m.kv_lora_rank)                                       # [T, h, c]
+        out = torch.bmm(out.transpose(0, 1), w_uv).transpose(0, 1)                      # [T, h, v]
+        return self._linear(out.reshape(T, h * m.v_head_dim), f"{p}.o_proj")
+
+    def _paged(self, q: torch.Tensor, batch: ForwardBatch, decode_op, prefill_op, *caches,
+               out_dim: int | None = None) -> torch.Tensor:
+        """Attention of the batch's decode rows (first) and prefill rows over the paged cache(s) -> `[T, h,
+        out_dim]` (default: q's head dim)."""
+        nd, dec, pre = batch.num_decodes, batch.decode, batch.prefill
+        parts = []
+        if dec is not None:
+            parts.append(decode_op(q[:nd], *caches, dec.block_tables, dec.context_lens, self.scale,
+                                   self.kernel_backend, max_context_len=dec.max_context_len, plan=dec.plan))
+        if pre is not None:
+            parts.append(prefill_op(q[nd:], *caches, pre.block_tables, pre.cu_seqlens_q, pre.context_lens,
+                                    self.scale, self.kernel_backend))
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else q.new_empty(0, q.shape[1], out_dim or q.shape[2])
+
+    def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' rotary module at these positions -> (cos, sin) `[T, 1, rd]` in rotate-half form. The
+        DeepSeek-V2 module returns complex frequencies; they become the same form."""
+        out = self.rotary(h[None], positions[None])
+        if isinstance(out, torch.Tensor):
+            cos, sin = out[0].real, out[0].imag
+            cos, sin = torch.cat((cos, cos), dim=-1).to(h.dtype), torch.cat((sin, sin), dim=-1).to(h.dtype)
+        else:
+            cos, sin = out[0][0], out[1][0]
+        return cos[:, None, :], sin[:, None, :]
 
     def _layers(self, batch: ForwardBatch, kv: KVCache):
         """The forward of one micro-batch as a generator: at each MoE layer it yields (moe_layer, x `[T, H]`,
@@ -140,23 +193,25 @@ class AttentionModel:
         logits `[len(batch.logit_rows), V]` fp32."""
         s = self.spec
         h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
-        cos, sin = self.rotary(h[None], batch.positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        cos, sin = self._rope_tables(h, batch.positions)
+        attention = self._mla_attention if s.mla else self._attention
         moe_layer = 0
         for i in range(s.num_layers):
             p = f"model.layers.{i}"
-            h = h + self._attention(i, rms_norm(h, self.w[f"{p}.input_layernorm.weight"], s.rms_norm_eps),
-                                    cos, sin, batch, kv)
+            h = h + attention(i, rms_norm(h, self.w[f"{p}.input_layernorm.weight"], s.rms_norm_eps),
+                              cos, sin, batch, kv)
             x = rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], s.rms_norm_eps)
             if not s.moe_layers[i]:
                 h = h + self._mlp(x, f"{p}.mlp")
                 continue
             m = s.moe_prefix(i)
-            weights, ids = route(F.linear(x, self.w[f"{m}.gate.weight"]), s.top_k, s.norm_topk_prob)
+            weights, ids = route(s, x, self.w[f"{m}.gate.weight"], self._get(f"{m}.gate.e_score_correction_bias"))
             out = yield moe_layer, x, ids, weights
             if s.shared_expert_size:
-                shared = self._mlp(x, f"{m}.shared_expert")
-                out = out + torch.sigmoid(F.linear(x, self.w[f"{m}.shared_expert_gate.weight"])) * shared
+                shared = self._mlp(x, f"{m}.{s.shared_module}")
+                if s.shared_expert_gate:
+                    shared = torch.sigmoid(F.linear(x, self.w[f"{m}.shared_expert_gate.weight"])) * shared
+                out = out + shared
             h = h + out
             moe_layer += 1
         h = rms_norm(h[batch.logit_rows], self.w["model.norm.weight"], s.rms_norm_eps)
@@ -203,8 +258,16 @@ class AttentionModel:
         return None if request is None else moe.start(*request)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[T, heads, d]`, cos/sin `[T, 1, d]`: transformers' rotate-half convention."""
-    half = x.shape[-1] // 2
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x `[T, heads, d]`, cos/sin `[T, 1, rd]` (rd <= d; rotate-half form). The first rd channels rotate
+    (GLM's partial rotary leaves the rest as they are). interleaved: the pairs are (x0, x1), (x2, x3), ...
+    (DeepSeek); they are de-interleaved first, as transformers does, so the result is in rotate-half layout
+    (queries and keys get the same layout, so their dot products are unchanged)."""
+    if interleaved:
+        x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat((_rope(x[..., :rd], cos, sin), x[..., rd:]), dim=-1)
+    half = rd // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

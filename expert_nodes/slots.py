@@ -21,7 +21,7 @@ class ExpertSlots:
 
     @classmethod
     def load(cls, ckpt: Checkpoint, slot2expert: torch.Tensor, dtype: torch.dtype, device: torch.device,
-             desc: str = "", kernel_backend: str = "torch") -> ExpertSlots:
+             desc: str = "", kernel_backend: str = "torch", progress=None) -> ExpertSlots:
         """Read only the experts named in slot2expert `[L, S]`."""
         spec = ckpt.spec
         L, S = slot2expert.shape
@@ -33,7 +33,8 @@ class ExpertSlots:
             for slot, e in enumerate(slot2expert[li].tolist()):
                 if e >= 0:
                     wanted.append((li, slot, spec.expert_tensor_names(layer, e)))
-        tensors = ckpt.read([n for _, _, names in wanted for n in names], dtype=dtype, device=device, desc=desc)
+        tensors = ckpt.read([n for _, _, names in wanted for n in names], dtype=dtype, device=device, desc=desc,
+                            progress=progress)
         for li, slot, (gate, up, down) in wanted:
             w13[li, slot, :I] = tensors[gate]
             w13[li, slot, I:] = tensors[up]

@@ -101,6 +101,46 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
+def write_latent(cache: torch.Tensor, entry: torch.Tensor, slot_mapping: torch.Tensor,
+                 backend: str = "auto") -> None:
+    """MLA: entry `[T, 1, c + r]` (latent, then rotary key) into cache `[N, bs, 1, c + r]` at slot_mapping `[T]`
+    (-1 = skip). One indexed copy on every backend: there is nothing for a kernel to fuse."""
+    N, bs, one, width = cache.shape
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        entry, slot_mapping = entry[keep], slot_mapping[keep]
+    cache.view(N * bs, one, width).index_copy_(0, slot_mapping, entry.to(cache.dtype))
+
+
+def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     scale: float, backend: str = "auto", *, v_dim: int, max_context_len: int | None = None,
+                     plan: list[DecodeGroup] | None = None) -> torch.Tensor:
+    """Weight-absorbed MLA decode over the latent cache. q `[B, h, c + r]` (the no-rope query already folded
+    through W_UK, then the rotary query); cache `[N, bs, 1, c + r]` ([latent | rotary key] per token) ->
+    `[B, h, c]`: softmax(q . entry * scale) over the context, times the latents; v_dim is c (kv_lora_rank).
+    It is multi-query attention with one KV head whose values are the first c channels of the keys, so it runs
+    on the paged decode kernels with the cache as both K and V (the r extra value channels are computed and
+    dropped: r / c = 1/8 more work at DeepSeek-V3 shapes)."""
+    out = paged_decode_attention(q, cache, cache, block_tables, context_lens, scale, backend,
+                                 max_context_len=max_context_len, plan=plan)
+    return out[..., :_latent_width(cache, v_dim)]
+
+
+def paged_mla_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float, backend: str = "auto", *,
+                      v_dim: int) -> torch.Tensor:
+    """Weight-absorbed MLA prefill over cached prefixes, causal: as `paged_prefill_attention` with the latent
+    cache as both K and V. q `[T, h, c + r]` -> `[T, h, c]`."""
+    out = paged_prefill_attention(q, cache, cache, block_tables, cu_seqlens_q, context_lens, scale, backend)
+    return out[..., :_latent_width(cache, v_dim)]
+
+
+def _latent_width(cache: torch.Tensor, v_dim: int) -> int:
+    if not 0 < v_dim <= cache.shape[-1]:
+        raise ValueError(f"v_dim={v_dim} must be in 1..{cache.shape[-1]} (the cache entry width)")
+    return v_dim
+
+
 def fused_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               backend: str = "auto") -> torch.Tensor:
     """x `[N, H]`; slots `[N, K]` int64 local slot, -1 = that choice lives on another rank; weights `[N, K]` fp32;

@@ -109,7 +109,8 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     G, h, _ = q.shape
     g = h // kvh
     k = k_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d)
-    v = v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d)
+    # MLA passes its latent cache as both K and V: gather it once.
+    v = k if v_cache is k_cache else v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d)
     keep = grp.mask                                                      # [G, 1, L]
     out = torch.empty_like(q)
     for j in range(kvh):
@@ -137,7 +138,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             continue
         rows = _rows(block_tables[i:i + 1, :-(-ctx // bs)], bs)[:ctx]
         k = _gather(k_cache, rows, 1)
-        v = _gather(v_cache, rows, 1)
+        v = k if v_cache is k_cache else _gather(v_cache, rows, 1)
         q_pos = torch.arange(ctx - Q, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
         out[start:end] = _attend(q[None, start:end], k, v, mask[None], scale)[0]

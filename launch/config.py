@@ -91,6 +91,7 @@ class EngineConfig:
     collective_timeout_s: float = 600.0
     heartbeat_s: float = 1.0            # an idle leader broadcasts at least this often
     startup_timeout_s: float = 300.0
+    load_progress: bool = True          # tqdm bar of weight bytes read, on the first rank of each role
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -88,13 +89,16 @@ class Runtime:
         self.num_slots_moved = 0
         self.dispatcher = self._make_dispatcher(spec)
         desc = f"rank {self.topo.rank} ({self.topo.role})"
+        # The first rank of each role draws a progress bar: real checkpoints take minutes to read.
+        first_of_role = self.topo.rank == 0 or (not self.topo.is_attention and self.topo.expert_index == 0)
+        progress = sys.stderr if first_of_role and config.load_progress else None
         self.leader: Leader | None = None
         if self.topo.is_attention:
-            weights = self.ckpt.read(self.ckpt.attention_tensor_names(), self.dtype, self.device, desc)
+            weights = self.ckpt.read(self.ckpt.attention_tensor_names(), self.dtype, self.device, desc, progress)
             model = AttentionModel(spec, weights, self.device, self.kernel_backend)
             num_blocks = self._num_kv_blocks(spec)
-            kv = KVCache(spec.num_layers, num_blocks, config.cache.block_size, spec.num_kv_heads, spec.head_dim,
-                         self.dtype, self.device)
+            kv = KVCache(spec.num_layers, num_blocks, config.cache.block_size, spec.kv_entry, self.dtype,
+                         self.device)
             sched = Scheduler(BlockPool(num_blocks, config.cache.block_size), config.scheduler.max_num_seqs,
                               config.scheduler.max_num_batched_tokens)
             moe = MoEContext(self.dispatcher, make_policy(par.balancer, placement), par.attention_ranks,
@@ -106,7 +110,7 @@ class Runtime:
                                      self.collective_hooks(), par.rebalance_interval)
         else:
             slots = ExpertSlots.load(self.ckpt, placement.slot2expert[:, self.topo.expert_index], self.dtype,
-                                     self.device, desc, self.kernel_backend)
+                                     self.device, desc, self.kernel_backend, progress)
             self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
@@ -155,8 +159,7 @@ class Runtime:
                 memory = int(free * 0.8)
             else:
                 memory = CPU_KV_DEFAULT_BYTES
-        return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.num_kv_heads, spec.head_dim,
-                              self.dtype)
+        return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.kv_entry, self.dtype)
 
     def follow(self) -> str:
         """Every rank but the leader: obey step headers until pause or shutdown (returns which)."""

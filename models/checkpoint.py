@@ -69,8 +69,11 @@ class Checkpoint:
         return name in self.name2file
 
     def read(self, names: list[str], dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-             desc: str = "") -> dict[str, torch.Tensor]:
-        """Read exactly these tensors, one shard open at a time. Logs progress per shard."""
+             desc: str = "", progress=None) -> dict[str, torch.Tensor]:
+        """Read exactly these tensors, one shard open at a time, logging each shard. A block-scaled FP8 weight
+        is read with its `weight_scale_inv` and dequantized to dtype. Tensors kept in fp32 by transformers
+        (the router's score-correction bias) stay fp32. progress: a stream to draw a tqdm bar of bytes read
+        on (the first rank of each role passes stderr), or None."""
         from safetensors import safe_open
 
         by_file: dict[str, list[str]] = defaultdict(list)
@@ -78,23 +81,111 @@ class Checkpoint:
             if n not in self.name2file:
                 raise ValueError(f"tensor {n!r} is missing from checkpoint {self.path!r}")
             by_file[self.name2file[n]].append(n)
-        out: dict[str, torch.Tensor] = {}
-        for i, (fname, group) in enumerate(sorted(by_file.items()), 1):
-            full = os.path.join(self.path, fname)
-            try:
-                with safe_open(full, framework="pt", device="cpu") as f:
-                    for n in group:
-                        t = f.get_tensor(n)
-                        out[n] = t.to(device=device, dtype=dtype or t.dtype)
-            except Exception as e:
-                raise ValueError(f"reading {len(group)} tensors from shard {full!r} failed: {e}") from e
-            self.names_read.extend(group)
-            logger.info("%s loaded shard %d/%d (%s): %d tensors", desc, i, len(by_file), fname, len(group))
+            scale = _scale_name(n)
+            if scale in self.name2file:
+                by_file[self.name2file[scale]].append(scale)
+        raw: dict[str, torch.Tensor] = {}
+        bar = _progress_bar(self, by_file, desc, progress)
+        try:
+            for i, (fname, group) in enumerate(sorted(by_file.items()), 1):
+                full = os.path.join(self.path, fname)
+                try:
+                    with safe_open(full, framework="pt", device="cpu") as f:
+                        for n in group:
+                            raw[n] = f.get_tensor(n)
+                            if bar is not None:
+                                bar.update(raw[n].nbytes)
+                except Exception as e:
+                    raise ValueError(f"reading {len(group)} tensors from shard {full!r} failed: {e}") from e
+                self.names_read.extend(group)
+                logger.info("%s loaded shard %d/%d (%s): %d tensors", desc, i, len(by_file), fname, len(group))
+        finally:
+            if bar is not None:
+                bar.close()
+        out = {}
+        for n in names:
+            t = raw[n]
+            if _scale_name(n) in raw:
+                t = dequantize_fp8_blocks(t, raw[_scale_name(n)], self.spec.weight_block_size, n)
+            keep = torch.float32 if n.endswith(FP32_SUFFIXES) else dtype
+            out[n] = t.to(device=device, dtype=keep or t.dtype)
         return out
 
     def attention_tensor_names(self) -> list[str]:
-        """Everything but the routed experts: embeddings, attention, norms, router, shared expert, LM head."""
-        return [n for n in self.name2file if not self.spec.is_expert_tensor(n)]
+        """Everything but the routed experts: embeddings, attention, norms, router, shared expert, LM head.
+        FP8 scales are read with their weights; MTP layers (beyond num_hidden_layers) are never read."""
+        skipped = [n for n in self.name2file if _layer_of(n) is not None and _layer_of(n) >= self.spec.num_layers]
+        if skipped:
+            logger.info("skipping %d tensors of %d multi-token-prediction layer(s) (layers >= %d): the runtime "
+                        "decodes one token per step", len(skipped), self.spec.num_skipped_layers or 1,
+                        self.spec.num_layers)
+        drop = set(skipped)
+        return [n for n in self.name2file
+                if not self.spec.is_expert_tensor(n) and not n.endswith(SCALE_SUFFIX) and n not in drop]
+
+
+SCALE_SUFFIX = "_scale_inv"
+FP32_SUFFIXES = ("e_score_correction_bias",)
+
+
+def _scale_name(name: str) -> str:
+    return name + SCALE_SUFFIX
+
+
+def _layer_of(name: str) -> int | None:
+    if not name.startswith("model.layers."):
+        return None
+    head = name[len("model.layers."):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] | None,
+                          name: str = "") -> torch.Tensor:
+    """A block-scaled FP8 weight `[out, in]` (e4m3) and its `weight_scale_inv` `[ceil(out/br), ceil(in/bc)]`
+    -> the fp32 weight: every (br x bc) block times its scale, as DeepSeek-V3's checkpoints define it."""
+    if block is None:
+        raise ValueError(f"{name!r} has a weight_scale_inv but config.json has no FP8 quantization_config with "
+                         f"weight_block_size")
+    br, bc = block
+    rows, cols = w.shape
+    want = (-(-rows // br), -(-cols // bc))
+    if tuple(scale_inv.shape) != want:
+        raise ValueError(f"{name!r}: weight_scale_inv has shape {tuple(scale_inv.shape)}, expected {want} for a "
+                         f"{rows}x{cols} weight in {br}x{bc} blocks")
+    s = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
+    return w.float() * s
+
+
+def _progress_bar(ckpt: Checkpoint, by_file: dict[str, list[str]], desc: str, stream):
+    """A tqdm bar over the bytes these tensors take (from the shard headers), or None."""
+    if stream is None:
+        return None
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    total = 0
+    for fname, group in by_file.items():
+        with safe_open(os.path.join(ckpt.path, fname), framework="pt") as f:
+            for n in group:
+                sl = f.get_slice(n)
+                total += _numel(sl.get_shape()) * _dtype_bytes(sl.get_dtype())
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"loading weights {desc}".strip(), file=stream,
+                mininterval=0.5)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+_SAFETENSORS_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                      "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _dtype_bytes(name: str) -> int:
+    return _SAFETENSORS_BYTES.get(name, 1)
 
 
 def load_spec(path: str) -> ModelSpec:
@@ -109,10 +200,9 @@ def load_spec(path: str) -> ModelSpec:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError) as e:
         raise ValueError(f"{cfg_path!r} is not valid JSON: {e}") from e
-    from .spec import SUPPORTED
+    from .spec import SUPPORTED, unsupported_message
     if model_type not in SUPPORTED:
-        raise ValueError(f"model_type {model_type!r} in {cfg_path!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED)}")
+        raise ValueError(unsupported_message(model_type, f" in {cfg_path!r}"))
     try:
         cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:

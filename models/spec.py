@@ -8,7 +8,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+
+# Architectures people ask for that need machinery the runtime does not have yet: model_type -> what.
+UNSUPPORTED_WHY = {
+    "qwen3_next": "its Gated DeltaNet linear-attention layers (a recurrent state, not a paged KV cache)",
+    "deepseek_v32": "DeepSeek sparse attention (the lightning indexer that picks the top-k cached tokens)",
+    "deepseek_v4": "its compressed sparse attention",
+    "gpt_oss": "attention sinks, alternating sliding-window layers and the clamped SwiGLU (planned)",
+}
+
+# transformers' rotary module of each architecture (RoPE scaling such as YaRN stays exactly theirs).
+ROTARY_CLASS = {"qwen3_moe": "Qwen3MoeRotaryEmbedding", "qwen2_moe": "Qwen2MoeRotaryEmbedding",
+                "mixtral": "MixtralRotaryEmbedding", "olmoe": "OlmoeRotaryEmbedding",
+                "deepseek_v2": "DeepseekV2RotaryEmbedding", "deepseek_v3": "DeepseekV3RotaryEmbedding",
+                "glm4_moe": "Glm4MoeRotaryEmbedding"}
+
+ROUTERS = ("softmax", "softmax_group", "sigmoid_group")
+
+
+def unsupported_message(model_type, where: str) -> str:
+    why = UNSUPPORTED_WHY.get(model_type)
+    reason = f" (it needs {why})" if why else ""
+    return f"model_type {model_type!r}{where} is not supported{reason}; supported: {', '.join(SUPPORTED)}"
+
+
+@dataclass(slots=True, frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3). The cache holds, per token, the normalised latent
+    `[kv_lora_rank]` and the shared rotary key `[qk_rope_head_dim]`; kv_b_proj expands the latent into
+    per-head no-rope keys `[qk_nope_head_dim]` and values `[v_head_dim]`."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def entry_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(slots=True)
@@ -35,7 +74,36 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = ()
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     moe_module: str = "mlp"               # "block_sparse_moe" for Mixtral
+    shared_module: str = "shared_expert"  # "shared_experts" (DeepSeek, GLM: no gate)
+    shared_expert_gate: bool = True       # Qwen2-MoE's sigmoid gate on the shared expert
+    router: str = "softmax"               # one of ROUTERS, see attention_nodes.routing
+    router_in_fp32: bool = False          # logits from fp32 activations and weights (DeepSeek, GLM)
+    n_group: int = 1                      # expert groups of group-limited routing
+    topk_group: int = 1                   # groups a token may pick its experts from
+    routed_scaling_factor: float = 1.0
+    mla: MLASpec | None = None
+    rope_interleave: bool = False         # rotary pairs are (x0, x1), (x2, x3), ... (DeepSeek)
+    softmax_scale: float = 0.0            # 0 = head_dim ** -0.5
+    weight_block_size: tuple[int, int] | None = None   # block-scaled FP8 checkpoint (weight_scale_inv)
+    num_skipped_layers: int = 0           # MTP layers (num_nextn_predict_layers) the runtime never reads
     hf_config: Any = field(default=None, repr=False)
+
+    @property
+    def kv_entry(self) -> tuple[int, int, int]:
+        """What the paged cache holds per token and layer: (components, heads, dim). GQA: K and V, each
+        `[kv_heads, head_dim]`; MLA: one `[1, kv_lora_rank + qk_rope_head_dim]` latent entry."""
+        if self.mla is not None:
+            return 1, 1, self.mla.entry_dim
+        return 2, self.num_kv_heads, self.head_dim
+
+    def kv_bytes_per_token(self, dtype) -> int:
+        """KV-cache bytes one token takes in one layer."""
+        c, h, d = self.kv_entry
+        return c * h * d * dtype.itemsize
+
+    @property
+    def attention_scale(self) -> float:
+        return self.softmax_scale or self.head_dim ** -0.5
 
     @property
     def num_moe_layers(self) -> int:
@@ -58,11 +126,12 @@ class ModelSpec:
 
     def rotary_embedding(self):
         """transformers' own rotary module for this architecture, so RoPE (and its scaling) is exact."""
-        import importlib
-        mod = importlib.import_module(f"transformers.models.{self.arch}.modeling_{self.arch}")
-        cls_name = {"qwen3_moe": "Qwen3MoeRotaryEmbedding", "qwen2_moe": "Qwen2MoeRotaryEmbedding",
-                    "mixtral": "MixtralRotaryEmbedding", "olmoe": "OlmoeRotaryEmbedding"}[self.arch]
-        return getattr(mod, cls_name)(self.hf_config)
+        return getattr(_modeling(self.arch), ROTARY_CLASS[self.arch])(self.hf_config)
+
+
+def _modeling(arch: str):
+    import importlib
+    return importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
 
 
 def _eos_ids(cfg, gen_cfg) -> tuple[int, ...]:
@@ -78,7 +147,7 @@ def spec_from_hf_config(cfg, gen_cfg=None) -> ModelSpec:
     """Build a ModelSpec from a transformers PretrainedConfig. Raises ValueError on anything unsupported."""
     arch = cfg.model_type
     if arch not in SUPPORTED:
-        raise ValueError(f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
+        raise ValueError(unsupported_message(arch, ""))
     act = getattr(cfg, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
@@ -91,6 +160,8 @@ def spec_from_hf_config(cfg, gen_cfg=None) -> ModelSpec:
         only = set(getattr(cfg, "mlp_only_layers", None) or [])
         step = getattr(cfg, "decoder_sparse_step", 1) or 1
         moe = tuple(i not in only and (i + 1) % step == 0 for i in range(num_layers))
+    elif arch in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
+        moe = tuple(i >= (cfg.first_k_dense_replace or 0) for i in range(num_layers))
     else:
         moe = (True,) * num_layers
     common = dict(
@@ -99,14 +170,17 @@ def spec_from_hf_config(cfg, gen_cfg=None) -> ModelSpec:
         rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
         top_k=cfg.num_experts_per_tok, moe_layers=moe,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        eos_token_ids=_eos_ids(cfg, gen_cfg), hf_config=cfg,
+        eos_token_ids=_eos_ids(cfg, gen_cfg), hf_config=cfg, weight_block_size=_fp8_block(cfg),
     )
     if arch == "mixtral":
-        return ModelSpec(**common, num_experts=cfg.num_local_experts, moe_intermediate_size=cfg.intermediate_size,
+        spec = ModelSpec(**common, num_experts=cfg.num_local_experts, moe_intermediate_size=cfg.intermediate_size,
                          norm_topk_prob=True, expert_names=("w1", "w3", "w2"), moe_module="block_sparse_moe")
-    spec = ModelSpec(**common, num_experts=cfg.num_experts, moe_intermediate_size=(
-        cfg.intermediate_size if arch == "olmoe" else cfg.moe_intermediate_size),
-        norm_topk_prob=bool(cfg.norm_topk_prob), dense_intermediate_size=cfg.intermediate_size)
+    elif arch in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
+        spec = _deepseek_family(cfg, common)
+    else:
+        spec = ModelSpec(**common, num_experts=cfg.num_experts, moe_intermediate_size=(
+            cfg.intermediate_size if arch == "olmoe" else cfg.moe_intermediate_size),
+            norm_topk_prob=bool(cfg.norm_topk_prob), dense_intermediate_size=cfg.intermediate_size)
     if arch == "qwen3_moe":
         spec.qk_norm = "per_head"
     elif arch == "qwen2_moe":
@@ -116,4 +190,56 @@ def spec_from_hf_config(cfg, gen_cfg=None) -> ModelSpec:
         spec.clip_qkv = getattr(cfg, "clip_qkv", None)
     if spec.top_k > spec.num_experts:
         raise ValueError(f"num_experts_per_tok={spec.top_k} exceeds num_experts={spec.num_experts}")
+    if spec.router != "softmax" and (spec.num_experts % spec.n_group or not 1 <= spec.topk_group <= spec.n_group):
+        raise ValueError(f"group-limited routing needs n_group dividing {spec.num_experts} experts and "
+                         f"1 <= topk_group <= n_group; got n_group={spec.n_group}, topk_group={spec.topk_group}")
     return spec
+
+
+def _deepseek_family(cfg, common: dict) -> ModelSpec:
+    """DeepSeek-V2/V3 (MLA, shared experts, dense first layers) and GLM-4.5 (GQA with the V3 router)."""
+    arch = common["arch"]
+    num_experts = cfg.n_routed_experts
+    n_shared = int(getattr(cfg, "n_shared_experts", 0) or 0)
+    spec = ModelSpec(**common, num_experts=num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+                     norm_topk_prob=bool(getattr(cfg, "norm_topk_prob", False)),
+                     dense_intermediate_size=cfg.intermediate_size,
+                     shared_expert_size=cfg.moe_intermediate_size * n_shared, shared_module="shared_experts",
+                     shared_expert_gate=False, router_in_fp32=True,
+                     routed_scaling_factor=float(cfg.routed_scaling_factor or 1.0),
+                     num_skipped_layers=int(getattr(cfg, "num_nextn_predict_layers", 0) or 0))
+    if arch == "deepseek_v2":
+        method = cfg.topk_method or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method {method!r} is not supported for deepseek_v2; "
+                             f"use 'greedy' or 'group_limited_greedy'")
+        spec.norm_topk_prob = False   # V2's router never renormalises
+        if method == "group_limited_greedy":
+            spec.router, spec.n_group, spec.topk_group = "softmax_group", cfg.n_group, cfg.topk_group
+    else:
+        spec.router, spec.n_group, spec.topk_group = "sigmoid_group", cfg.n_group or 1, cfg.topk_group or 1
+    if arch == "glm4_moe":
+        if getattr(cfg, "use_qk_norm", False):
+            spec.qk_norm = "per_head"
+        return spec
+    spec.mla = MLASpec(cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                       cfg.v_head_dim)
+    spec.rope_interleave = arch == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", True))
+    qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    spec.softmax_scale = _modeling(arch).yarn_apply_mscale(cfg.rope_parameters, qk_head_dim ** -0.5)
+    return spec
+
+
+def _fp8_block(cfg) -> tuple[int, int] | None:
+    """The block size of a block-scaled FP8 checkpoint (DeepSeek-V3's release format), None when unquantized.
+    Any other quantization is refused by name."""
+    q = getattr(cfg, "quantization_config", None)
+    if not q:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method")
+    if method == "fp8" and q.get("weight_block_size"):
+        rows, cols = q["weight_block_size"]
+        return int(rows), int(cols)
+    raise ValueError(f"quantization_config quant_method={method!r} ({q}) is not supported; the runtime reads "
+                     f"unquantized checkpoints and block-scaled FP8 (quant_method 'fp8' with weight_block_size)")

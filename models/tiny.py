@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import os
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 TINY_VOCAB = 320  # >= 256 byte-level symbols + 3 specials of the tiny tokenizer
 
 
 def tiny_config(arch: str, **overrides):
     """A small config of the given architecture. initializer_range is large so random logits are well
     separated and greedy decoding is not decided by rounding."""
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV2Config,
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=512,
@@ -28,6 +36,24 @@ def tiny_config(arch: str, **overrides):
         return MixtralConfig(**{**dict(intermediate_size=32, num_local_experts=8), **common})
     if arch == "olmoe":
         return OlmoeConfig(**{**dict(intermediate_size=32, num_experts=8), **common})
+    # DeepSeek / GLM shapes: 3 layers, the first dense, 8 routed experts plus shared ones.
+    deep = dict(num_hidden_layers=3, first_k_dense_replace=1, intermediate_size=96, moe_intermediate_size=32,
+                n_routed_experts=8)
+    mla = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    if arch == "deepseek_v2":   # V2-Lite: no q_lora_rank, softmax greedy routing, 2 shared experts
+        kw = dict(deep, **mla, q_lora_rank=None, n_shared_experts=2, topk_method="greedy")
+        return DeepseekV2Config(**{**common, **kw, **overrides})
+    if arch == "deepseek_v3":   # q_lora_rank, sigmoid routing with bias in 4 groups, YaRN RoPE
+        kw = dict(deep, **mla, q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                  routed_scaling_factor=2.5, rope_parameters=dict(
+                      rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128,
+                      mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))
+        return DeepseekV3Config(**{**common, **kw, **overrides})
+    if arch == "glm4_moe":      # GQA, half-rotary heads, q/k norm, attention bias, V3's router
+        kw = dict(deep, head_dim=16, n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True,
+                  routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True,
+                  rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+        return Glm4MoeConfig(**{**common, **kw, **overrides})
     raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
 
 
@@ -39,6 +65,10 @@ def make_tiny_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, max_
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
+    with torch.no_grad():   # transformers starts the score-correction bias at zero; make it change choices
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) * 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(os.fspath(path), **kwargs)
     if with_tokenizer:
