@@ -103,3 +103,64 @@ def save_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = TINY_VOCAB) -
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.chat_template = TINY_CHAT_TEMPLATE
     fast.save_pretrained(os.fspath(path))
+
+
+# Weights DeepSeek-V3's FP8 release keeps in high precision: embeddings, LM head, norms and the router.
+_FP8_SKIP = ("embed_tokens", "lm_head", "norm", "mlp.gate.")
+
+
+def quantize_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, block: tuple[int, int] = (16, 16),
+                            dequantized: str | os.PathLike | None = None,
+                            mtp_layers: int = 0) -> str:
+    """Write src's checkpoint to dst in DeepSeek-V3's released FP8 format: every linear weight as float8_e4m3fn
+    plus a float32 `weight_scale_inv` `[ceil(out/br), ceil(in/bc)]` (the per-block factor that dequantizes
+    it), and a `quantization_config` in config.json. dequantized: also write the checkpoint of exactly the
+    weights the FP8 ones stand for (the oracle for transformers). mtp_layers: append that many
+    multi-token-prediction layers (copies of the last layer, as the release ships one) that the runtime
+    must skip; config.num_nextn_predict_layers says so."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    br, bc = block
+    fp8, plain = {}, {}
+    for name, w in tensors.items():
+        if w.ndim != 2 or not name.endswith(".weight") or any(k in name for k in _FP8_SKIP):
+            fp8[name] = plain[name] = w
+            continue
+        rows, cols = w.shape
+        pad = torch.zeros(-(-rows // br) * br, -(-cols // bc) * bc)
+        pad[:rows, :cols] = w.float()
+        blocks = pad.view(pad.shape[0] // br, br, pad.shape[1] // bc, bc)
+        scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        fp8[name] = q.view_as(pad)[:rows, :cols].contiguous()
+        fp8[name + "_scale_inv"] = scale
+        plain[name] = (q.float() * scale[:, None, :, None]).view_as(pad)[:rows, :cols].to(w.dtype).contiguous()
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    last = config["num_hidden_layers"] - 1
+    for extra in range(mtp_layers):
+        prefix, new = f"model.layers.{last}.", f"model.layers.{last + 1 + extra}."
+        fp8.update({new + n[len(prefix):]: t.clone() for n, t in list(fp8.items()) if n.startswith(prefix)})
+    for out, weights in ((dst, fp8), (dequantized, plain)):
+        if out is None:
+            continue
+        out = os.fspath(out)
+        os.makedirs(out, exist_ok=True)
+        for fname in os.listdir(src):
+            if fname != "model.safetensors" and fname != "config.json":
+                shutil.copy(os.path.join(src, fname), out)
+        save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        cfg = dict(config)
+        if out == dst:
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [br, bc]}
+            cfg["num_nextn_predict_layers"] = mtp_layers
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    return dst

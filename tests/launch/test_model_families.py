@@ -1,0 +1,134 @@
+"""DeepSeek-V2/V3 and GLM-4.5 beyond the shared fidelity suites (test_teacher_forced, test_generate_oracle):
+FP8 block-scaled checkpoints with an MTP layer, the latent KV cache's size, two-phase comm with replicated
+experts, and the refusal of architectures the runtime cannot run."""
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from launch import LLM, SamplingParams
+from models.tiny import quantize_fp8_checkpoint
+from tests.conftest import hf_greedy, hf_model, make_prompts
+from tests.dist_utils import run_ranks
+from tests.launch.test_teacher_forced import _rank_fn
+
+MAX_NEW = 10
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
+def test_greedy_on_one_attention_two_expert_ranks(tiny_checkpoint, arch):
+    """1+2 ranks (the shared suite runs 1+1, 2+2 and 1+3), with a prompt longer than the token budget."""
+    path = tiny_checkpoint(arch)
+    prompts = make_prompts(4, 256, 3, 30, seed=21) + [make_prompts(1, 256, 70, 70, seed=22)[0]]
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=1, expert_ranks=2, max_num_batched_tokens=48) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+
+
+def test_fp8_checkpoint_with_mtp_layer_matches_transformers_on_dequantized_weights(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("deepseek_v3")
+    fp8 = quantize_fp8_checkpoint(src, tmp_path / "fp8", block=(16, 16), dequantized=tmp_path / "deq",
+                                  mtp_layers=1)
+    prompt = make_prompts(1, 256, 37, 37, seed=3)[0]
+    with torch.no_grad():
+        expected = hf_model(str(tmp_path / "deq"))(torch.tensor([prompt])).logits[0]
+        unquantized = hf_model(src)(torch.tensor([prompt])).logits[0]
+    assert (unquantized - expected).abs().max() > 1e-2   # FP8 moved the logits: the check below can tell
+    results = run_ranks(_rank_fn, 4, fp8, 2, prompt)
+    torch.testing.assert_close(results[0]["logits"], expected, atol=1e-4, rtol=0)
+
+    from safetensors import safe_open
+    with safe_open(os.path.join(fp8, "model.safetensors"), "pt") as f:
+        stored = {n: f.get_slice(n).get_dtype() for n in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    assert stored["model.layers.1.self_attn.kv_b_proj.weight"] == "F8_E4M3"
+    assert stored["model.layers.1.mlp.experts.0.gate_proj.weight"] == "F8_E4M3"
+    mtp = {n for n in stored if n.startswith("model.layers.3.")}
+    assert mtp
+    for r in results:
+        read = set(r["names"])
+        assert not read & mtp, f"a {r['role']} rank read MTP tensors"
+        scales = {n for n in read if n.endswith("_scale_inv")}
+        weights = {n[:-len("_scale_inv")] for n in scales}
+        assert scales and weights <= read        # each scale read with its weight
+    expert_reads = set(results[2]["names"])
+    assert "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv" in expert_reads
+
+
+def test_fp8_scale_shape_mismatch_names_the_tensor(tiny_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from models.checkpoint import Checkpoint
+    fp8 = quantize_fp8_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path / "fp8", block=(16, 16))
+    path = os.path.join(fp8, "model.safetensors")
+    tensors = load_file(path)
+    bad = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+    tensors[bad] = tensors[bad][:, :1].contiguous()
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match="o_proj.weight.*weight_scale_inv has shape"):
+        Checkpoint(fp8).read(["model.layers.0.self_attn.o_proj.weight"])
+
+
+def test_load_progress_bar_counts_the_bytes_read(tiny_checkpoint):
+    from models.checkpoint import Checkpoint
+    ckpt = Checkpoint(tiny_checkpoint("deepseek_v3"))
+    names = ckpt.attention_tensor_names()
+    stream = io.StringIO()
+    out = ckpt.read(names, progress=stream, desc="rank 0")
+    total = sum(t.numel() * t.element_size() for t in out.values())   # fp32 checkpoint, read as stored
+    text = stream.getvalue()
+    assert "loading weights rank 0" in text and "100%" in text
+    from tqdm import tqdm
+    done = tqdm.format_sizeof(total)
+    assert f"{done}/{done}" in text, text
+
+
+@pytest.mark.parametrize("arch,expected", [("deepseek_v3", lambda c: (c.kv_lora_rank + c.qk_rope_head_dim) * 4),
+                                           ("glm4_moe", lambda c: 2 * c.num_key_value_heads * c.head_dim * 4)])
+def test_stats_report_kv_bytes_per_token(tiny_checkpoint, arch, expected):
+    """MLA caches one latent entry per token, not per-head K and V."""
+    path = tiny_checkpoint(arch)
+    from transformers import AutoConfig
+    cfg = AutoConfig.from_pretrained(path)
+    with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, ignore_eos=True))
+        stats = llm.stats()
+    assert stats["kv_bytes_per_token_per_layer"] == expected(cfg)
+
+
+def test_kv_bytes_per_token_at_real_scale():
+    """DeepSeek-V3 in bf16: (512 + 64) * 2 bytes per token per layer, 1/60 of what its 128 heads would take
+    with per-head K (192) and V (128)."""
+    from transformers import DeepseekV3Config, Glm4MoeConfig
+
+    from models.spec import spec_from_hf_config
+    v3 = spec_from_hf_config(DeepseekV3Config())
+    assert v3.kv_bytes_per_token(torch.bfloat16) == (512 + 64) * 2
+    glm = spec_from_hf_config(Glm4MoeConfig())
+    assert glm.kv_bytes_per_token(torch.bfloat16) == 2 * glm.num_kv_heads * glm.head_dim * 2
+
+
+def test_two_phase_with_replicated_experts_matches_transformers(tiny_checkpoint):
+    """DeepSeek-V3 over two emulated nodes, least_loaded replica choice with redundant experts, chunked."""
+    path = tiny_checkpoint("deepseek_v3")
+    prompts = make_prompts(6, 256, 2, 30, seed=6) + [make_prompts(1, 256, 60, 60, seed=8)[0]]
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=2, expert_ranks=2, comm="two_phase", ranks_per_node=2,
+             balancer="least_loaded", redundant_experts=2, max_num_batched_tokens=40, micro_batches=2) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["num_prefill_chunks"] > 0
+
+
+@pytest.mark.parametrize("model_type,named", [("qwen3_next", "linear-attention"),
+                                              ("deepseek_v32", "indexer")])
+def test_unsupported_architecture_is_refused_by_name(tmp_path, model_type, named):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    with pytest.raises(ValueError, match=rf"model_type '{model_type}'.*not supported.*{named}.*supported: .*"
+                                         rf"deepseek_v3"):
+        LLM(str(tmp_path), attention_ranks=1, expert_ranks=1)
