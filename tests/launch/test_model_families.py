@@ -101,7 +101,7 @@ def test_stats_report_kv_bytes_per_token(tiny_checkpoint, arch, expected):
 
 
 def test_kv_bytes_per_token_at_real_scale():
-    """DeepSeek-V3 in bf16: (512 + 64) * 2 bytes per token per layer, 1/60 of what its 128 heads would take
+    """DeepSeek-V3 in bf16: (512 + 64) * 2 bytes per token per layer, 1/71 of what its 128 heads would take
     with per-head K (192) and V (128)."""
     from transformers import DeepseekV3Config, Glm4MoeConfig
 
