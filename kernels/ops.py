@@ -78,27 +78,40 @@ def plan_decode_attention(block_tables: torch.Tensor, context_lens: torch.Tensor
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            backend: str = "auto", *, max_context_len: int | None = None,
-                           plan: list[DecodeGroup] | None = None) -> torch.Tensor:
+                           plan: list[DecodeGroup] | None = None, sinks: torch.Tensor | None = None,
+                           window: int | None = None) -> torch.Tensor:
     """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int32, -1 padded; context_lens `[B]` int32,
     counting the token being decoded (its K/V already written) -> `[B, h, d]` in q.dtype.
     max_context_len: a host-side bound on context_lens (Triton sizes its split-KV grid by it; default M * bs);
-    plan: `plan_decode_attention` of the same tables (torch; made here when None)."""
+    plan: `plan_decode_attention` of the same tables (torch; made here when None); sinks `[h]` fp32: per-head
+    logits that join the softmax's normalisation and attend to nothing (GPT-OSS); window: each query sees only
+    its last `window` positions, itself included (None: all)."""
+    _check_window(window)
     if resolve_backend(backend, q.device) == "triton":
         return _triton("attention").paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                                           max_context_len)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, plan)
+                                                           max_context_len, sinks=sinks, window=window)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, plan, sinks, window)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, backend: str = "auto") -> torch.Tensor:
+                            scale: float, backend: str = "auto", *, sinks: torch.Tensor | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """Prefill chunks over cached prefixes. q `[T, h, d]`: sequence i's queries are rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] and its last positions of context_lens[i] tokens, whose K/V are written;
-    block_tables `[P, M]` int32; cu_seqlens_q `[P+1]` int32; context_lens `[P]` int32 -> `[T, h, d]`, causal."""
+    block_tables `[P, M]` int32; cu_seqlens_q `[P+1]` int32; context_lens `[P]` int32 -> `[T, h, d]`, causal.
+    sinks, window: as in `paged_decode_attention`."""
+    _check_window(window)
     if resolve_backend(backend, q.device) == "triton":
         return _triton("attention").paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                            context_lens, scale)
-    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+                                                            context_lens, scale, sinks=sinks, window=window)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sinks,
+                                       window)
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r} must be a positive int (or None for full attention)")
 
 
 def write_latent(cache: torch.Tensor, entry: torch.Tensor, slot_mapping: torch.Tensor,

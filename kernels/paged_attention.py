@@ -23,17 +23,30 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     v_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q `[B, Q, h, d]`, k/v `[B, kvh, L, d]`, mask `[B, Q, L]` bool (True = attend) -> `[B, Q, h, d]`."""
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim in fp32. sinks: one logit per row (broadcast to scores[..., :1]) that joins
+    the normalisation but attends to nothing (GPT-OSS's learned attention sinks)."""
+    if sinks is None:
+        return torch.softmax(scores.float(), dim=-1)
+    full = torch.cat((scores.float(), sinks.float().expand_as(scores[..., :1])), dim=-1)
+    return torch.softmax(full, dim=-1)[..., :-1]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q `[B, Q, h, d]`, k/v `[B, kvh, L, d]`, mask `[B, Q, L]` bool (True = attend), sinks `[h]` or None ->
+    `[B, Q, h, d]`."""
     B, Q, h, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
     qg = q.view(B, Q, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(B, kvh, g * Q, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale                       # [B, kvh, g*Q, L]
     scores = scores.view(B, kvh, g, Q, -1).masked_fill_(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, kvh, g * Q, -1)
-    out = torch.matmul(probs, v)                                                 # [B, kvh, g*Q, d]
-    return out.view(B, kvh, g, Q, d).permute(0, 3, 1, 2, 4).reshape(B, Q, h, d)
+    sink = None if sinks is None else sinks.view(1, kvh, g, 1, 1)
+    probs = _softmax(scores, sink).to(q.dtype).view(B, kvh, g * Q, -1)
+    out = torch.matmul(probs, v)                                                 # [B, kvh, g*Q, dv]
+    dv = v.shape[-1]
+    return out.view(B, kvh, g, Q, dv).permute(0, 3, 1, 2, 4).reshape(B, Q, h, dv)
 
 
 def _rows(block_table: torch.Tensor, bs: int) -> torch.Tensor:
@@ -52,11 +65,12 @@ def _gather(cache: torch.Tensor, rows: torch.Tensor, B: int) -> torch.Tensor:
 @dataclass(slots=True)
 class DecodeGroup:
     """Up to `group` sequences of similar length: their rows in the batch (None = all, in order), the cache
-    blocks to gather `[G * M]` (-1 padding read as block 0, masked) and the mask `[G, 1, M * bs]`."""
+    blocks to gather `[G * M]` (-1 padding read as block 0, masked), the mask `[G, 1, M * bs]` and lengths."""
 
     index: torch.Tensor | None
     blocks: torch.Tensor
     mask: torch.Tensor
+    lens: torch.Tensor      # [G] context lengths (a sliding window masks from lens - window)
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -71,7 +85,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     def make(index, tables, lens):
         pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
         return DecodeGroup(index, tables.long().clamp(min=0).reshape(-1),
-                           (pos[None, :] < lens[:, None])[:, None, :])
+                           (pos[None, :] < lens[:, None])[:, None, :], lens)
 
     if num_seqs <= group:
         return [make(None, block_tables, context_lens)]
@@ -86,23 +100,25 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                               plan: list[DecodeGroup] | None = None) -> torch.Tensor:
+                               plan: list[DecodeGroup] | None = None, sinks: torch.Tensor | None = None,
+                               window: int | None = None) -> torch.Tensor:
     """One query per sequence. q `[B, h, d]`; block_tables `[B, M]` int32/int64, -1 padded; context_lens `[B]`
     (counting the token being decoded, already written) -> `[B, h, d]`. plan: `plan_decode` of the same
-    tables, made once per step (made here when None)."""
+    tables, made once per step (made here when None). sinks `[h]`: per-head sink logits; window: the query
+    sees only its last `window` positions (itself included)."""
     if plan is None:
         plan = plan_decode(block_tables, context_lens, k_cache.shape[1])
     if len(plan) == 1 and plan[0].index is None:
-        return _decode_group(q, k_cache, v_cache, plan[0], scale)
-    out = torch.empty_like(q)
+        return _decode_group(q, k_cache, v_cache, plan[0], scale, sinks, window)
+    out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
     for grp in plan:
-        out[grp.index] = _decode_group(q[grp.index], k_cache, v_cache, grp, scale)
+        out[grp.index] = _decode_group(q[grp.index], k_cache, v_cache, grp, scale, sinks, window)
     return out
 
 
 def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, grp: DecodeGroup,
-                  scale: float) -> torch.Tensor:
-    """q `[G, h, d]` -> `[G, h, d]`. The group's blocks are copied whole (one contiguous block per index, not
+                  scale: float, sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """q `[G, h, d]` -> `[G, h, dv]`. The group's blocks are copied whole (one contiguous block per index, not
     one token row) into `[G, L, kvh, d]`, and each KV head attends through strided batched matmuls, so the
     gathered K/V are never transposed into a second copy."""
     N, bs, kvh, d = k_cache.shape
@@ -112,23 +128,29 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # MLA passes its latent cache as both K and V: gather it once.
     v = k if v_cache is k_cache else v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d)
     keep = grp.mask                                                      # [G, 1, L]
-    out = torch.empty_like(q)
+    if window is not None:
+        pos = torch.arange(keep.shape[-1], device=keep.device)
+        keep = keep & (pos[None, :] >= grp.lens[:, None] - window)[:, None, :]
+    out = q.new_empty(G, h, v.shape[-1])
     for j in range(kvh):
         qj = q[:, j * g:(j + 1) * g]                                     # [G, g, d]
         scores = torch.bmm(qj, k[:, :, j].transpose(1, 2)) * scale       # [G, g, L]
         scores = scores.masked_fill_(~keep, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        out[:, j * g:(j + 1) * g] = torch.bmm(probs, v[:, :, j])         # [G, g, d]
+        sink = None if sinks is None else sinks[j * g:(j + 1) * g, None]
+        probs = _softmax(scores, sink).to(q.dtype)
+        out[:, j * g:(j + 1) * g] = torch.bmm(probs, v[:, :, j])         # [G, g, dv]
     return out
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                                scale: float) -> torch.Tensor:
+                                scale: float, sinks: torch.Tensor | None = None,
+                                window: int | None = None) -> torch.Tensor:
     """Prefill chunks over a cached prefix. q `[T, h, d]`: sequence i's queries are rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1], its last positions of context_lens[i] tokens (whose K/V are written);
-    block_tables `[P, M]`; cu_seqlens_q `[P+1]`; context_lens `[P]` -> `[T, h, d]`, causal."""
-    out = torch.empty_like(q)
+    block_tables `[P, M]`; cu_seqlens_q `[P+1]`; context_lens `[P]` -> `[T, h, dv]`, causal; sinks and window
+    as in the decode."""
+    out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
     bs = k_cache.shape[1]
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for i, ctx in enumerate(lens):
@@ -140,6 +162,9 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = _gather(k_cache, rows, 1)
         v = k if v_cache is k_cache else _gather(v_cache, rows, 1)
         q_pos = torch.arange(ctx - Q, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-        out[start:end] = _attend(q[None, start:end], k, v, mask[None], scale)[0]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = k_pos <= q_pos[:, None]
+        if window is not None:
+            mask &= k_pos > q_pos[:, None] - window
+        out[start:end] = _attend(q[None, start:end], k, v, mask[None], scale, sinks)[0]
     return out

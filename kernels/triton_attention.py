@@ -63,7 +63,7 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, toks, t_mask, allowe
                  UPCAST: tl.constexpr):
     """One online-softmax step: queries q `[ROWS, BLOCK_D]` against KV head kh of tokens toks `[BLOCK_N]` (t_mask:
     the real ones), found through the sequence's block table at table_ptr; allowed `[ROWS, BLOCK_N]` masks the
-    scores. Every row must be allowed at least one key of the first tile it sees. -> (m_i, l_i, acc)."""
+    scores (a row may have no allowed key in a tile). -> (m_i, l_i, acc)."""
     blk = tl.load(table_ptr + toks // BS, mask=t_mask, other=0).to(tl.int64)
     off = toks % BS
     k = tl.load(k_ptr + (blk * stride_kn + off * stride_kb + kh * stride_kh)[None, :] + offs_d[:, None],
@@ -71,8 +71,9 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, toks, t_mask, allowe
     s = mma(q, k, tl.zeros([ROWS, BLOCK_N], tl.float32), PRECISION, UPCAST) * qk_scale
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key allowed yet (sliding window)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     v = tl.load(v_ptr + (blk * stride_vn + off * stride_vb + kh * stride_vh)[:, None] + offs_d[None, :],
                 mask=t_mask[:, None] & d_mask[None, :], other=0.0)                           # [BLOCK_N, BLOCK_D]
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
@@ -80,21 +81,22 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, toks, t_mask, allowe
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, qk_scale,
-                         stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
-                         stride_bt, stride_ob, stride_oh, part_size, num_parts, H,
+def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, sinks_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+                         qk_scale, stride_qb, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb,
+                         stride_vh, stride_bt, stride_ob, stride_oh, part_size, num_parts, H, window,
                          G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_G: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                         HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Program (b, kv head, partition): the g query heads of that KV head over KV tokens
-    [p * part_size, (p + 1) * part_size) of sequence b. SINGLE: one partition, write the output itself;
-    else write the partition's normalised output `[B, h, P, d]` fp32 and log2-sum-exp `[B, h, P]`."""
+    [p * part_size, (p + 1) * part_size) of sequence b, from its window's first token on (NO_WINDOW: all).
+    SINGLE: one partition, write the output itself (with the heads' sinks in the denominator); else write the
+    partition's normalised output `[B, h, P, d]` fp32 and log2-sum-exp `[B, h, P]`."""
     b = tl.program_id(0)
     kh = tl.program_id(1)
     p = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    start = p * part_size
-    end = tl.minimum(start + part_size, ctx)
+    start = tl.maximum(p * part_size, ctx - window)
+    end = tl.minimum(p * part_size + part_size, ctx)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
@@ -112,7 +114,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ou
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + b * stride_bt, toks, t_mask,
                                      t_mask[None, :], kh, qk_scale, offs_d, d_mask, stride_kn, stride_kb, stride_kh,
                                      stride_vn, stride_vb, stride_vh, BS, BLOCK_G, BLOCK_N, PRECISION, UPCAST)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]      # an empty partition (ctx 0) stays zero
+    denom = l_i
+    if SINGLE and HAS_SINKS:   # the sink joins the normalisation: exp(sink - max), in the log2 domain
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        denom = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), sink, m_i)) * tl.where(l_i > 0, 1.0, 0.0)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]   # an empty partition (ctx 0) stays zero
     mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -125,9 +131,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, part_ou
 
 
 @triton.jit
-def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, part_size,
-                          num_parts, H, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (b, head): merge the partitions of sequence b that hold tokens, weighted by their sums."""
+def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, lens_ptr, sinks_ptr, out_ptr, stride_ob, stride_oh,
+                          part_size, num_parts, H, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                          HAS_SINKS: tl.constexpr):
+    """Program (b, head): merge the partitions of sequence b that hold tokens, weighted by their sums (plus
+    the head's sink in the denominator)."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     ctx = tl.load(lens_ptr + b)
@@ -140,7 +148,11 @@ def _decode_reduce_kernel(part_out_ptr, part_lse_ptr, lens_ptr, out_ptr, stride_
     top = tl.max(lse, 0)
     w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     o = tl.load(part_out_ptr + row[:, None] * D + offs_d[None, :], mask=p_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + hq).to(tl.float32) * 1.4426950408889634
+        denom += tl.where(top == float("-inf"), 0.0, tl.exp2(sink - tl.where(top == float("-inf"), 0.0, top)))
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(denom, 1e-30)
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -160,10 +172,11 @@ def decode_partitions(batch: int, kv_heads: int, max_context_len: int, block_n: 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           max_context_len: int | None = None, partition_size: int | None = None) -> torch.Tensor:
+                           max_context_len: int | None = None, partition_size: int | None = None, *,
+                           sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """q `[B, h, d]`, block_tables `[B, M]`, context_lens `[B]` -> `[B, h, d]`. max_context_len: a host-side
     bound on context_lens that sizes the grid (default M * bs: no device sync either way); partition_size
-    overrides the split (tests use it to force several partitions)."""
+    overrides the split (tests use it to force several partitions); sinks `[h]`, window: see kernels.ops."""
     B, h, d = q.shape
     N, bs, kvh, _ = k_cache.shape
     out = torch.empty_like(q)
@@ -184,25 +197,40 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not single:
         part_out = torch.empty(B, h, num_parts, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(B, h, num_parts, dtype=torch.float32, device=q.device)
+    sink_arg = _sinks_arg(sinks, h, q)
     _decode_split_kernel[(B, kvh, num_parts)](
-        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, scale * LOG2E,
+        q, k_cache, v_cache, block_tables, context_lens, sink_arg, out, part_out, part_lse, scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1), part, num_parts, h,
+        out.stride(0), out.stride(1), part, num_parts, h, window or NO_WINDOW,
         G=g, D=d, BS=bs, BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_N=block_n, SINGLE=single, **mma_flags(q.dtype, interpreted), num_warps=4, num_stages=3)
+        BLOCK_N=block_n, SINGLE=single, HAS_SINKS=sinks is not None, **mma_flags(q.dtype, interpreted),
+        num_warps=4, num_stages=3)
     if not single:
-        _decode_reduce_kernel[(B, h)](part_out, part_lse, context_lens, out, out.stride(0), out.stride(1), part,
-                                      num_parts, h, D=d, BLOCK_P=triton.next_power_of_2(num_parts),
-                                      BLOCK_D=triton.next_power_of_2(d), num_warps=4)
+        _decode_reduce_kernel[(B, h)](part_out, part_lse, context_lens, sink_arg, out, out.stride(0), out.stride(1),
+                                      part, num_parts, h, D=d, BLOCK_P=triton.next_power_of_2(num_parts),
+                                      BLOCK_D=triton.next_power_of_2(d), HAS_SINKS=sinks is not None, num_warps=4)
     return out
 
 
+NO_WINDOW = 1 << 30   # full attention: a window longer than any context
+
+
+def _sinks_arg(sinks: torch.Tensor | None, h: int, q: torch.Tensor) -> torch.Tensor:
+    """The sinks pointer argument: `[h]` fp32 on q's device, or q itself as an unused placeholder."""
+    if sinks is None:
+        return q
+    if sinks.shape != (h,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected ({h},): one logit per query head")
+    return sinks.to(device=q.device, dtype=torch.float32).contiguous()
+
+
 @triton.jit
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr, qk_scale,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr, sinks_ptr, qk_scale,
                     stride_qt, stride_qh, stride_kn, stride_kb, stride_kh, stride_vn, stride_vb, stride_vh,
-                    stride_ot, stride_oh, stride_bt, num_seqs,
+                    stride_ot, stride_oh, stride_bt, num_seqs, window,
                     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINKS: tl.constexpr,
+                    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Program (tile, query head). Sequence s owns tiles [cu[s] // BLOCK_M + s, cu[s+1] // BLOCK_M + s + 1),
     enough for its ceil(q_len / BLOCK_M) query tiles; a binary search finds s, spare tiles exit."""
     pid = tl.program_id(0)
@@ -237,23 +265,33 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, bt_ptr, cu_ptr, lens_ptr, qk_s
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)
-        for n0 in range(0, end, BLOCK_N):
+        begin = 0
+        if HAS_WINDOW:   # the tile's first query sees back to its position - window + 1: start at that key tile
+            begin = (tl.maximum(ctx - q_len + tile * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
+        for n0 in range(begin, end, BLOCK_N):
             toks = n0 + offs_n
             t_mask = toks < end
             causal = (toks[None, :] <= q_pos[:, None]) & t_mask[None, :]
+            if HAS_WINDOW:
+                causal = causal & (toks[None, :] > q_pos[:, None] - window)
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, bt_ptr + s * stride_bt, toks, t_mask,
                                          causal, kh, qk_scale, offs_d, d_mask, stride_kn, stride_kb, stride_kh,
                                          stride_vn, stride_vb, stride_vh, BS, BLOCK_M, BLOCK_N, PRECISION, UPCAST)
-        out = acc / l_i[:, None]
+        denom = tl.where(l_i > 0, l_i, 1.0)   # padding rows past the chunk may see no key in a window
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + hq).to(tl.float32) * 1.4426950408889634
+            denom = l_i + tl.exp2(sink - tl.where(m_i == float("-inf"), sink, m_i))
+        out = acc / denom[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+                            scale: float, *, sinks: torch.Tensor | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """q `[T, h, d]`, block_tables `[P, M]`, cu_seqlens_q `[P+1]`, context_lens `[P]` -> `[T, h, d]`, causal over
-    each sequence's cached prefix and its new tokens."""
+    each sequence's cached prefix and its new tokens; sinks `[h]`, window: see kernels.ops."""
     T, h, d = q.shape
     N, bs, kvh, _ = k_cache.shape
     P = block_tables.shape[0]
@@ -264,11 +302,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                               cu_seqlens_q, context_lens)
     block_m = _tile(d, q.dtype)
     _prefill_kernel[(T // block_m + P, h)](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, scale * LOG2E,
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, _sinks_arg(sinks, h, q), scale * LOG2E,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], out.stride(0), out.stride(1),
-        block_tables.stride(0), P,
+        block_tables.stride(0), P, window or NO_WINDOW,
         G=h // kvh, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_D=triton.next_power_of_2(d),
-        **mma_flags(q.dtype, interpreted), num_warps=4, num_stages=3)
+        HAS_SINKS=sinks is not None, HAS_WINDOW=window is not None, **mma_flags(q.dtype, interpreted),
+        num_warps=4, num_stages=3)
     return out
 
 
