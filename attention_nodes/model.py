@@ -127,7 +127,9 @@ class AttentionModel:
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_cache, v_cache = kv.layer(i)
         ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, self.kernel_backend)
-        out = self._paged(q, batch, ops.paged_decode_attention, ops.paged_prefill_attention, k_cache, v_cache)
+        sinks, window = self._get(f"{p}.sinks"), s.window(i)
+        out = self._paged(q, batch, partial(ops.paged_decode_attention, sinks=sinks, window=window),
+                          partial(ops.paged_prefill_attention, sinks=sinks, window=window), k_cache, v_cache)
         return self._linear(out.reshape(T, s.num_heads * s.head_dim), f"{p}.o_proj")
 
     def _mla_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -185,6 +187,8 @@ class AttentionModel:
             cos, sin = torch.cat((cos, cos), dim=-1).to(h.dtype), torch.cat((sin, sin), dim=-1).to(h.dtype)
         else:
             cos, sin = out[0][0], out[1][0]
+            if self.spec.rope_half_tables:   # GPT-OSS: one angle per pair
+                cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return cos[:, None, :], sin[:, None, :]
 
     def _layers(self, batch: ForwardBatch, kv: KVCache):
@@ -205,7 +209,9 @@ class AttentionModel:
                 h = h + self._mlp(x, f"{p}.mlp")
                 continue
             m = s.moe_prefix(i)
-            weights, ids = route(s, x, self.w[f"{m}.gate.weight"], self._get(f"{m}.gate.e_score_correction_bias"))
+            r = f"{m}.{s.router_module}"
+            weights, ids = route(s, x, self.w[f"{r}.weight"], self._get(f"{r}.e_score_correction_bias"),
+                                 self._get(f"{r}.bias"))
             out = yield moe_layer, x, ids, weights
             if s.shared_expert_size:
                 shared = self._mlp(x, f"{m}.{s.shared_module}")

@@ -7,6 +7,7 @@ transformers' modules (selection, renormalisation and scaling in fp32).
 - "sigmoid_group" (DeepSeek-V3, GLM-4.5): sigmoid scores; the score-correction bias is added for selection
   only; a group's score is the sum of its two best biased scores; top-k among the best topk_group groups;
   the weights are the unbiased scores of the chosen experts.
+- "topk_softmax" (GPT-OSS): biased logits, top-k, softmax over the chosen logits only.
 Then optional renormalisation (norm_topk_prob) and routed_scaling_factor.
 Names: T tokens, E experts, K top-k, G groups.
 """
@@ -18,9 +19,13 @@ import torch.nn.functional as F
 from models.spec import ModelSpec
 
 
-def route(spec: ModelSpec, x: torch.Tensor, gate: torch.Tensor,
-          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x `[T, H]`, gate `[E, H]` -> (weights `[T, K]` fp32, ids `[T, K]` int64)."""
+def route(spec: ModelSpec, x: torch.Tensor, gate: torch.Tensor, correction_bias: torch.Tensor | None = None,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, H]`, gate `[E, H]` (bias `[E]`: GPT-OSS's router bias) -> (weights `[T, K]` fp32, ids `[T, K]`
+    int64)."""
+    if spec.router == "topk_softmax":
+        top, ids = torch.topk(F.linear(x, gate, bias), spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1).float(), ids
     if not spec.router_in_fp32:
         return softmax_topk(F.linear(x, gate), spec.top_k, spec.norm_topk_prob, spec.routed_scaling_factor)
     logits = F.linear(x.float(), gate.float())

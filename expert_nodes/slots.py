@@ -4,19 +4,28 @@ Names: L MoE layers, S slots on this rank, H hidden, I expert intermediate size.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from kernels import ops
-from models.checkpoint import Checkpoint
+from kernels.moe import SILU, ExpertAct
+from models.checkpoint import Checkpoint, dequantize_mxfp4
+
+logger = logging.getLogger(__name__)
 
 
 class ExpertSlots:
-    """w13 `[L, S, 2I, H]` (gate rows, then up rows), w2 `[L, S, H, I]`; slot2expert `[L, S]` int64, -1 = empty.
-    Empty slots stay zero and are never addressed. kernel_backend: the resolved `kernels.ops` backend of ffn."""
+    """w13 `[L, S, 2I, H]` (gate rows, then up rows), w2 `[L, S, H, I]`; slot2expert `[L, S]` int64, -1 = empty;
+    b13 `[L, S, 2I]` and b2 `[L, S, H]` where the experts have biases (GPT-OSS), else None; act: the FFN's
+    activation. Empty slots stay zero and are never addressed. kernel_backend: the resolved `kernels.ops`
+    backend of ffn."""
 
-    def __init__(self, slot2expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, kernel_backend: str = "torch"):
+    def __init__(self, slot2expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, kernel_backend: str = "torch",
+                 b13: torch.Tensor | None = None, b2: torch.Tensor | None = None, act: ExpertAct = SILU):
         self.slot2expert, self.w13, self.w2 = slot2expert, w13, w2
+        self.b13, self.b2, self.act = b13, b2, act
         self.kernel_backend = kernel_backend
 
     @classmethod
@@ -28,6 +37,14 @@ class ExpertSlots:
         I, H = spec.moe_intermediate_size, spec.hidden_size
         w13 = torch.zeros(L, S, 2 * I, H, dtype=dtype, device=device)
         w2 = torch.zeros(L, S, H, I, dtype=dtype, device=device)
+        act = ExpertAct(spec.expert_act, spec.swiglu_alpha, spec.swiglu_limit)
+        if spec.fused_experts:
+            b13 = torch.zeros(L, S, 2 * I, dtype=dtype, device=device)
+            b2 = torch.zeros(L, S, H, dtype=dtype, device=device)
+            for li, layer in enumerate(spec.moe_layer_ids):
+                _load_fused_layer(ckpt, layer, slot2expert[li], w13[li], w2[li], b13[li], b2[li])
+            logger.info("%s loaded %d expert slots from fused per-layer tensors", desc, int((slot2expert >= 0).sum()))
+            return cls(slot2expert.clone(), w13, w2, kernel_backend, b13, b2, act)
         wanted = []
         for li, layer in enumerate(spec.moe_layer_ids):
             for slot, e in enumerate(slot2expert[li].tolist()):
@@ -39,7 +56,7 @@ class ExpertSlots:
             w13[li, slot, :I] = tensors[gate]
             w13[li, slot, I:] = tensors[up]
             w2[li, slot] = tensors[down]
-        return cls(slot2expert.clone(), w13, w2, kernel_backend)
+        return cls(slot2expert.clone(), w13, w2, kernel_backend, act=act)
 
     def move(self, moves: list[tuple[int, int, int, int, int]], slot2expert: torch.Tensor, me: int,
              world_rank, group=None) -> int:
@@ -51,22 +68,25 @@ class ExpertSlots:
         for layer, dst, dslot, src, sslot in moves:
             if dst == me:
                 if src == me:   # copy now: a later write may overwrite the source slot
-                    landed.append((layer, dslot, self.w13[layer, sslot].clone(), self.w2[layer, sslot].clone()))
+                    landed.append((layer, dslot, [t[layer, sslot].clone() for t in self._per_slot()]))
                     continue
-                b13, b2 = torch.empty_like(self.w13[layer, 0]), torch.empty_like(self.w2[layer, 0])
-                works += [dist.irecv(b13, world_rank(src), group=group), dist.irecv(b2, world_rank(src), group=group)]
-                landed.append((layer, dslot, b13, b2))
+                bufs = [torch.empty_like(t[layer, 0]) for t in self._per_slot()]
+                works += [dist.irecv(b, world_rank(src), group=group) for b in bufs]
+                landed.append((layer, dslot, bufs))
                 received += 1
             elif src == me:
-                works += [dist.isend(self.w13[layer, sslot], world_rank(dst), group=group),
-                          dist.isend(self.w2[layer, sslot], world_rank(dst), group=group)]
+                works += [dist.isend(t[layer, sslot], world_rank(dst), group=group) for t in self._per_slot()]
         for w in works:
             w.wait()
-        for layer, dslot, b13, b2 in landed:
-            self.w13[layer, dslot] = b13
-            self.w2[layer, dslot] = b2
+        for layer, dslot, bufs in landed:
+            for t, b in zip(self._per_slot(), bufs):
+                t[layer, dslot] = b
         self.slot2expert = slot2expert.clone()
         return received
+
+    def _per_slot(self) -> list[torch.Tensor]:
+        """Every `[L, S, ...]` tensor a slot's expert occupies (a move carries each)."""
+        return [t for t in (self.w13, self.w2, self.b13, self.b2) if t is not None]
 
     @property
     def num_slots(self) -> int:
@@ -74,4 +94,34 @@ class ExpertSlots:
 
     def ffn(self, moe_layer: int, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[N, H]`, slots `[N, K]` (-1 = elsewhere), weights `[N, K]` -> weighted expert sum `[N, H]`."""
-        return ops.fused_moe(x, slots, weights, self.w13[moe_layer], self.w2[moe_layer], self.kernel_backend)
+        b13 = None if self.b13 is None else self.b13[moe_layer]
+        b2 = None if self.b2 is None else self.b2[moe_layer]
+        return ops.fused_moe(x, slots, weights, self.w13[moe_layer], self.w2[moe_layer], self.kernel_backend,
+                             b13=b13, b2=b2, act=self.act)
+
+
+def _load_fused_layer(ckpt: Checkpoint, layer: int, slot2expert: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      b13: torch.Tensor, b2: torch.Tensor) -> None:
+    """GPT-OSS: read this rank's experts' rows of one layer's fused tensors into its slots. gate_up `[E, H, 2I]`
+    holds gate and up interleaved along its last dim (gate at even columns); down `[E, I, H]`; MXFP4
+    checkpoints hold `*_blocks` / `*_scales` instead, dequantized here."""
+    spec = ckpt.spec
+    names = spec.fused_expert_names(layer)
+    slots = [s for s, e in enumerate(slot2expert.tolist()) if e >= 0]
+    experts = [int(slot2expert[s]) for s in slots]
+    if not slots:
+        return
+
+    def weight(role: str) -> torch.Tensor:   # -> fp32 [n, in, out]
+        if spec.mxfp4_experts:
+            return dequantize_mxfp4(ckpt.read_rows(names[role + "_blocks"], experts),
+                                    ckpt.read_rows(names[role + "_scales"], experts))
+        return ckpt.read_rows(names[role], experts).float()
+
+    gate_up, down = weight("gate_up"), weight("down")
+    gate_up_bias = ckpt.read_rows(names["gate_up_bias"], experts).float()
+    idx = torch.tensor(slots, device=w13.device)
+    w13[idx] = torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), dim=-1).transpose(1, 2).to(w13)
+    w2[idx] = down.transpose(1, 2).to(w2)
+    b13[idx] = torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=-1).to(b13)
+    b2[idx] = ckpt.read_rows(names["down_bias"], experts).to(b2)

@@ -5,6 +5,8 @@ Names: N received rows, H hidden, K top-k, S slots on this rank, I expert interm
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -25,12 +27,34 @@ def _grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> t
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertAct:
+    """The expert FFN's activation on (gate, up): "silu" is SwiGLU, silu(gate) * up; "swiglu_oai" is GPT-OSS's
+    clamped form, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = clamp(gate, max=limit)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = ExpertAct()
+
+
 def fused_moe_ref(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
-                    w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+                  w13: torch.Tensor, w2: torch.Tensor, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, act: ExpertAct = SILU) -> torch.Tensor:
     """Weighted sum over each row's local experts.
 
     x: `[N, H]`; slots: `[N, K]` int64 local slot, -1 = that choice lives on another rank;
-    weights: `[N, K]` fp32 router weights; w13: `[S, 2I, H]` (gate rows then up rows); w2: `[S, H, I]`.
+    weights: `[N, K]` fp32 router weights; w13: `[S, 2I, H]` (gate rows then up rows); w2: `[S, H, I]`;
+    b13 `[S, 2I]`, b2 `[S, H]`: optional biases (GPT-OSS); act: the activation.
     Returns `[N, H]` in x.dtype: sum_k weights[n, k] * FFN_{slots[n, k]}(x[n]), added in slot order.
     """
     out = torch.zeros_like(x)
@@ -43,8 +67,13 @@ def fused_moe_ref(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
     rows, ks, chosen = rows[order], ks[order], chosen[order]
     counts = torch.bincount(chosen, minlength=w13.shape[0])
     # Step 2: grouped GEMMs, SwiGLU between them.
-    gate, up = _grouped_linear(x[rows], w13, counts).chunk(2, dim=-1)
-    y = _grouped_linear(F.silu(gate) * up, w2, counts)
+    h = _grouped_linear(x[rows], w13, counts)
+    if b13 is not None:
+        h = h + b13[chosen]
+    gate, up = h.chunk(2, dim=-1)
+    y = _grouped_linear(act(gate, up), w2, counts)
+    if b2 is not None:
+        y = y + b2[chosen]
     # Step 3: weight and add back per row.
     out.index_add_(0, rows, (y * weights[rows, ks, None]).to(out.dtype))
     return out

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .moe import fused_moe_ref
+from .moe import SILU, ExpertAct, fused_moe_ref
 from .paged_attention import (
     DecodeGroup,
     paged_decode_attention_ref,
@@ -155,10 +155,12 @@ def _latent_width(cache: torch.Tensor, v_dim: int) -> int:
 
 
 def fused_moe(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-              backend: str = "auto") -> torch.Tensor:
+              backend: str = "auto", *, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+              act: ExpertAct = SILU) -> torch.Tensor:
     """x `[N, H]`; slots `[N, K]` int64 local slot, -1 = that choice lives on another rank; weights `[N, K]` fp32;
     w13 `[S, 2I, H]` (gate rows, then up rows); w2 `[S, H, I]` -> `[N, H]` in x.dtype:
-    sum_k weights[n, k] * SwiGLU-FFN_{slots[n, k]}(x[n])."""
-    if resolve_backend(backend, x.device) == "triton":
+    sum_k weights[n, k] * FFN_{slots[n, k]}(x[n]). b13 `[S, 2I]`, b2 `[S, H]` and act (GPT-OSS's biases and
+    clamped SwiGLU) run the torch reference on every backend: the Triton kernel fuses plain SwiGLU only."""
+    if resolve_backend(backend, x.device) == "triton" and b13 is None and b2 is None and act == SILU:
         return _triton("moe").fused_moe(x, slots, weights, w13, w2)
-    return fused_moe_ref(x, slots, weights, w13, w2)
+    return fused_moe_ref(x, slots, weights, w13, w2, b13, b2, act)

@@ -111,6 +111,28 @@ class Checkpoint:
             out[n] = t.to(device=device, dtype=keep or t.dtype)
         return out
 
+    def read_rows(self, name: str, rows: list[int], dtype: torch.dtype | None = None,
+                  device: str | torch.device = "cpu") -> torch.Tensor:
+        """Rows `rows` of tensor `name` along its first dim -> `[len(rows), ...]`, reading only those rows' bytes
+        (GPT-OSS stores all of a layer's experts in one tensor; an expert rank reads its own). Records each as
+        `name[row]` in names_read."""
+        from safetensors import safe_open
+
+        if name not in self.name2file:
+            raise ValueError(f"tensor {name!r} is missing from checkpoint {self.path!r}")
+        if not rows:
+            raise ValueError(f"no rows of {name!r} asked for")
+        full = os.path.join(self.path, self.name2file[name])
+        with safe_open(full, framework="pt", device="cpu") as f:
+            sl = f.get_slice(name)
+            num = sl.get_shape()[0]
+            bad = [r for r in rows if not 0 <= r < num]
+            if bad:
+                raise ValueError(f"row {bad[0]} of {name!r} does not exist: it has {num} rows")
+            out = torch.stack([sl[r:r + 1][0] for r in rows])
+        self.names_read.extend(f"{name}[{r}]" for r in rows)
+        return out.to(device=device, dtype=dtype or out.dtype) if out.is_floating_point() else out.to(device)
+
     def attention_tensor_names(self) -> list[str]:
         """Everything but the routed experts: embeddings, attention, norms, router, shared expert, LM head.
         FP8 scales are read with their weights; MTP layers (beyond num_hidden_layers) are never read."""
@@ -154,6 +176,23 @@ def dequantize_fp8_blocks(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple
                          f"{rows}x{cols} weight in {br}x{bc} blocks")
     s = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return w.float() * s
+
+
+# The 16 values an FP4 (e2m1) code stands for, by code.
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as GPT-OSS's release stores it: blocks `[..., R, G, 16]` uint8 (two FP4 codes per byte, the low
+    nibble first), scales `[..., R, G]` uint8 (a power of two, biased by 127, per 32 values) -> fp32
+    `[..., G * 32, R]`: the layout transformers' unquantized GPT-OSS experts use."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} / scales {tuple(scales.shape)} "
+                         f"{scales.dtype} do not match: want uint8 [..., R, G, 16] and uint8 [..., R, G]")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)   # [..., R, G, 16, 2]
+    values = values.flatten(-2) * torch.exp2(scales.float() - 127)[..., None]              # [..., R, G, 32]
+    return values.flatten(-2).transpose(-1, -2)
 
 
 def _progress_bar(ckpt: Checkpoint, by_file: dict[str, list[str]], desc: str, stream):

@@ -8,23 +8,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 # Architectures people ask for that need machinery the runtime does not have yet: model_type -> what.
 UNSUPPORTED_WHY = {
     "qwen3_next": "its Gated DeltaNet linear-attention layers (a recurrent state, not a paged KV cache)",
     "deepseek_v32": "DeepSeek sparse attention (the lightning indexer that picks the top-k cached tokens)",
     "deepseek_v4": "its compressed sparse attention",
-    "gpt_oss": "attention sinks, alternating sliding-window layers and the clamped SwiGLU (planned)",
 }
 
 # transformers' rotary module of each architecture (RoPE scaling such as YaRN stays exactly theirs).
 ROTARY_CLASS = {"qwen3_moe": "Qwen3MoeRotaryEmbedding", "qwen2_moe": "Qwen2MoeRotaryEmbedding",
                 "mixtral": "MixtralRotaryEmbedding", "olmoe": "OlmoeRotaryEmbedding",
                 "deepseek_v2": "DeepseekV2RotaryEmbedding", "deepseek_v3": "DeepseekV3RotaryEmbedding",
-                "glm4_moe": "Glm4MoeRotaryEmbedding"}
+                "glm4_moe": "Glm4MoeRotaryEmbedding", "gpt_oss": "GptOssRotaryEmbedding"}
 
-ROUTERS = ("softmax", "softmax_group", "sigmoid_group")
+ROUTERS = ("softmax", "softmax_group", "sigmoid_group", "topk_softmax")
+EXPERT_ACTS = ("silu", "swiglu_oai")
 
 
 def unsupported_message(model_type, where: str) -> str:
@@ -85,6 +85,16 @@ class ModelSpec:
     rope_interleave: bool = False         # rotary pairs are (x0, x1), (x2, x3), ... (DeepSeek)
     softmax_scale: float = 0.0            # 0 = head_dim ** -0.5
     weight_block_size: tuple[int, int] | None = None   # block-scaled FP8 checkpoint (weight_scale_inv)
+    mxfp4_experts: bool = False           # GPT-OSS release: experts as MXFP4 *_blocks / *_scales
+    router_module: str = "gate"           # "router" (GPT-OSS, with a bias)
+    layer_windows: tuple[int | None, ...] = ()   # per layer: sliding window (GPT-OSS), None = full; () = all full
+    attention_sinks: bool = False         # per-head learned sink logits (GPT-OSS self_attn.sinks)
+    rope_half_tables: bool = False        # the rotary module returns cos/sin for half the dims (GPT-OSS)
+    expert_act: str = "silu"              # one of EXPERT_ACTS: "swiglu_oai" is GPT-OSS's clamped SwiGLU
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    expert_bias: bool = False             # biases on the expert projections (GPT-OSS)
+    fused_experts: bool = False           # one [E, H, 2I] (gate/up interleaved) and one [E, I, H] tensor per layer
     num_skipped_layers: int = 0           # MTP layers (num_nextn_predict_layers) the runtime never reads
     hf_config: Any = field(default=None, repr=False)
 
@@ -116,10 +126,27 @@ class ModelSpec:
     def moe_prefix(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.moe_module}"
 
-    def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
-        """(gate, up, down) weight names of one routed expert."""
+    def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, ...]:
+        """What reading one routed expert reads, as `Checkpoint.names_read` records it: its (gate, up, down)
+        weights, or with fused per-layer tensors (GPT-OSS) its row `name[expert]` of each."""
+        if self.fused_experts:
+            return tuple(f"{n}[{expert}]" for n in self.fused_expert_names(layer).values())
         p = f"{self.moe_prefix(layer)}.experts.{expert}"
-        return tuple(f"{p}.{n}.weight" for n in self.expert_names)  # type: ignore[return-value]
+        return tuple(f"{p}.{n}.weight" for n in self.expert_names)
+
+    def fused_expert_names(self, layer: int) -> dict[str, str]:
+        """GPT-OSS: the per-layer expert tensors, by role (each indexed by expert on its first dim)."""
+        p = f"{self.moe_prefix(layer)}.experts"
+        if self.mxfp4_experts:
+            names = {"gate_up_blocks": "gate_up_proj_blocks", "gate_up_scales": "gate_up_proj_scales",
+                     "down_blocks": "down_proj_blocks", "down_scales": "down_proj_scales"}
+        else:
+            names = {"gate_up": "gate_up_proj", "down": "down_proj"}
+        names.update(gate_up_bias="gate_up_proj_bias", down_bias="down_proj_bias")
+        return {role: f"{p}.{n}" for role, n in names.items()}
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
 
     def is_expert_tensor(self, name: str) -> bool:
         return ".experts." in name and name.startswith("model.layers.")
@@ -170,13 +197,19 @@ def spec_from_hf_config(cfg, gen_cfg=None) -> ModelSpec:
         rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
         top_k=cfg.num_experts_per_tok, moe_layers=moe,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
-        eos_token_ids=_eos_ids(cfg, gen_cfg), hf_config=cfg, weight_block_size=_fp8_block(cfg),
+        eos_token_ids=_eos_ids(cfg, gen_cfg), hf_config=cfg,
     )
+    quant = _quantization(cfg)
+    if quant == "mxfp4" and arch != "gpt_oss":
+        raise ValueError(f"an MXFP4 quantization_config is supported for gpt_oss only, not {arch!r}")
+    common["weight_block_size"] = quant if isinstance(quant, tuple) else None
     if arch == "mixtral":
         spec = ModelSpec(**common, num_experts=cfg.num_local_experts, moe_intermediate_size=cfg.intermediate_size,
                          norm_topk_prob=True, expert_names=("w1", "w3", "w2"), moe_module="block_sparse_moe")
     elif arch in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
         spec = _deepseek_family(cfg, common)
+    elif arch == "gpt_oss":
+        spec = _gpt_oss(cfg, common)
     else:
         spec = ModelSpec(**common, num_experts=cfg.num_experts, moe_intermediate_size=(
             cfg.intermediate_size if arch == "olmoe" else cfg.moe_intermediate_size),
@@ -230,9 +263,24 @@ def _deepseek_family(cfg, common: dict) -> ModelSpec:
     return spec
 
 
-def _fp8_block(cfg) -> tuple[int, int] | None:
-    """The block size of a block-scaled FP8 checkpoint (DeepSeek-V3's release format), None when unquantized.
-    Any other quantization is refused by name."""
+def _gpt_oss(cfg, common: dict) -> ModelSpec:
+    """GPT-OSS: GQA with biases and sinks, alternating sliding-window and full layers, a biased router with
+    softmax over the chosen logits, fused expert tensors with biases and the clamped SwiGLU."""
+    windows = tuple(cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types)
+    bad = [t for t in cfg.layer_types if t not in ("sliding_attention", "full_attention")]
+    if bad:
+        raise ValueError(f"layer_types holds {bad[0]!r}; gpt_oss layers are 'sliding_attention' or 'full_attention'")
+    return ModelSpec(**common, num_experts=cfg.num_local_experts, moe_intermediate_size=cfg.intermediate_size,
+                     norm_topk_prob=False, router="topk_softmax", router_module="router", layer_windows=windows,
+                     attention_sinks=True, rope_half_tables=True, expert_act="swiglu_oai",
+                     swiglu_alpha=float(getattr(cfg, "swiglu_alpha", 1.702)),
+                     swiglu_limit=float(cfg.swiglu_limit), expert_bias=True, fused_experts=True,
+                     mxfp4_experts=_quantization(cfg) == "mxfp4")
+
+
+def _quantization(cfg) -> tuple[int, int] | str | None:
+    """None (unquantized), the block size of a block-scaled FP8 checkpoint (DeepSeek-V3's release format) or
+    "mxfp4" (GPT-OSS's release format). Any other quantization is refused by name."""
     q = getattr(cfg, "quantization_config", None)
     if not q:
         return None
@@ -241,5 +289,8 @@ def _fp8_block(cfg) -> tuple[int, int] | None:
     if method == "fp8" and q.get("weight_block_size"):
         rows, cols = q["weight_block_size"]
         return int(rows), int(cols)
+    if method == "mxfp4":
+        return "mxfp4"
     raise ValueError(f"quantization_config quant_method={method!r} ({q}) is not supported; the runtime reads "
-                     f"unquantized checkpoints and block-scaled FP8 (quant_method 'fp8' with weight_block_size)")
+                     f"unquantized checkpoints, block-scaled FP8 (quant_method 'fp8' with weight_block_size) "
+                     f"and GPT-OSS's MXFP4 experts")

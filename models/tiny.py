@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 TINY_VOCAB = 320  # >= 256 byte-level symbols + 3 specials of the tiny tokenizer
 
 
@@ -15,6 +15,7 @@ def tiny_config(arch: str, **overrides):
         DeepseekV2Config,
         DeepseekV3Config,
         Glm4MoeConfig,
+        GptOssConfig,
         MixtralConfig,
         OlmoeConfig,
         Qwen2MoeConfig,
@@ -54,6 +55,12 @@ def tiny_config(arch: str, **overrides):
                   routed_scaling_factor=1.5, use_qk_norm=True, attention_bias=True,
                   rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
         return Glm4MoeConfig(**{**common, **kw, **overrides})
+    if arch == "gpt_oss":       # sinks, sliding window 8 on even layers, clamped SwiGLU, biases, YaRN
+        kw = dict(num_hidden_layers=4, head_dim=16, num_local_experts=8, intermediate_size=32, sliding_window=8,
+                  swiglu_limit=7.0, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=8.0,
+                                                         original_max_position_embeddings=64, beta_fast=32.0,
+                                                         beta_slow=1.0, truncate=False))
+        return GptOssConfig(**{**common, **kw, **overrides})
     raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
 
 
@@ -65,10 +72,10 @@ def make_tiny_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, max_
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides))
-    with torch.no_grad():   # transformers starts the score-correction bias at zero; make it change choices
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape) * 0.2)
+    with torch.no_grad():   # transformers starts these at zero (or one value); make them matter
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias") or (arch == "gpt_oss" and name.endswith(("bias", "sinks"))):
+                t.copy_(torch.randn(t.shape) * (1.0 if name.endswith("sinks") else 0.2))
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(os.fspath(path), **kwargs)
     if with_tokenizer:
@@ -161,6 +168,57 @@ def quantize_fp8_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, bloc
             cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                           "weight_block_size": [br, bc]}
             cfg["num_nextn_predict_layers"] = mtp_layers
+        with open(os.path.join(out, "config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+    return dst
+
+
+def quantize_mxfp4_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
+                              dequantized: str | os.PathLike | None = None) -> str:
+    """Write src's GPT-OSS checkpoint to dst with its expert weights in the released MXFP4 format:
+    `experts.gate_up_proj_blocks` `[E, 2I, H/32, 16]` uint8 (two FP4 e2m1 codes per byte, low nibble first) and
+    `experts.gate_up_proj_scales` `[E, 2I, H/32]` uint8 (power-of-two exponents biased by 127), the same for
+    down_proj, and an mxfp4 `quantization_config`. dequantized: also write the checkpoint of the weights the
+    codes stand for, decoded by transformers' own MXFP4 converter (the oracle's weights)."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, dst = os.fspath(src), os.fspath(dst)
+    fp4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    quant, plain = {}, {}
+    for name, w in tensors.items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            quant[name] = plain[name] = w
+            continue
+        rows = w.float().transpose(1, 2)                                   # [E, out, in]
+        E, R, C = rows.shape
+        groups = rows.reshape(E, R, C // 32, 32)
+        exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+        codes = (groups / torch.exp2(exp)[..., None]).unsqueeze(-1).sub(fp4).abs().argmin(-1)
+        packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)   # [E, R, C/32, 16]
+        scales = (exp + 127).to(torch.uint8)
+        quant[name + "_blocks"], quant[name + "_scales"] = packed, scales
+        plain[name] = convert_moe_packed_tensors(packed, scales, dtype=torch.float32).to(w.dtype).contiguous()
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    for out, weights in ((dst, quant), (dequantized, plain)):
+        if out is None:
+            continue
+        out = os.fspath(out)
+        os.makedirs(out, exist_ok=True)
+        for fname in os.listdir(src):
+            if fname not in ("model.safetensors", "config.json"):
+                shutil.copy(os.path.join(src, fname), out)
+        save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+        cfg = dict(config)
+        if out == dst:
+            cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
     return dst

@@ -1,6 +1,7 @@
-"""DeepSeek-V2/V3 and GLM-4.5 beyond the shared fidelity suites (test_teacher_forced, test_generate_oracle):
-FP8 block-scaled checkpoints with an MTP layer, the latent KV cache's size, two-phase comm with replicated
-experts, and the refusal of architectures the runtime cannot run."""
+"""DeepSeek-V2/V3, GLM-4.5 and GPT-OSS beyond the shared fidelity suites (test_teacher_forced,
+test_generate_oracle): FP8 block-scaled checkpoints with an MTP layer, MXFP4 experts, the latent KV cache's
+size, two-phase comm and live expert moves with replicas, and the refusal of architectures the runtime cannot
+run."""
 from __future__ import annotations
 
 import io
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from launch import LLM, SamplingParams
-from models.tiny import quantize_fp8_checkpoint
+from models.tiny import quantize_fp8_checkpoint, quantize_mxfp4_checkpoint
 from tests.conftest import hf_greedy, hf_model, make_prompts
 from tests.dist_utils import run_ranks
 from tests.launch.test_teacher_forced import _rank_fn
@@ -19,7 +20,7 @@ from tests.launch.test_teacher_forced import _rank_fn
 MAX_NEW = 10
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_greedy_on_one_attention_two_expert_ranks(tiny_checkpoint, arch):
     """1+2 ranks (the shared suite runs 1+1, 2+2 and 1+3), with a prompt longer than the token budget."""
     path = tiny_checkpoint(arch)
@@ -57,6 +58,39 @@ def test_fp8_checkpoint_with_mtp_layer_matches_transformers_on_dequantized_weigh
         assert scales and weights <= read        # each scale read with its weight
     expert_reads = set(results[2]["names"])
     assert "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv" in expert_reads
+
+
+def test_mxfp4_experts_match_transformers_on_dequantized_weights(tiny_checkpoint, tmp_path):
+    """GPT-OSS's released expert format; expert ranks read only their own experts' rows of the packed tensors."""
+    src = tiny_checkpoint("gpt_oss")
+    packed = quantize_mxfp4_checkpoint(src, tmp_path / "mxfp4", dequantized=tmp_path / "deq")
+    prompt = make_prompts(1, 256, 37, 37, seed=3)[0]      # longer than the 8-token window
+    with torch.no_grad():
+        expected = hf_model(str(tmp_path / "deq"))(torch.tensor([prompt])).logits[0]
+        unquantized = hf_model(src)(torch.tensor([prompt])).logits[0]
+    assert (unquantized - expected).abs().max() > 1e-2
+    results = run_ranks(_rank_fn, 4, packed, 2, prompt)
+    torch.testing.assert_close(results[0]["logits"], expected, atol=1e-4, rtol=0)
+    for i, r in enumerate(results[2:]):      # expert rank i holds experts 4i..4i+3 of every layer
+        read = set(r["names"])
+        assert f"model.layers.0.mlp.experts.gate_up_proj_blocks[{4 * i}]" in read
+        assert f"model.layers.3.mlp.experts.down_proj_scales[{4 * i + 3}]" in read
+        others = {f"[{e}]" for e in range(8) if e // 4 != i}
+        assert not any(n[n.index("["):] in others for n in read), "an expert rank read another rank's expert"
+    assert not any(".experts." in n for n in results[0]["names"])
+
+
+def test_gpt_oss_live_expert_moves_carry_biases(tiny_checkpoint):
+    """least_loaded with replicas and re-placements every 2 steps: moved slots bring their biases along."""
+    path = tiny_checkpoint("gpt_oss")
+    prompts = make_prompts(8, 256, 3, 40, seed=11)
+    expected = hf_greedy(path, prompts, 12)
+    with LLM(path, attention_ranks=2, expert_ranks=3, balancer="least_loaded", redundant_experts=3,
+             rebalance_interval=2, max_num_batched_tokens=64) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        stats = llm.comm_stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["replacements"] >= 2 and stats["slots_moved"] > 0
 
 
 def test_fp8_scale_shape_mismatch_names_the_tensor(tiny_checkpoint, tmp_path):
