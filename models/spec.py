@@ -179,8 +179,9 @@ def spec_from_hf_config(cfg, gen_cfg=None) -> ModelSpec:
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
     window = getattr(cfg, "sliding_window", None)
-    if getattr(cfg, "use_sliding_window", arch == "mixtral") and window and window < cfg.max_position_embeddings:
-        raise ValueError(f"sliding_window={window} is not supported yet; use a checkpoint without it")
+    if arch in ("qwen2_moe", "qwen3_moe") and getattr(cfg, "use_sliding_window", False) and window:
+        raise ValueError(f"use_sliding_window with sliding_window={window} (Qwen's per-layer max_window_layers "
+                         f"scheme) is not supported; use a checkpoint without it")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     num_layers = cfg.num_hidden_layers
     if arch in ("qwen3_moe", "qwen2_moe"):
@@ -206,6 +207,8 @@ def spec_from_hf_config(cfg, gen_cfg=None) -> ModelSpec:
     if arch == "mixtral":
         spec = ModelSpec(**common, num_experts=cfg.num_local_experts, moe_intermediate_size=cfg.intermediate_size,
                          norm_topk_prob=True, expert_names=("w1", "w3", "w2"), moe_module="block_sparse_moe")
+        if window:   # transformers' Mixtral applies its window to every layer
+            spec.layer_windows = (int(window),) * num_layers
     elif arch in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
         spec = _deepseek_family(cfg, common)
     elif arch == "gpt_oss":

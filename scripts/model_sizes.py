@@ -16,6 +16,7 @@ MODELS = {
     "DeepseekV3Config": "DeepSeek-V3 (671B)",
     "DeepseekV2Config": "DeepSeek-V2-Lite (16B)",
     "Glm4MoeConfig": "GLM-4.5-Air (106B)",
+    "GptOssConfig": "gpt-oss-120b",
     "Qwen3MoeConfig": "Qwen3-30B-A3B",
     "Qwen2MoeConfig": "Qwen1.5-MoE-A2.7B",
     "MixtralConfig": "Mixtral-8x7B",

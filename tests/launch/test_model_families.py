@@ -31,6 +31,16 @@ def test_greedy_on_one_attention_two_expert_ranks(tiny_checkpoint, arch):
     assert [o.token_ids for o in outs] == expected
 
 
+def test_mixtral_sliding_window_matches_transformers(tiny_checkpoint):
+    """Mixtral's window (every layer) is honoured, no longer refused: prompts run past it."""
+    path = tiny_checkpoint("mixtral", sliding_window=6)
+    prompts = make_prompts(3, 256, 10, 30, seed=31)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=1, expert_ranks=1, max_num_batched_tokens=16) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+
+
 def test_fp8_checkpoint_with_mtp_layer_matches_transformers_on_dequantized_weights(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("deepseek_v3")
     fp8 = quantize_fp8_checkpoint(src, tmp_path / "fp8", block=(16, 16), dequantized=tmp_path / "deq",
