@@ -12,8 +12,11 @@ from tests.conftest import hf_greedy, make_prompts
 pytest.importorskip("triton")
 
 
-def test_triton_backend_matches_transformers(tiny_checkpoint):
-    path = tiny_checkpoint("qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_triton_backend_matches_transformers(tiny_checkpoint, arch):
+    """Qwen3-MoE (GQA, fused MoE kernel), DeepSeek-V3 (MLA through the paged kernels with the latent cache as
+    K and V), GPT-OSS (sinks and sliding windows in the kernels)."""
+    path = tiny_checkpoint(arch)
     # A 40-token prompt over a 24-token budget: its second chunk is a prefill over a cached prefix.
     prompts = make_prompts(3, 256, 2, 12, seed=7) + [make_prompts(1, 256, 40, 40, seed=8)[0]]
     expected = hf_greedy(path, prompts, 4)
