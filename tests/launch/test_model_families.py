@@ -156,9 +156,10 @@ def test_kv_bytes_per_token_at_real_scale():
     assert glm.kv_bytes_per_token(torch.bfloat16) == 2 * glm.num_kv_heads * glm.head_dim * 2
 
 
-def test_two_phase_with_replicated_experts_matches_transformers(tiny_checkpoint):
-    """DeepSeek-V3 over two emulated nodes, least_loaded replica choice with redundant experts, chunked."""
-    path = tiny_checkpoint("deepseek_v3")
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_two_phase_with_replicated_experts_matches_transformers(tiny_checkpoint, arch):
+    """Two emulated nodes, least_loaded replica choice with redundant experts, 2 micro-batches, chunked."""
+    path = tiny_checkpoint(arch)
     prompts = make_prompts(6, 256, 2, 30, seed=6) + [make_prompts(1, 256, 60, 60, seed=8)[0]]
     expected = hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, attention_ranks=2, expert_ranks=2, comm="two_phase", ranks_per_node=2,
