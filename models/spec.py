@@ -253,7 +253,7 @@ def _deepseek_family(cfg, common: dict) -> ModelSpec:
         if method == "group_limited_greedy":
             spec.router, spec.n_group, spec.topk_group = "softmax_group", cfg.n_group, cfg.topk_group
     else:
-        spec.router, spec.n_group, spec.topk_group = "sigmoid_group", cfg.n_group or 1, cfg.topk_group or 1
+        spec.router, spec.n_group, spec.topk_group = "sigmoid_group", _or_one(cfg.n_group), _or_one(cfg.topk_group)
     if arch == "glm4_moe":
         if getattr(cfg, "use_qk_norm", False):
             spec.qk_norm = "per_head"
@@ -264,6 +264,11 @@ def _deepseek_family(cfg, common: dict) -> ModelSpec:
     qk_head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     spec.softmax_scale = _modeling(arch).yarn_apply_mscale(cfg.rope_parameters, qk_head_dim ** -0.5)
     return spec
+
+
+def _or_one(value) -> int:
+    """An unset (None) group count means one group; a set value is kept, so 0 is refused, not rounded up."""
+    return 1 if value is None else int(value)
 
 
 def _gpt_oss(cfg, common: dict) -> ModelSpec:
