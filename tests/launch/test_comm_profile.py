@@ -54,8 +54,9 @@ def test_bad_arguments_name_the_flag(argv, message, capsys):
     assert message in str(e.value) + capsys.readouterr().err
 
 
-def test_measured_profile_under_torchrun(tiny_checkpoint, tmp_path):
-    path = tiny_checkpoint("qwen3_moe")
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])   # DeepSeek-V3: a dense first layer, MLA
+def test_measured_profile_under_torchrun(tiny_checkpoint, tmp_path, arch):
+    path = tiny_checkpoint(arch)
     out = str(tmp_path / "measured")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
            os.path.join(ROOT, "launch", "comm_profile.py"), "--model", path, "--attention-ranks", "2",

@@ -31,6 +31,39 @@ def test_greedy_on_one_attention_two_expert_ranks(tiny_checkpoint, arch):
     assert [o.token_ids for o in outs] == expected
 
 
+def test_deepseek_v2_auto_comm_round_robin_and_preemption(tiny_checkpoint, tmp_path):
+    """comm='auto' over two emulated nodes with round_robin replicas, and a KV pool small enough to preempt."""
+    path = tiny_checkpoint("deepseek_v2")
+    prompts = make_prompts(7, 256, 3, 40, seed=1) + [make_prompts(1, 256, 70, 70, seed=2)[0]]
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=1, expert_ranks=3, comm="auto", ranks_per_node=2, balancer="round_robin",
+             redundant_experts=1, comm_calibration=str(tmp_path / "calib.json"), num_kv_blocks=14,
+             max_num_batched_tokens=48, max_num_seqs=8) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["num_preemptions"] > 0 and stats["num_prefill_chunks"] > 0
+
+
+def test_chat_over_http_on_glm(tiny_checkpoint, tmp_path):
+    """The OpenAI server on a GLM-4.5 checkpoint answers a chat with the greedy text of LLM.generate."""
+    import openai
+
+    from launch.local_server import LocalServer
+    path = tiny_checkpoint("glm4_moe")
+    messages = [{"role": "user", "content": "Hello experts"}]
+    with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
+        tok = llm.tokenizer
+        ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)
+        want = llm.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0].text
+    with LocalServer(path, nproc=3, args=["--attention-ranks", "1"]) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                               max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == want and want
+
+
 def test_mixtral_sliding_window_matches_transformers(tiny_checkpoint):
     """Mixtral's window (every layer) is honoured, no longer refused: prompts run past it."""
     path = tiny_checkpoint("mixtral", sliding_window=6)
