@@ -189,14 +189,15 @@ def test_kv_bytes_per_token_at_real_scale():
     assert glm.kv_bytes_per_token(torch.bfloat16) == 2 * glm.num_kv_heads * glm.head_dim * 2
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe", "gpt_oss"])
-def test_two_phase_with_replicated_experts_matches_transformers(tiny_checkpoint, arch):
-    """Two emulated nodes, least_loaded replica choice with redundant experts, 2 micro-batches, chunked."""
+@pytest.mark.parametrize("arch,balancer", [("deepseek_v3", "least_loaded"), ("glm4_moe", "random"),
+                                           ("gpt_oss", "least_loaded")])
+def test_two_phase_with_replicated_experts_matches_transformers(tiny_checkpoint, arch, balancer):
+    """Two emulated nodes, a replica choice among redundant experts, 2 micro-batches, chunked."""
     path = tiny_checkpoint(arch)
     prompts = make_prompts(6, 256, 2, 30, seed=6) + [make_prompts(1, 256, 60, 60, seed=8)[0]]
     expected = hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, attention_ranks=2, expert_ranks=2, comm="two_phase", ranks_per_node=2,
-             balancer="least_loaded", redundant_experts=2, max_num_batched_tokens=40, micro_batches=2) as llm:
+             balancer=balancer, redundant_experts=2, max_num_batched_tokens=40, micro_batches=2) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         stats = llm.stats()
     assert [o.token_ids for o in outs] == expected
