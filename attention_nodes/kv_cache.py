@@ -5,26 +5,50 @@ from __future__ import annotations
 
 import torch
 
+from .host_tier import SAVE
+
 
 def num_blocks_for(memory_bytes: int, num_layers: int, block_size: int, entry: tuple[int, int, int],
-                   dtype: torch.dtype) -> int:
+                   dtype: torch.dtype, name: str = "kv_cache_memory") -> int:
     """How many blocks fit in memory_bytes; entry: (components, heads, dim) per token and layer."""
     c, heads, dim = entry
     per_block = num_layers * c * block_size * heads * dim * dtype.itemsize
     n = memory_bytes // per_block
     if n < 1:
-        raise ValueError(f"kv_cache_memory={memory_bytes} bytes holds no KV block ({per_block} bytes each); "
+        raise ValueError(f"{name}={memory_bytes} bytes holds no KV block ({per_block} bytes each); "
                          f"give more memory")
     return int(n)
 
 
 class KVCache:
+    """host_blocks > 0 adds the host tier's tensor, the same layout in host memory (pinned on CUDA)."""
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, entry: tuple[int, int, int],
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, host_blocks: int = 0):
         self.block_size = block_size
         self.num_blocks = num_blocks
         c, heads, dim = entry
         self.tensor = torch.zeros(num_layers, c, num_blocks, block_size, heads, dim, dtype=dtype, device=device)
+        self.host = None
+        if host_blocks:
+            self.host = torch.zeros(num_layers, c, host_blocks, block_size, heads, dim, dtype=dtype,
+                                    pin_memory=device.type == "cuda")
+
+    def copy_blocks(self, ops: list[tuple[int, int, int]]) -> None:
+        """Run the host tier's copies in order: (SAVE, device block, host slot) or (LOAD, host slot, device block).
+        Runs of one kind go as one indexed copy (a host slot saved twice in a run keeps the later block)."""
+        i = 0
+        while i < len(ops):
+            j = i
+            while j < len(ops) and ops[j][0] == ops[i][0]:
+                j += 1
+            last = {dst: src for _, src, dst in ops[i:j]}
+            src, dst = torch.tensor(list(last.values())), torch.tensor(list(last))
+            if ops[i][0] == SAVE:
+                self.host[:, :, dst] = self.tensor[:, :, src.to(self.tensor.device)].to("cpu")
+            else:
+                self.tensor[:, :, dst.to(self.tensor.device)] = self.host[:, :, src].to(self.tensor.device)
+            i = j
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:
         """Layer i's caches, each `[num_blocks, block_size, heads, dim]`: (k_cache, v_cache), or (latent,)."""

@@ -1,7 +1,10 @@
 """The frontend leader on attention rank 0.
 
 It takes commands from the front (LLM or HTTP server) through an inbox queue, gives each new
-request to the attention rank with the most free KV blocks, broadcasts the step header, and
+request to the attention rank that caches the longest prefix of it when that rank has room, else to the one
+with the most free KV blocks (cache-aware routing: each rank's report carries the keys of the blocks its
+prefix cache gained and lost since the last step, so the leader mirrors every rank's cache as a set of
+64-bit keys and hashes each new prompt once), broadcasts the step header, and
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
 ("abort", request_id), ("stats",), ("comm_stats"[, events]), ("shutdown",). Outbox messages, one per step at
 most: ("out", [[request_id, [new token ids], finish_reason or None, new
@@ -27,12 +30,13 @@ from comm.control import (
     StepReport,
 )
 
+from .block_pool import chain_hashes
 from .worker import AttentionWorker
 
 
 class Leader:
     def __init__(self, control: ControlPlane, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
-                 hooks: dict | None = None, rebalance_interval: int = 0):
+                 hooks: dict | None = None, rebalance_interval: int = 0, cache_aware: bool = False):
         """hooks: header kind -> what every rank runs for it (REBALANCE, COLLECT_STATS, COLLECT_EVENTS), given by
         the runtime."""
         self.control, self.worker = control, worker
@@ -44,6 +48,9 @@ class Leader:
         self.step_id = 0
         self.pending: deque[dict] = deque()
         self.req2rank: dict[str, int] = {}
+        self.cache_aware = cache_aware
+        self.cached: list[set[int]] = [set() for _ in range(num_attention_ranks)]   # each rank's cached keys
+        self.num_routed_to_cache = 0     # requests sent to a rank that caches a prefix of their prompt
         self.reports = [worker.report() for _ in range(num_attention_ranks)]
         for r, rep in enumerate(self.reports):
             rep.rank = r
@@ -53,16 +60,36 @@ class Leader:
         return bool(self.pending) or any(r.num_running or r.num_waiting for r in self.reports)
 
     def _assign(self) -> dict[str, list[dict]]:
-        """Most free KV blocks first; the estimate is charged for what is assigned this step."""
+        """The rank caching the longest prefix if it has room for the prompt, else the most free KV blocks; the
+        free-block estimate is charged for what is assigned this step."""
         free = [r.num_free_blocks for r in self.reports]
         out: dict[str, list[dict]] = {}
         while self.pending:
             req = self.pending.popleft()
+            need = -(-len(req["prompt"]) // self.block_size)
             rank = max(range(self.num_attention_ranks), key=lambda r: (free[r], -r))
-            free[rank] -= -(-len(req["prompt"]) // self.block_size)
+            if self.cache_aware and self.num_attention_ranks > 1:
+                hit = self._cached_prefix(req["prompt"])
+                best = max(range(self.num_attention_ranks), key=lambda r: (hit[r], free[r], -r))
+                if hit[best] > hit[rank] and free[best] >= need:
+                    rank = best
+                self.num_routed_to_cache += hit[rank] > 0
+            free[rank] -= need
             self.req2rank[req["id"]] = rank
             out.setdefault(str(rank), []).append(req)
         return out
+
+    def _cached_prefix(self, prompt: list[int]) -> list[int]:
+        """Per rank, how many leading full blocks of prompt its prefix cache holds (the last token never counts:
+        it is always computed)."""
+        keys = chain_hashes(prompt, self.block_size, limit=(len(prompt) - 1) // self.block_size)
+        hits = []
+        for cached in self.cached:
+            n = 0
+            while n < len(keys) and keys[n] in cached:
+                n += 1
+            hits.append(n)
+        return hits
 
     def _handle(self, cmd: tuple, aborts: dict[str, list[str]], outbox) -> bool:
         """Apply one inbox command; returns False on shutdown."""
@@ -139,10 +166,20 @@ class Leader:
                 "num_waiting": sum(r.num_waiting for r in self.reports) + len(self.pending),
                 "free_kv_blocks": [r.num_free_blocks for r in self.reports],
                 "kv_blocks": [r.num_blocks for r in self.reports],
+                "prefix_cache_queries": sum(r.prefix_queries for r in self.reports),
+                "prefix_cache_hits": sum(r.prefix_hits for r in self.reports),
+                "prompt_tokens_computed": sum(r.prompt_tokens_computed for r in self.reports),
+                "kv_offload_saved_blocks": sum(r.offload_saved for r in self.reports),
+                "kv_offload_restored_blocks": sum(r.offload_restored for r in self.reports),
+                "num_routed_to_cache": self.num_routed_to_cache,
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token}
 
     def _collect(self, reports: list[StepReport], outbox) -> None:
         self.reports = reports
+        for rep in reports:
+            cached = self.cached[rep.rank]   # within a step, blocks are evicted (schedule) before any is added
+            cached.difference_update(rep.cache_evicted)
+            cached.update(rep.cache_added)
         outputs = [out for rep in reports for out in rep.outputs]
         for rid, _, finish, _ in outputs:
             if finish is not None:

@@ -8,13 +8,17 @@ its blocks are freed and it later recomputes all its tokens as a prefill.
 
 Invariant: `running` is sorted by arrival and every running arrival is below
 every waiting arrival, so the newest running sequence is always `running[-1]`.
+
+Prefix caching (`enable_prefix_caching`): a sequence being admitted starts from the longest run of its full
+blocks already cached, on the device pool and then on the host tier, and computes at least its last token.
+Every full block a step computes is registered, so it can be found again once its sequence is done.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from attention_nodes.block_pool import BlockPool
+from attention_nodes.block_pool import BlockPool, chain_hashes
 from attention_nodes.sequence import Sequence, SequenceStatus
 
 
@@ -62,7 +66,8 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and the running list; allocates KV blocks from `block_pool`."""
 
-    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool = False) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Scheduler {name}={value!r} is invalid: pass an integer >= 1")
@@ -73,6 +78,10 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._live: dict[str, Sequence] = {}  # request_id -> unfinished seq
         self._last_arrival: int | None = None
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_prefix_queries = 0      # tokens of admitted sequences looked up in the prefix cache
+        self.num_prefix_hits = 0         # of those, tokens found cached (device or host) and not computed
+        self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes included)
 
     running = property(lambda self: self._running, doc="RUNNING seqs, oldest arrival first.")
     waiting = property(lambda self: self._waiting, doc="WAITING seqs (deque), next to admit first.")
@@ -138,12 +147,11 @@ class Scheduler:
                and budget > 0):
             seq = self._waiting[0]
             assert seq.num_computed_tokens == 0 and not seq.block_table
-            num_new = min(seq.num_tokens, budget)
-            num_missing = self._num_missing_blocks(seq, num_new)
-            if not pool.can_allocate(num_missing):
+            if not self._admit(seq, budget):
                 break  # FIFO: no skipping ahead of the head
             self._waiting.popleft()
-            seq.block_table.extend(pool.allocate(num_missing))
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.block_table.extend(pool.allocate(self._num_missing_blocks(seq, num_new)))
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
@@ -181,7 +189,11 @@ class Scheduler:
             if (token is None) == sched.needs_sample:
                 raise ValueError(f"sampled token {token!r} for request {seq.request_id!r} does not match "
                                  f"needs_sample={sched.needs_sample}")
+            self.num_prompt_tokens_computed += max(0, min(sched.start + sched.num_new_tokens,
+                                                          seq.num_prompt_tokens) - sched.start)
             seq.num_computed_tokens += sched.num_new_tokens
+            if self.enable_prefix_caching:
+                self._register_full_blocks(seq)
             if token is None:
                 continue
             produced.append((seq, token))
@@ -190,6 +202,54 @@ class Scheduler:
                 del self._live[seq.request_id]
                 self._release(seq)
         return produced
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Start seq from its longest cached prefix if the blocks for its first chunk can be had; False (and
+        nothing changes) if they cannot. Sets block_table to the cached blocks (host ones restored into fresh
+        blocks) and num_computed_tokens past them; the caller allocates the rest of the chunk."""
+        pool, host = self.block_pool, self.block_pool.host
+        device_hits: list[int] = []
+        keys: list[int] = []
+        num_host = 0
+        # Prompt logprobs score every prompt position, so such requests compute theirs (vLLM does the same).
+        lookup = self.enable_prefix_caching and seq.params.prompt_logprobs is None
+        if lookup:
+            keys = chain_hashes(seq.token_ids, pool.block_size, seq.block_keys,
+                                limit=(seq.num_tokens - 1) // pool.block_size)   # the last token is computed
+            device_hits = pool.lookup(keys)
+            if host is not None:
+                num_host = host.match(keys[len(device_hits):])
+        num_cached = (len(device_hits) + num_host) * pool.block_size
+        num_new = min(seq.num_tokens - num_cached, budget)
+        num_missing = pool.blocks_needed(num_cached + num_new) - len(device_hits)
+        if pool.num_free_blocks - pool.num_revived(device_hits) < num_missing:
+            return False
+        pool.take(device_hits)
+        seq.block_table = list(device_hits)
+        if num_host:
+            host_keys = keys[len(device_hits):len(device_hits) + num_host]
+            host.pin(host_keys)   # allocating may save evicted blocks to the host: not over these
+            restored = pool.allocate(num_host)
+            host.restore(host_keys, restored)
+            for b, key in zip(restored, host_keys):
+                pool.register(b, key)
+            seq.block_table += restored
+        seq.num_computed_tokens = num_cached
+        seq.num_registered_blocks = len(seq.block_table)
+        if lookup:
+            self.num_prefix_queries += seq.num_tokens
+            self.num_prefix_hits += num_cached
+        return True
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Make the full blocks computed so far findable by later sequences."""
+        full = seq.num_computed_tokens // self.block_pool.block_size
+        if full <= seq.num_registered_blocks:
+            return
+        keys = chain_hashes(seq.token_ids, self.block_pool.block_size, seq.block_keys, limit=full)
+        for i in range(seq.num_registered_blocks, full):
+            self.block_pool.register(seq.block_table[i], keys[i])
+        seq.num_registered_blocks = full
 
     def _num_missing_blocks(self, seq: Sequence, num_new: int) -> int:
         needed = self.block_pool.blocks_needed(seq.num_computed_tokens + num_new)
@@ -203,11 +263,12 @@ class Scheduler:
         assert all(s.arrival < victim.arrival for s in self._running), "running is not sorted by arrival"
         self._release(victim)
         victim.num_computed_tokens = 0
+        victim.num_registered_blocks = 0
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1
         self._waiting.appendleft(victim)
         return victim
 
     def _release(self, seq: Sequence) -> None:
-        self.block_pool.free(seq.block_table)
+        self.block_pool.free(reversed(seq.block_table))   # the tail is reused first, the shared head kept longest
         seq.block_table = []

@@ -28,6 +28,8 @@ class Sequence:
     prompt_logprobs: with params.prompt_logprobs set, one entry per prompt token computed so far ({token id:
         log-probability} holding the prompt token and the top alternatives; None for the first token).
     num_prompt_logprobs_sent: how many of those entries the worker has reported.
+    block_keys: prefix-cache keys of the full blocks of token_ids computed so far (a cache: tokens only grow).
+    num_registered_blocks: how many leading blocks of block_table are findable in the prefix cache.
     """
 
     request_id: str
@@ -43,6 +45,8 @@ class Sequence:
     generator: torch.Generator | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_prompt_logprobs_sent: int = 0
+    block_keys: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

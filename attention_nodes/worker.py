@@ -50,6 +50,9 @@ class AttentionWorker:
     def step(self, capacity: int) -> StepReport:
         """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages)."""
         out = order_for_batch(self.scheduler.schedule())
+        host = self.block_pool.host
+        if host is not None:
+            self.kv.copy_blocks(host.take_ops())   # saves before this step overwrites, restores before it reads
         assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
         self.moe.dispatcher.set_capacity(capacity)
         batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device, self.model.kernel_backend)
@@ -83,10 +86,13 @@ class AttentionWorker:
         return self.report(outputs)
 
     def report(self, outputs: list[list] | None = None) -> StepReport:
-        s = self.scheduler
-        return StepReport(self.rank, self.block_pool.num_free_blocks, s.num_running, s.num_waiting,
+        s, pool = self.scheduler, self.block_pool
+        added, evicted = pool.take_events()
+        host = pool.host
+        return StepReport(self.rank, pool.num_free_blocks, s.num_running, s.num_waiting,
                           s.max_next_tokens(), self.num_preemptions, self.num_partial_chunks, outputs or [],
-                          self.block_pool.num_blocks)
+                          pool.num_blocks, s.num_prefix_queries, s.num_prefix_hits, s.num_prompt_tokens_computed,
+                          host.num_saved if host else 0, host.num_restored if host else 0, added, evicted)
 
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:

@@ -55,6 +55,13 @@ class StepReport:
     num_prefill_chunks: int = 0         # cumulative: multi-token forward chunks that did not end a prompt
     outputs: list[list] = field(default_factory=list)
     num_blocks: int = 0                 # KV blocks in this rank's pool
+    prefix_queries: int = 0             # cumulative: tokens of admitted requests looked up in the prefix cache
+    prefix_hits: int = 0                # cumulative: of those, tokens found cached (not computed)
+    prompt_tokens_computed: int = 0     # cumulative: prompt positions run through the model
+    offload_saved: int = 0              # cumulative: blocks copied to the host tier
+    offload_restored: int = 0           # cumulative: blocks copied back from it instead of recomputed
+    cache_added: list[int] = field(default_factory=list)    # prefix-cache keys registered since the last report
+    cache_evicted: list[int] = field(default_factory=list)  # and those evicted from the device pool
 
 
 def pack(obj) -> torch.Tensor:

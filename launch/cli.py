@@ -31,6 +31,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per attention rank")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off prefix caching (on by default: cached full blocks of earlier prompts are reused)")
+    p.add_argument("--kv-offload-memory", type=int, default=0,
+                   help="bytes of host memory per attention rank for KV blocks evicted from the prefix cache "
+                        "(0: off)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
@@ -46,6 +51,7 @@ def engine_options(args: argparse.Namespace) -> dict:
     """The LLM(...) options named by the parsed arguments."""
     keys = ("comm", "comm_calibration", "balancer", "redundant_experts", "rebalance_interval", "ranks_per_node",
             "transport", "micro_batches", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-            "kv_cache_memory", "block_size", "dtype", "device", "kernel_backend", "collective_timeout_s",
+            "kv_cache_memory", "block_size", "enable_prefix_caching", "kv_offload_memory",
+            "dtype", "device", "kernel_backend", "collective_timeout_s",
             "heartbeat_s")
     return {k: getattr(args, k) for k in keys}

@@ -56,9 +56,17 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes per attention rank; None: 256 MiB on CPU, 80% of free on CUDA
     num_kv_blocks: int | None = None    # overrides kv_cache_memory (tests use it to force preemption)
+    enable_prefix_caching: bool = True  # reuse cached full blocks of earlier prompts (and route to them)
+    kv_offload_memory: int = 0          # bytes of host memory per attention rank for evicted cached blocks; 0 = off
 
     def __post_init__(self) -> None:
         _int("block_size", self.block_size, 1)
+        _int("kv_offload_memory", self.kv_offload_memory, 0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} is invalid: pass True or False")
+        if self.kv_offload_memory and not self.enable_prefix_caching:
+            raise ValueError(f"kv_offload_memory={self.kv_offload_memory} needs prefix caching, which holds what the "
+                             f"host tier keeps: drop enable_prefix_caching=False or set kv_offload_memory=0")
         if self.kv_cache_memory is not None:
             _int("kv_cache_memory", self.kv_cache_memory, 1)
         if self.num_kv_blocks is not None:

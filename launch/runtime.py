@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from attention_nodes.block_pool import BlockPool
+from attention_nodes.host_tier import HostTier
 from attention_nodes.kv_cache import KVCache, num_blocks_for
 from attention_nodes.leader import Leader, run_attention_step
 from attention_nodes.model import AttentionModel, MoEContext
@@ -97,17 +98,21 @@ class Runtime:
             weights = self.ckpt.read(self.ckpt.attention_tensor_names(), self.dtype, self.device, desc, progress)
             model = AttentionModel(spec, weights, self.device, self.kernel_backend)
             num_blocks = self._num_kv_blocks(spec)
-            kv = KVCache(spec.num_layers, num_blocks, config.cache.block_size, spec.kv_entry, self.dtype,
-                         self.device)
-            sched = Scheduler(BlockPool(num_blocks, config.cache.block_size), config.scheduler.max_num_seqs,
-                              config.scheduler.max_num_batched_tokens)
+            cache = config.cache
+            host_blocks = self._num_host_blocks(spec)
+            kv = KVCache(spec.num_layers, num_blocks, cache.block_size, spec.kv_entry, self.dtype, self.device,
+                         host_blocks)
+            pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
+                             track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
+            sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                              cache.enable_prefix_caching)
             moe = MoEContext(self.dispatcher, make_policy(par.balancer, placement), par.attention_ranks,
                              placement.num_slots, spec.num_experts, self.groups.attention, self.topo.rank)
             self.worker = AttentionWorker(self.topo.rank, model, kv, sched, moe, self.max_model_len, self.device,
                                           par.micro_batches)
             if self.topo.is_leader:
                 self.leader = Leader(self.control, self.worker, par.attention_ranks, config.cache.block_size,
-                                     self.collective_hooks(), par.rebalance_interval)
+                                     self.collective_hooks(), par.rebalance_interval, pool.track_events)
         else:
             slots = ExpertSlots.load(self.ckpt, placement.slot2expert[:, self.topo.expert_index], self.dtype,
                                      self.device, desc, self.kernel_backend, progress)
@@ -147,6 +152,14 @@ class Runtime:
             raise ValueError("transport='shm' needs every rank on one Linux x86-64 host and one node "
                              "(ranks_per_node >= world size); use transport='collective'")
         return possible
+
+    def _num_host_blocks(self, spec) -> int:
+        """Blocks of the host KV tier: kv_offload_memory bytes in the device pool's block layout."""
+        memory = self.config.cache.kv_offload_memory
+        if not memory:
+            return 0
+        return num_blocks_for(memory, spec.num_layers, self.config.cache.block_size, spec.kv_entry, self.dtype,
+                              "kv_offload_memory")
 
     def _num_kv_blocks(self, spec) -> int:
         cache = self.config.cache

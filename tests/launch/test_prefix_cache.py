@@ -1,0 +1,119 @@
+"""Prefix caching, cache-aware routing and the host KV tier, through the whole engine, against transformers."""
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, make_prompts
+
+from launch.llm import LLM, SamplingParams
+
+MAX_NEW = 6
+BS = 4
+PARAMS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def shared_prefix_prompts(prefix_len: int, n: int, seed: int) -> tuple[list[int], list[list[int]]]:
+    prefix = make_prompts(1, 256, prefix_len, prefix_len, seed=seed)[0]
+    tails = make_prompts(n, 256, 3, 9, seed=seed + 1)
+    return prefix, [prefix + t for t in tails]
+
+
+def cached_tokens(prefix_len: int, prompt_len: int) -> int:
+    """What a later prompt can reuse of a cached prefix: whole blocks, never its own last token."""
+    return min(prefix_len // BS, (prompt_len - 1) // BS) * BS
+
+
+def test_hits_are_counted_and_skip_exactly_their_prefill(tiny_checkpoint):
+    """A first request caches a 23-token prefix; 4 prompts sharing it then run chunked (budget 12). The hit
+    counter rises by each one's cached whole blocks, the prompt tokens computed fall by exactly as many, and the
+    tokens are transformers'. Then: an aborted request's blocks serve the next prompt, and a prompt whose every
+    block is cached (16 tokens, 4 blocks) recomputes its last block and still gives transformers' tokens."""
+    path = tiny_checkpoint("qwen3_moe")
+    prefix, prompts = shared_prefix_prompts(23, 5, seed=11)
+    first, rest = prompts[0], prompts[1:]
+    whole = make_prompts(1, 256, 16, 16, seed=3)[0]
+    expected = hf_greedy(path, prompts + [whole], MAX_NEW)
+    with LLM(path, attention_ranks=1, expert_ranks=2, block_size=BS, max_num_batched_tokens=12) as llm:
+        warm = llm.generate([first], PARAMS)
+        before = llm.stats()
+        outs = llm.generate(rest, PARAMS)
+        after = llm.stats()
+        rid = llm.enqueue(whole, SamplingParams(max_tokens=200, ignore_eos=True))
+        while not any(r == rid and toks for r, toks, _, _ in llm.outbox.get(timeout=60)[1]):
+            pass     # its prompt is computed (and its blocks registered) once it has a token
+        llm.inbox.put(("abort", rid))
+        again = [llm.generate([whole], PARAMS)[0].token_ids for _ in range(2)]
+        last = llm.stats()
+    assert [o.token_ids for o in warm + outs] == expected[:5]
+    assert again == [expected[5]] * 2
+    assert before["prefix_cache_hits"] == 0 and before["prefix_cache_queries"] == len(first)
+    hits = after["prefix_cache_hits"]
+    assert hits == sum(cached_tokens(len(prefix), len(p)) for p in rest) > 0
+    assert after["prefix_cache_queries"] - before["prefix_cache_queries"] == sum(len(p) for p in rest)
+    assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == sum(len(p) for p in rest) - hits
+    assert after["num_prefill_chunks"] > 0
+    assert last["prefix_cache_hits"] - hits == 2 * 12           # 3 of the 4 blocks, twice
+    assert last["prompt_tokens_computed"] - after["prompt_tokens_computed"] == 16 + 2 * 4
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_tokens_with_cache_on_and_off_under_preemption(tiny_checkpoint, on):
+    """A 16-block pool that forces preemption and a 12-token budget that chunks: transformers' tokens either way
+    (with caching on, a preempted request also finds its own blocks again)."""
+    path = tiny_checkpoint("qwen3_moe")
+    _, prompts = shared_prefix_prompts(19, 6, seed=21)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=1, expert_ranks=1, block_size=BS, num_kv_blocks=16, max_num_batched_tokens=12,
+             enable_prefix_caching=on) as llm:
+        outs = llm.generate(prompts[:1], PARAMS) + llm.generate(prompts[1:], PARAMS)
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["num_preemptions"] > 0
+    assert (stats["prefix_cache_hits"] > 0) == on
+
+
+def test_repeated_prefix_is_routed_to_the_rank_that_caches_it(tiny_checkpoint):
+    """Two attention ranks. X and Y go to ranks 0 and 1 (most free blocks). Then Y2 and X2, sharing Y's and X's
+    prefixes, arrive in that order: most-free routing would send Y2 to rank 0 and X2 to rank 1, where neither
+    prefix is; cache-aware routing swaps them, so both hit."""
+    path = tiny_checkpoint("qwen3_moe")
+    px, (x, x2) = shared_prefix_prompts(18, 2, seed=31)
+    py, (y, y2) = shared_prefix_prompts(21, 2, seed=41)
+    expected = hf_greedy(path, [x, y, y2, x2], MAX_NEW)
+    with LLM(path, attention_ranks=2, expert_ranks=1, block_size=BS) as llm:
+        outs = llm.generate([x, y], PARAMS) + llm.generate([y2, x2], PARAMS)
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["num_routed_to_cache"] == 2
+    assert stats["prefix_cache_hits"] == cached_tokens(len(px), len(x2)) + cached_tokens(len(py), len(y2)) > 0
+
+
+def test_blocks_evicted_to_the_host_tier_are_restored_not_recomputed(tiny_checkpoint):
+    """A 12-block device pool and a host tier. A's blocks are evicted by a prompt that fills the whole pool, so
+    they live only on the host; A2 (A's prefix plus another tail) then restores them by copy: the restored count
+    equals its cached blocks, the prompt tokens computed fall by as many tokens, and the tokens are
+    transformers'."""
+    path = tiny_checkpoint("qwen3_moe")
+    prefix, (a, a2) = shared_prefix_prompts(22, 2, seed=51)
+    filler = make_prompts(1, 256, 44, 44, seed=52)[0]
+    expected = hf_greedy(path, [a, a2], MAX_NEW)
+    with LLM(path, attention_ranks=1, expert_ranks=1, block_size=BS, num_kv_blocks=12,
+             kv_offload_memory=1 << 20) as llm:
+        out_a = llm.generate([a], PARAMS)[0].token_ids
+        llm.generate([filler], SamplingParams(max_tokens=4, ignore_eos=True))
+        before = llm.stats()
+        out_a2 = llm.generate([a2], PARAMS)[0].token_ids
+        after = llm.stats()
+    assert [out_a, out_a2] == expected
+    hit = cached_tokens(len(prefix), len(a2))
+    assert before["kv_offload_saved_blocks"] >= len(a) // BS and before["kv_offload_restored_blocks"] == 0
+    assert after["kv_offload_restored_blocks"] == hit // BS > 0
+    assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == hit
+    assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == len(a2) - hit
+
+
+def test_host_tier_needs_the_prefix_cache_and_room_for_a_block(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ValueError, match=r"kv_offload_memory=4096 needs prefix caching"):
+        LLM(path, attention_ranks=1, expert_ranks=1, enable_prefix_caching=False, kv_offload_memory=4096)
+    with pytest.raises(RuntimeError, match=r"kv_offload_memory=10 bytes holds no KV block"):
+        LLM(path, attention_ranks=1, expert_ranks=1, kv_offload_memory=10).close()
