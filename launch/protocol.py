@@ -1,10 +1,13 @@
-"""OpenAI-compatible request and response shapes for the HTTP front (launch/api_server.py).
+"""OpenAI-compatible request shapes for the HTTP front (launch/api_server.py), plus vLLM's /tokenize and
+/detokenize.
 
 Requests are pydantic models in strict mode, so a wrong JSON type is a 400 that names the field, and the
 server's OpenAPI schema (which the fuzz test reads) says exactly what is accepted. Fields that OpenAI
 defines but this server does not implement are accepted by the schema and refused with a 400 that names
 them (`unsupported`), so a client learns what to change instead of getting silently different output.
-Extensions that vLLM also takes: top_k, stop_token_ids, ignore_eos.
+Fields nobody here defines (other servers' extensions, newer OpenAI fields) are accepted and ignored, at
+any depth; `ignored_fields` names them so the server can log them, as vLLM does.
+Extensions that vLLM also takes: top_k, stop_token_ids, ignore_eos, stream_options.continuous_usage_stats.
 """
 from __future__ import annotations
 
@@ -30,15 +33,32 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
-    include_usage: bool = False
-
-
-class _Sampling(BaseModel):
-    """Fields shared by completions and chat completions."""
+class _Request(BaseModel):
+    """A request body or a part of one: strict types, unknown fields kept aside (`model_extra`)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        """Dotted paths of the fields sent that no model here defines, nested parts included
+        (e.g. "stream_options.foo", "messages.0.reasoning_content")."""
+        out = list(self.model_extra or {})
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            parts = value if isinstance(value, list) else [value]
+            for i, part in enumerate(parts):
+                if isinstance(part, _Request):
+                    where = f"{name}.{i}." if isinstance(value, list) else f"{name}."
+                    out += [where + f for f in part.ignored_fields()]
+        return out
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM's: every chunk carries the usage so far
+
+
+class _Sampling(_Request):
+    """Fields shared by completions and chat completions."""
 
     model: str
     temperature: Annotated[float, Field(ge=0, le=1e6)] | None = None
@@ -115,14 +135,12 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class TextPart(_Request):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -168,4 +186,40 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        return _conversation(self.messages)
+
+
+def _conversation(messages: list[ChatMessage]) -> list[dict]:
+    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize, vLLM's two shapes in one model: {"prompt"} (its TokenizeCompletionRequest) or
+    {"messages"} (its TokenizeChatRequest, through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None   # None: True for a prompt, False for messages (vLLM's defaults)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        """A 400 unless exactly one of prompt and messages is given, with template options that agree."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "pass exactly one of 'prompt' (a string) and 'messages' (a chat)",
+                           "prompt" if self.prompt is not None else "messages")
+        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
+                                "add_generation_prompt to false", "continue_final_message")
+
+    def conversation(self) -> list[dict]:
+        return _conversation(self.messages)
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's shape): token ids -> {"prompt": text}."""
+
+    model: str | None = None
+    tokens: list[TokenId]

@@ -1,8 +1,10 @@
 """The OpenAI-compatible server (launch/serve.py under torchrun, 1 attention + 2 expert ranks) on loopback:
 the real `openai` client gets what LLM.generate gives; bad requests get OpenAI-style 4xx errors; stop
-strings, stop token ids and seeds work; a client that goes away has its request aborted and its KV blocks
-returned; an idle server outlives its collective timeout; a schema fuzz pass gets no 5xx; 500 requests at
-concurrency 32 all complete in full; SIGTERM stops every rank; a killed rank takes the server down."""
+strings, stop token ids and seeds work; unknown fields are ignored with one warning naming them; continuous
+usage stats count the tokens streamed; the access log has one line per request; /tokenize and /detokenize
+agree with the tokenizer; a client that goes away has its request aborted and its KV blocks returned; an
+idle server outlives its collective timeout; a schema fuzz pass gets no 5xx; 500 requests at concurrency 32
+all complete in full; SIGTERM stops every rank; a killed rank takes the server down."""
 from __future__ import annotations
 
 import asyncio
@@ -192,10 +194,138 @@ def test_bad_chat_requests_get_openai_errors(server):
 
 
 def test_api_key_is_required(server):
-    for key in (None, "wrong"):
-        code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi"}, key=key)
-        assert code == 401 and data["error"]["code"] == "invalid_api_key"
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "hi"}), ("/tokenize", {"prompt": "hi"}),
+                       ("/detokenize", {"tokens": [5]})):
+        for key in (None, "wrong"):
+            code, data = post(server, path, body, key=key)
+            assert code == 401 and data["error"]["code"] == "invalid_api_key", (path, key)
     assert server.health() == 200     # /health and /metrics stay open for probes and scrapers
+
+
+def log_lines(server, start: int, pattern: str, timeout_s: float = 10.0) -> list[str]:
+    """Lines of the server's log after offset `start` that match `pattern`, waiting up to timeout_s for one
+    (the access line of a request is written after its response has gone out)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [line for line in server.log()[start:].splitlines() if re.search(pattern, line)]
+        if lines or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.1)
+
+
+def test_unknown_fields_are_ignored_with_one_warning(server, client):
+    start = len(server.log())
+    ignored = "The following fields were present in the request but ignored"
+    got = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, stream=True,
+                                    stream_options={"include_usage": True, "zz_depth": 1},
+                                    extra_body={"ignore_eos": True, "zz_top": {"a": [1]}, "repetition_penalty": 1.1})
+    assert [c for c in got][-1].usage.completion_tokens == 3
+    chat = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
+        {"role": "user", "content": "Hello", "zz_msg": True}], extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 2
+    lines = log_lines(server, start, ignored)
+    assert len(lines) == 2, lines          # one line per request, naming every ignored field at any depth
+    assert "'repetition_penalty', 'stream_options.zz_depth', 'zz_top'" in lines[0], lines[0]
+    assert "'messages.0.zz_msg'" in lines[1] and "/v1/chat/completions" in lines[1], lines[1]
+    # fields this server knows but does not implement are still refused, named
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 1.0},
+                                                  "zz_other": 1})
+    assert code == 400 and data["error"]["param"] == "logit_bias", data
+
+
+def test_continuous_usage_stats_count_the_tokens_streamed(client, reference):
+    prompt, n = "Hello experts", 12       # its greedy text has whole characters between partial ones
+    want = reference.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+    num_prompt = len(want.prompt_token_ids)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    text, counts = "", []
+    for c in chunks[:-1]:
+        text += c.choices[0].text
+        u = c.usage
+        assert (u.prompt_tokens, u.total_tokens) == (num_prompt, num_prompt + u.completion_tokens), u
+        counts.append(u.completion_tokens)
+        # the text sent so far is the decoded tokens counted so far (until the end, less trailing partial
+        # UTF-8 sequences, which decode as U+FFFD)
+        so_far = reference.decode(want.token_ids[:u.completion_tokens])
+        assert text == (so_far if c.choices[0].finish_reason else so_far.rstrip("\ufffd")), (text, u)
+    assert counts == sorted(counts) and counts[-1] == n and len(counts) >= 3, counts
+    assert text == want.text
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == n     # the include_usage chunk
+    messages = [{"role": "user", "content": "Hello experts"}]
+    num_chat_prompt = len(reference.tokenizer.encode(reference.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False))
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, stream=True,
+        stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    usages = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks]
+    assert usages[0] == (num_chat_prompt, 0) and usages[-1] == (num_chat_prompt, 3), usages
+
+
+def test_access_log_has_status_tokens_latency_and_errors(server, client):
+    prompt = [11, 12, 13, 14, 15, 16, 17]      # 7 prompt tokens, 5 generated
+    start = len(server.log())
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 5
+    pat = r'"POST /v1/completions" 200 prompt_tokens=7 completion_tokens=5 latency_ms=(\d+\.\d)$'
+    assert len(log_lines(server, start, pat)) == 1, server.log()[start:]
+    start = len(server.log())
+    t0 = time.monotonic()
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert len("".join(c.choices[0].text for c in stream)) > 0
+    took_ms = (time.monotonic() - t0) * 1e3
+    lines = log_lines(server, start, pat)
+    assert len(lines) == 1, server.log()[start:]         # written once, when the stream ended
+    assert 0 < float(re.search(pat, lines[0]).group(1)) <= took_ms + 50, (lines, took_ms)
+    start = len(server.log())
+    code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3})
+    assert code == 400
+    lines = log_lines(server, start, r'"POST /v1/completions" 400 prompt_tokens=- completion_tokens=- ')
+    assert len(lines) == 1 and lines[0].endswith(f" error={json.dumps(data['error']['message'])}"), lines
+    code, _ = post(server, "/detokenize", {"tokens": [5]})
+    assert code == 200
+    assert log_lines(server, start, r'"POST /detokenize" 200 prompt_tokens=- completion_tokens=- latency_ms=')
+
+
+def test_tokenize_and_detokenize_agree_with_the_tokenizer(server, model_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = "Hello experts: ünïcödé, 123 and <s> too"
+    for special in (True, False):
+        code, data = post(server, "/tokenize", {"model": MODEL, "prompt": text, "add_special_tokens": special})
+        want = tok.encode(text, add_special_tokens=special)
+        assert code == 200 and data == {"count": len(want), "max_model_len": MAX_LEN, "tokens": want}, data
+    code, data = post(server, "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert data["token_strs"] == tok.convert_ids_to_tokens(tok.encode(text)), data
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello experts"}]
+    for gen in (True, False):
+        code, data = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": gen})
+        want = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False),
+                          add_special_tokens=False)
+        assert code == 200 and data["tokens"] == want and data["count"] == len(want), (gen, data)
+    partial = messages + [{"role": "assistant", "content": "Hel"}]
+    code, data = post(server, "/tokenize", {"messages": partial, "add_generation_prompt": False,
+                                            "continue_final_message": True})
+    want = tok.encode(tok.apply_chat_template(partial, continue_final_message=True, tokenize=False),
+                      add_special_tokens=False)
+    assert code == 200 and data["tokens"] == want, data
+    ids = tok.encode(text) + [tok.eos_token_id]
+    code, data = post(server, "/detokenize", {"model": MODEL, "tokens": ids})
+    assert code == 200 and data == {"prompt": tok.decode(ids, skip_special_tokens=False)}, data
+    for path, body, status, words in [
+        ("/detokenize", {"tokens": [5, 999999]}, 400, "999999"),
+        ("/detokenize", {"tokens": [5, -1]}, 400, "tokens.1"),
+        ("/detokenize", {"model": "gpt-nothing", "tokens": [5]}, 404, "gpt-nothing"),
+        ("/tokenize", {"model": "gpt-nothing", "prompt": "hi"}, 404, "gpt-nothing"),
+        ("/tokenize", {"prompt": "hi", "messages": messages}, 400, "exactly one"),
+        ("/tokenize", {"add_special_tokens": True}, 400, "exactly one"),
+        ("/tokenize", {"messages": messages, "continue_final_message": True}, 400, "add_generation_prompt"),
+    ]:
+        code, data = post(server, path, body)
+        assert code == status and words in data["error"]["message"], (path, body, data)
 
 
 def _kv_used_and_aborted(server) -> tuple[int, int]:

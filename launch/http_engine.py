@@ -1,0 +1,161 @@
+"""The HTTP front's bridge to the engine: `EngineClient` puts commands on an `LLM`'s inbox and routes what comes
+back on its outbox to the asyncio handlers waiting for it.
+
+Threads: the leader loop owns its queues; `EngineClient` runs one router thread that reads the leader's
+outbox and hands each request's tokens to the asyncio handler waiting for them (call_soon_threadsafe), and
+records latency metrics as tokens arrive. Handlers put commands ("add", "abort", "stats", "comm_stats") on
+the leader's inbox.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from attention_nodes.sampling_params import SamplingParams
+
+from .http_metrics import Metrics
+from .protocol import APIError
+
+logger = logging.getLogger("afserve.http")
+
+QUERY_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True, eq=False)
+class _Track:
+    """One engine request as the router sees it."""
+
+    sink: asyncio.Queue
+    arrival: float
+    first: float | None = None
+    last: float | None = None
+    num_tokens: int = 0
+
+
+class EngineClient:
+    """Bridges an LLM's inbox/outbox queues to asyncio handlers."""
+
+    def __init__(self, llm, metrics: Metrics):
+        self.llm = llm
+        self.metrics = metrics
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.dead: str | None = None
+        self._lock = threading.Lock()
+        self._tracks: dict[str, _Track] = {}
+        self._waiters: dict[str, deque] = {"stats": deque(), "comm_stats": deque()}
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._thread = threading.Thread(target=self._route, name="afserve-router", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    # ----- called from asyncio handlers ---------------------------------------------------------------------
+    def submit(self, ids: list[int], params: SamplingParams, sink: asyncio.Queue) -> str:
+        if self.dead:
+            raise engine_down(self.dead)
+        with self._lock:   # registered before the router can see the request's first tokens
+            rid = self.llm.enqueue(ids, params)   # the handler checked ids and params already
+            self._tracks[rid] = _Track(sink, time.monotonic())
+        self.metrics.prompt.inc(len(ids))
+        return rid
+
+    def release(self, rid: str, reason: str) -> None:
+        """The front is done with rid (stop string, client gone, error): abort it in the engine if it runs."""
+        with self._lock:
+            track = self._tracks.pop(rid, None)
+        if track is not None:
+            self.llm.inbox.put(("abort", rid))
+            self._record_finish(track, reason)
+
+    async def query(self, kind: str) -> dict:
+        """("stats",) or ("comm_stats",) through the leader; the answer comes back on the outbox."""
+        if self.dead:
+            raise engine_down(self.dead)
+        fut = self.loop.create_future()
+        with self._lock:
+            self._waiters[kind].append(fut)
+            self.llm.inbox.put((kind,))
+        return await asyncio.wait_for(fut, QUERY_TIMEOUT_S)
+
+    # ----- router thread -----------------------------------------------------------------------------------
+    def _route(self) -> None:
+        while not self._closed.is_set():
+            try:
+                msg = self.llm.outbox.get(timeout=0.2)
+            except queue.Empty:
+                try:
+                    self.llm.check_alive()
+                except RuntimeError as e:
+                    self.fail(str(e))
+                    return
+                continue
+            if msg[0] == "out":
+                self._deliver(msg[1])
+            elif msg[0] in self._waiters:
+                with self._lock:
+                    fut = self._waiters[msg[0]].popleft() if self._waiters[msg[0]] else None
+                if fut is not None:
+                    self.loop.call_soon_threadsafe(_resolve, fut, msg[1])
+
+    def _deliver(self, outputs: list) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for rid, toks, finish, _ in outputs:
+                track = self._tracks.get(rid)
+                if track is None:       # released by the front (its abort is on the way)
+                    continue
+                if toks:
+                    if track.first is None:
+                        track.first = now
+                        self.metrics.ttft.observe(now - track.arrival)
+                    track.last = now
+                    track.num_tokens += len(toks)
+                    self.metrics.generated.inc(len(toks))
+                if finish is not None:
+                    del self._tracks[rid]
+                    self._record_finish(track, finish)
+                self.loop.call_soon_threadsafe(track.sink.put_nowait, (rid, toks, finish))
+
+    def _record_finish(self, track: _Track, reason: str) -> None:
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - track.arrival)
+        if track.num_tokens > 1:
+            self.metrics.tpot.observe((track.last - track.first) / (track.num_tokens - 1))
+        self.metrics.finished.labels(reason).inc()
+
+    def fail(self, why: str) -> None:
+        """Fail every open request and query with a 503 naming why (the engine is gone or stopping)."""
+        logger.warning("failing open requests: %s", why)
+        self.dead = why
+        with self._lock:
+            tracks, self._tracks = list(self._tracks.items()), {}
+            waiters = [f for q in self._waiters.values() for f in q]
+            for q in self._waiters.values():
+                q.clear()
+        for rid, track in tracks:
+            self.loop.call_soon_threadsafe(track.sink.put_nowait, (rid, None, why))
+        for fut in waiters:
+            self.loop.call_soon_threadsafe(_resolve, fut, engine_down(why))
+
+
+def engine_down(why: str) -> APIError:
+    return APIError(503, f"the engine is down: {why}", kind="server_error", code="engine_dead")
+
+
+def _resolve(fut: asyncio.Future, value) -> None:
+    if fut.done():
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)

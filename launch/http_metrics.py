@@ -1,0 +1,90 @@
+"""The HTTP front's Prometheus metrics: series the front records itself (`Metrics`) and the engine-side series
+read through the leader at scrape time (`scrape`)."""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from .http_engine import EngineClient
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    """Prometheus series the front records itself; engine-side series are read at scrape time."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("afserve_time_to_first_token_seconds", "Arrival to first generated token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("afserve_time_per_output_token_seconds",
+                              "Mean time between generated tokens of a finished request (TPOT / ITL)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("afserve_e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY_BUCKETS,
+                             registry=r)
+        self.generated = Counter("afserve_generation_tokens", "Generated tokens", registry=r)
+        self.prompt = Counter("afserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.finished = Counter("afserve_requests_finished", "Finished requests by reason", ["finish_reason"],
+                                registry=r)
+
+
+class _EngineSeries:
+    """The engine-side series of one scrape: queue sizes and KV blocks per attention rank (leader stats), and
+    per-layer dispatch/combine totals per rank plus expert-rank balance (comm stats)."""
+
+    def __init__(self, stats: dict, comm: dict):
+        self.stats, self.comm = stats, comm
+
+    def collect(self):
+        s = self.stats
+        yield GaugeMetricFamily("afserve_requests_running", "Requests in the running batch", value=s["num_running"])
+        yield GaugeMetricFamily("afserve_requests_waiting", "Requests waiting for admission",
+                                value=s["num_waiting"])
+        total = GaugeMetricFamily("afserve_kv_blocks_total", "KV blocks in the pool", labels=["rank"])
+        used = GaugeMetricFamily("afserve_kv_blocks_used", "KV blocks in use", labels=["rank"])
+        ratio = GaugeMetricFamily("afserve_kv_cache_usage_ratio", "Share of KV blocks in use", labels=["rank"])
+        for r, (free, n) in enumerate(zip(s["free_kv_blocks"], s["kv_blocks"])):
+            total.add_metric([str(r)], n)
+            used.add_metric([str(r)], n - free)
+            ratio.add_metric([str(r)], (n - free) / n if n else 0.0)
+        yield from (total, used, ratio)
+        yield CounterMetricFamily("afserve_engine_steps", "Engine steps", value=s["steps"])
+        yield CounterMetricFamily("afserve_preemptions", "Preempted requests", value=s["num_preemptions"])
+        secs = CounterMetricFamily("afserve_layer_comm_seconds", "Wall time in dispatch/combine per layer",
+                                   labels=["rank", "role", "layer", "phase"])
+        sent = CounterMetricFamily("afserve_layer_comm_bytes_sent", "Bytes sent in dispatch/combine per layer",
+                                   labels=["rank", "role", "layer", "phase"])
+        calls = CounterMetricFamily("afserve_layer_comm_calls", "Dispatch/combine calls per layer",
+                                    labels=["rank", "role", "layer", "phase"])
+        for rank, r in self.comm.get("ranks", {}).items():
+            for layer, phases in r["layers"].items():
+                for phase, v in phases.items():
+                    labels = [rank, r["role"], layer, phase]
+                    secs.add_metric(labels, v["time_s"])
+                    sent.add_metric(labels, v["bytes_sent"])
+                    calls.add_metric(labels, v["calls"])
+        yield from (secs, sent, calls)
+        balance = GaugeMetricFamily("afserve_expert_load_max_mean",
+                                    "Max over mean expert-rank load per layer (recent steps)", labels=["layer"])
+        for layer, v in self.comm.get("expert_load", {}).get("layers", {}).items():
+            balance.add_metric([layer], v["max_mean"])
+        yield balance
+
+
+async def scrape(metrics: Metrics, engine: EngineClient | None, lock: asyncio.Lock) -> str:
+    """The Prometheus text of one scrape; `lock` keeps to one stats collective at a time."""
+    text = generate_latest(metrics.registry).decode()
+    if engine is None or engine.dead:
+        return text
+    async with lock:
+        stats = await engine.query("stats")
+        comm = await engine.query("comm_stats")
+    reg = CollectorRegistry()
+    reg.register(_EngineSeries(stats, comm))
+    return text + generate_latest(reg).decode()

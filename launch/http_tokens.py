@@ -1,0 +1,62 @@
+"""Text <-> token ids for the HTTP front: prompts and chats as the completions endpoints see them, and vLLM's
+/tokenize and /detokenize, which show a client exactly those ids."""
+from __future__ import annotations
+
+from .protocol import APIError, DetokenizeRequest, TokenizeRequest
+
+
+def prompt_ids(llm, prompt, param: str) -> list[int]:
+    """A completion prompt (string or ids) -> checked ids; a 400 naming `param` when it is bad."""
+    try:
+        return llm.prompt_ids(prompt)
+    except ValueError as e:
+        raise APIError(400, str(e), param) from e
+
+
+def chat_ids(tok, body, model_name: str, continue_final: bool = False, add_special_tokens: bool = False
+             ) -> list[int]:
+    """body's messages through the tokenizer's chat template -> ids (a 400 when the model has no template or
+    the template rejects them). `body` has conversation() and add_generation_prompt; `continue_final` leaves
+    the last message open (no end-of-turn), for the model to continue."""
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, f"model {model_name!r} has no tokenizer chat template; use /v1/completions")
+    options = {"continue_final_message": True} if continue_final else {}
+    try:
+        text = tok.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt,
+                                       tokenize=False, **options)
+    except Exception as e:   # a template may reject a conversation (roles, order): the client's to fix
+        raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from e
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+def tokenize(llm, body: TokenizeRequest, model_name: str) -> dict:
+    """vLLM's TokenizeResponse: {"count", "max_model_len", "tokens"} (+ "token_strs" when asked)."""
+    body.check()
+    tok = llm.tokenizer
+    if tok is None:
+        raise APIError(400, f"model {model_name!r} has no tokenizer; /tokenize needs one")
+    if body.messages is not None:
+        special = bool(body.add_special_tokens)
+        ids = chat_ids(tok, body, model_name, body.continue_final_message, add_special_tokens=special)
+    else:
+        special = body.add_special_tokens is not False
+        ids = tok.encode(body.prompt, add_special_tokens=special)
+    out = {"count": len(ids), "max_model_len": llm.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = tok.convert_ids_to_tokens(ids)
+    return out
+
+
+def detokenize(llm, body: DetokenizeRequest, model_name: str) -> dict:
+    """vLLM's DetokenizeResponse: {"prompt"}, special tokens included (what /tokenize counted)."""
+    if llm.tokenizer is None:
+        raise APIError(400, f"model {model_name!r} has no tokenizer; /detokenize needs one")
+    vocab = llm.spec.vocab_size
+    bad = [(i, t) for i, t in enumerate(body.tokens) if t >= vocab]
+    if bad:
+        i, t = bad[0]
+        raise APIError(400, f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab})", "tokens")
+    try:
+        return {"prompt": llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    except (IndexError, KeyError, ValueError, OverflowError) as e:   # ids past the tokenizer's own table
+        raise APIError(400, f"the tokenizer cannot decode these tokens: {type(e).__name__}: {e}", "tokens") from e
