@@ -8,7 +8,7 @@ prefix cache gained and lost since the last step, so the leader mirrors every ra
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
 ("abort", request_id), ("stats",), ("comm_stats"[, events]), ("shutdown",). Outbox messages, one per step at
 most: ("out", [[request_id, [new token ids], finish_reason or None, new
-prompt logprobs or None], ...]), ("stats", dict) and
+prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
 ("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
 every rank joins between steps.
 """
@@ -101,7 +101,7 @@ class Leader:
             before = len(self.pending)
             self.pending = deque(r for r in self.pending if r["id"] != rid)
             if len(self.pending) != before:
-                outbox.put(("out", [[rid, [], "abort", None]]))
+                outbox.put(("out", [[rid, [], "abort", None, None]]))
             elif rid in self.req2rank:
                 aborts.setdefault(str(self.req2rank[rid]), []).append(rid)
         elif kind == "stats":
@@ -181,7 +181,7 @@ class Leader:
             cached.difference_update(rep.cache_evicted)
             cached.update(rep.cache_added)
         outputs = [out for rep in reports for out in rep.outputs]
-        for rid, _, finish, _ in outputs:
+        for rid, _, finish, *_ in outputs:
             if finish is not None:
                 self.req2rank.pop(rid, None)
         if outputs:

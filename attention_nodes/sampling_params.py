@@ -16,6 +16,18 @@ class SamplingParams:
     ignore_eos keeps generating past EOS until max_tokens.
     prompt_logprobs: None (off) or k >= 0: return each prompt token's log-probability given the tokens before
         it, plus the k most likely tokens at that position (vLLM's meaning). The first prompt token has none.
+    logprobs: None (off) or k >= 0: each generated token's log-probability plus the k most likely tokens at its
+        position. Log-probabilities are the model's own (log-softmax of the logits before penalties, bias and
+        temperature), as vLLM returns by default.
+    max_tokens may be 0 only with prompt_logprobs: the prompt is scored and nothing is generated ("length").
+    min_tokens: EOS and stop_token_ids cannot end generation before this many tokens (their logits are -inf).
+    logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI's meaning).
+    repetition_penalty (> 0, 1 = off): a token already in the prompt or the output has a positive logit divided
+        by it and a negative one multiplied (HF's and vLLM's meaning).
+    frequency_penalty, presence_penalty (in [-2, 2]): subtracted from a token's logit per time it was generated
+        and once if it was (OpenAI's meaning; generated tokens only).
+    Order, as vLLM's sampler: min_tokens, logit_bias, repetition, frequency and presence penalties, temperature,
+    top-k, top-p.
     """
 
     max_tokens: int = 16
@@ -26,13 +38,26 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     prompt_logprobs: int | None = None
+    logprobs: int | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         def bad(name: str, value, want: str) -> ValueError:
             return ValueError(f"SamplingParams.{name}={value!r} is invalid: {want}")
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", self.max_tokens, "pass an integer >= 1")
+        def number(name: str, lo: float, hi: float, want: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= float(v) <= hi:
+                raise bad(name, v, want)
+            return float(v)
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 0 \
+                or self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise bad("max_tokens", self.max_tokens, "pass an integer >= 1 (0 only with prompt_logprobs set)")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
                 or not (0.0 <= float(self.temperature) < float("inf")):
             raise bad("temperature", self.temperature, "pass a finite number >= 0 (0 = greedy)")
@@ -52,6 +77,26 @@ class SamplingParams:
                 self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise bad("prompt_logprobs", self.prompt_logprobs,
                       f"pass None (off) or an integer in [0, {MAX_LOGPROBS}] (top alternatives per prompt token)")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs,
+                      f"pass None (off) or an integer in [0, {MAX_LOGPROBS}] (top alternatives per generated token)")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "pass an integer >= 0")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", self.logit_bias, "pass a dict {token id: bias}")
+            for t, b in self.logit_bias.items():
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise bad("logit_bias", self.logit_bias, f"key {t!r} is not a token id (an integer >= 0)")
+                if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise bad("logit_bias", self.logit_bias, f"the bias of token {t} is {b!r}: pass a number in "
+                                                             f"[-100, 100]")
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        self.repetition_penalty = number("repetition_penalty", 1e-6, 1e6,
+                                         "pass a number in (0, 1e6] (1 = off)")
+        self.frequency_penalty = number("frequency_penalty", -2, 2, "pass a number in [-2, 2]")
+        self.presence_penalty = number("presence_penalty", -2, 2, "pass a number in [-2, 2]")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.stop_token_ids = list(self.stop_token_ids)
@@ -59,6 +104,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """True if anything but temperature, top-k and top-p changes this request's logits."""
+        return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1.0
+                    or self.frequency_penalty or self.presence_penalty)
 
     def to_dict(self) -> dict:
         """Plain dict for the msgpack control plane."""

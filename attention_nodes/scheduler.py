@@ -175,7 +175,8 @@ class Scheduler:
                max_model_len: int) -> list[tuple[Sequence, int | None]]:
         """Record a finished step. `sampled[i]` is the token for `out.scheduled[i]`, None if not needs_sample.
 
-        Returns (seq, token) for each sequence that produced a token, in schedule order.
+        Returns (seq, token) for each sequence that produced a token, in schedule order (token None: a
+        max_tokens=0 request that finished once its prompt was scored).
         Finished sequences leave `running` and give their blocks back.
         """
         if len(sampled) != len(out.scheduled):
@@ -196,8 +197,13 @@ class Scheduler:
                 self._register_full_blocks(seq)
             if token is None:
                 continue
-            produced.append((seq, token))
-            if seq.append_token(token, eos_token_ids, max_model_len) is not None:
+            if seq.params.max_tokens == 0:        # scored its prompt; generates nothing
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
+                produced.append((seq, None))
+            else:
+                produced.append((seq, token))
+                seq.append_token(token, eos_token_ids, max_model_len)
+            if seq.is_finished:
                 self._running.remove(seq)
                 del self._live[seq.request_id]
                 self._release(seq)

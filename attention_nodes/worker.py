@@ -9,6 +9,7 @@ from comm.control import StepReport
 from .batch import ForwardBatch, order_for_batch, split_micro_batches
 from .block_pool import BlockPool
 from .kv_cache import KVCache
+from .logits_process import shape_logits, token_logprobs
 from .model import AttentionModel, MoEContext
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -45,7 +46,7 @@ class AttentionWorker:
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             if self.scheduler.abort(rid) is not None:
-                self._aborted.append([rid, [], "abort", None])
+                self._aborted.append([rid, [], "abort", None, None])
 
     def step(self, capacity: int) -> StepReport:
         """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages)."""
@@ -72,16 +73,27 @@ class AttentionWorker:
         if scored:
             score_prompt_tokens(logits, scored)
             logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
-        tokens = iter(self.sampler.sample(logits, [s.seq.params for s in to_sample],
-                                          [s.seq.generator for s in to_sample]) if to_sample else [])
-        sampled = [next(tokens) if s.needs_sample else None for s in out.scheduled]
+        seqs = [s.seq for s in to_sample]
+        tokens = self.sampler.sample(shape_logits(logits.float(), seqs, self.eos), [q.params for q in seqs],
+                                     [q.generator for q in seqs]) if seqs else []
+        token_lps = {}     # id(seq) -> the logprobs entry of its sampled token
+        wants = [i for i, q in enumerate(seqs) if q.params.logprobs is not None]
+        if wants:
+            rows = torch.tensor(wants, dtype=torch.int64, device=logits.device)
+            entries = token_logprobs(logits[rows], [tokens[i] for i in wants], [seqs[i].params.logprobs for i in wants])
+            token_lps = {id(seqs[i]): e for i, e in zip(wants, entries)}
+        it = iter(tokens)
+        sampled = [next(it) if s.needs_sample else None for s in out.scheduled]
         self.num_partial_chunks += sum(not s.needs_sample for s in out.scheduled)
         self.num_preemptions += len(out.preempted)
         produced = self.scheduler.update(out, sampled, self.eos, self.max_model_len)
         outputs, self._aborted = self._aborted, []
-        outputs += [[seq.request_id, [tok], seq.finish_reason, _new_prompt_logprobs(seq)] for seq, tok in produced]
+        for seq, tok in produced:     # tok None: a max_tokens=0 request, done once its prompt is scored
+            lp = token_lps.get(id(seq)) if tok is not None else None
+            outputs.append([seq.request_id, [] if tok is None else [tok], seq.finish_reason,
+                            _new_prompt_logprobs(seq), None if lp is None else [lp]])
         reported = {id(seq) for seq, _ in produced}
-        outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq)] for seq, _, _ in scored
+        outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq), None] for seq, _, _ in scored
                     if id(seq) not in reported]
         return self.report(outputs)
 
@@ -99,21 +111,11 @@ def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range
     """Append prompt logprobs to each sequence: for position p, log-softmax of row (row0 + p - positions.start)
     at prompt token p + 1, plus the sequence's top-k tokens there. One host copy for all of them."""
     rows = torch.cat([torch.arange(r0, r0 + len(pos)) for _, pos, r0 in scored]).to(logits.device)
-    logp = torch.log_softmax(logits[rows].float(), dim=-1)
-    targets = torch.tensor([t for seq, pos, _ in scored for t in seq.token_ids[pos.start + 1:pos.stop + 1]],
-                           dtype=torch.int64, device=logits.device)
-    chosen = logp.gather(1, targets[:, None])[:, 0].tolist()
-    k = max(seq.params.prompt_logprobs for seq, _, _ in scored)
-    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    i = 0
+    targets = [t for seq, pos, _ in scored for t in seq.token_ids[pos.start + 1:pos.stop + 1]]
+    ks = [seq.params.prompt_logprobs for seq, pos, _ in scored for _ in pos]
+    entries = iter(token_logprobs(logits[rows], targets, ks))
     for seq, pos, _ in scored:
-        k_seq = seq.params.prompt_logprobs
-        for p in pos:
-            entry = dict(zip(top_ids[i][:k_seq], top_lp[i][:k_seq]))
-            entry[seq.token_ids[p + 1]] = chosen[i]
-            seq.prompt_logprobs.append(entry)
-            i += 1
+        seq.prompt_logprobs.extend(next(entries) for _ in pos)
 
 
 def _new_prompt_logprobs(seq: Sequence) -> list | None:

@@ -20,7 +20,8 @@ class RequestOutput:
     """One prompt's result. token_ids: the generated ids only; text: decoded (None without a tokenizer);
     finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context limit) or "abort".
     prompt_logprobs: with SamplingParams.prompt_logprobs set, one entry per prompt token: None for the first,
-    then {token id: log-probability} holding the prompt token and the top alternatives asked for."""
+    then {token id: log-probability} holding the prompt token and the top alternatives asked for.
+    logprobs: with SamplingParams.logprobs set, one such dict per generated token."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -28,6 +29,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str | None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 def _load_tokenizer(path: str):
@@ -139,7 +141,7 @@ class LLM:
     def submit(self, prompt, params: SamplingParams) -> str:
         """Validate one request and queue it for the leader; returns its request id. Progress arrives on
         `outbox` as ("out", [[request_id, [new token ids], finish_reason or None,
-        new prompt logprobs or None], ...])."""
+        new prompt logprobs or None, new token logprobs or None], ...])."""
         ids = self.prompt_ids(prompt)
         self.check_fits(ids, params)
         return self.enqueue(ids, params)
@@ -158,7 +160,7 @@ class LLM:
     @property
     def outbox(self):
         """Progress from the leader: ("out", [[request_id, [new token ids], finish_reason or None,
-        new prompt logprobs or None], ...])."""
+        new prompt logprobs or None, new token logprobs or None], ...])."""
         return self._outbox
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -188,20 +190,23 @@ class LLM:
             self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         tokens = {rid: [] for rid in rids}
         prompt_logprobs = {rid: [] if p.prompt_logprobs is not None else None for rid, p in zip(rids, params)}
+        logprobs = {rid: [] if p.logprobs is not None else None for rid, p in zip(rids, params)}
         finish: dict[str, str] = {}
         while len(finish) < len(rids):
             msg = self._poll(self._outbox, None, "generate")
             if msg[0] != "out":
                 continue
-            for rid, toks, reason, new_logprobs in msg[1]:
+            for rid, toks, reason, new_prompt_logprobs, new_logprobs in msg[1]:
                 if rid in tokens:
                     tokens[rid].extend(toks)
+                    if new_prompt_logprobs:
+                        prompt_logprobs[rid].extend(new_prompt_logprobs)
                     if new_logprobs:
-                        prompt_logprobs[rid].extend(new_logprobs)
+                        logprobs[rid].extend(new_logprobs)
                     if reason is not None:
                         finish[rid] = reason
-        return [RequestOutput(rid, i, tokens[rid], self.decode(tokens[rid]), finish[rid], prompt_logprobs[rid])
-                for rid, i in zip(rids, ids)]
+        return [RequestOutput(rid, i, tokens[rid], self.decode(tokens[rid]), finish[rid], prompt_logprobs[rid],
+                              logprobs[rid]) for rid, i in zip(rids, ids)]
 
     def stats(self) -> dict:
         """Engine counters from the leader: steps, preemptions, prefill chunks, queue sizes, free KV blocks."""

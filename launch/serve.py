@@ -66,7 +66,7 @@ def _write_outputs(llm: LLM, state: dict) -> None:
         msg = llm.outbox.get()
         if msg[0] != "out":
             continue
-        for rid, toks, finish, _ in msg[1]:
+        for rid, toks, finish, *_ in msg[1]:
             with state["lock"]:
                 acc = state["open"][rid]
                 acc.extend(toks)

@@ -38,7 +38,7 @@ def test_hits_are_counted_and_skip_exactly_their_prefill(tiny_checkpoint):
         outs = llm.generate(rest, PARAMS)
         after = llm.stats()
         rid = llm.enqueue(whole, SamplingParams(max_tokens=200, ignore_eos=True))
-        while not any(r == rid and toks for r, toks, _, _ in llm.outbox.get(timeout=60)[1]):
+        while not any(r == rid and toks for r, toks, *_ in llm.outbox.get(timeout=60)[1]):
             pass     # its prompt is computed (and its blocks registered) once it has a token
         llm.inbox.put(("abort", rid))
         again = [llm.generate([whole], PARAMS)[0].token_ids for _ in range(2)]

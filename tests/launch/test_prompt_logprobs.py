@@ -53,3 +53,44 @@ def test_prompt_logprobs_match_transformers(tiny_checkpoint, attention_ranks, ex
 def test_prompt_logprobs_rejects_bad_values(bad):
     with pytest.raises(ValueError, match=rf"prompt_logprobs={bad!r}.*\[0, 20\]"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_generated_logprobs_prompt_scoring_and_logit_shaping_match_transformers(tiny_checkpoint):
+    """One engine (1+2 ranks): (a) each generated token's logprob and top-3 equal transformers' log-softmax over the
+    prompt plus the tokens before it; (b) max_tokens=0 with prompt_logprobs scores the prompt and generates
+    nothing; (c) greedy with repetition_penalty=1.3 equals transformers' generate with it, and (d) a -100
+    logit_bias on greedy's first choice equals transformers' with the same sequence_bias (each changes the
+    tokens: the test fails if the engine ignores it)."""
+    path = tiny_checkpoint("qwen3_moe")
+    a, b, c = make_prompts(3, 256, 8, 20, seed=26)
+    free = hf_greedy(path, [c], MAX_NEW)[0]
+    banned = free[0]
+    with LLM(path, attention_ranks=1, expert_ranks=2) as llm:
+        scored, none, penalized, biased = llm.generate([a, b, c, c], [
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=3),
+            SamplingParams(max_tokens=0, prompt_logprobs=2),
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3),
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logit_bias={banned: -100})])
+    # (a)
+    assert scored.token_ids == hf_greedy(path, [a], MAX_NEW)[0] and len(scored.logprobs) == MAX_NEW
+    want = _hf_prompt_logprobs(path, a + scored.token_ids)
+    for i, (tok, entry) in enumerate(zip(scored.token_ids, scored.logprobs)):
+        row = want[len(a) - 1 + i]
+        assert entry[tok] == pytest.approx(row[tok].item(), abs=1e-4)
+        assert set(entry) == set(row.topk(3).indices.tolist()) | {tok}
+    # (b)
+    assert none.token_ids == [] and none.finish_reason == "length" and none.logprobs is None
+    assert len(none.prompt_logprobs) == len(b) and none.prompt_logprobs[0] is None
+    want_b = _hf_prompt_logprobs(path, b)
+    assert all(e[b[p + 1]] == pytest.approx(want_b[p, b[p + 1]].item(), abs=1e-4)
+               for p, e in enumerate(none.prompt_logprobs[1:]))
+    # (c), (d)
+    model = hf_model(path)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        def ref(**kw):
+            return model.generate(torch.tensor([c]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+                                  **kw)[0, len(c):].tolist()
+        want_pen, want_bias = ref(repetition_penalty=1.3), ref(sequence_bias={(banned,): -100.0})
+    assert penalized.token_ids == want_pen != free
+    assert biased.token_ids == want_bias != free and banned not in want_bias
