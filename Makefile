@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-comm clean
+.PHONY: demo test bench bench-comm eval clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,9 +32,22 @@ bench: $(VENV)/.bench
 	$(PY) bench/serve_load.py
 	$(PY) bench/kernels.py
 
+# Real clients no one here wrote: lm-eval (its hf backend against its local-completions backend on our server)
+# and guidellm (a bounded load run). They pull about 1 GB, so they get their own venv, outside `make test`.
+EVAL_VENV := .venv-eval
+$(EVAL_VENV)/.installed:
+	test -x $(EVAL_VENV)/bin/python || python3 -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/pip install -q torch==2.13.0
+	$(EVAL_VENV)/bin/pip install -q "lm_eval[api,hf]==0.4.13" "guidellm==0.8.1"
+	touch $@
+
+eval: $(STAMP) $(EVAL_VENV)/.installed
+	$(PY) bench/lm_eval_compare.py --eval-venv $(EVAL_VENV)
+	$(PY) bench/guidellm_load.py --eval-venv $(EVAL_VENV)
+
 # needs root: network namespaces, a veth pair and tc (see the README's comm modes section)
 bench-comm: $(VENV)/.bench
 	$(PY) bench/comm_emulated.py
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(EVAL_VENV)

@@ -1,12 +1,18 @@
 """Online serving: TTFT and TPOT (p50, p99) and output throughput of the OpenAI-compatible server at
 concurrency 1, 8, 32 and 64, against HF `generate` on the same requests in the same run.
 
-The server is launch/serve.py under torchrun (1 attention + 2 expert ranks) on loopback, serving the tiny
-random Qwen3-MoE of bench/throughput.py. Clients: the `openai` async client, streaming, greedy, ignore_eos,
-token-id prompts of 16-256 tokens, outputs of 8-128 tokens (long-tailed). At concurrency c, max(16, 4c)
-requests; each level runs --repeats times after a warm-up and the median run (by throughput) is printed.
+The server is launch/serve.py under torchrun (1 attention + 2 expert ranks) on loopback, serving the shipped
+Shakespeare MoE (or --model), with the workload of bench/throughput.py. Clients: the `openai` async client,
+streaming, greedy, ignore_eos, token-id prompts of 16-256 tokens, outputs of 8-128 tokens (long-tailed). At
+concurrency c, max(16, 4c) requests; each level runs --repeats times after a warm-up and the median run (by
+throughput) is printed.
 TTFT: request sent -> first streamed chunk. TPOT: (last chunk - first chunk) / (tokens - 1), per request.
 The peer: HF generate in static batches of 64 on the c=64 request set (useful tokens per second).
+
+Shared system prompt (`--only shared-prefix` runs just this part): 64 chat-like requests that start with the
+same 512-token system prompt and add 16-64 tokens of their own, 16 output tokens each, at concurrency 8, sent
+to two servers in one run: prefix caching on (the default) and off (--no-prefix-caching). Printed: TTFT p50/p99
+of each and the ratio, plus the server's prefix-cache hit counter.
 """
 from __future__ import annotations
 
@@ -15,7 +21,6 @@ import asyncio
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,15 +28,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import torch
 
-from bench.throughput import MODEL, run_hf, workload
+from bench.throughput import run_hf, workload
 from launch.local_server import LocalServer
-from models.tiny import make_tiny_checkpoint
+from models import SHIPPED_MODEL
 
 LEVELS = (1, 8, 32, 64)
 
 
-def requests(n: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    return workload(n, seed, max_output=128)
+def requests(n: int, seed: int, model: str) -> tuple[list[list[int]], list[int]]:
+    return workload(n, seed, max_output=128, model=model)
 
 
 async def run_level(url: str, concurrency: int, prompts, olens) -> dict:
@@ -73,43 +78,93 @@ async def run_level(url: str, concurrency: int, prompts, olens) -> dict:
             "tpot_p99": pct(tpot, 99), "tok_s": sum(tokens) / wall, "requests": len(prompts)}
 
 
+def shared_prefix_requests(n: int, system_len: int, seed: int, model: str) -> tuple[list[list[int]], list[int]]:
+    """n prompts: one system prompt of system_len tokens, then 16-64 tokens of each request's own."""
+    texts, _ = workload(n + 4, seed, model=model)
+    system = [t for p in texts[:4] for t in p][:system_len]
+    assert len(system) == system_len, "the held-out text gave too few tokens for the system prompt"
+    g = torch.Generator().manual_seed(seed)
+    own = torch.randint(16, 65, (n,), generator=g).tolist()
+    return [system + p[:k] for p, k in zip(texts[4:], own)], [16] * n
+
+
+def prefix_cache_hits(url: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=60).read().decode()
+    lines = [ln for ln in text.splitlines() if ln.startswith("afserve_prefix_cache_hits_total")]
+    return float(lines[0].split()[-1]) if lines else float("nan")
+
+
+def run_shared_prefix(path: str, repeats: int) -> None:
+    prompts, olens = shared_prefix_requests(64, 512, seed=7, model=path)
+    print(f"\nShared system prompt: {len(prompts)} requests, a 512-token system prompt + 16-64 own tokens, "
+          f"16 output tokens, concurrency 8; median of {repeats} runs after a warm-up")
+    print("| prefix caching | TTFT p50 ms | TTFT p99 ms | output tok/s | cache hits (tokens) |")
+    print("|---|---|---|---|---|")
+    results = {}
+    for on in (True, False):
+        extra = [] if on else ["--no-prefix-caching"]
+        with LocalServer(path, nproc=3, args=["--attention-ranks", "1", "--served-model-name", "bench",
+                                              "--max-num-seqs", "64", *extra]) as srv:
+            asyncio.run(run_level(srv.url, 8, prompts[:8], olens[:8]))       # warm-up (also caches the prefix)
+            runs = sorted((asyncio.run(run_level(srv.url, 8, prompts, olens)) for _ in range(repeats)),
+                          key=lambda r: r["ttft_p50"])
+            r = runs[len(runs) // 2]
+            hits = prefix_cache_hits(srv.url)
+        results[on] = r
+        print(f"| {'on' if on else 'off'} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['tok_s']:.0f} | "
+              f"{hits:.0f} |", flush=True)
+    on, off = results[True], results[False]
+    print(f"TTFT with caching on vs off: p50 {off['ttft_p50'] / on['ttft_p50']:.2f}x lower, "
+          f"p99 {off['ttft_p99'] / on['ttft_p99']:.2f}x lower")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
+    ap.add_argument("--only", choices=["levels", "shared-prefix"], default=None,
+                    help="run one part (default: the concurrency levels, then the shared system prompt)")
+    ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "bench")
-        make_tiny_checkpoint("qwen3_moe", path, **MODEL)
-        torch.set_num_threads(os.cpu_count() or 1)
-        from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        hp, ho = requests(max(16, 4 * max(args.levels)), seed=64)
-        run_hf(hf, hp[:16], ho[:16])                       # warm-up
-        hf_runs = []
-        for _ in range(args.repeats):
-            dt, n = run_hf(hf, hp, ho)
-            hf_runs.append(n / dt)
-        hf_tok_s = statistics.median(hf_runs)
-        del hf
-        print(f"HF generate (batches of 64) on the c={max(args.levels)} requests: {hf_tok_s:.0f} tok/s "
-              f"(median of {args.repeats}: {', '.join(f'{x:.0f}' for x in hf_runs)})")
-        with LocalServer(path, nproc=3, args=["--attention-ranks", "1", "--served-model-name", "bench",
-                                              "--max-num-seqs", "64"]) as srv:
-            warm_p, warm_o = requests(8, seed=1)
-            asyncio.run(run_level(srv.url, 8, warm_p, warm_o))
-            print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s "
-                  "(median) | vs HF generate |")
-            print("|---|---|---|---|---|---|---|---|")
-            for c in args.levels:
-                prompts, olens = requests(max(16, 4 * c), seed=c)
-                runs = sorted((asyncio.run(run_level(srv.url, c, prompts, olens)) for _ in range(args.repeats)),
-                              key=lambda r: r["tok_s"])
-                r = runs[len(runs) // 2]
-                spread = ", ".join(f"{x['tok_s']:.0f}" for x in runs)
-                print(f"| {c} | {r['requests']} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['tpot_p50']:.2f} | "
-                      f"{r['tpot_p99']:.2f} | {r['tok_s']:.0f} ({spread}) | "
-                      f"{r['tok_s'] / hf_tok_s:.2f}x |", flush=True)
+    path = args.model
+    if args.only != "levels":
+        run_shared_prefix(path, args.repeats)
+    if args.only != "shared-prefix":
+        run_levels(path, args)
+
+
+def run_levels(path: str, args) -> None:
+    torch.set_num_threads(os.cpu_count() or 1)
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hp, ho = requests(max(16, 4 * max(args.levels)), seed=64, model=path)
+    run_hf(hf, hp[:16], ho[:16])                       # warm-up
+    hf_runs = []
+    for _ in range(args.repeats):
+        dt, n = run_hf(hf, hp, ho)
+        hf_runs.append(n / dt)
+    hf_tok_s = statistics.median(hf_runs)
+    del hf
+    print(f"HF generate (batches of 64) on the c={max(args.levels)} requests: {hf_tok_s:.0f} tok/s "
+          f"(median of {args.repeats}: {', '.join(f'{x:.0f}' for x in hf_runs)})")
+    with LocalServer(path, nproc=3, args=["--attention-ranks", "1", "--served-model-name", "bench",
+                                          "--max-num-seqs", "64"]) as srv:
+        warm_p, warm_o = requests(8, seed=1, model=path)
+        asyncio.run(run_level(srv.url, 8, warm_p, warm_o))
+        print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s "
+              "(median) | vs HF generate |")
+        print("|---|---|---|---|---|---|---|---|")
+        for c in args.levels:
+            prompts, olens = requests(max(16, 4 * c), seed=c, model=path)
+            runs = sorted((asyncio.run(run_level(srv.url, c, prompts, olens)) for _ in range(args.repeats)),
+                          key=lambda r: r["tok_s"])
+            r = runs[len(runs) // 2]
+            spread = ", ".join(f"{x['tok_s']:.0f}" for x in runs)
+            print(f"| {c} | {r['requests']} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['tpot_p50']:.2f} | "
+                  f"{r['tpot_p99']:.2f} | {r['tok_s']:.0f} ({spread}) | "
+                  f"{r['tok_s'] / hf_tok_s:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
