@@ -4,9 +4,10 @@ attention rank 0) or in a spawned rank (a plain process).
 This module owns the app: its routes, error handlers and API-key check, and `attach`/`shut_down`, which
 connect it to an engine and disconnect it. The parts live beside it:
   http_engine.py    `EngineClient`: the LLM's inbox/outbox <-> asyncio handlers (router thread)
-  http_generate.py  completions and chat completions: checks, sampling parameters, JSON and SSE answers
+  http_generate.py  completions and chat completions: checks, sampling parameters, echo, JSON and SSE answers
+  http_logprobs.py  logprobs in OpenAI's completions and chat shapes
   http_tokens.py    prompts and chats -> token ids; /tokenize and /detokenize
-  http_text.py      `TextStream`: incremental detokenisation and stop strings
+  http_text.py      `TextStream`: incremental detokenisation, stop strings, where each token's text sits
   http_metrics.py   `Metrics` and the /metrics scrape
   http_access.py    the access log (one line per request)
   protocol.py       request shapes and `APIError`
@@ -113,9 +114,11 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         _warn_ignored(body, request)
         eng = engine()
         check_request(body, state.served)
-        prompts = [prompt_ids(eng.llm, p, "prompt") for p in body.prompts()]
-        params = sampling_params(eng.llm, body, body.max_tokens if body.max_tokens is not None else 16, prompts)
-        return await respond(state.model_name, eng, body, request, prompts, params, chat=False)
+        sent = body.prompts()
+        prompts = [prompt_ids(eng.llm, p, "prompt") for p in sent]
+        params = sampling_params(eng.llm, body, body.limit(), prompts)
+        return await respond(state.model_name, eng, body, request, prompts, params, chat=False,
+                             echo=sent if body.echo else None)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):

@@ -2,7 +2,7 @@
 back on its outbox to the asyncio handlers waiting for it.
 
 Threads: the leader loop owns its queues; `EngineClient` runs one router thread that reads the leader's
-outbox and hands each request's tokens to the asyncio handler waiting for them (call_soon_threadsafe), and
+outbox and hands each request's progress to the asyncio handler waiting for it (call_soon_threadsafe), and
 records latency metrics as tokens arrive. Handlers put commands ("add", "abort", "stats", "comm_stats") on
 the leader's inbox.
 """
@@ -24,6 +24,18 @@ from .protocol import APIError
 logger = logging.getLogger("afserve.http")
 
 QUERY_TIMEOUT_S = 60.0
+
+
+@dataclass(slots=True)
+class Progress:
+    """One request's progress as its handler receives it: one leader outbox row. token_ids None: the engine
+    went down, and finish says why."""
+
+    request_id: str
+    token_ids: list[int] | None
+    finish: str | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # new prompt positions (None: none asked)
+    logprobs: list[dict[int, float]] | None = None                 # one per new token (None: none asked)
 
 
 @dataclass(slots=True, eq=False)
@@ -108,9 +120,13 @@ class EngineClient:
                     self.loop.call_soon_threadsafe(_resolve, fut, msg[1])
 
     def _deliver(self, outputs: list) -> None:
+        """outputs: the leader's rows [request_id, [new token ids], finish_reason or None, new prompt logprobs
+        or None, new token logprobs or None]; each goes to its handler's sink as a `Progress`."""
         now = time.monotonic()
         with self._lock:
-            for rid, toks, finish, _ in outputs:
+            for row in outputs:
+                got = Progress(*row)
+                rid, toks, finish = got.request_id, got.token_ids, got.finish
                 track = self._tracks.get(rid)
                 if track is None:       # released by the front (its abort is on the way)
                     continue
@@ -124,7 +140,7 @@ class EngineClient:
                 if finish is not None:
                     del self._tracks[rid]
                     self._record_finish(track, finish)
-                self.loop.call_soon_threadsafe(track.sink.put_nowait, (rid, toks, finish))
+                self.loop.call_soon_threadsafe(track.sink.put_nowait, got)
 
     def _record_finish(self, track: _Track, reason: str) -> None:
         now = time.monotonic()
@@ -143,7 +159,7 @@ class EngineClient:
             for q in self._waiters.values():
                 q.clear()
         for rid, track in tracks:
-            self.loop.call_soon_threadsafe(track.sink.put_nowait, (rid, None, why))
+            self.loop.call_soon_threadsafe(track.sink.put_nowait, Progress(rid, None, why))
         for fut in waiters:
             self.loop.call_soon_threadsafe(_resolve, fut, engine_down(why))
 

@@ -35,8 +35,8 @@ class Metrics:
 
 
 class _EngineSeries:
-    """The engine-side series of one scrape: queue sizes and KV blocks per attention rank (leader stats), and
-    per-layer dispatch/combine totals per rank plus expert-rank balance (comm stats)."""
+    """The engine-side series of one scrape: queue sizes, KV blocks per attention rank and prefix-cache tokens
+    (leader stats), and per-layer dispatch/combine totals per rank plus expert-rank balance (comm stats)."""
 
     def __init__(self, stats: dict, comm: dict):
         self.stats, self.comm = stats, comm
@@ -56,6 +56,10 @@ class _EngineSeries:
         yield from (total, used, ratio)
         yield CounterMetricFamily("afserve_engine_steps", "Engine steps", value=s["steps"])
         yield CounterMetricFamily("afserve_preemptions", "Preempted requests", value=s["num_preemptions"])
+        yield CounterMetricFamily("afserve_prefix_cache_queries", "Prompt tokens of admitted requests looked up in "
+                                  "the prefix cache", value=s["prefix_cache_queries"])
+        yield CounterMetricFamily("afserve_prefix_cache_hits", "Of those, tokens found cached (not computed)",
+                                  value=s["prefix_cache_hits"])
         secs = CounterMetricFamily("afserve_layer_comm_seconds", "Wall time in dispatch/combine per layer",
                                    labels=["rank", "role", "layer", "phase"])
         sent = CounterMetricFamily("afserve_layer_comm_bytes_sent", "Bytes sent in dispatch/combine per layer",

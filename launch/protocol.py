@@ -7,18 +7,23 @@ defines but this server does not implement are accepted by the schema and refuse
 them (`unsupported`), so a client learns what to change instead of getting silently different output.
 Fields nobody here defines (other servers' extensions, newer OpenAI fields) are accepted and ignored, at
 any depth; `ignored_fields` names them so the server can log them, as vLLM does.
-Extensions that vLLM also takes: top_k, stop_token_ids, ignore_eos, stream_options.continuous_usage_stats.
+Extensions that vLLM also takes: top_k, stop_token_ids, ignore_eos, repetition_penalty, min_tokens,
+stream_options.continuous_usage_stats.
 """
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.sampling_params import MAX_LOGPROBS, SamplingParams
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class APIError(Exception):
@@ -71,9 +76,11 @@ class _Sampling(_Request):
     stop_token_ids: list[TokenId] | None = None
     seed: Seed | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = 0.0
+    frequency_penalty: Penalty | None = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0, le=1e6)] | None = None    # vLLM's; None = 1 = off
+    min_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    logit_bias: dict[str, Bias] | None = None
     user: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -81,11 +88,6 @@ class _Sampling(_Request):
         out = []
         if self.n != 1:
             out.append(("n", f"n={self.n} is not supported: this server returns one choice per prompt; pass n=1"))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                out.append((name, f"{name} is not supported; leave it at 0"))
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported; leave it out"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream=true"))
         return out
@@ -96,33 +98,76 @@ class _Sampling(_Request):
             raise APIError(400, "stop strings must not be empty", "stop")
         return stops
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's parameters (stop strings are the front's job, not the engine's)."""
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """(logprobs, prompt_logprobs) to ask the engine for: None = none, k = the token plus the top k."""
+        return None, None
+
+    def token_bias(self, vocab_size: int) -> dict[int, float] | None:
+        """logit_bias with its keys (token ids as strings, OpenAI's form) as ints; a 400 naming logit_bias for a
+        key that is not a token id of this vocabulary."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias has the key {key!r}, which is not a token id in [0, {vocab_size})",
+                               "logit_bias")
+            out[int(key)] = bias
+        return out
+
+    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
+        """The engine's parameters (stop strings are the front's job, not the engine's). A 400 naming the field
+        for a value the engine refuses."""
         top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
-        return SamplingParams(max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=self.seed,
-                              stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos)
+        if self.min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens={self.min_tokens} exceeds max_tokens={max_tokens}; lower min_tokens",
+                           "min_tokens")
+        logprobs, prompt_logprobs = self.logprob_counts()
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=self.seed,
+                stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size))
+        except ValueError as e:
+            named = re.match(r"SamplingParams\.(\w+)=", str(e))
+            raise APIError(400, str(e), named.group(1) if named else None) from e
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16     # 0 only with echo: the prompt comes back scored
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = None
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported; leave it false"))
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported; leave them out"))
         if self.best_of not in (None, 1):
             out.append(("best_of", f"best_of={self.best_of} is not supported; pass 1 or leave it out"))
         if self.suffix is not None:
             out.append(("suffix", "suffix is not supported; leave it out"))
         return out
+
+    def limit(self) -> int:
+        """max_tokens, checked: 0 needs echo (there is nothing else to return)."""
+        limit = 16 if self.max_tokens is None else self.max_tokens
+        if limit == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 is only allowed with echo=true (the prompt comes back, scored with "
+                                "logprobs); pass max_tokens >= 1", "max_tokens")
+        return limit
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        """With echo, the prompt is scored too: always when max_tokens is 0 (the engine scores the prompt or
+        does nothing), else when logprobs are asked for."""
+        prompt_k = self.logprobs if self.echo else None
+        if self.echo and self.max_tokens == 0 and prompt_k is None:
+            prompt_k = 0
+        return self.logprobs, prompt_k
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or a batch; each becomes one choice."""
@@ -164,7 +209,7 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
@@ -172,8 +217,9 @@ class ChatCompletionRequest(_Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.logprobs or self.top_logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported; leave them out"))
+        if self.top_logprobs and not self.logprobs:
+            out.append(("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true; set logprobs or "
+                                        "leave top_logprobs out"))
         if self.tools:
             out.append(("tools", "tool calling is not supported; leave tools out"))
         if self.tool_choice not in (None, "none"):
@@ -184,6 +230,9 @@ class ChatCompletionRequest(_Sampling):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprob_counts(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def conversation(self) -> list[dict]:
         return _conversation(self.messages)

@@ -1,0 +1,370 @@
+"""The HTTP front's logprobs, echo, penalties, logit_bias and prefix-cache metrics, on an in-process server (the
+app of launch/api_server.py on uvicorn in a thread, attached to one `LLM` on 1+1 spawned ranks).
+
+Oracles: transformers' own fp32 logits for every logprob and top-k set; `LLM.generate` on the same engine
+(before the front attaches) for what penalties and logit_bias do; the scheduler's block arithmetic for the
+prefix-cache counters; the returned text itself for text offsets."""
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from launch import LLM, SamplingParams
+from tests.conftest import hf_model, make_prompts
+
+MODEL = "tiny"
+MAX_LEN = 128
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@dataclass
+class Served:
+    port: int
+    path: str
+    tokenizer: object
+    plain: list[int]             # greedy tokens of PROMPT (8 of them), from LLM.generate
+    expected: dict               # case name -> (request fields, LLM.generate's output)
+    chat_expected: tuple         # (plain, logit_bias case) outputs of LLM.generate on CHAT's template ids
+    chat_sampled: object         # LLM.generate's output for CHAT at temperature 1, seed SEED
+
+
+PROMPT = make_prompts(1, 256, 12, 12, seed=21)[0]
+CHAT = [{"role": "user", "content": "Hello"}]
+SEED = 3
+
+
+def chat_ids(tok, messages) -> list[int]:
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)
+
+
+def _penalty_cases(plain: list[int]) -> dict[str, tuple[dict, dict]]:
+    """name -> (request fields, the same as SamplingParams fields). Each one changes the greedy output."""
+    first = plain[0]
+    return {
+        "presence": ({"presence_penalty": 2.0}, {"presence_penalty": 2.0}),
+        "frequency": ({"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
+        "repetition": ({"repetition_penalty": 3.0}, {"repetition_penalty": 3.0}),
+        "logit_bias": ({"logit_bias": {str(first): -100, "65": 6.5}}, {"logit_bias": {first: -100.0, 65: 6.5}}),
+        "min_tokens": ({"min_tokens": 4, "stop_token_ids": [first]}, {"min_tokens": 4, "stop_token_ids": [first]}),
+    }
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint):
+    import uvicorn
+
+    from launch.api_server import attach, build_app, shut_down
+
+    path = tiny_checkpoint("qwen3_moe")
+    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=MAX_LEN) as llm:
+        # The Python API's answers first: once the front attaches, its router thread owns the outbox.
+        plain = llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+        cases = _penalty_cases(plain)
+        outs = llm.generate([PROMPT] * len(cases), [SamplingParams(max_tokens=8, ignore_eos=True, **kw)
+                                                     for _, kw in cases.values()])
+        expected = {name: (fields, out) for (name, (fields, _)), out in zip(cases.items(), outs)}
+        ids = chat_ids(llm.tokenizer, CHAT)
+        chat_plain = llm.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+        chat_biased = llm.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={
+            chat_plain.token_ids[0]: -100.0, 65: 6.5}))[0]
+        chat_sampled = llm.generate([ids], SamplingParams(max_tokens=5, temperature=1.0, seed=SEED,
+                                                          ignore_eos=True))[0]
+        app = build_app(MODEL, path, access_log=False)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, name="test-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        attach(app, llm)
+        try:
+            yield Served(server.servers[0].sockets[0].getsockname()[1], path, llm.tokenizer, plain, expected,
+                         (chat_plain, chat_biased), chat_sampled)
+        finally:
+            shut_down(app, "the tests are over")
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
+def post(served: Served, path: str, body: dict) -> tuple[int, dict | list[dict]]:
+    """(status, JSON body), or for a stream (status, [every data chunk before [DONE]])."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=120)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    if not body.get("stream") or resp.status != 200:
+        return resp.status, json.loads(raw)
+    events = [line[len("data: "):] for line in raw.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", raw[-300:]
+    return resp.status, [json.loads(e) for e in events[:-1]]
+
+
+def complete(served: Served, **fields) -> dict:
+    code, data = post(served, "/v1/completions", {"model": MODEL, **fields})
+    assert code == 200, data
+    return data
+
+
+@pytest.fixture(scope="module")
+def hf(served):
+    return hf_model(served.path)
+
+
+def hf_logprobs(model, seq: list[int]) -> torch.Tensor:
+    """[len(seq) - 1, V]: row p is transformers' log-distribution of token p + 1 given seq[:p + 1]."""
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def legacy_top(name, token: int, row: torch.Tensor, k: int) -> dict[str, float]:
+    """What completions' top_logprobs must hold at a position: the token and transformers' top k, by their own
+    decode; two ids with one string keep the token's, then the likelier one's value."""
+    out: dict[str, float] = {name(token): row[token].item()}
+    for t in row.topk(k).indices.tolist():
+        out.setdefault(name(t), row[t].item())
+    return out
+
+
+def assert_close_dicts(got: dict[str, float], want: dict[str, float]) -> None:
+    assert set(got) == set(want), (got, want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=1e-4), (key, got, want)
+
+
+def check_offsets(tok, text: str, ids: list[int], tokens: list[str], offsets: list[int], start: int) -> None:
+    """Token i starts where the decode of tokens 0..i-1 ends (a character they hold only part of counts as
+    theirs: it decodes as one U+FFFD), after `start`; each token whose own decode is whole characters is
+    found in the text there."""
+    assert offsets == [start + len(tok.decode(ids[:i], skip_special_tokens=True)) for i in range(len(ids))]
+    assert offsets[-1] <= len(text)
+    for name, at in zip(tokens, offsets):
+        if "\ufffd" not in name:
+            assert text[at:at + len(name)] == name, (name, at, text)
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(served, hf):
+    tok = served.tokenizer
+    prompt = "Hello experts, the quick brown fox"
+    ids = tok.encode(prompt)
+    name = lambda t: tok.decode([t])  # noqa: E731
+    got = complete(served, prompt=prompt, echo=True, logprobs=3, max_tokens=0)
+    choice = got["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert got["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [name(t) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    want = hf_logprobs(hf, ids)
+    for p in range(1, len(ids)):
+        assert lp["token_logprobs"][p] == pytest.approx(want[p - 1, ids[p]].item(), abs=1e-4), p
+        assert_close_dicts(lp["top_logprobs"][p], legacy_top(name, ids[p], want[p - 1], 3))
+    check_offsets(tok, prompt, ids, lp["tokens"], lp["text_offset"], 0)
+    # echo without logprobs, and with them on token ids: the text is the ids' decode
+    assert complete(served, prompt=prompt, echo=True, max_tokens=0)["choices"][0]["logprobs"] is None
+    got = complete(served, prompt=ids, echo=True, logprobs=0, max_tokens=0)["choices"][0]
+    assert got["text"] == prompt and got["logprobs"]["tokens"] == lp["tokens"]
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(lp["token_logprobs"], abs=1e-6)
+    # characters split over tokens (the tiny tokenizer knows ASCII only): offsets still follow the text
+    split = "Grüße, ünïcödé ✓ experts"
+    split_ids = tok.encode(split)
+    got = complete(served, prompt=split, echo=True, logprobs=1, max_tokens=0)["choices"][0]
+    assert got["text"] == split and any("\ufffd" in t for t in got["logprobs"]["tokens"])
+    want = hf_logprobs(hf, split_ids)
+    assert got["logprobs"]["token_logprobs"][1:] == pytest.approx([want[p - 1, split_ids[p]].item()
+                                                                   for p in range(1, len(split_ids))], abs=1e-4)
+    check_offsets(tok, split, split_ids, got["logprobs"]["tokens"], got["logprobs"]["text_offset"], 0)
+
+
+def test_generated_logprobs_equal_transformers(served, hf):
+    tok = served.tokenizer
+    name = lambda t: tok.decode([t])  # noqa: E731
+    n, k = 8, 2
+    got = complete(served, prompt=PROMPT, logprobs=k, max_tokens=n, **GREEDY)["choices"][0]
+    want = hf_logprobs(hf, PROMPT + served.plain)[len(PROMPT) - 1:]
+    assert [t for t in want.argmax(-1).tolist()] == served.plain         # greedy is transformers' argmax
+    lp = got["logprobs"]
+    text = tok.decode(served.plain, skip_special_tokens=True)
+    assert got["text"] == text and lp["tokens"] == [name(t) for t in served.plain]
+    for i, t in enumerate(served.plain):
+        assert lp["token_logprobs"][i] == pytest.approx(want[i, t].item(), abs=1e-4), i
+        assert_close_dicts(lp["top_logprobs"][i], legacy_top(name, t, want[i], k))
+    check_offsets(tok, text, served.plain, lp["tokens"], lp["text_offset"], 0)
+    # echo + generation: the prompt's positions, then these, offsets running on through the prompt's text
+    both = complete(served, prompt=PROMPT, echo=True, logprobs=k, max_tokens=n, **GREEDY)["choices"][0]
+    prompt_text = tok.decode(PROMPT)
+    assert both["text"] == prompt_text + text
+    assert both["logprobs"]["tokens"] == [name(t) for t in PROMPT] + lp["tokens"]
+    assert both["logprobs"]["token_logprobs"][len(PROMPT):] == pytest.approx(lp["token_logprobs"], abs=1e-6)
+    assert both["logprobs"]["text_offset"][len(PROMPT):] == [len(prompt_text) + o for o in lp["text_offset"]]
+    check_offsets(tok, both["text"], PROMPT + served.plain, both["logprobs"]["tokens"],
+                  both["logprobs"]["text_offset"], 0)
+    # streamed: the same positions, each chunk's tokens already in the text sent with it or before
+    code, chunks = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "logprobs": k,
+                                                     "max_tokens": n, "stream": True, **GREEDY})
+    assert code == 200
+    text_so_far, tokens, values, offsets = "", [], [], []
+    for c in chunks:
+        part = c["choices"][0]
+        text_so_far += part["text"]
+        tokens += part["logprobs"]["tokens"]
+        values += part["logprobs"]["token_logprobs"]
+        offsets += part["logprobs"]["text_offset"]
+        assert all(o + len(t) <= len(text_so_far) for t, o in zip(tokens, offsets) if "\ufffd" not in t)
+    assert text_so_far == text and tokens == lp["tokens"] and offsets == lp["text_offset"]
+    assert values == pytest.approx(lp["token_logprobs"], abs=1e-6)
+
+
+def test_stop_string_keeps_streamed_logprobs_aligned(served):
+    """A stop string holds text back: tokens wait for their text; the ones it cuts come with the last chunk."""
+    tok = served.tokenizer
+    text = tok.decode(served.plain, skip_special_tokens=True)
+    stop = next(text[i:i + 3] for i in range(2, len(text) - 3) if "\ufffd" not in text[i:i + 3]
+                and text.find(text[i:i + 3]) == i)
+    body = {"model": MODEL, "prompt": PROMPT, "logprobs": 1, "max_tokens": 8, "stop": [stop], **GREEDY}
+    whole = complete(served, **{k: v for k, v in body.items() if k != "model"})
+    code, chunks = post(served, "/v1/completions", {**body, "stream": True})
+    assert code == 200
+    text_so_far, tokens, offsets = "", [], []
+    for c in chunks:
+        part = c["choices"][0]
+        text_so_far += part["text"]
+        tokens += part["logprobs"]["tokens"]
+        offsets += part["logprobs"]["text_offset"]
+        if part["finish_reason"] is None:
+            assert all(o + len(t) <= len(text_so_far) for t, o in zip(tokens, offsets) if "\ufffd" not in t)
+    assert text_so_far == whole["choices"][0]["text"] == text[:text.index(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert tokens == whole["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == whole["usage"]["completion_tokens"] and max(offsets) <= len(text_so_far)
+
+
+def test_chat_logprobs_equal_transformers(served, hf):
+    tok = served.tokenizer
+    messages = [{"role": "user", "content": "Hello experts"}]
+    ids = chat_ids(tok, messages)
+    n, k = 5, 3
+    body = {"model": MODEL, "messages": messages, "max_tokens": n, "logprobs": True, "top_logprobs": k, **GREEDY}
+    code, got = post(served, "/v1/chat/completions", body)
+    assert code == 200, got
+    content = got["choices"][0]["logprobs"]["content"]
+    gen = []
+    for _ in range(n):     # transformers' greedy continuation, one token at a time (the 0 is never read)
+        gen.append(int(hf_logprobs(hf, ids + gen + [0])[-1].argmax()))
+    want = hf_logprobs(hf, ids + gen)[len(ids) - 1:]
+    assert [e["token"] for e in content] == [tok.decode([t]) for t in gen]
+    for i, (e, t) in enumerate(zip(content, gen)):
+        assert e["logprob"] == pytest.approx(want[i, t].item(), abs=1e-4), i
+        assert e["bytes"] == list(e["token"].encode())
+        top = want[i].topk(k)
+        assert [x["token"] for x in e["top_logprobs"]] == [tok.decode([j]) for j in top.indices.tolist()]
+        assert [x["logprob"] for x in e["top_logprobs"]] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert all(x["bytes"] == list(x["token"].encode()) for x in e["top_logprobs"])
+    code, chunks = post(served, "/v1/chat/completions", {**body, "stream": True})
+    assert code == 200
+    streamed = [e for c in chunks if c["choices"][0]["logprobs"] for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-6)
+    code, plain = post(served, "/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": None})
+    assert code == 200 and plain["choices"][0]["logprobs"] is None
+    assert plain["choices"][0]["message"]["content"] == got["choices"][0]["message"]["content"]
+
+
+def test_sampled_chat_top_logprobs_are_the_most_likely(served, hf):
+    """Sampled tokens are often not the likeliest: top_logprobs still lists transformers' top k, and the
+    token's own logprob is its entry."""
+    tok, k = served.tokenizer, 2
+    ids, gen = chat_ids(tok, CHAT), served.chat_sampled.token_ids
+    code, got = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 5,
+                                                       "temperature": 1.0, "seed": SEED, "ignore_eos": True,
+                                                       "logprobs": True, "top_logprobs": k})
+    assert code == 200, got
+    content = got["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [tok.decode([t]) for t in gen]      # the seed held
+    want = hf_logprobs(hf, ids + gen)[len(ids) - 1:]
+    assert any(t not in want[i].topk(k).indices.tolist() for i, t in enumerate(gen))
+    for i, (e, t) in enumerate(zip(content, gen)):
+        assert e["logprob"] == pytest.approx(want[i, t].item(), abs=1e-4), i
+        top = want[i].topk(k)
+        assert [x["token"] for x in e["top_logprobs"]] == [tok.decode([j]) for j in top.indices.tolist()]
+        assert [x["logprob"] for x in e["top_logprobs"]] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("case", ["presence", "frequency", "repetition", "logit_bias", "min_tokens"])
+def test_penalties_and_logit_bias_act_as_in_generate(served, case):
+    fields, want = served.expected[case]
+    assert want.token_ids != served.plain, "the case must change the greedy output to show anything"
+    got = complete(served, prompt=PROMPT, max_tokens=8, logprobs=0, **GREEDY, **fields)["choices"][0]
+    assert got["text"] == want.text and got["finish_reason"] == want.finish_reason
+    assert got["logprobs"]["tokens"] == [served.tokenizer.decode([t]) for t in want.token_ids]
+
+
+def test_logit_bias_in_chat_acts_as_in_generate(served):
+    plain, want = served.chat_expected
+    assert want.token_ids != plain.token_ids
+    bias = {str(plain.token_ids[0]): -100, "65": 6.5}
+    code, got = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+                                                       "logprobs": True, "logit_bias": bias, **GREEDY})
+    assert code == 200, got
+    assert got["choices"][0]["message"]["content"] == want.text
+    assert [e["token"] for e in got["choices"][0]["logprobs"]["content"]] == [
+        served.tokenizer.decode([t]) for t in want.token_ids]
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"-3": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"99999": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ("/v1/completions", {"suffix": "x"}, "suffix"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logit_bias": {"1.5": 1}}, "logit_bias"),
+])
+def test_bad_values_get_a_400_naming_the_field(served, path, fields, param):
+    body = {"model": MODEL, **({"prompt": "hi"} if path == "/v1/completions" else
+                                {"messages": [{"role": "user", "content": "hi"}]}), **fields}
+    code, data = post(served, path, body)
+    assert code == 400 and data["error"]["param"] == param, data
+
+
+def _prefix_counters(served: Served) -> tuple[float, float]:
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    found = [re.search(rf"^afserve_prefix_cache_{kind}_total (\S+)$", text, re.M) for kind in ("queries", "hits")]
+    assert all(found), text[-2000:]
+    return float(found[0].group(1)), float(found[1].group(1))
+
+
+def test_prefix_cache_counters_count_cached_tokens(served):
+    """A 40-token prompt, twice: the second finds its first 2 full blocks of 16 (the block that holds the
+    prompt's last token is always computed, so at most (40 - 1) // 16 blocks), 32 tokens."""
+    prompt = make_prompts(1, 256, 40, 40, seed=1234)[0]
+    q0, h0 = _prefix_counters(served)
+    complete(served, prompt=prompt, max_tokens=1, **GREEDY)
+    q1, h1 = _prefix_counters(served)
+    complete(served, prompt=prompt, max_tokens=1, **GREEDY)
+    q2, h2 = _prefix_counters(served)
+    assert (q1 - q0, h1 - h0) == (40, 0)
+    assert (q2 - q1, h2 - h1) == (40, 32)
