@@ -56,7 +56,7 @@ class BlockPool:
     """
 
     __slots__ = ("_free", "_refcounts", "block_size", "num_blocks", "_key_of", "_block_of", "host",
-                 "_added", "_evicted", "track_events")
+                 "_added", "_evicted", "track_events", "_copies")
 
     def __init__(self, num_blocks: int, block_size: int = 16, host: HostTier | None = None,
                  track_events: bool = False) -> None:
@@ -72,6 +72,7 @@ class BlockPool:
         self.track_events = track_events
         self._added: list[int] = []
         self._evicted: list[int] = []
+        self._copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +131,20 @@ class BlockPool:
             self._refcounts[b] -= 1
             if self._refcounts[b] == 0:
                 self._free[b] = None
+
+    def copy_block(self, block_id: int) -> int:
+        """Copy on write: a fresh block that takes over one reference to `block_id` (whose content is copied into
+        it before the next forward: `take_copies`). Needs one free block."""
+        assert self._refcounts[block_id] > 1, f"copy of block {block_id}, which has no other holder"
+        (new,) = self.allocate(1)
+        self._copies.append((block_id, new))
+        self.free([block_id])
+        return new
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(source, destination) device block copies decided since the last call, in order."""
+        copies, self._copies = self._copies, []
+        return copies
 
     # ----- the prefix cache -------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[int]) -> list[int]:

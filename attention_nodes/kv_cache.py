@@ -34,6 +34,14 @@ class KVCache:
             self.host = torch.zeros(num_layers, c, host_blocks, block_size, heads, dim, dtype=dtype,
                                     pin_memory=device.type == "cuda")
 
+    def copy_device_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer) within the device cache: (source, destination) pairs, all sources
+        distinct from all destinations (copy-on-write targets are fresh blocks)."""
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.tensor.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.tensor.device)
+            self.tensor[:, :, dst] = self.tensor[:, :, src]
+
     def copy_blocks(self, ops: list[tuple[int, int, int]]) -> None:
         """Run the host tier's copies in order: (SAVE, device block, host slot) or (LOAD, host slot, device block).
         Runs of one kind go as one indexed copy (a host slot saved twice in a run keeps the later block)."""

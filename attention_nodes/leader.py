@@ -48,6 +48,7 @@ class Leader:
         self.step_id = 0
         self.pending: deque[dict] = deque()
         self.req2rank: dict[str, int] = {}
+        self.open_samples: dict[str, int] = {}   # request id -> its samples not finished yet
         self.cache_aware = cache_aware
         self.cached: list[set[int]] = [set() for _ in range(num_attention_ranks)]   # each rank's cached keys
         self.num_routed_to_cache = 0     # requests sent to a rank that caches a prefix of their prompt
@@ -76,6 +77,7 @@ class Leader:
                 self.num_routed_to_cache += hit[rank] > 0
             free[rank] -= need
             self.req2rank[req["id"]] = rank
+            self.open_samples[req["id"]] = _num_samples(req)
             out.setdefault(str(rank), []).append(req)
         return out
 
@@ -96,14 +98,17 @@ class Leader:
         kind = cmd[0]
         if kind == "add":
             self.pending.append(cmd[1])
-        elif kind == "abort":
+        elif kind == "abort":     # a request's id, or one sample's (f"{request id}#{index}")
             rid = cmd[1]
-            before = len(self.pending)
-            self.pending = deque(r for r in self.pending if r["id"] != rid)
-            if len(self.pending) != before:
-                outbox.put(("out", [[rid, [], "abort", None, None]]))
-            elif rid in self.req2rank:
-                aborts.setdefault(str(self.req2rank[rid]), []).append(rid)
+            base = rid.rpartition("#")[0] if "#" in rid else rid
+            dropped = [r for r in self.pending if r["id"] in (rid, base)]
+            if dropped:           # not assigned yet: every sample of it ends here
+                self.pending = deque(r for r in self.pending if r not in dropped)
+                n = _num_samples(dropped[0])
+                ids = [dropped[0]["id"]] if n == 1 else [f"{dropped[0]['id']}#{i}" for i in range(n)]
+                outbox.put(("out", [[i, [], "abort", None, None] for i in ids]))
+            elif base in self.req2rank:
+                aborts.setdefault(str(self.req2rank[base]), []).append(rid)
         elif kind == "stats":
             outbox.put(("stats", self.stats()))
         elif kind == "comm_stats":      # ("comm_stats", events: bool = False)
@@ -182,10 +187,22 @@ class Leader:
             cached.update(rep.cache_added)
         outputs = [out for rep in reports for out in rep.outputs]
         for rid, _, finish, *_ in outputs:
-            if finish is not None:
-                self.req2rank.pop(rid, None)
+            if finish is None:
+                continue
+            base = rid.rpartition("#")[0] if "#" in rid else rid
+            left = self.open_samples.get(base, 1) - 1
+            if left > 0:
+                self.open_samples[base] = left
+            else:
+                self.open_samples.pop(base, None)
+                self.req2rank.pop(base, None)
         if outputs:
             outbox.put(("out", outputs))
+
+
+def _num_samples(req: dict) -> int:
+    p = req["params"]
+    return p.get("best_of") or p.get("n", 1)
 
 
 def run_attention_step(worker: AttentionWorker, header: StepHeader) -> StepReport:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # the most top alternatives a request may ask for per position (vLLM's default cap)
+MAX_SAMPLES = 64   # the most samples (n, best_of) one request may draw
 
 
 @dataclass(slots=True)
@@ -26,6 +27,10 @@ class SamplingParams:
         by it and a negative one multiplied (HF's and vLLM's meaning).
     frequency_penalty, presence_penalty (in [-2, 2]): subtracted from a token's logit per time it was generated
         and once if it was (OpenAI's meaning; generated tokens only).
+    n: how many samples (choices) to return. best_of (>= n, None = n): how many to draw; the n with the highest
+        cumulative log-probability of their tokens are returned. The samples are forked from the request once its
+        prompt is computed: they share its KV blocks and copy only the last, partly filled one before writing
+        to it. With a seed, sample i draws from its own generator seeded with seed + i.
     Order, as vLLM's sampler: min_tokens, logit_bias, repetition, frequency and presence penalties, temperature,
     top-k, top-p.
     """
@@ -44,6 +49,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value, want: str) -> ValueError:
@@ -97,9 +104,21 @@ class SamplingParams:
                                          "pass a number in (0, 1e6] (1 = off)")
         self.frequency_penalty = number("frequency_penalty", -2, 2, "pass a number in [-2, 2]")
         self.presence_penalty = number("presence_penalty", -2, 2, "pass a number in [-2, 2]")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_SAMPLES:
+            raise bad("n", self.n, f"pass an integer in [1, {MAX_SAMPLES}]")
+        if self.best_of is not None and (isinstance(self.best_of, bool) or not isinstance(self.best_of, int)
+                                         or not self.n <= self.best_of <= MAX_SAMPLES):
+            raise bad("best_of", self.best_of, f"pass None or an integer in [n={self.n}, {MAX_SAMPLES}]")
+        if self.num_samples > 1 and self.max_tokens == 0:
+            raise bad("n", self.n, "with max_tokens=0 nothing is sampled: pass n=1 and best_of=None")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def num_samples(self) -> int:
+        """How many samples the engine draws (best_of, else n)."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_greedy(self) -> bool:

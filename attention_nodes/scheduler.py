@@ -29,6 +29,7 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
     start: int  # seq.num_computed_tokens when scheduled
+    is_fork: bool = False  # a sample forked from another entry of this step: shares its forward, computes nothing
 
     @classmethod
     def from_seq(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
@@ -107,19 +108,37 @@ class Scheduler:
         self._live[seq.request_id] = seq
         self._waiting.append(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Drop a waiting or running request, free its blocks; None if it is unknown or already done."""
-        seq = self._live.pop(request_id, None)
-        if seq is None:
-            return None
-        if seq.status is SequenceStatus.WAITING:
-            self._waiting.remove(seq)
-        else:
-            self._running.remove(seq)
-        self._release(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "abort"
-        return seq
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Drop a waiting or running request (every unfinished sample of it, by the request's id; or one sample,
+        by its own), free its blocks; returns the sequences dropped ([] if it is unknown or already done)."""
+        seqs = [s for s in self._live.values() if s.group_id == request_id] if request_id not in self._live \
+            else [self._live[request_id]]
+        for seq in seqs:
+            del self._live[seq.request_id]
+            if seq.status is SequenceStatus.WAITING:
+                self._waiting.remove(seq)
+            else:
+                self._running.remove(seq)
+            self._release(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        return seqs
+
+    def fork(self, sched: ScheduledSeq, generators: list) -> list[ScheduledSeq]:
+        """Make samples 1.. of a request whose first sample is being drawn in this step (sched: its entry in the
+        step's output, before update). Each shares the request's blocks (one more reference each) and joins
+        `running` right after it; the caller adds the returned entries to the step's output and draws one token
+        for each. generators: one per new sample."""
+        parent = sched.seq
+        assert parent.needs_fork and sched.needs_sample and parent.status is SequenceStatus.RUNNING
+        children = [parent.fork(i, g) for i, g in enumerate(generators, start=1)]
+        parent.forked = True
+        at = self._running.index(parent) + 1
+        self._running[at:at] = children
+        for child in children:
+            self.block_pool.incref(child.block_table)
+            self._live[child.request_id] = child
+        return [ScheduledSeq(child, sched.num_new_tokens, sched.start, is_fork=True) for child in children]
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work within max_num_batched_tokens tokens and max_num_seqs sequences."""
@@ -132,18 +151,25 @@ class Scheduler:
             seq = self._running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, f"running request {seq.request_id!r} has no token to compute"
-            num_missing = self._num_missing_blocks(seq, num_new)
+            num_missing = self._num_missing_blocks(seq, num_new) + self._is_shared_tail(seq)
             while not pool.can_allocate(num_missing) and self._running[-1] is not seq:
                 out.preempted.append(self._preempt_newest())
+                num_missing = self._num_missing_blocks(seq, num_new) + self._is_shared_tail(seq)
             if not pool.can_allocate(num_missing):
                 out.preempted.append(self._preempt_newest())  # the seq itself: its blocks go to older ones
                 break
+            if self._is_shared_tail(seq):   # copy on write: this step writes into a block other samples hold
+                tail = seq.num_computed_tokens // pool.block_size
+                seq.block_table[tail] = pool.copy_block(seq.block_table[tail])
+                num_missing -= 1
             seq.block_table.extend(pool.allocate(num_missing))
             out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
             budget -= num_new
             i += 1
-        # Step 2: admit waiting sequences FIFO, unless this step was already short of blocks.
-        while (not out.preempted and self._waiting and len(self._running) < self.max_num_seqs
+        # Step 2: admit waiting sequences FIFO, unless this step was already short of blocks. A request that
+        # will fork takes a seat per sample now, so running never outgrows max_num_seqs when it forks.
+        num_seats = sum(map(_num_seats, self._running))
+        while (not out.preempted and self._waiting and num_seats + _num_seats(self._waiting[0]) <= self.max_num_seqs
                and budget > 0):
             seq = self._waiting[0]
             assert seq.num_computed_tokens == 0 and not seq.block_table
@@ -156,6 +182,7 @@ class Scheduler:
             self._running.append(seq)
             out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
             budget -= num_new
+            num_seats += _num_seats(seq)
         assert out.num_tokens <= self.max_num_batched_tokens and len(out.scheduled) <= self.max_num_seqs
         return out
 
@@ -190,8 +217,9 @@ class Scheduler:
             if (token is None) == sched.needs_sample:
                 raise ValueError(f"sampled token {token!r} for request {seq.request_id!r} does not match "
                                  f"needs_sample={sched.needs_sample}")
-            self.num_prompt_tokens_computed += max(0, min(sched.start + sched.num_new_tokens,
-                                                          seq.num_prompt_tokens) - sched.start)
+            if not sched.is_fork:
+                self.num_prompt_tokens_computed += max(0, min(sched.start + sched.num_new_tokens,
+                                                              seq.num_prompt_tokens) - sched.start)
             seq.num_computed_tokens += sched.num_new_tokens
             if self.enable_prefix_caching:
                 self._register_full_blocks(seq)
@@ -257,6 +285,12 @@ class Scheduler:
             self.block_pool.register(seq.block_table[i], keys[i])
         seq.num_registered_blocks = full
 
+    def _is_shared_tail(self, seq: Sequence) -> bool:
+        """The block this step's first token goes into exists and other samples hold it too (only the partly
+        filled last block of a forked request's prompt can be: full blocks are never written again)."""
+        i = seq.num_computed_tokens // self.block_pool.block_size
+        return i < len(seq.block_table) and self.block_pool.refcount(seq.block_table[i]) > 1
+
     def _num_missing_blocks(self, seq: Sequence, num_new: int) -> int:
         needed = self.block_pool.blocks_needed(seq.num_computed_tokens + num_new)
         if needed > self.block_pool.num_blocks:
@@ -266,7 +300,7 @@ class Scheduler:
 
     def _preempt_newest(self) -> Sequence:
         victim = self._running.pop()
-        assert all(s.arrival < victim.arrival for s in self._running), "running is not sorted by arrival"
+        assert all(s.arrival <= victim.arrival for s in self._running), "running is not sorted by arrival"
         self._release(victim)
         victim.num_computed_tokens = 0
         victim.num_registered_blocks = 0
@@ -278,3 +312,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         self.block_pool.free(reversed(seq.block_table))   # the tail is reused first, the shared head kept longest
         seq.block_table = []
+
+
+def _num_seats(seq: Sequence) -> int:
+    """Running seats seq takes: one per sample while its samples are still to be forked, else one."""
+    return seq.params.num_samples if seq.needs_fork else 1

@@ -30,6 +30,9 @@ class Sequence:
     num_prompt_logprobs_sent: how many of those entries the worker has reported.
     block_keys: prefix-cache keys of the full blocks of token_ids computed so far (a cache: tokens only grow).
     num_registered_blocks: how many leading blocks of block_table are findable in the prefix cache.
+    group_id: for a request drawing several samples (SamplingParams.num_samples > 1), the request's own id; each
+        sample's request_id is then f"{group_id}#{sample_index}". None otherwise.
+    forked: the samples exist (set on all of them once the first sample is drawn).
     """
 
     request_id: str
@@ -47,6 +50,9 @@ class Sequence:
     num_prompt_logprobs_sent: int = 0
     block_keys: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
+    group_id: str | None = None
+    sample_index: int = 0
+    forked: bool = False
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -54,9 +60,27 @@ class Sequence:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r} has an empty prompt: pass at least one token id")
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        return cls(request_id=request_id, token_ids=list(prompt_token_ids),
+        group = request_id if params.num_samples > 1 else None
+        return cls(request_id=request_id if group is None else f"{group}#0", token_ids=list(prompt_token_ids),
                    num_prompt_tokens=len(prompt_token_ids), params=params, arrival=arrival,
-                   generator=generator, prompt_logprobs=None if params.prompt_logprobs is None else [None])
+                   generator=generator, prompt_logprobs=None if params.prompt_logprobs is None else [None],
+                   group_id=group)
+
+    @property
+    def needs_fork(self) -> bool:
+        """The next sample drawn for this sequence is its first: draw one per sample and fork."""
+        return self.group_id is not None and not self.forked
+
+    def fork(self, index: int, generator: torch.Generator | None) -> Sequence:
+        """Sample `index` of this request, in this sequence's state before its first sample: the same tokens,
+        computed prefix and blocks (the caller takes a reference on each) and arrival."""
+        assert self.needs_fork and self.num_output_tokens == 0, f"fork of {self.request_id!r} after its first token"
+        return Sequence(request_id=f"{self.group_id}#{index}", token_ids=list(self.token_ids),
+                        num_prompt_tokens=self.num_prompt_tokens, params=self.params, arrival=self.arrival,
+                        num_computed_tokens=self.num_computed_tokens, block_table=list(self.block_table),
+                        status=self.status, generator=generator, block_keys=list(self.block_keys),
+                        num_registered_blocks=self.num_registered_blocks, group_id=self.group_id,
+                        sample_index=index, forked=True)
 
     def prompt_logprob_positions(self, start: int, end: int) -> range:
         """Of a forward over positions [start, end), those whose logits score a prompt token not yet scored

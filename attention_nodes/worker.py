@@ -45,8 +45,11 @@ class AttentionWorker:
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            if self.scheduler.abort(rid) is not None:
-                self._aborted.append([rid, [], "abort", None, None])
+            for seq in self.scheduler.abort(rid):
+                # Aborted before it forked, a request still ends each of its samples.
+                ids = [f"{seq.group_id}#{i}" for i in range(seq.params.num_samples)] if seq.needs_fork \
+                    else [seq.request_id]
+                self._aborted += [[i, [], "abort", None, None] for i in ids]
 
     def step(self, capacity: int) -> StepReport:
         """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages)."""
@@ -54,6 +57,7 @@ class AttentionWorker:
         host = self.block_pool.host
         if host is not None:
             self.kv.copy_blocks(host.take_ops())   # saves before this step overwrites, restores before it reads
+        self.kv.copy_device_blocks(self.block_pool.take_copies())   # copy on write, after the saves
         assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
         self.moe.dispatcher.set_capacity(capacity)
         batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device, self.model.kernel_backend)
@@ -72,15 +76,27 @@ class AttentionWorker:
                 row += 1
         if scored:
             score_prompt_tokens(logits, scored)
+        # A request drawing several samples forks at its first draw: each sample gets the same logit row.
+        forking = [(s, r) for s, r in zip(to_sample, sample_rows) if s.seq.needs_fork]
+        for s, r in forking:
+            p = s.seq.params
+            children = self.scheduler.fork(s, [None if p.seed is None else torch.Generator().manual_seed(p.seed + i)
+                                               for i in range(1, p.num_samples)])
+            out.scheduled += children
+            to_sample += children
+            sample_rows += [r] * len(children)
+        if scored or forking:
             logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
         seqs = [s.seq for s in to_sample]
         tokens = self.sampler.sample(shape_logits(logits.float(), seqs, self.eos), [q.params for q in seqs],
                                      [q.generator for q in seqs]) if seqs else []
         token_lps = {}     # id(seq) -> the logprobs entry of its sampled token
-        wants = [i for i, q in enumerate(seqs) if q.params.logprobs is not None]
+        # best_of ranks samples by the sum of their tokens' logprobs, which the front adds up.
+        wants = [i for i, q in enumerate(seqs) if q.params.logprobs is not None or q.params.num_samples > q.params.n]
         if wants:
             rows = torch.tensor(wants, dtype=torch.int64, device=logits.device)
-            entries = token_logprobs(logits[rows], [tokens[i] for i in wants], [seqs[i].params.logprobs for i in wants])
+            entries = token_logprobs(logits[rows], [tokens[i] for i in wants],
+                                     [seqs[i].params.logprobs or 0 for i in wants])
             token_lps = {id(seqs[i]): e for i, e in zip(wants, entries)}
         it = iter(tokens)
         sampled = [next(it) if s.needs_sample else None for s in out.scheduled]

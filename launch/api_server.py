@@ -4,7 +4,8 @@ attention rank 0) or in a spawned rank (a plain process).
 This module owns the app: its routes, error handlers and API-key check, and `attach`/`shut_down`, which
 connect it to an engine and disconnect it. The parts live beside it:
   http_engine.py    `EngineClient`: the LLM's inbox/outbox <-> asyncio handlers (router thread)
-  http_generate.py  completions and chat completions: checks, sampling parameters, echo, JSON and SSE answers
+  http_generate.py  completions and chat completions: checks, sampling parameters, n and best_of, echo, JSON
+                    and SSE answers
   http_logprobs.py  logprobs in OpenAI's completions and chat shapes
   http_tokens.py    prompts and chats -> token ids; /tokenize and /detokenize
   http_text.py      `TextStream`: incremental detokenisation, stop strings, where each token's text sits

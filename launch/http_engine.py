@@ -5,6 +5,10 @@ Threads: the leader loop owns its queues; `EngineClient` runs one router thread 
 outbox and hands each request's progress to the asyncio handler waiting for it (call_soon_threadsafe), and
 records latency metrics as tokens arrive. Handlers put commands ("add", "abort", "stats", "comm_stats") on
 the leader's inbox.
+
+A request drawing several samples (SamplingParams.num_samples > 1) has one track per sample, under the
+sample's id (`sample_ids`), and its latency metrics (TTFT, TPOT, e2e, finish reason) are recorded per sample,
+as vLLM v1 records them per child request; its prompt tokens count once.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from attention_nodes.sampling_params import SamplingParams
 
 from .http_metrics import Metrics
 from .protocol import APIError
+from .samples import sample_ids
 
 logger = logging.getLogger("afserve.http")
 
@@ -28,8 +33,8 @@ QUERY_TIMEOUT_S = 60.0
 
 @dataclass(slots=True)
 class Progress:
-    """One request's progress as its handler receives it: one leader outbox row. token_ids None: the engine
-    went down, and finish says why."""
+    """One sample's progress as its handler receives it: one leader outbox row. request_id: the row's id (the
+    request's, or one sample's: `sample_ids`). token_ids None: the engine went down, and finish says why."""
 
     request_id: str
     token_ids: list[int] | None
@@ -40,8 +45,9 @@ class Progress:
 
 @dataclass(slots=True, eq=False)
 class _Track:
-    """One engine request as the router sees it."""
+    """One sample of an engine request as the router sees it."""
 
+    request_id: str
     sink: asyncio.Queue
     arrival: float
     first: float | None = None
@@ -58,7 +64,8 @@ class EngineClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.dead: str | None = None
         self._lock = threading.Lock()
-        self._tracks: dict[str, _Track] = {}
+        self._tracks: dict[str, _Track] = {}           # sample id -> its track, while open
+        self._samples: dict[str, list[str]] = {}       # request id -> its sample ids, while any is open
         self._waiters: dict[str, deque] = {"stats": deque(), "comm_stats": deque()}
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
@@ -73,21 +80,38 @@ class EngineClient:
 
     # ----- called from asyncio handlers ---------------------------------------------------------------------
     def submit(self, ids: list[int], params: SamplingParams, sink: asyncio.Queue) -> str:
+        """Queue a request whose progress goes to sink; returns its request id (its samples' ids:
+        `sample_ids(request id, params.num_samples)`)."""
         if self.dead:
             raise engine_down(self.dead)
         with self._lock:   # registered before the router can see the request's first tokens
             rid = self.llm.enqueue(ids, params)   # the handler checked ids and params already
-            self._tracks[rid] = _Track(sink, time.monotonic())
+            now = time.monotonic()
+            self._samples[rid] = sample_ids(rid, params.num_samples)
+            for sid in self._samples[rid]:
+                self._tracks[sid] = _Track(rid, sink, now)
         self.metrics.prompt.inc(len(ids))
         return rid
 
-    def release(self, rid: str, reason: str) -> None:
-        """The front is done with rid (stop string, client gone, error): abort it in the engine if it runs."""
+    def release(self, some_id: str, reason: str) -> None:
+        """The front is done with a request (its id: every sample still open; client gone, error) or with one
+        sample (its id: a stop string): abort what of it still runs in the engine."""
         with self._lock:
-            track = self._tracks.pop(rid, None)
-        if track is not None:
-            self.llm.inbox.put(("abort", rid))
-            self._record_finish(track, reason)
+            owner = self._tracks[some_id].request_id if some_id in self._tracks else some_id
+            if owner not in self._samples:
+                return
+            ids = self._samples[owner] if some_id == owner else [some_id]
+            tracks = [t for t in (self._tracks.pop(i, None) for i in ids) if t is not None]
+            self._forget_if_done(owner)
+        if tracks:
+            self.llm.inbox.put(("abort", some_id))   # a request id aborts each of its samples still running
+            for track in tracks:
+                self._record_finish(track, reason)
+
+    def _forget_if_done(self, rid: str) -> None:
+        """Drop rid's sample list once none of its samples is open (with the lock held)."""
+        if not any(i in self._tracks for i in self._samples[rid]):
+            del self._samples[rid]
 
     async def query(self, kind: str) -> dict:
         """("stats",) or ("comm_stats",) through the leader; the answer comes back on the outbox."""
@@ -120,8 +144,8 @@ class EngineClient:
                     self.loop.call_soon_threadsafe(_resolve, fut, msg[1])
 
     def _deliver(self, outputs: list) -> None:
-        """outputs: the leader's rows [request_id, [new token ids], finish_reason or None, new prompt logprobs
-        or None, new token logprobs or None]; each goes to its handler's sink as a `Progress`."""
+        """outputs: the leader's rows [request or sample id, [new token ids], finish_reason or None, new prompt
+        logprobs or None, new token logprobs or None]; each goes to its handler's sink as a `Progress`."""
         now = time.monotonic()
         with self._lock:
             for row in outputs:
@@ -139,6 +163,7 @@ class EngineClient:
                     self.metrics.generated.inc(len(toks))
                 if finish is not None:
                     del self._tracks[rid]
+                    self._forget_if_done(track.request_id)
                     self._record_finish(track, finish)
                 self.loop.call_soon_threadsafe(track.sink.put_nowait, got)
 
@@ -154,7 +179,7 @@ class EngineClient:
         logger.warning("failing open requests: %s", why)
         self.dead = why
         with self._lock:
-            tracks, self._tracks = list(self._tracks.items()), {}
+            tracks, self._tracks, self._samples = list(self._tracks.items()), {}, {}
             waiters = [f for q in self._waiters.values() for f in q]
             for q in self._waiters.values():
                 q.clear()

@@ -1,7 +1,13 @@
 """Completions and chat completions over the engine: request checks, the engine's parameters, and the answer
 (one JSON body, or SSE chunks as text arrives). Stop strings, detokenisation, echo and the logprobs' shapes
 happen here; the engine sees token ids. A request whose client goes away (stream closed or connection dropped)
-is aborted, which frees its KV blocks.
+is aborted, every sample of it, which frees its KV blocks.
+
+n and best_of: each prompt is one engine request drawing num_samples samples, each reported under its own id
+(launch/samples.py); the n choices of prompt p have indexes p * n + sample index, or with best_of > n (not
+streamed) p * n + rank among the samples by summed logprob. Stop strings apply per sample. An echoed prompt's
+logprobs come with sample 0 only, and every choice of the prompt shows them. With max_tokens 0 (echo) the
+engine draws nothing: one engine sample fills all n choices.
 
 Streamed logprobs stay beside their text: a chunk carries the logprobs of the tokens whose text is wholly in
 the text sent so far, so a token held back (it may start a stop string, or ends in part of a character) comes
@@ -26,6 +32,7 @@ from .http_engine import EngineClient, Progress, engine_down
 from .http_logprobs import Position, TokenNames, chat_logprobs, completion_logprobs
 from .http_text import TextStream, TokenSpans, prompt_text
 from .protocol import APIError
+from .samples import Sample, chosen, sample_ids
 
 
 def check_model(model: str | None, served: tuple[str, str]) -> None:
@@ -51,6 +58,10 @@ def sampling_params(llm, body, max_tokens: int, prompts: list[list[int]]) -> Sam
     if bad:
         raise APIError(400, f"stop_token_ids has {bad[0]}, outside the vocabulary [0, {llm.spec.vocab_size})",
                        "stop_token_ids")
+    try:
+        llm.check_samples(params)
+    except ValueError as e:
+        raise APIError(400, str(e), "best_of" if params.best_of is not None else "n") from e
     for ids in prompts:
         try:
             llm.check_fits(ids, params)
@@ -61,12 +72,12 @@ def sampling_params(llm, body, max_tokens: int, prompts: list[list[int]]) -> Sam
 
 @dataclass(slots=True)
 class _Echo:
-    """A completion's prompt, sent first (echo), with its scores once the engine has sent them all."""
+    """A completion's prompt, which each of its choices sends first (echo), with its scores once the engine has
+    sent them all. One per prompt: the scores come with sample 0's progress only, and every choice shows them."""
 
     text: str
     positions: list[Position]
     scores: list | None          # the prompt's logprob dicts so far (None: logprobs not asked for)
-    is_sent: bool = False
 
     @classmethod
     def from_prompt(cls, tokenizer, prompt, ids: list[int], logprobs: bool) -> _Echo:
@@ -86,22 +97,32 @@ class _Echo:
     def take(self) -> tuple[str, list[Position]]:
         for p, s in zip(self.positions, self.scores or []):
             p.scores = s
-        self.is_sent = True
         return self.text, self.positions
 
 
 @dataclass(slots=True)
 class _Choice:
+    """One sample of one prompt. index: prompt index * n + sample index; with best_of > n, prompt index * n +
+    rank among the prompt's samples, set once all have finished."""
+
     index: int
+    prompt_index: int
+    request_id: str                    # the engine request that draws it
     prompt_len: int
     stream: TextStream
+    sample: Sample                     # its tokens and summed logprob, to rank by (best_of)
     echo: _Echo | None = None
+    is_echoed: bool = False
     scores: list | None = None         # generated tokens' logprob dicts (None: logprobs not asked for)
     num_reported: int = 0              # generated tokens whose logprobs were handed out
     num_tokens: int = 0
     finish: str | None = None
     text: list[str] = field(default_factory=list)
     positions: list[Position] = field(default_factory=list)
+
+    def take_echo(self) -> tuple[str, list[Position]]:
+        self.is_echoed = True
+        return self.echo.take()
 
     def take_positions(self, scores: list | None) -> list[Position]:
         """The generated tokens now wholly in the text sent (all of them once finished), with their scores."""
@@ -117,58 +138,91 @@ class _Choice:
         return out
 
 
-async def _drive(eng: EngineClient, choices: dict[str, _Choice], sink: asyncio.Queue):
+async def _drive(eng: EngineClient, routes: dict[str, list[_Choice]], sink: asyncio.Queue):
     """Yield (choice, new text, its positions) as tokens arrive until every choice has finished; an echoed
-    prompt comes first. Whatever is still running when this ends early (client gone, cancelled, error) is
-    aborted."""
-    open_ = set(choices)
+    prompt comes first. routes: engine row id (a request's or one sample's) -> the choices it feeds (its own;
+    with max_tokens 0, the one engine sample feeds each of the prompt's n choices). A stop string ends only
+    its own sample. Whatever still runs when this ends early (client gone, cancelled, error) is aborted, every
+    sample of it."""
+    open_ = set(routes)
     try:
-        for c in choices.values():
-            if c.echo is not None and c.echo.is_ready:
-                yield (c, *c.echo.take())
+        for route in routes.values():
+            for c in route:
+                if c.echo is not None and c.echo.is_ready:
+                    yield (c, *c.take_echo())
         while open_:
             got: Progress = await sink.get()
-            rid, toks, finish = got.request_id, got.token_ids, got.finish
-            if rid not in open_:
+            row, toks, finish = got.request_id, got.token_ids, got.finish
+            if row not in open_:
                 continue
             if toks is None:     # the engine went down
                 raise engine_down(finish)
-            c = choices[rid]
-            if c.echo is not None and not c.echo.is_sent:
-                c.echo.scores.extend(got.prompt_logprobs or [])
-                if c.echo.is_ready or finish is not None:
-                    yield (c, *c.echo.take())
-            c.num_tokens += len(toks)
-            piece = c.stream.add(toks, final=finish is not None)
-            if c.stream.stopped and finish is None:
-                eng.release(rid, "stop")
-                finish = "stop"
-            if finish is not None:
-                c.finish = "stop" if finish == "abort" else finish
-                open_.discard(rid)
-            yield c, piece, c.take_positions(got.logprobs)
+            route = routes[row]
+            echo = route[0].echo
+            if echo is not None and echo.scores is not None:
+                echo.scores.extend(got.prompt_logprobs or [])
+            is_stopped = False
+            for c in route:
+                # The prompt is scored in full before any sample is drawn, and sample 0's row comes first.
+                if c.echo is not None and not c.is_echoed and (c.echo.is_ready or finish is not None):
+                    yield (c, *c.take_echo())
+                c.num_tokens += len(toks)
+                c.sample.add(toks, got.logprobs, finish)
+                piece = c.stream.add(toks, final=finish is not None)
+                stopped = c.stream.stopped and finish is None
+                is_stopped |= stopped
+                ended = "stop" if stopped else finish
+                if ended is not None:
+                    c.finish = "stop" if ended == "abort" else ended
+                yield c, piece, c.take_positions(got.logprobs)
+            if is_stopped:
+                eng.release(row, "stop")
+            if finish is not None or is_stopped:
+                open_.discard(row)
     finally:
-        for rid in open_:
+        for rid in dict.fromkeys(routes[row][0].request_id for row in open_):
             eng.release(rid, "abort")
+
+
+def _best(choices: list[_Choice], params: SamplingParams, n: int) -> list[_Choice]:
+    """With best_of > n: each prompt's n samples with the highest summed logprob, best first, indexed so (the
+    ranking `LLM.generate` uses); else every choice, in index order."""
+    if params.num_samples == params.n:
+        return sorted(choices, key=lambda c: c.index)
+    out = []
+    for p in sorted({c.prompt_index for c in choices}):
+        mine = {c.sample.index: c for c in choices if c.prompt_index == p}
+        for rank, s in enumerate(chosen([c.sample for c in mine.values()], params)):
+            mine[s.index].index = p * n + rank
+            out.append(mine[s.index])
+    return out
 
 
 async def respond(model_name: str, eng: EngineClient, body, request: Request, prompts: list[list[int]],
                   params: SamplingParams, chat: bool, echo: list | None = None):
-    """Submit every prompt (one choice each) and answer as body asks: streamed or one JSON body. echo: the
-    prompts as sent (strings or ids), to return first (completions)."""
+    """Submit every prompt (n choices each: one per sample, or with best_of the best n samples) and answer as
+    body asks: streamed or one JSON body. echo: the prompts as sent (strings or ids), to return first
+    (completions)."""
     stops = body.stop_strings()
+    n = body.n
     sink: asyncio.Queue = asyncio.Queue()
-    choices: dict[str, _Choice] = {}
+    choices: list[_Choice] = []
+    routes: dict[str, list[_Choice]] = {}
+    submitted: list[str] = []
     tok = eng.llm.tokenizer
     has_logprobs = params.logprobs is not None
     try:
-        for i, ids in enumerate(prompts):
+        for p, ids in enumerate(prompts):
             rid = eng.submit(ids, params, sink)
-            choices[rid] = _Choice(i, len(ids), TextStream(tok, stops, spans=has_logprobs),
-                                   echo=None if echo is None else _Echo.from_prompt(tok, echo[i], ids, has_logprobs),
-                                   scores=[] if has_logprobs else None)
+            submitted.append(rid)
+            shown = None if echo is None else _Echo.from_prompt(tok, echo[p], ids, has_logprobs)
+            rows = sample_ids(rid, params.num_samples)
+            mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, spans=has_logprobs), Sample(i),
+                            echo=shown, scores=[] if has_logprobs else None) for i in range(max(n, len(rows)))]
+            routes.update({rows[0]: mine} if len(rows) == 1 else {row: [c] for row, c in zip(rows, mine)})
+            choices += mine
     except BaseException:
-        for rid in choices:      # a batch is all or nothing
+        for rid in submitted:      # a batch is all or nothing
             eng.release(rid, "abort")
         raise
     rid_prefix = "chatcmpl-" if chat else "cmpl-"
@@ -180,13 +234,16 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
             return None
         return chat_logprobs(names, positions, params.logprobs) if chat else completion_logprobs(names, positions)
 
-    def usage(of: list[_Choice] | None = None) -> dict:
-        of = list(choices.values()) if of is None else of
-        p, c = sum(ch.prompt_len for ch in of), sum(ch.num_tokens for ch in of)
+    def usage(of: list[_Choice]) -> dict:
+        """Each prompt of `of` counted once, the tokens of every choice in it (as vLLM: with best_of, only
+        the n returned)."""
+        p = sum({ch.prompt_index: ch.prompt_len for ch in of}.values())
+        c = sum(ch.num_tokens for ch in of)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
+    answered = choices         # with best_of, the best n of each prompt once known
     access = access_record(request)
-    access.usage = usage
+    access.usage = lambda: usage(answered)
     if body.stream:
         opts = body.stream_options
         include_usage = opts is not None and opts.include_usage
@@ -203,10 +260,10 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         async def events():
             try:
                 if chat:
-                    for c in choices.values():
+                    for c in choices:
                         yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}], [c] if continuous else None)
-                async for c, piece, positions in _drive(eng, choices, sink):
+                async for c, piece, positions in _drive(eng, routes, sink):
                     if not piece and not positions and c.finish is None:
                         continue
                     if chat:
@@ -216,7 +273,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                     part.update(logprobs=logprobs(positions), finish_reason=c.finish)
                     yield chunk([part], [c] if continuous else None)   # usage per choice, as vLLM
                 if include_usage:
-                    yield chunk([], list(choices.values()))
+                    yield chunk([], choices)
             except APIError as e:
                 access.error = e.message
                 yield f"data: {json.dumps(e.body())}\n\n"
@@ -226,7 +283,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def collect():
-        async for c, piece, positions in _drive(eng, choices, sink):
+        async for c, piece, positions in _drive(eng, routes, sink):
             c.text.append(piece)
             c.positions += positions
 
@@ -243,14 +300,14 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     finally:
         if not task.done():
             task.cancel()
-    ordered = sorted(choices.values(), key=lambda c: c.index)
+    answered = _best(choices, params, n)
     if chat:
         out = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": logprobs(c.positions), "finish_reason": c.finish} for c in ordered]
+                "logprobs": logprobs(c.positions), "finish_reason": c.finish} for c in answered]
         obj = "chat.completion"
     else:
         out = [{"index": c.index, "text": "".join(c.text), "logprobs": logprobs(c.positions),
-                "finish_reason": c.finish} for c in ordered]
+                "finish_reason": c.finish} for c in answered]
         obj = "text_completion"
     return {"id": resp_id, "object": obj, "created": created, "model": model_name, "choices": out,
-            "usage": usage()}
+            "usage": usage(answered)}

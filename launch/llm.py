@@ -6,13 +6,14 @@ import multiprocessing as mp
 import os
 import queue
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
 from .config import EngineConfig
 from .procs import free_port, rank_main
+from .samples import Sample, chosen, split_id
 
 
 @dataclass(slots=True)
@@ -21,7 +22,9 @@ class RequestOutput:
     finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context limit) or "abort".
     prompt_logprobs: with SamplingParams.prompt_logprobs set, one entry per prompt token: None for the first,
     then {token id: log-probability} holding the prompt token and the top alternatives asked for.
-    logprobs: with SamplingParams.logprobs set, one such dict per generated token."""
+    logprobs: with SamplingParams.logprobs set, one such dict per generated token.
+    samples: the SamplingParams.n samples (with best_of: the best n, best first); token_ids, text, finish_reason
+    and logprobs above are the first one's."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -30,6 +33,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     logprobs: list[dict[int, float]] | None = None
+    samples: list[Sample] = field(default_factory=list)
 
 
 def _load_tokenizer(path: str):
@@ -128,7 +132,9 @@ class LLM:
         return ids
 
     def check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        """ValueError unless prompt + max_tokens fits max_model_len and one attention rank's KV cache."""
+        """ValueError unless prompt + max_tokens fits max_model_len and one attention rank's KV cache, and its
+        samples fit max_num_seqs (`check_samples`)."""
+        self.check_samples(params)
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:  # max_tokens >= 1, so this also covers len(ids) >= max_model_len
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds "
@@ -137,6 +143,14 @@ class LLM:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds the KV "
                              f"cache of one attention rank ({self.kv_capacity_tokens} tokens); give more "
                              f"kv_cache_memory or shorten the request")
+
+    def check_samples(self, params: SamplingParams) -> None:
+        """ValueError unless the request's samples, which run side by side, fit max_num_seqs (else it would
+        wait for seats forever)."""
+        limit = self.config.scheduler.max_num_seqs
+        if params.num_samples > limit:
+            raise ValueError(f"n={params.n}, best_of={params.best_of}: {params.num_samples} samples exceed "
+                             f"max_num_seqs={limit}; draw fewer or raise max_num_seqs")
 
     def submit(self, prompt, params: SamplingParams) -> str:
         """Validate one request and queue it for the leader; returns its request id. Progress arrives on
@@ -188,25 +202,32 @@ class LLM:
         rids = [self.enqueue(i, p) for i, p in zip(ids, params)]
         if self.runtime is not None:
             self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
-        tokens = {rid: [] for rid in rids}
+        samples = {rid: {} for rid in rids}
         prompt_logprobs = {rid: [] if p.prompt_logprobs is not None else None for rid, p in zip(rids, params)}
-        logprobs = {rid: [] if p.logprobs is not None else None for rid, p in zip(rids, params)}
-        finish: dict[str, str] = {}
-        while len(finish) < len(rids):
+        grouped = {rid for rid, p in zip(rids, params) if p.num_samples > 1}
+        num_open = sum(p.num_samples for p in params)
+        while num_open:
             msg = self._poll(self._outbox, None, "generate")
             if msg[0] != "out":
                 continue
-            for rid, toks, reason, new_prompt_logprobs, new_logprobs in msg[1]:
-                if rid in tokens:
-                    tokens[rid].extend(toks)
-                    if new_prompt_logprobs:
-                        prompt_logprobs[rid].extend(new_prompt_logprobs)
-                    if new_logprobs:
-                        logprobs[rid].extend(new_logprobs)
-                    if reason is not None:
-                        finish[rid] = reason
-        return [RequestOutput(rid, i, tokens[rid], self.decode(tokens[rid]), finish[rid], prompt_logprobs[rid],
-                              logprobs[rid]) for rid, i in zip(rids, ids)]
+            for row_id, toks, reason, new_prompt_logprobs, new_logprobs in msg[1]:
+                rid, index = split_id(row_id, grouped)
+                if rid not in samples:
+                    continue
+                sample = samples[rid].setdefault(index, Sample(index))
+                sample.add(toks, new_logprobs, reason)
+                if new_prompt_logprobs:
+                    prompt_logprobs[rid].extend(new_prompt_logprobs)
+                num_open -= reason is not None
+        outs = []
+        for rid, i, p in zip(rids, ids, params):
+            best = chosen(list(samples[rid].values()), p)
+            for s in best:
+                s.text = self.decode(s.token_ids)
+            first = best[0]
+            outs.append(RequestOutput(rid, i, first.token_ids, first.text, first.finish_reason, prompt_logprobs[rid],
+                                      first.logprobs, best))
+        return outs
 
     def stats(self) -> dict:
         """Engine counters from the leader: steps, preemptions, prefill chunks, queue sizes, free KV blocks."""

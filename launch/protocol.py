@@ -86,8 +86,6 @@ class _Sampling(_Request):
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every set field this server does not implement."""
         out = []
-        if self.n != 1:
-            out.append(("n", f"n={self.n} is not supported: this server returns one choice per prompt; pass n=1"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream=true"))
         return out
@@ -101,6 +99,10 @@ class _Sampling(_Request):
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) to ask the engine for: None = none, k = the token plus the top k."""
         return None, None
+
+    def sample_counts(self) -> tuple[int, int | None]:
+        """(n, best_of): choices per prompt, and how many samples to draw for them (None = n)."""
+        return self.n, None
 
     def token_bias(self, vocab_size: int) -> dict[int, float] | None:
         """logit_bias with its keys (token ids as strings, OpenAI's form) as ints; a 400 naming logit_bias for a
@@ -123,7 +125,11 @@ class _Sampling(_Request):
             raise APIError(400, f"min_tokens={self.min_tokens} exceeds max_tokens={max_tokens}; lower min_tokens",
                            "min_tokens")
         logprobs, prompt_logprobs = self.logprob_counts()
+        n, best_of = self.sample_counts()
         try:
+            if max_tokens == 0:   # nothing is sampled: one engine sample serves every choice (the front repeats it)
+                SamplingParams(n=n, best_of=best_of)     # still a 400 for values the engine refuses
+                n, best_of = 1, None
             return SamplingParams(
                 max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=self.seed,
@@ -131,7 +137,7 @@ class _Sampling(_Request):
                 prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size))
+                min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size), n=n, best_of=best_of)
         except ValueError as e:
             named = re.match(r"SamplingParams\.(\w+)=", str(e))
             raise APIError(400, str(e), named.group(1) if named else None) from e
@@ -147,11 +153,16 @@ class CompletionRequest(_Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.best_of not in (None, 1):
-            out.append(("best_of", f"best_of={self.best_of} is not supported; pass 1 or leave it out"))
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            out.append(("best_of", f"best_of={self.best_of} > n={self.n} cannot stream (the best samples are known "
+                                   "only once all have finished, as in OpenAI's API); pass stream=false or "
+                                   "best_of=n"))
         if self.suffix is not None:
             out.append(("suffix", "suffix is not supported; leave it out"))
         return out
+
+    def sample_counts(self) -> tuple[int, int | None]:
+        return self.n, self.best_of
 
     def limit(self) -> int:
         """max_tokens, checked: 0 needs echo (there is nothing else to return)."""
@@ -170,7 +181,7 @@ class CompletionRequest(_Sampling):
         return self.logprobs, prompt_k
 
     def prompts(self) -> list[str | list[int]]:
-        """One prompt or a batch; each becomes one choice."""
+        """One prompt or a batch; each becomes n choices."""
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]

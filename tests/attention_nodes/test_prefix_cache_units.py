@@ -116,3 +116,31 @@ def test_a_failed_admission_changes_nothing():
     free = pool.num_free_blocks
     assert not sched.schedule().scheduled[1:]           # b does not fit beside hog
     assert pool.num_free_blocks == free and sched.waiting[0].block_table == []
+
+
+def test_fork_shares_blocks_and_copies_the_shared_tail_before_writing():
+    """A 6-token prompt (block size 4) drawing 3 samples: at its first draw the samples share both blocks; at
+    the next step two of them copy the half-filled second block (the third, its last holder, writes in place),
+    and the full first block stays shared."""
+    pool = BlockPool(16, 4)
+    sched = Scheduler(pool, 8, 64, enable_prefix_caching=True)
+    sched.add(Sequence.from_request("g", list(range(10, 16)), SamplingParams(max_tokens=3, n=2, best_of=3), 1))
+    out = sched.schedule()
+    (parent_entry,) = out.scheduled
+    forks = sched.fork(parent_entry, [None, None])
+    out.scheduled += forks
+    parent = parent_entry.seq
+    assert [s.seq.request_id for s in out.scheduled] == ["g#0", "g#1", "g#2"]
+    table = list(parent.block_table)
+    assert all(s.seq.block_table == table for s in forks) and [pool.refcount(b) for b in table] == [3, 3]
+    sched.update(out, [7, 8, 9], EOS, 1000)
+    assert [s.token_ids[-1] for s in sched.running] == [7, 8, 9]
+    out = sched.schedule()
+    tails = [s.seq.block_table[1] for s in out.scheduled]
+    assert len(set(tails)) == 3 and table[1] in tails
+    assert all(s.seq.block_table[0] == table[0] for s in out.scheduled) and pool.refcount(table[0]) == 3
+    copies = pool.take_copies()
+    assert sorted(src for src, _ in copies) == [table[1], table[1]] and {d for _, d in copies} == set(tails) - {
+        table[1]}
+    assert [s.request_id for s in sched.abort("g")] == ["g#0", "g#1", "g#2"]
+    assert pool.num_free_blocks == 16

@@ -181,12 +181,12 @@ def test_abort_waiting_and_running_returns_blocks():
     sched.add(wait)
     step(sched)
     assert sched.block_pool.num_used_blocks == 2
-    assert sched.abort("r1") is wait and sched.num_waiting == 0
-    assert sched.abort("r0") is run and sched.num_running == 0
+    assert sched.abort("r1") == [wait] and sched.num_waiting == 0
+    assert sched.abort("r0") == [run] and sched.num_running == 0
     for s in (run, wait):
         assert s.is_finished and s.finish_reason == "abort" and s.block_table == []
     assert sched.block_pool.num_free_blocks == 8 and not sched.has_work
-    assert sched.abort("r0") is None and sched.abort("nope") is None
+    assert sched.abort("r0") == [] and sched.abort("nope") == []
 
 
 def test_abort_between_schedule_and_update_is_skipped():
@@ -274,3 +274,21 @@ def test_seq_outgrowing_the_whole_pool_fails_fast():
     step(sched)  # 5 tokens now need 3 blocks, more than the pool has
     with pytest.raises(RuntimeError, match="needs 3 KV blocks but the pool has 2"):
         sched.schedule()
+
+
+def test_a_request_that_will_fork_takes_a_seat_per_sample():
+    """max_num_seqs=3: r0 runs; r1 (n=3) waits until three seats are free, as its samples run side by side once
+    it forks (admitted beside r0, running would reach 4 and break the seat bound)."""
+    sched = make_scheduler(max_num_seqs=3)
+    sched.add(make_seq(0, 3, max_tokens=2))
+    sched.add(make_seq(1, 3, max_tokens=2, n=3))
+    out, _, _ = step(sched)
+    assert work(out) == [("r0", 0, 3)]
+    out, _, _ = step(sched)                     # r0 finishes: now r1 fits
+    assert work(out) == [("r0", 3, 1)]
+    out = sched.schedule()
+    assert work(out) == [("r1#0", 0, 3)]
+    out.scheduled += sched.fork(out.scheduled[0], [None, None])
+    sched.update(out, [7, 8, 9], EOS, MAX_MODEL_LEN)
+    assert [s.request_id for s in sched.running] == ["r1#0", "r1#1", "r1#2"]
+    assert len(sched.schedule().scheduled) == 3

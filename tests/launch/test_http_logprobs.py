@@ -6,6 +6,7 @@ Oracles: transformers' own fp32 logits for every logprob and top-k set; `LLM.gen
 prefix-cache counters; the returned text itself for text offsets."""
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -21,6 +22,7 @@ from tests.conftest import hf_model, make_prompts
 
 MODEL = "tiny"
 MAX_LEN = 128
+MAX_SEQS = 8                     # a request's samples run side by side: n or best_of above this is a 400
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
@@ -33,11 +35,17 @@ class Served:
     expected: dict               # case name -> (request fields, LLM.generate's output)
     chat_expected: tuple         # (plain, logit_bias case) outputs of LLM.generate on CHAT's template ids
     chat_sampled: object         # LLM.generate's output for CHAT at temperature 1, seed SEED
+    samples: list                # LLM.generate's outputs for [PROMPT, OTHER] with SAMPLED (n=2)
+    best: object                 # LLM.generate's output for PROMPT with RANKED, n=2, best_of=3
+    client: object               # the app's EngineClient
 
 
 PROMPT = make_prompts(1, 256, 12, 12, seed=21)[0]
+OTHER = make_prompts(1, 256, 9, 9, seed=22)[0]
 CHAT = [{"role": "user", "content": "Hello"}]
 SEED = 3
+SAMPLED = {"max_tokens": 6, "temperature": 1.0, "seed": SEED, "ignore_eos": True}   # request and SamplingParams
+RANKED = {**SAMPLED, "seed": 4}    # a seed whose best 2 of 3 samples are not samples 0 and 1
 
 
 def chat_ids(tok, messages) -> list[int]:
@@ -64,7 +72,7 @@ def served(tiny_checkpoint):
     from launch.api_server import attach, build_app, shut_down
 
     path = tiny_checkpoint("qwen3_moe")
-    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=MAX_LEN) as llm:
+    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS) as llm:
         # The Python API's answers first: once the front attaches, its router thread owns the outbox.
         plain = llm.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
         cases = _penalty_cases(plain)
@@ -77,6 +85,8 @@ def served(tiny_checkpoint):
             chat_plain.token_ids[0]: -100.0, 65: 6.5}))[0]
         chat_sampled = llm.generate([ids], SamplingParams(max_tokens=5, temperature=1.0, seed=SEED,
                                                           ignore_eos=True))[0]
+        samples = llm.generate([PROMPT, OTHER], SamplingParams(n=2, **SAMPLED))
+        best = llm.generate([PROMPT], SamplingParams(n=2, best_of=3, **RANKED))[0]
         app = build_app(MODEL, path, access_log=False)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         thread = threading.Thread(target=server.run, name="test-http", daemon=True)
@@ -85,10 +95,10 @@ def served(tiny_checkpoint):
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
             time.sleep(0.05)
-        attach(app, llm)
+        client = attach(app, llm)
         try:
             yield Served(server.servers[0].sockets[0].getsockname()[1], path, llm.tokenizer, plain, expected,
-                         (chat_plain, chat_biased), chat_sampled)
+                         (chat_plain, chat_biased), chat_sampled, samples, best, client)
         finally:
             shut_down(app, "the tests are over")
             server.should_exit = True
@@ -335,7 +345,13 @@ def test_logit_bias_in_chat_acts_as_in_generate(served):
     ("/v1/completions", {"min_tokens": -1}, "min_tokens"),
     ("/v1/completions", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
-    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/v1/completions", {"best_of": 2, "n": 3}, "best_of"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
+    ("/v1/completions", {"n": 2, "best_of": 1, "echo": True, "max_tokens": 0}, "best_of"),
+    ("/v1/completions", {"n": 65}, "n"),
+    ("/v1/completions", {"n": MAX_SEQS + 1}, "n"),
+    ("/v1/completions", {"n": 2, "best_of": MAX_SEQS + 1}, "best_of"),
+    ("/v1/chat/completions", {"n": 0}, "n"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logit_bias": {"1.5": 1}}, "logit_bias"),
@@ -347,11 +363,16 @@ def test_bad_values_get_a_400_naming_the_field(served, path, fields, param):
     assert code == 400 and data["error"]["param"] == param, data
 
 
-def _prefix_counters(served: Served) -> tuple[float, float]:
+def _metrics(served: Served) -> str:
     conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
+    return text
+
+
+def _prefix_counters(served: Served) -> tuple[float, float]:
+    text = _metrics(served)
     found = [re.search(rf"^afserve_prefix_cache_{kind}_total (\S+)$", text, re.M) for kind in ("queries", "hits")]
     assert all(found), text[-2000:]
     return float(found[0].group(1)), float(found[1].group(1))
@@ -368,3 +389,174 @@ def test_prefix_cache_counters_count_cached_tokens(served):
     q2, h2 = _prefix_counters(served)
     assert (q1 - q0, h1 - h0) == (40, 0)
     assert (q2 - q1, h2 - h1) == (40, 32)
+
+
+# ----- n and best_of -------------------------------------------------------------------------------------------
+def _text(served: Served, ids: list[int]) -> str:
+    return served.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_n_choices_are_generates_samples_in_order(served):
+    """n=2 with a seed: choice i is LLM.generate's sample i (its tokens, their text), again when repeated; a
+    batch of 2 prompts gives indexes 0..3, prompt by prompt; usage counts each prompt once and every sample's
+    tokens; streamed, each chunk carries one choice."""
+    tok = served.tokenizer
+    want = [s.token_ids for out in served.samples for s in out.samples]     # PROMPT's 2 samples, then OTHER's
+    assert len({tuple(w) for w in want}) == 4, "the samples must differ for their order to show"
+    for _ in range(2):
+        got = complete(served, prompt=PROMPT, n=2, logprobs=0, **SAMPLED)
+        assert [c["index"] for c in got["choices"]] == [0, 1]
+        for c, ids in zip(got["choices"], want):
+            assert c["text"] == _text(served, ids) and c["finish_reason"] == "length"
+            assert c["logprobs"]["tokens"] == [tok.decode([t]) for t in ids]
+        assert got["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 12,
+                                "total_tokens": len(PROMPT) + 12}
+    body = {"model": MODEL, "prompt": [PROMPT, OTHER], "n": 2, **SAMPLED}
+    got = complete(served, **{k: v for k, v in body.items() if k != "model"})
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in got["choices"]] == [_text(served, ids) for ids in want]
+    assert got["usage"]["prompt_tokens"] == len(PROMPT) + len(OTHER) and got["usage"]["completion_tokens"] == 24
+    code, chunks = post(served, "/v1/completions", {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert code == 200
+    texts = [""] * 4
+    for chunk in chunks[:-1]:
+        (part,) = chunk["choices"]
+        texts[part["index"]] += part["text"]
+    assert texts == [_text(served, ids) for ids in want] and chunks[-1]["usage"] == got["usage"]
+
+
+def test_greedy_n_repeats_the_greedy_text_in_completions_and_chat(served):
+    text = _text(served, served.plain)        # transformers' greedy (test_generated_logprobs_equal_transformers)
+    got = complete(served, prompt=PROMPT, n=2, max_tokens=8, **GREEDY)
+    assert [(c["index"], c["text"]) for c in got["choices"]] == [(0, text), (1, text)]
+    assert got["usage"]["prompt_tokens"] == len(PROMPT) and got["usage"]["completion_tokens"] == 16
+    plain = _text(served, served.chat_expected[0].token_ids)
+    body = {"model": MODEL, "messages": CHAT, "n": 3, "max_tokens": 4, **GREEDY}
+    code, got = post(served, "/v1/chat/completions", body)
+    assert code == 200, got
+    assert [(c["index"], c["message"]["content"]) for c in got["choices"]] == [(i, plain) for i in range(3)]
+    assert got["usage"] == {"prompt_tokens": len(chat_ids(served.tokenizer, CHAT)), "completion_tokens": 12,
+                            "total_tokens": len(chat_ids(served.tokenizer, CHAT)) + 12}
+    code, chunks = post(served, "/v1/chat/completions", {**body, "stream": True})
+    assert code == 200
+    texts, roles = [""] * 3, []
+    for chunk in chunks:
+        (part,) = chunk["choices"]
+        roles += [part["index"]] if part["delta"].get("role") else []
+        texts[part["index"]] += part["delta"].get("content", "")
+    assert roles == [0, 1, 2] and texts == [plain] * 3
+
+
+def test_best_of_returns_the_n_samples_with_the_highest_summed_logprob(served):
+    """best_of=3: the n of the 3 samples (the same draws as n=3, sample i seeded seed + i) whose tokens have the
+    highest summed logprob, best first, as LLM.generate returns them; logprobs only when asked; usage counts the
+    returned samples (vLLM's)."""
+    best = served.best.samples
+    assert [s.index for s in best] != [0, 1], "the best must not be the first n for the ranking to show"
+    got = complete(served, prompt=PROMPT, n=1, best_of=3, **RANKED)
+    (c,) = got["choices"]
+    assert (c["index"], c["text"], c["logprobs"]) == (0, _text(served, best[0].token_ids), None)
+    assert got["usage"]["completion_tokens"] == 6
+    every = complete(served, prompt=PROMPT, n=3, logprobs=0, **RANKED)["choices"]
+    ranked = sorted(every, key=lambda c: -sum(c["logprobs"]["token_logprobs"]))
+    got = complete(served, prompt=[OTHER, PROMPT], n=2, best_of=3, logprobs=0, **RANKED)
+    choices = got["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert [c["text"] for c in choices[2:]] == [c["text"] for c in ranked[:2]] == [
+        _text(served, s.token_ids) for s in best]
+    sums = [sum(c["logprobs"]["token_logprobs"]) for c in choices]
+    assert sums[0] >= sums[1] and sums[2] >= sums[3]
+    assert got["usage"] == {"prompt_tokens": len(PROMPT) + len(OTHER), "completion_tokens": 24,
+                            "total_tokens": len(PROMPT) + len(OTHER) + 24}
+
+
+def test_echo_with_n_gives_every_choice_the_scored_prompt(served):
+    """Prompt logprobs come with sample 0 only: every choice still shows them, streamed and not; with
+    max_tokens 0 the one scored prompt fills every choice."""
+    one = complete(served, prompt=PROMPT, echo=True, logprobs=1, max_tokens=3, **GREEDY)["choices"][0]
+    lp = one["logprobs"]
+    assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+
+    def assert_same(got: dict, upto: int) -> None:
+        assert got["tokens"] == lp["tokens"][:upto] and got["text_offset"] == lp["text_offset"][:upto]
+        assert got["token_logprobs"] == pytest.approx(lp["token_logprobs"][:upto], abs=1e-6)
+
+    got = complete(served, prompt=PROMPT, echo=True, logprobs=1, max_tokens=3, n=2, **GREEDY)
+    for c in got["choices"]:
+        assert c["text"] == one["text"]
+        assert_same(c["logprobs"], len(lp["tokens"]))
+    body = {"model": MODEL, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 3, "n": 2, "stream": True,
+            **GREEDY}
+    code, chunks = post(served, "/v1/completions", body)
+    assert code == 200
+    streamed = [{"tokens": [], "token_logprobs": [], "text_offset": []} for _ in range(2)]
+    for chunk in chunks:
+        (part,) = chunk["choices"]
+        for key, values in streamed[part["index"]].items():
+            values += part["logprobs"][key]
+    for s in streamed:
+        assert_same(s, len(lp["tokens"]))
+    zero = complete(served, prompt=PROMPT, echo=True, logprobs=1, max_tokens=0, n=2)
+    prompt_text = served.tokenizer.decode(PROMPT)
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in zero["choices"]] == [
+        (0, prompt_text, "length"), (1, prompt_text, "length")]
+    for c in zero["choices"]:
+        assert_same(c["logprobs"], len(PROMPT))
+    assert zero["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 0, "total_tokens": len(PROMPT)}
+
+
+@contextlib.contextmanager
+def engine_finishes(served: Served):
+    """{sample id: finish reason} of every sample row the engine sends meanwhile, also those the front no
+    longer routes (a spy on the router)."""
+    client, finishes = served.client, {}
+    deliver = client._deliver
+
+    def spy(rows):
+        finishes.update({row[0]: row[2] for row in rows if "#" in row[0] and row[2] is not None})
+        deliver(rows)
+
+    client._deliver = spy
+    try:
+        yield finishes
+    finally:
+        del client._deliver
+
+
+def test_a_stop_string_ends_only_its_own_sample(served):
+    """The stop string shows early in sample 0's text only: the engine aborts sample 0 and runs sample 1 on to
+    max_tokens (its text whole)."""
+    body = {"prompt": PROMPT, "n": 2, **SAMPLED, "max_tokens": 32}
+    a, b = (c["text"] for c in complete(served, **body)["choices"])
+    stop = next((a[i:j] for j in range(2, len(a) + 1) for i in range(1, j) if a[i:j] not in b
+                 and a.find(a[i:j]) == i and "\ufffd" not in a[i:j]), None)
+    assert stop is not None and a.index(stop) + len(stop) < len(a) // 2, (a, b, stop)
+    with engine_finishes(served) as finishes:
+        got = complete(served, **body, stop=[stop])
+    assert [(c["text"], c["finish_reason"]) for c in got["choices"]] == [(a[:a.index(stop)], "stop"), (b, "length")]
+    assert sorted(finishes.values()) == ["abort", "length"], finishes
+
+
+def test_client_gone_mid_stream_aborts_every_sample_and_frees_kv(served):
+    """The engine ends both samples with "abort" (a sample left running would end with "length"), and every KV
+    block is free again."""
+
+    def kv_used() -> int:
+        return sum(int(float(v)) for v in re.findall(r'^afserve_kv_blocks_used\{rank="\d+"\} (\S+)$',
+                                                     _metrics(served), re.M))
+
+    with engine_finishes(served) as finishes:
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+        body = {"model": MODEL, "prompt": PROMPT, "n": 2, "max_tokens": MAX_LEN - len(PROMPT), "stream": True,
+                **GREEDY}
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read(6) == b"data: "     # generating: the samples hold KV blocks
+        conn.sock.close()
+        conn.close()
+        deadline = time.monotonic() + 20
+        while (len(finishes) < 2 or kv_used()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert sorted(finishes.values()) == ["abort", "abort"], finishes
+    assert kv_used() == 0
+    assert re.search(r"^afserve_requests_running 0\.0$", _metrics(served), re.M)

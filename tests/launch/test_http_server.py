@@ -168,7 +168,7 @@ def test_seed_makes_sampling_reproducible(client):
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, None, 400, "max_model_len"),
     ({"model": MODEL, "prompt": list(range(3, 3 + MAX_LEN + 5))}, None, 400, "max_model_len"),
     ({"model": "gpt-nothing", "prompt": "hi"}, None, 404, "gpt-nothing"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, None, 400, "n=2"),
+    ({"model": MODEL, "prompt": "hi", "n": 65}, None, 400, "n=65"),
     ({"model": MODEL, "prompt": [], "max_tokens": 2}, None, 400, "empty"),
     ({"model": MODEL, "prompt": [999999]}, None, 400, "vocabulary"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, None, 400, "stop"),

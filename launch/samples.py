@@ -1,0 +1,54 @@
+"""Front-side bookkeeping of one request's samples (SamplingParams.n, best_of): the engine reports each sample
+under its own id, f"{request id}#{index}" (see Sequence.group_id); the front gathers them back per request and,
+with best_of, returns the n whose tokens have the highest summed log-probability."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from attention_nodes.sampling_params import SamplingParams
+
+
+def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
+    """(request id, sample index) of an engine output row id; grouped: the ids of requests with samples."""
+    rid, sep, index = row_id.rpartition("#")
+    if sep and rid in grouped:
+        return rid, int(index)
+    return row_id, 0
+
+
+def sample_ids(rid: str, num_samples: int) -> list[str]:
+    """The ids the engine reports a request's samples under: rid itself for one sample."""
+    return [rid] if num_samples == 1 else [f"{rid}#{i}" for i in range(num_samples)]
+
+
+@dataclass(slots=True)
+class Sample:
+    """One sample of a request. logprobs: one {token id: log-probability} per token when asked for (or needed
+    by best_of); cumulative_logprob: their sum over the sampled tokens (None without them)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+
+    def add(self, tokens: list[int], logprobs: list[dict[int, float]] | None, finish: str | None) -> None:
+        self.token_ids += tokens
+        if logprobs:
+            self.logprobs = (self.logprobs or []) + logprobs
+            self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(e[t] for t, e in zip(tokens, logprobs))
+        if finish is not None:
+            self.finish_reason = finish
+
+
+def chosen(samples: list[Sample], params: SamplingParams) -> list[Sample]:
+    """The samples to return: all n of them, or with best_of the n with the highest cumulative logprob (ties: the
+    lower index), best first. Logprobs drawn only for the ranking are dropped."""
+    if params.num_samples == params.n:
+        return sorted(samples, key=lambda s: s.index)
+    best = sorted(samples, key=lambda s: (-(s.cumulative_logprob or 0.0), s.index))[:params.n]
+    if params.logprobs is None:
+        for s in best:
+            s.logprobs = None
+    return best
