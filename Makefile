@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-comm eval clean
+.PHONY: demo test test-full bench bench-comm eval clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# CI runs `make test`; this adds the wider matrix of topologies, architectures and modes (about twice as long)
+test-full: $(STAMP)
+	$(PY) -m pytest -q tests --full
 
 $(VENV)/.bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,serve,profile,bench]"

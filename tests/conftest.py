@@ -13,6 +13,27 @@ if not torch.cuda.is_available():
 
 from models.tiny import ARCHS, make_tiny_checkpoint
 
+FULL = pytest.mark.full   # the wider matrix: `make test-full` (pytest --full); CI's `make test` runs the rest
+
+
+def wider(*values):
+    """A parametrize case that only the wider matrix runs."""
+    return pytest.param(*values, marks=FULL)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the wider matrix of topologies, architectures and modes (make test-full)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason="the wider matrix: run with `make test-full` (pytest --full)")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
@@ -55,4 +76,4 @@ def make_prompts(n: int, vocab: int, min_len: int, max_len: int, seed: int = 0) 
     return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lens]
 
 
-__all__ = ["ARCHS", "hf_greedy", "hf_model", "make_prompts"]
+__all__ = ["ARCHS", "FULL", "hf_greedy", "hf_model", "make_prompts", "wider"]

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from launch import LLM, SamplingParams
-from tests.conftest import hf_greedy, make_prompts
+from tests.conftest import hf_greedy, make_prompts, wider
 
 MAX_NEW = 12
 
 
-@pytest.mark.parametrize("attention_ranks,expert_ranks", [(2, 3), (2, 4)])
-@pytest.mark.parametrize("rebalance_interval", [0, 2])
+@pytest.mark.parametrize("attention_ranks,expert_ranks,rebalance_interval",
+                         [(2, 3, 0), (2, 4, 2), wider(2, 3, 2), wider(2, 4, 0)])
 def test_least_loaded_with_replicas_matches_transformers(tiny_checkpoint, attention_ranks, expert_ranks,
                                                          rebalance_interval):
     path = tiny_checkpoint("qwen3_moe")

@@ -8,16 +8,18 @@ import pytest
 
 from launch import LLM, SamplingParams
 from models.tiny import ARCHS
-from tests.conftest import hf_greedy, make_prompts
+from tests.conftest import hf_greedy, make_prompts, wider
 
 TOPOLOGIES = [(1, 1), (2, 2), (1, 3)]
 MAX_NEW = 10
 
 
-# The families added later run 2+2 here and 1+2 in test_model_families (CI time): 1+1 and 1+3 exercise
-# nothing per architecture that the first four do not.
+# The families added later run 2+2 here and 1+2 in test_model_families: 1+1 and 1+3 exercise nothing per
+# architecture that the first four do not. CI runs every architecture at 2+2 and Qwen3 in all three topologies;
+# the wider matrix (make test-full) adds the other first four at 1+1 and 1+3.
 FIRST = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-CASES = [(a, *t) for a in ARCHS for t in TOPOLOGIES if a in FIRST or t == (2, 2)]
+CASES = [(a, *t) if a == "qwen3_moe" or t == (2, 2) else wider(a, *t)
+         for a in ARCHS for t in TOPOLOGIES if a in FIRST or t == (2, 2)]
 
 
 @pytest.mark.parametrize("arch,attention_ranks,expert_ranks", CASES)
@@ -38,8 +40,8 @@ def test_greedy_matches_transformers(tiny_checkpoint, arch, attention_ranks, exp
         assert stats["num_preemptions"] > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
-@pytest.mark.parametrize("attention_ranks,expert_ranks", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("arch,attention_ranks,expert_ranks", [("qwen2_moe", 1, 2), ("mixtral", 2, 2),
+                                                               wider("qwen2_moe", 2, 2), wider("mixtral", 1, 2)])
 def test_ping_pong_micro_batches_match_transformers(tiny_checkpoint, arch, attention_ranks, expert_ranks):
     path = tiny_checkpoint(arch)
     prompts = make_prompts(6, 256, 1, 40, seed=4)  # includes tiny batches: some micro-batches are empty
@@ -52,9 +54,10 @@ def test_ping_pong_micro_batches_match_transformers(tiny_checkpoint, arch, atten
     assert single[0].token_ids == expected[0]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
-@pytest.mark.parametrize("transport,attention_ranks,expert_ranks,ranks_per_node",
-                         [("collective", 1, 2, None), ("collective", 2, 2, None), ("auto", 2, 2, 2)])
+@pytest.mark.parametrize("arch,transport,attention_ranks,expert_ranks,ranks_per_node", [
+    ("qwen3_moe", "collective", 1, 2, None), ("olmoe", "collective", 2, 2, None), ("qwen3_moe", "auto", 2, 2, 2),
+    wider("olmoe", "collective", 1, 2, None), wider("qwen3_moe", "collective", 2, 2, None),
+    wider("olmoe", "auto", 2, 2, 2)])
 def test_gloo_transport_matches_transformers(tiny_checkpoint, arch, transport, attention_ranks, expert_ranks,
                                              ranks_per_node):
     """The gloo data plane (forced, or chosen by auto because the topology spans two emulated nodes)."""
@@ -67,7 +70,7 @@ def test_gloo_transport_matches_transformers(tiny_checkpoint, arch, transport, a
     assert [o.token_ids for o in outs] == expected
 
 
-@pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), (4, 4, 2), (4, 4, 4)])
+@pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), (4, 4, 2), wider(4, 4, 4)])
 def test_two_phase_matches_transformers(tiny_checkpoint, attention_ranks, expert_ranks, ranks_per_node):
     """comm='two_phase' over emulated nodes: tokens gathered per node, one message per node pair."""
     path = tiny_checkpoint("qwen3_moe")
@@ -86,7 +89,8 @@ def test_two_phase_matches_transformers(tiny_checkpoint, attention_ranks, expert
     assert sum(p["inter_node_messages"] for p in layer0) == calls * src_nodes * dst_nodes
 
 
-@pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), (4, 4, 2), (4, 4, 4)])
+@pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), wider(4, 4, 2),
+                                                                         wider(4, 4, 4)])
 def test_auto_comm_matches_transformers(tiny_checkpoint, tmp_path, attention_ranks, expert_ranks, ranks_per_node):
     """comm='auto': a start-up calibration (saved, then loaded by a second engine) picks direct or two_phase
     per call; tokens are identical whichever it picks."""

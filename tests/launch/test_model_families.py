@@ -13,14 +13,14 @@ import torch
 
 from launch import LLM, SamplingParams
 from models.tiny import quantize_fp8_checkpoint, quantize_mxfp4_checkpoint
-from tests.conftest import hf_greedy, hf_model, make_prompts
+from tests.conftest import hf_greedy, hf_model, make_prompts, wider
 from tests.dist_utils import run_ranks
 from tests.launch.test_teacher_forced import _rank_fn
 
 MAX_NEW = 10
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", [wider("deepseek_v2"), "deepseek_v3", wider("glm4_moe"), "gpt_oss"])
 def test_greedy_on_one_attention_two_expert_ranks(tiny_checkpoint, arch):
     """1+2 ranks (the shared suite runs 1+1, 2+2 and 1+3), with a prompt longer than the token budget."""
     path = tiny_checkpoint(arch)
