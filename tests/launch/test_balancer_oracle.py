@@ -11,7 +11,7 @@ MAX_NEW = 12
 
 
 @pytest.mark.parametrize("attention_ranks,expert_ranks,rebalance_interval",
-                         [(2, 3, 0), (2, 4, 2), wider(2, 3, 2), wider(2, 4, 0)])
+                         [(2, 4, 2), wider(2, 3, 0), wider(2, 3, 2), wider(2, 4, 0)])
 def test_least_loaded_with_replicas_matches_transformers(tiny_checkpoint, attention_ranks, expert_ranks,
                                                          rebalance_interval):
     path = tiny_checkpoint("qwen3_moe")

@@ -45,6 +45,7 @@ def test_deepseek_v2_auto_comm_round_robin_and_preemption(tiny_checkpoint, tmp_p
     assert stats["num_preemptions"] > 0 and stats["num_prefill_chunks"] > 0
 
 
+@pytest.mark.full
 def test_chat_over_http_on_glm(tiny_checkpoint, tmp_path):
     """The OpenAI server on a GLM-4.5 checkpoint answers a chat with the greedy text of LLM.generate."""
     import openai
