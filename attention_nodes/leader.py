@@ -31,6 +31,7 @@ from comm.control import (
 )
 
 from .block_pool import chain_hashes
+from .sequence import request_of, sample_ids
 from .worker import AttentionWorker
 
 
@@ -100,12 +101,11 @@ class Leader:
             self.pending.append(cmd[1])
         elif kind == "abort":     # a request's id, or one sample's (f"{request id}#{index}")
             rid = cmd[1]
-            base = rid.rpartition("#")[0] if "#" in rid else rid
+            base = request_of(rid)
             dropped = [r for r in self.pending if r["id"] in (rid, base)]
             if dropped:           # not assigned yet: every sample of it ends here
                 self.pending = deque(r for r in self.pending if r not in dropped)
-                n = _num_samples(dropped[0])
-                ids = [dropped[0]["id"]] if n == 1 else [f"{dropped[0]['id']}#{i}" for i in range(n)]
+                ids = sample_ids(dropped[0]["id"], _num_samples(dropped[0]))
                 outbox.put(("out", [[i, [], "abort", None, None] for i in ids]))
             elif base in self.req2rank:
                 aborts.setdefault(str(self.req2rank[base]), []).append(rid)
@@ -189,7 +189,7 @@ class Leader:
         for rid, _, finish, *_ in outputs:
             if finish is None:
                 continue
-            base = rid.rpartition("#")[0] if "#" in rid else rid
+            base = request_of(rid)
             left = self.open_samples.get(base, 1) - 1
             if left > 0:
                 self.open_samples[base] = left

@@ -9,6 +9,17 @@ import torch
 from attention_nodes.sampling_params import SamplingParams
 
 
+def sample_ids(request_id: str, num_samples: int) -> list[str]:
+    """The ids the engine reports a request's samples under: the request's own id for one sample, else
+    f"{request_id}#{index}" each."""
+    return [request_id] if num_samples == 1 else [f"{request_id}#{i}" for i in range(num_samples)]
+
+
+def request_of(row_id: str) -> str:
+    """The request id a sample id belongs to (a request's own id is its own)."""
+    return row_id.rpartition("#")[0] if "#" in row_id else row_id
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()

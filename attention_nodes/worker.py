@@ -14,7 +14,7 @@ from .model import AttentionModel, MoEContext
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, sample_ids
 
 
 class AttentionWorker:
@@ -47,8 +47,7 @@ class AttentionWorker:
         for rid in request_ids:
             for seq in self.scheduler.abort(rid):
                 # Aborted before it forked, a request still ends each of its samples.
-                ids = [f"{seq.group_id}#{i}" for i in range(seq.params.num_samples)] if seq.needs_fork \
-                    else [seq.request_id]
+                ids = sample_ids(seq.group_id, seq.params.num_samples) if seq.needs_fork else [seq.request_id]
                 self._aborted += [[i, [], "abort", None, None] for i in ids]
 
     def step(self, capacity: int) -> StepReport:

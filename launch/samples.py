@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.sequence import sample_ids
+
+__all__ = ["Sample", "chosen", "sample_ids", "split_id"]
 
 
 def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
@@ -14,11 +17,6 @@ def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
     if sep and rid in grouped:
         return rid, int(index)
     return row_id, 0
-
-
-def sample_ids(rid: str, num_samples: int) -> list[str]:
-    """The ids the engine reports a request's samples under: rid itself for one sample."""
-    return [rid] if num_samples == 1 else [f"{rid}#{i}" for i in range(num_samples)]
 
 
 @dataclass(slots=True)
