@@ -233,28 +233,6 @@ def stabilize(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def plan_moves(old: torch.Tensor, new: torch.Tensor) -> list[tuple[int, int, int, int, int]]:
-    """Weight copies that turn placement old `[L, n, S]` into new: (layer, dst rank, dst slot, src rank,
-    src slot), in a fixed order every rank computes alike. The source is the destination rank itself when it
-    already holds the expert, else the lowest rank that holds it in old."""
-    moves = []
-    L, n, S = new.shape
-    for layer in range(L):
-        holders: dict[int, tuple[int, int]] = {}
-        for r in range(n):
-            for s, e in enumerate(old[layer, r].tolist()):
-                if e >= 0:
-                    holders.setdefault(e, (r, s))
-        for r in range(n):
-            here = {e: s for s, e in enumerate(old[layer, r].tolist()) if e >= 0}
-            for s, e in enumerate(new[layer, r].tolist()):
-                if e < 0 or old[layer, r, s] == e:
-                    continue
-                src = (r, here[e]) if e in here else holders[e]
-                moves.append((layer, r, s, *src))
-    return moves
-
-
 def expert_load(slot2expert: torch.Tensor, slot_counts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Per-slot served counts `[L, n, S]` under slot2expert -> per-expert load `[L, E]` float64."""
     L = slot2expert.shape[0]

@@ -9,12 +9,12 @@ from balancer.placement import (
     eplb,
     expert_load,
     load_balance,
-    plan_moves,
     replica_counts,
     slot_capacities,
     stabilize,
 )
 from balancer.policy import StaticPolicy, make_policy
+from balancer.replan import plan_moves
 
 
 def test_identity_placement_by_hand():
