@@ -97,6 +97,11 @@ class Dispatcher(ABC):
         """No source dispatches more than `capacity` tokens until the next call (the step header's bound)."""
         self.capacity = capacity
 
+    def abort(self) -> None:
+        """This rank leaves the job's generation: wake peers blocked on it (collective transports need nothing
+        here, aborting the process group does it)."""
+        return None
+
     @abstractmethod
     def start_dispatch(self, layer: int, hidden: torch.Tensor, dst_ranks: torch.Tensor, slots: torch.Tensor,
                        weights: torch.Tensor) -> PendingDispatch:
@@ -291,6 +296,10 @@ class ShmDispatcher(Dispatcher):
         dist.barrier(group=control)
         if self.rank == 0:  # every rank has mapped and opened what it needs: leave nothing behind
             shutil.rmtree(directory)
+
+    def abort(self) -> None:
+        for outlet in self.outlets:
+            outlet.abort()
 
     def set_capacity(self, capacity: int) -> None:
         if capacity > self.max_tokens:

@@ -6,7 +6,9 @@ rank owns an inbox: a shared-memory file holding, per sender and per round in fl
 [round int64 | count int64 | payload], and a FIFO that senders write one byte to after filling a slot.
 A receiver checks its slots' round words and blocks on the FIFO only while one is missing, so wake-ups
 that arrive early for a later round are harmless. Rounds follow the call order, which is the same on
-every rank, so no sizes or sequence numbers are exchanged.
+every rank, so no sizes or sequence numbers are exchanged. The inbox ends with an abort word: a rank that
+leaves the job's current generation (to re-form it after a failure) sets it in each peer's inbox and wakes
+the peer, whose wait then raises `PeerLost` at once instead of waiting out its timeout.
 """
 from __future__ import annotations
 
@@ -19,7 +21,11 @@ import time
 
 import torch
 
+from .failures import PeerLost
+
 HEADER = 16  # round (int64) + count (int64)
+ABORT_WORD = 8  # int64 at the end of an inbox: non-zero once a peer has left the generation
+LIVENESS_S = 0.1  # a wait silent this long checks that its missing senders' processes still exist
 
 
 class _StoreFence:
@@ -42,7 +48,7 @@ def shm_supported() -> bool:
     return os.uname().sysname == "Linux" and os.uname().machine in ("x86_64", "AMD64")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Same-host process liveness (a zombie counts as dead)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -74,7 +80,7 @@ class Inbox:
         self.num_senders, self.depth, self.slot_bytes = num_senders, depth, slot_bytes
         self.path = os.path.join(directory, f"rank{rank}.buf")
         self.fifo_path = os.path.join(directory, f"rank{rank}.fifo")
-        size = max(1, num_senders * depth * slot_bytes)
+        size = num_senders * depth * slot_bytes + ABORT_WORD
         fd = os.open(self.path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
         os.ftruncate(fd, size)
         self.mm = mmap.mmap(fd, size)
@@ -96,24 +102,26 @@ class Inbox:
     def wait(self, rnd: int, timeout_s: float, what: str, sender_pids: list[int] | None = None,
              sender_names: list[str] | None = None) -> list[torch.Tensor]:
         """Block until every sender has filled its slot for round rnd -> the slots, in sender order.
-        Raises within about a second once a missing sender's process (sender_pids) has died: liveness is
-        checked only after a second without any wake-up, never on the fast path."""
+        Raises within about LIVENESS_S once a missing sender's process (sender_pids) has died: liveness is
+        checked only after LIVENESS_S without any wake-up, never on the fast path."""
         deadline = time.monotonic() + timeout_s
         silent = False
         while True:
+            if int(self.buf[-ABORT_WORD:].view(torch.int64)[0]):
+                raise PeerLost(f"{what}: a peer left the job to re-form it (round {rnd})")
             missing = [s for s in range(self.num_senders) if int(self._round_word(s, rnd)[0]) != rnd]
             if not missing:
                 return [self.slot(s, rnd) for s in range(self.num_senders)]
             names = sender_names or [f"sender {s}" for s in range(self.num_senders)]
             if silent and sender_pids is not None:
-                dead = [names[s] for s in missing if not _alive(sender_pids[s])]
+                dead = [names[s] for s in missing if not process_alive(sender_pids[s])]
                 if dead:
-                    raise RuntimeError(f"{what}: {', '.join(dead)} died before sending round {rnd}")
+                    raise PeerLost(f"{what}: {', '.join(dead)} died before sending round {rnd}")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RuntimeError(f"{what}: {', '.join(names[s] for s in missing)} sent nothing for round {rnd} "
                                    f"within {timeout_s}s")
-            ready, _, _ = select.select([self.fifo], [], [], min(left, 1.0))
+            ready, _, _ = select.select([self.fifo], [], [], min(left, LIVENESS_S))
             silent = not ready
             if ready:
                 with contextlib.suppress(BlockingIOError):  # another reader of ours cannot exist; be safe
@@ -146,6 +154,12 @@ class Outlet:
         slot[:8].view(torch.int64)[0] = rnd
         # A full FIFO holds earlier wake-ups already: the reader will see the round word anyway.
         with contextlib.suppress(BlockingIOError):
+            os.write(self.fifo, b"\x01")
+
+    def abort(self) -> None:
+        """Mark the peer's inbox aborted and wake it (this rank is leaving the generation)."""
+        self.buf[-ABORT_WORD:].view(torch.int64)[0] = 1
+        with contextlib.suppress(OSError):
             os.write(self.fifo, b"\x01")
 
 

@@ -100,7 +100,7 @@ class ProcessGroups:
             g = dist.new_group([r for r in range(W) if topo.node_of(r) == n])
             if topo.node_of(topo.rank) == n:
                 node = g
-        for i in range(topo.ranks_per_node):
+        for i in range(min(topo.ranks_per_node, W)):   # a node may be missing ranks (a shrunk job)
             g = dist.new_group([r for r in range(W) if topo.local_index(r) == i])
             if topo.local_index(topo.rank) == i:
                 local = g

@@ -37,3 +37,23 @@ def test_dead_sender_is_reported_quickly(tmp_path):
     assert time.monotonic() - t0 < 3
     with pytest.raises(RuntimeError, match="rank 3 sent nothing for round 1 within 0.2s"):
         inbox.wait(1, 0.2, "test", None, ["rank 3"])
+
+
+def test_a_peer_leaving_the_generation_wakes_a_waiting_inbox_at_once(tmp_path):
+    """Outlet.abort (a peer re-forming the job) makes a wait raise PeerLost without waiting out its timeout,
+    though the sender is alive and no round arrives."""
+    import threading
+
+    from comm.failures import PeerLost, is_peer_failure
+
+    inbox = Inbox(str(tmp_path), rank=0, num_senders=1, depth=2, slot_bytes=32)
+    out = Outlet(str(tmp_path), 0, _StoreFence(), 0, depth=2, slot_bytes=32)
+    out.send(1, torch.zeros(0, dtype=torch.uint8), 0)
+    inbox.wait(1, 5, "test")
+    timer = threading.Timer(0.3, out.abort)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerLost, match="a peer left the job to re-form it") as info:
+        inbox.wait(2, 60, "test", [__import__("os").getpid()], ["rank 1"])
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert is_peer_failure(info.value)
