@@ -10,25 +10,14 @@ pushes per-request progress to an outbox queue. Inbox commands: ("add", request 
 most: ("out", [[request_id, [new token ids], finish_reason or None, new
 prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
 ("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
-every rank joins between steps.
+every rank joins between steps. The loop that drives all this, and the header kinds, are in
+launch/step_protocol.py; this class is the leader's request state.
 """
 from __future__ import annotations
 
-import queue
 from collections import deque
 
-from comm.control import (
-    COLLECT_EVENTS,
-    COLLECT_STATS,
-    IDLE,
-    PAUSE,
-    REBALANCE,
-    SHUTDOWN,
-    STEP,
-    ControlPlane,
-    StepHeader,
-    StepReport,
-)
+from comm.control import StepReport
 
 from .block_pool import chain_hashes
 from .sequence import request_of, sample_ids
@@ -36,12 +25,11 @@ from .worker import AttentionWorker
 
 
 class Leader:
-    def __init__(self, control: ControlPlane, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
-                 hooks: dict | None = None, rebalance_interval: int = 0, cache_aware: bool = False):
-        """hooks: header kind -> what every rank runs for it (REBALANCE, COLLECT_STATS, COLLECT_EVENTS), given by
-        the runtime."""
-        self.control, self.worker = control, worker
-        self.hooks = hooks or {}
+    def __init__(self, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
+                 rebalance_interval: int = 0, cache_aware: bool = False):
+        self.worker = worker
+        self.membership = None          # the runtime's Membership (launch/step_protocol.py), for stats
+        self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
         self.rebalance_interval = rebalance_interval
         self.num_attention_ranks = num_attention_ranks
         self.block_size = block_size
@@ -50,6 +38,14 @@ class Leader:
         self.pending: deque[dict] = deque()
         self.req2rank: dict[str, int] = {}
         self.open_samples: dict[str, int] = {}   # request id -> its samples not finished yet
+        # What is needed to move a request when its attention rank is lost: the request as assigned, the
+        # tokens each of its samples has streamed, its finished samples, and its prompt-logprob entries sent.
+        self.assigned: dict[str, dict] = {}
+        self.streamed: dict[str, dict[int, list[int]]] = {}
+        self.finished: dict[str, set[int]] = {}
+        self.prompt_logprobs_sent: dict[str, int] = {}
+        self.inflight = None             # the header of the step in flight (re-sent after a membership change)
+        self.num_moved_requests = 0
         self.cache_aware = cache_aware
         self.cached: list[set[int]] = [set() for _ in range(num_attention_ranks)]   # each rank's cached keys
         self.num_routed_to_cache = 0     # requests sent to a rank that caches a prefix of their prompt
@@ -77,8 +73,12 @@ class Leader:
                     rank = best
                 self.num_routed_to_cache += hit[rank] > 0
             free[rank] -= need
-            self.req2rank[req["id"]] = rank
-            self.open_samples[req["id"]] = _num_samples(req)
+            rid = req["id"]
+            self.req2rank[rid] = rank
+            self.open_samples.setdefault(rid, _num_samples(req))
+            self.assigned[rid] = req
+            self.streamed.setdefault(rid, {})
+            self.finished.setdefault(rid, set())
             out.setdefault(str(rank), []).append(req)
         return out
 
@@ -94,7 +94,7 @@ class Leader:
             hits.append(n)
         return hits
 
-    def _handle(self, cmd: tuple, aborts: dict[str, list[str]], outbox) -> bool:
+    def handle(self, cmd: tuple, aborts: dict[str, list[str]], outbox) -> bool:
         """Apply one inbox command; returns False on shutdown."""
         kind = cmd[0]
         if kind == "add":
@@ -103,63 +103,37 @@ class Leader:
             rid = cmd[1]
             base = request_of(rid)
             dropped = [r for r in self.pending if r["id"] in (rid, base)]
-            if dropped:           # not assigned yet: every sample of it ends here
+            if dropped:           # not assigned (or moved back from a lost rank): its open samples end here
                 self.pending = deque(r for r in self.pending if r not in dropped)
-                ids = sample_ids(dropped[0]["id"], _num_samples(dropped[0]))
-                outbox.put(("out", [[i, [], "abort", None, None] for i in ids]))
+                req = dropped[0]
+                done = self.finished.get(req["id"], set())
+                ids = sample_ids(req["id"], _num_samples(req))
+                outbox.put(("out", [[i, [], "abort", None, None] for n, i in enumerate(ids) if n not in done]))
+                self._forget(req["id"])
             elif base in self.req2rank:
                 aborts.setdefault(str(self.req2rank[base]), []).append(rid)
         elif kind == "stats":
             outbox.put(("stats", self.stats()))
-        elif kind == "comm_stats":      # ("comm_stats", events: bool = False)
-            outbox.put(("comm_stats", self._collective(COLLECT_EVENTS if len(cmd) > 1 and cmd[1] else COLLECT_STATS)))
+        elif kind == "comm_stats":      # ("comm_stats", events: bool = False): a collective, run by the loop
+            self.queries.append(len(cmd) > 1 and bool(cmd[1]))
         elif kind == "shutdown":
             return False
         else:
             raise ValueError(f"unknown inbox command {kind!r}")
         return True
 
-    def serve(self, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) -> str:
-        """Run steps until shutdown (returns "shutdown") or, with stop_when_idle, until all work is done
-        (broadcasts a pause and returns "pause"). Idle: blocks on the inbox, heartbeating every heartbeat_s."""
-        while True:
-            aborts: dict[str, list[str]] = {}
-            alive = True
-            try:
-                # Block (heartbeating) only when idle and serving; a generate() call ends as soon as it is done.
-                idle_wait = not self.has_work and not stop_when_idle
-                cmd = inbox.get(timeout=heartbeat_s) if idle_wait else inbox.get_nowait()
-                alive = self._handle(cmd, aborts, outbox)
-                while alive:
-                    alive = self._handle(inbox.get_nowait(), aborts, outbox)
-            except queue.Empty:
-                pass
-            if not alive:
-                self.control.broadcast_header(StepHeader.empty(SHUTDOWN, self.step_id))
-                return SHUTDOWN
-            if not self.has_work and not aborts:
-                kind = PAUSE if stop_when_idle else IDLE
-                self.control.broadcast_header(StepHeader.empty(kind, self.step_id))
-                if stop_when_idle:
-                    return PAUSE
-                continue
-            self.step_id += 1
-            new = self._assign()
-            # Ranks that get new requests may admit up to a full token budget this step.
-            capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new))
-            header = StepHeader(STEP, self.step_id, capacity, new, aborts)
-            self.control.broadcast_header(header)
-            reports = self.control.gather_reports(run_attention_step(self.worker, header))
-            self._collect(reports, outbox)
-            if self.rebalance_interval and self.step_id % self.rebalance_interval == 0:
-                self._collective(REBALANCE)
+    def take_queries(self) -> list[bool]:
+        """The comm_stats queries received since the last call (True: with events), in order."""
+        out, self.queries = self.queries, []
+        return out
 
-    def _collective(self, kind: str):
-        """Between steps: tell every rank to join the hook for kind, and run it here too."""
-        if kind not in self.hooks:
-            raise ValueError(f"this engine has no {kind!r} hook")
-        self.control.broadcast_header(StepHeader.empty(kind, self.step_id))
-        return self.hooks[kind]()
+    def next_step(self, aborts: dict[str, list[str]]) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]]]:
+        """(step id, capacity, new requests per rank, aborts per rank) of the next step's header."""
+        self.step_id += 1
+        new = self._assign()
+        # Ranks that get new requests may admit up to a full token budget this step.
+        capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new))
+        return self.step_id, capacity, new, aborts
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV
@@ -177,36 +151,81 @@ class Leader:
                 "kv_offload_saved_blocks": sum(r.offload_saved for r in self.reports),
                 "kv_offload_restored_blocks": sum(r.offload_restored for r in self.reports),
                 "num_routed_to_cache": self.num_routed_to_cache,
-                "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token}
+                "num_moved_requests": self.num_moved_requests,
+                "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
+                "membership_changes": [c.to_dict() for c in self.membership.changes] if self.membership else []}
 
-    def _collect(self, reports: list[StepReport], outbox) -> None:
+    def collect(self, reports: list[StepReport], outbox) -> None:
+        """Take one step's reports (in attention-rank order) and pass their outputs on."""
         self.reports = reports
-        for rep in reports:
-            cached = self.cached[rep.rank]   # within a step, blocks are evicted (schedule) before any is added
-            cached.difference_update(rep.cache_evicted)
+        self.inflight = None
+        for cached, rep in zip(self.cached, reports):
+            cached.difference_update(rep.cache_evicted)   # within a step, blocks are evicted (schedule) first
             cached.update(rep.cache_added)
         outputs = [out for rep in reports for out in rep.outputs]
-        for rid, _, finish, *_ in outputs:
+        for row_id, toks, finish, prompt_lps, _ in outputs:
+            base = request_of(row_id)
+            if base not in self.assigned:
+                continue
+            index = int(row_id.rpartition("#")[2]) if "#" in row_id else 0
+            if toks:
+                self.streamed[base].setdefault(index, []).extend(toks)
+            if prompt_lps:
+                self.prompt_logprobs_sent[base] = self.prompt_logprobs_sent.get(base, 0) + len(prompt_lps)
             if finish is None:
                 continue
-            base = request_of(rid)
+            self.finished[base].add(index)
             left = self.open_samples.get(base, 1) - 1
             if left > 0:
                 self.open_samples[base] = left
             else:
-                self.open_samples.pop(base, None)
-                self.req2rank.pop(base, None)
+                self._forget(base)
         if outputs:
             outbox.put(("out", outputs))
+
+    def _forget(self, rid: str) -> None:
+        for table in (self.open_samples, self.req2rank, self.assigned, self.streamed, self.finished,
+                      self.prompt_logprobs_sent):
+            table.pop(rid, None)
+
+    def regroup(self, keep: list[int], outbox) -> None:
+        """The attention pool is now keep (keep[i]: the old rank of new rank i; rank 0 stays). Requests of
+        the lost ranks go back to the front of the queue, resumed from the tokens they have streamed (the
+        step in flight never reported its tokens, so they are computed again); the in-flight header and every
+        per-rank table move to the new rank numbers. Aborts for a moved request end it here."""
+        new_rank = {old: new for new, old in enumerate(keep)}
+        header = self.inflight
+        aborted: set[str] = set()
+        if header is not None:
+            for r, ids in header.aborts.items():
+                if int(r) not in new_rank:
+                    aborted.update(request_of(i) for i in ids)
+            header.new_requests = {str(new_rank[int(r)]): reqs for r, reqs in header.new_requests.items()
+                                   if int(r) in new_rank}
+            header.aborts = {str(new_rank[int(r)]): ids for r, ids in header.aborts.items() if int(r) in new_rank}
+        moved = []
+        for rid, rank in list(self.req2rank.items()):
+            if rank in new_rank:
+                self.req2rank[rid] = new_rank[rank]
+                continue
+            del self.req2rank[rid]
+            req = self.assigned[rid]
+            open_ids = [i for i in range(_num_samples(req)) if i not in self.finished[rid]]
+            if rid in aborted:
+                ids = sample_ids(rid, _num_samples(req))
+                outbox.put(("out", [[ids[i], [], "abort", None, None] for i in open_ids]))
+                self._forget(rid)
+                continue
+            streamed = self.streamed[rid]
+            resume = {str(i): streamed.get(i, []) for i in open_ids} if streamed or _num_samples(req) == 1 else {}
+            moved.append(dict(req, resume=resume, prompt_logprobs_sent=self.prompt_logprobs_sent.get(rid, 0)))
+        self.pending.extendleft(reversed(moved))
+        self.num_moved_requests += len(moved)
+        self.cached = [self.cached[old] for old in keep]
+        self.reports = [self.reports[old] for old in keep]
+        self.num_attention_ranks = len(keep)
 
 
 def _num_samples(req: dict) -> int:
     p = req["params"]
     return p.get("best_of") or p.get("n", 1)
-
-
-def run_attention_step(worker: AttentionWorker, header: StepHeader) -> StepReport:
-    """What every attention rank does with a "step" header."""
-    worker.add_requests(header.requests_for(worker.rank))
-    worker.abort(header.aborts_for(worker.rank))
-    return worker.step(header.capacity)

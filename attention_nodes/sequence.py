@@ -77,6 +77,22 @@ class Sequence:
                    generator=generator, prompt_logprobs=None if params.prompt_logprobs is None else [None],
                    group_id=group)
 
+    @classmethod
+    def resumed(cls, request_id: str, index: int, prompt_token_ids: list[int], output_ids: list[int],
+                params: SamplingParams, arrival: int) -> Sequence:
+        """Sample `index` of a request moved from a lost attention rank with output_ids generated so far (its
+        KV is recomputed like a preempted sequence's). A seeded sample restarts its generator from the seed
+        and the tokens so far, so it is reproducible but not the stream it would have drawn unmoved."""
+        group = request_id if params.num_samples > 1 else None
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed((params.seed + index + 1000003 * len(output_ids)) % 2**63)
+        return cls(request_id=request_id if group is None else f"{group}#{index}",
+                   token_ids=list(prompt_token_ids) + list(output_ids), num_prompt_tokens=len(prompt_token_ids),
+                   params=params, arrival=arrival, generator=generator,
+                   prompt_logprobs=None if params.prompt_logprobs is None else [None], group_id=group,
+                   sample_index=index, forked=group is not None)
+
     @property
     def needs_fork(self) -> bool:
         """The next sample drawn for this sequence is its first: draw one per sample and fork."""

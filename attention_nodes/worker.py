@@ -31,17 +31,40 @@ class AttentionWorker:
         self._aborted: list[list] = []
         self.num_partial_chunks = 0
         self.num_preemptions = 0
+        # Re-forming the job re-sends the step in flight (launch/step_protocol.py): the last step begun and
+        # finished, its report, and a batch whose forward has not passed every exchange yet.
+        self.started_step = self.done_step = 0
+        self.last_report: StepReport | None = None
+        self._inflight = None
+
+    def adopt(self, moe: MoEContext) -> None:
+        """A new generation of the job: reach the experts through its dispatcher and placement."""
+        self.moe = moe
 
     @property
     def block_pool(self) -> BlockPool:
         return self.scheduler.block_pool
 
     def add_requests(self, requests: list[dict]) -> None:
-        """requests: {"id": str, "prompt": [int], "params": SamplingParams.to_dict()} (validated by the front)."""
+        """requests: {"id": str, "prompt": [int], "params": SamplingParams.to_dict()} (validated by the front).
+        A request moved here from a lost attention rank also has "resume": {sample index: [tokens generated
+        so far]} (the samples still open; empty when none was drawn yet) and "prompt_logprobs_sent": how many
+        prompt-logprob entries were already reported; it is recomputed from prompt plus those tokens and goes
+        on from there."""
         for r in requests:
-            self._arrivals += 1
-            seq = Sequence.from_request(r["id"], r["prompt"], SamplingParams.from_dict(r["params"]), self._arrivals)
-            self.scheduler.add(seq)
+            params = SamplingParams.from_dict(r["params"])
+            resume = {int(i): toks for i, toks in r.get("resume", {}).items()}
+            if not resume:
+                self._arrivals += 1
+                seq = Sequence.from_request(r["id"], r["prompt"], params, self._arrivals)
+                _skip_prompt_logprobs(seq, r.get("prompt_logprobs_sent", 0))
+                self.scheduler.add(seq)
+                continue
+            for i, toks in sorted(resume.items()):
+                self._arrivals += 1
+                seq = Sequence.resumed(r["id"], i, r["prompt"], toks, params, self._arrivals)
+                _skip_prompt_logprobs(seq, r.get("prompt_logprobs_sent", 0))
+                self.scheduler.add(seq)
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -51,17 +74,24 @@ class AttentionWorker:
                 self._aborted += [[i, [], "abort", None, None] for i in ids]
 
     def step(self, capacity: int) -> StepReport:
-        """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages)."""
-        out = order_for_batch(self.scheduler.schedule())
-        host = self.block_pool.host
-        if host is not None:
-            self.kv.copy_blocks(host.take_ops())   # saves before this step overwrites, restores before it reads
-        self.kv.copy_device_blocks(self.block_pool.take_copies())   # copy on write, after the saves
+        """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages).
+        Nothing is committed until the forward has passed every exchange: when one fails (a lost peer), the
+        next call runs the same scheduled batch again (the block copies, done before the forward, are not
+        redone)."""
+        if self._inflight is None:
+            out = order_for_batch(self.scheduler.schedule())
+            host = self.block_pool.host
+            if host is not None:
+                self.kv.copy_blocks(host.take_ops())   # saves before this step overwrites, restores before it reads
+            self.kv.copy_device_blocks(self.block_pool.take_copies())   # copy on write, after the saves
+            self._inflight = out
+        out = self._inflight
         assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
         self.moe.dispatcher.set_capacity(capacity)
         batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device, self.model.kernel_backend)
                    for part in split_micro_batches(out.scheduled, self.micro_batches)]
         logits = self.model.forward(batches, self.kv, self.moe)
+        self._inflight = None
         # The logit rows hold, per scheduled sequence in order, its prompt-logprob rows, then its sampled row.
         to_sample, sample_rows, scored, row = [], [], [], 0
         for s in out.scheduled:
@@ -131,6 +161,13 @@ def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range
     entries = iter(token_logprobs(logits[rows], targets, ks))
     for seq, pos, _ in scored:
         seq.prompt_logprobs.extend(next(entries) for _ in pos)
+
+
+def _skip_prompt_logprobs(seq: Sequence, sent: int) -> None:
+    """A moved request: its first `sent` prompt-logprob entries were reported already (placeholders here)."""
+    if seq.prompt_logprobs is not None and sent:
+        seq.prompt_logprobs = [None] * sent
+        seq.num_prompt_logprobs_sent = sent
 
 
 def _new_prompt_logprobs(seq: Sequence) -> list | None:

@@ -11,16 +11,14 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-STEP, IDLE, PAUSE, SHUTDOWN = "step", "idle", "pause", "shutdown"
-# every rank joins a collective between steps; COLLECT_EVENTS: the stats plus each rank's recent calls
-REBALANCE, COLLECT_STATS, COLLECT_EVENTS = "rebalance", "collect_stats", "collect_events"
 HEADER_BYTES = 4096
 
 
 @dataclass(slots=True)
 class StepHeader:
-    """kind: "step" (run one forward), "idle" (heartbeat, nothing to run), "pause" (end of a generate()
-    call under torchrun), "shutdown". new_requests / aborts are keyed by attention rank (str for msgpack).
+    """kind: one of the header kinds of launch/step_protocol.py (which says what each rank does with it);
+    step: the leader's step counter (a header re-sent after the job re-formed keeps its step).
+    new_requests / aborts are keyed by attention rank (str for msgpack).
     capacity: no attention rank runs more tokens than this in the step, so the data plane can size its
     messages without exchanging split sizes every layer."""
 

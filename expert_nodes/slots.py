@@ -32,31 +32,93 @@ class ExpertSlots:
     def load(cls, ckpt: Checkpoint, slot2expert: torch.Tensor, dtype: torch.dtype, device: torch.device,
              desc: str = "", kernel_backend: str = "torch", progress=None) -> ExpertSlots:
         """Read only the experts named in slot2expert `[L, S]`."""
+        slots = cls.empty(ckpt, slot2expert, dtype, device, kernel_backend)
+        slots._read(ckpt, slot2expert, desc, progress)
+        logger.info("%s loaded %d expert slots", desc, int((slot2expert >= 0).sum()))
+        return slots
+
+    @classmethod
+    def empty(cls, ckpt: Checkpoint, slot2expert: torch.Tensor, dtype: torch.dtype, device: torch.device,
+              kernel_backend: str = "torch") -> ExpertSlots:
+        """Zero weights shaped for slot2expert `[L, S]` (filled by _read or adopt)."""
         spec = ckpt.spec
         L, S = slot2expert.shape
         I, H = spec.moe_intermediate_size, spec.hidden_size
         w13 = torch.zeros(L, S, 2 * I, H, dtype=dtype, device=device)
         w2 = torch.zeros(L, S, H, I, dtype=dtype, device=device)
         act = ExpertAct(spec.expert_act, spec.swiglu_alpha, spec.swiglu_limit)
+        b13 = b2 = None
         if spec.fused_experts:
             b13 = torch.zeros(L, S, 2 * I, dtype=dtype, device=device)
             b2 = torch.zeros(L, S, H, dtype=dtype, device=device)
+        return cls(slot2expert.clone(), w13, w2, kernel_backend, b13, b2, act)
+
+    @staticmethod
+    def bytes_per_slot(ckpt: Checkpoint, dtype: torch.dtype) -> int:
+        """Bytes one slot's weights take (per MoE layer, summed over layers)."""
+        spec = ckpt.spec
+        I, H = spec.moe_intermediate_size, spec.hidden_size
+        per_layer = 3 * I * H + (2 * I + H if spec.fused_experts else 0)
+        return per_layer * spec.num_moe_layers * dtype.itemsize
+
+    def _read(self, ckpt: Checkpoint, wanted: torch.Tensor, desc: str = "", progress=None) -> int:
+        """Read from the checkpoint the experts named in wanted `[L, S]` (-1 = leave the slot alone) into their
+        slots; returns how many slots were read."""
+        spec = ckpt.spec
+        I = spec.moe_intermediate_size
+        if spec.fused_experts:
             for li, layer in enumerate(spec.moe_layer_ids):
-                _load_fused_layer(ckpt, layer, slot2expert[li], w13[li], w2[li], b13[li], b2[li])
-            logger.info("%s loaded %d expert slots from fused per-layer tensors", desc, int((slot2expert >= 0).sum()))
-            return cls(slot2expert.clone(), w13, w2, kernel_backend, b13, b2, act)
-        wanted = []
+                _load_fused_layer(ckpt, layer, wanted[li], self.w13[li], self.w2[li], self.b13[li], self.b2[li])
+            return int((wanted >= 0).sum())
+        todo = []
         for li, layer in enumerate(spec.moe_layer_ids):
-            for slot, e in enumerate(slot2expert[li].tolist()):
+            for slot, e in enumerate(wanted[li].tolist()):
                 if e >= 0:
-                    wanted.append((li, slot, spec.expert_tensor_names(layer, e)))
-        tensors = ckpt.read([n for _, _, names in wanted for n in names], dtype=dtype, device=device, desc=desc,
-                            progress=progress)
-        for li, slot, (gate, up, down) in wanted:
-            w13[li, slot, :I] = tensors[gate]
-            w13[li, slot, I:] = tensors[up]
-            w2[li, slot] = tensors[down]
-        return cls(slot2expert.clone(), w13, w2, kernel_backend, act=act)
+                    todo.append((li, slot, spec.expert_tensor_names(layer, e)))
+        if not todo:
+            return 0
+        tensors = ckpt.read([n for _, _, names in todo for n in names], dtype=self.w13.dtype,
+                            device=self.w13.device, desc=desc, progress=progress)
+        for li, slot, (gate, up, down) in todo:
+            self.w13[li, slot, :I] = tensors[gate]
+            self.w13[li, slot, I:] = tensors[up]
+            self.w2[li, slot] = tensors[down]
+        return len(todo)
+
+    def adopt(self, ckpt: Checkpoint, moves: list[tuple[int, int, int, int, int]], slot2expert: torch.Tensor,
+              me: int, world_rank, group=None) -> tuple[ExpertSlots, int, int]:
+        """This rank's part of a membership change: new slots for slot2expert `[L, S']` (S' may differ from
+        the current S). moves: every rank's (layer, dst rank, dst slot, src rank, src slot) in expert-pool
+        ranks of the new pool (balancer/replan.py; src -1 = the checkpoint), the same list on every rank;
+        world_rank maps them to ranks of `group`, where this rank's old slots are still held by it. Returns
+        (the new slots, slots received from peers, slots read from the checkpoint)."""
+        new = ExpertSlots.empty(ckpt, slot2expert, self.w13.dtype, self.w13.device, self.kernel_backend)
+        width = min(self.num_slots, new.num_slots)
+        for t_new, t_old in zip(new._per_slot(), self._per_slot()):   # experts that stay in their slot
+            same = (self.slot2expert[:, :width] == slot2expert[:, :width]) & (slot2expert[:, :width] >= 0)
+            t_new[:, :width][same] = t_old[:, :width][same]
+        works, landed, received = [], [], 0
+        wanted = torch.full_like(slot2expert, -1)
+        for layer, dst, dslot, src, sslot in moves:
+            if dst == me and src == -1:
+                wanted[layer, dslot] = slot2expert[layer, dslot]
+            elif dst == me and src == me:
+                for t_new, t_old in zip(new._per_slot(), self._per_slot()):
+                    t_new[layer, dslot] = t_old[layer, sslot]
+            elif dst == me:
+                bufs = [torch.empty_like(t[layer, 0]) for t in new._per_slot()]
+                works += [dist.irecv(b, world_rank(src), group=group) for b in bufs]
+                landed.append((layer, dslot, bufs))
+                received += 1
+            elif src == me:
+                works += [dist.isend(t[layer, sslot], world_rank(dst), group=group) for t in self._per_slot()]
+        read = new._read(ckpt, wanted) if bool((wanted >= 0).any()) else 0
+        for w in works:
+            w.wait()
+        for layer, dslot, bufs in landed:
+            for t, b in zip(new._per_slot(), bufs):
+                t[layer, dslot] = b
+        return new, received, read
 
     def move(self, moves: list[tuple[int, int, int, int, int]], slot2expert: torch.Tensor, me: int,
              world_rank, group=None) -> int:

@@ -20,6 +20,11 @@ class ExpertWorker:
         self.num_rows_served = 0
         self.load = LoadTracker(num_moe_layers, slots.num_slots)
 
+    def adopt(self, slots: ExpertSlots, dispatcher: Dispatcher) -> None:
+        """A new generation of the job: serve these slots through its dispatcher (load counts start over)."""
+        self.slots, self.dispatcher = slots, dispatcher
+        self.load = LoadTracker(self.num_moe_layers, slots.num_slots)
+
     @torch.inference_mode()
     def step(self, capacity: int) -> None:
         """Serve one engine step: per MoE layer, the dispatches of every micro-batch, then for each in turn

@@ -30,6 +30,7 @@ class ParallelConfig:
     redundant_experts: int = 0          # extra expert slots in all, for replicas of the busiest experts
     rebalance_interval: int = 0         # every N steps recompute the placement from observed load; 0 = never
     comm_calibration: str | None = None  # auto: load the alpha-beta calibration from this JSON, or measure and save
+    expert_memory: int | None = None    # bytes of expert weights one expert rank may hold; None: what the device has
 
     def __post_init__(self) -> None:
         _int("attention_ranks", self.attention_ranks, 1)
@@ -37,6 +38,8 @@ class ParallelConfig:
         _int("expert_ranks", self.expert_ranks, 1)
         _int("redundant_experts", self.redundant_experts, 0)
         _int("rebalance_interval", self.rebalance_interval, 0)
+        if self.expert_memory is not None:
+            _int("expert_memory", self.expert_memory, 1)
         if self.ranks_per_node is not None:
             _int("ranks_per_node", self.ranks_per_node, 1)
         if self.comm not in COMM_MODES:
@@ -98,6 +101,7 @@ class EngineConfig:
     threads_per_rank: int | None = None  # CPU threads per rank; None: cores / world size
     collective_timeout_s: float = 600.0
     heartbeat_s: float = 1.0            # an idle leader broadcasts at least this often
+    rank_failure_s: float = 3.0         # a rank whose heartbeat thread is silent this long counts as dead
     startup_timeout_s: float = 300.0
     load_progress: bool = True          # tqdm bar of weight bytes read, on the first rank of each role
 
@@ -109,7 +113,7 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
         resolve_backend(self.kernel_backend, self.device_type())   # an unknown or unrunnable kernel_backend raises
-        for name in ("collective_timeout_s", "heartbeat_s", "startup_timeout_s"):
+        for name in ("collective_timeout_s", "heartbeat_s", "startup_timeout_s", "rank_failure_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{name}={v!r} is invalid: pass a positive number of seconds")

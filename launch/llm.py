@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -14,6 +15,8 @@ from models.checkpoint import Checkpoint
 from .config import EngineConfig
 from .procs import free_port, rank_main
 from .samples import Sample, chosen, split_id
+
+logger = logging.getLogger("afserve")
 
 
 @dataclass(slots=True)
@@ -66,6 +69,8 @@ class LLM:
         self._ids = itertools.count()
         self._closed = False
         self._procs: list = []
+        self._serving = False      # past start-up: a lost rank other than the leader is survivable
+        self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
         self.runtime = None
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             self._join()
@@ -92,6 +97,7 @@ class LLM:
                 raise RuntimeError(f"start-up failed on {msg[2]}")
             ready[msg[1]] = msg[2]
         self._set_limits(ready[0])
+        self._serving = True
 
     def _join(self) -> None:
         from .runtime import Runtime
@@ -201,7 +207,7 @@ class LLM:
             return []
         rids = [self.enqueue(i, p) for i, p in zip(ids, params)]
         if self.runtime is not None:
-            self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
+            self.runtime.lead(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         samples = {rid: {} for rid in rids}
         prompt_logprobs = {rid: [] if p.prompt_logprobs is not None else None for rid, p in zip(rids, params)}
         grouped = {rid for rid, p in zip(rids, params) if p.num_samples > 1}
@@ -245,7 +251,7 @@ class LLM:
             return {}
         self._inbox.put(("comm_stats", events))
         if self.runtime is not None:
-            self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
+            self.runtime.lead(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         return self._reply("comm_stats")
 
     def _reply(self, kind: str) -> dict:
@@ -272,10 +278,19 @@ class LLM:
                 raise RuntimeError(f"{what} timed out; all ranks were stopped")
 
     def check_alive(self, what: str = "serving") -> None:
-        """RuntimeError naming the rank if a spawned rank has died (the others are then stopped too). Ranks
-        under torchrun are watched by torchrun itself."""
+        """RuntimeError naming the rank if the leader (rank 0), or any rank during start-up, has died (the others
+        are then stopped too). Once serving, the leader re-forms the job around any other lost rank
+        (launch/step_protocol.py), so those are only logged and listed in lost_ranks. Ranks under torchrun are
+        watched by torchrun itself."""
         dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
         if not dead:
+            return
+        if self._serving and dead[0][0] != 0:
+            for i, code in dead:
+                if i not in self.lost_ranks:
+                    self.lost_ranks.append(i)
+                    logger.warning("rank %d died (exit code %s) during %s; the leader re-forms the job without it",
+                                   i, code, what)
             return
         detail = ""
         try:
@@ -306,7 +321,7 @@ class LLM:
         if self.runtime is not None:
             if self.runtime.leader is not None:
                 self._inbox.put(("shutdown",))
-                self.runtime.leader.serve(self._inbox, self._outbox, self.config.heartbeat_s)
+                self.runtime.lead(self._inbox, self._outbox, self.config.heartbeat_s)
             else:
                 self.runtime.follow()
             self.runtime.close()

@@ -50,7 +50,7 @@ def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, stat
         runtime = Runtime(config)
         status.put(("ready", rank, asdict(runtime.info)))
         if runtime.leader is not None:
-            runtime.leader.serve(inbox, outbox, config.heartbeat_s)
+            runtime.lead(inbox, outbox, config.heartbeat_s)
         else:
             runtime.follow()
     except BaseException:

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,14 +18,15 @@ import torch.distributed as dist
 from attention_nodes.block_pool import BlockPool
 from attention_nodes.host_tier import HostTier
 from attention_nodes.kv_cache import KVCache, num_blocks_for
-from attention_nodes.leader import Leader, run_attention_step
+from attention_nodes.leader import Leader
 from attention_nodes.model import AttentionModel, MoEContext
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.worker import AttentionWorker
-from balancer.placement import Placement, eplb, expert_load, load_balance, plan_moves, slot_capacities, stabilize
+from balancer.placement import Placement, eplb, expert_load, load_balance, slot_capacities
 from balancer.policy import make_policy
+from balancer.replan import Replan, plan_membership, plan_rebalance
 from comm.calibration import shared_model
-from comm.control import COLLECT_EVENTS, COLLECT_STATS, IDLE, PAUSE, REBALANCE, SHUTDOWN, ControlPlane
+from comm.control import ControlPlane
 from comm.dispatcher import ShmDispatcher, make_dispatcher
 from comm.shm import host_identity, shm_supported
 from comm.topology import ProcessGroups, Topology
@@ -33,8 +35,10 @@ from expert_nodes.worker import ExpertWorker
 from kernels.ops import resolve_backend
 from models.checkpoint import Checkpoint
 
+from . import step_protocol
 from .config import EngineConfig
 from .procs import tune_allocator
+from .step_protocol import COLLECT_EVENTS, COLLECT_STATS, PREFIX, REBALANCE, Membership, MembershipError
 
 logger = logging.getLogger("afserve")
 
@@ -67,19 +71,32 @@ class Runtime:
             torch.set_num_threads(config.threads_per_rank or max(1, cores // self.topo.world_size))
         self.dtype = config.torch_dtype(self.device)
         self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if not dist.is_initialized():
-            dist.init_process_group(backend, rank=self.topo.rank, world_size=self.topo.world_size,
-                                    timeout=timedelta(seconds=config.collective_timeout_s))
-        self.groups = ProcessGroups.create(self.topo)
-        self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
-                                    par.attention_ranks)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # Generation 0 of the job's membership (launch/step_protocol.py): members are named by their first rank.
+        self.generation, self.member = 0, self.topo.rank
+        self.members = list(range(self.topo.world_size))
+        self.membership: Membership | None = None
+        self.left = False
+        self._stats = None      # the data plane's stats, carried from one generation to the next
+        if dist.is_initialized():   # the caller formed the groups: no store of ours, so no re-forming
+            self.store = None
+            self.groups = ProcessGroups.create(self.topo)
+            self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
+                                        par.attention_ranks)
+        else:
+            host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+            # Under torchrun its agent serves the store at MASTER_PORT; spawned ranks: rank 0 serves it.
+            serve = self.topo.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            self.store = dist.TCPStore(host, port, is_master=serve, wait_for_workers=False,
+                                       timeout=timedelta(seconds=config.startup_timeout_s))
+            self._form_groups()
+            self.membership = Membership(self, self.store, host, port, self.member, config.rank_failure_s)
         self.ckpt = Checkpoint(config.model)
         spec = self.ckpt.spec
         self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
                                  spec.max_position_embeddings)
         self.capacity = slot_capacities(spec.num_experts, par.redundant_experts, par.expert_ranks)
-        self.rank_node = [self.topo.node_of(par.attention_ranks + r) for r in range(par.expert_ranks)]
+        self.rank_node = self._expert_nodes()
         if par.redundant_experts == 0:
             placement = Placement.identity(spec.num_moe_layers, spec.num_experts, par.expert_ranks)
         else:   # no load observed yet: uniform
@@ -106,16 +123,16 @@ class Runtime:
                              track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
             sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                               cache.enable_prefix_caching)
-            moe = MoEContext(self.dispatcher, make_policy(par.balancer, placement), par.attention_ranks,
-                             placement.num_slots, spec.num_experts, self.groups.attention, self.topo.rank)
-            self.worker = AttentionWorker(self.topo.rank, model, kv, sched, moe, self.max_model_len, self.device,
-                                          par.micro_batches)
+            self.worker = AttentionWorker(self.topo.rank, model, kv, sched, self._moe_context(), self.max_model_len,
+                                          self.device, par.micro_batches)
             if self.topo.is_leader:
-                self.leader = Leader(self.control, self.worker, par.attention_ranks, config.cache.block_size,
-                                     self.collective_hooks(), par.rebalance_interval, pool.track_events)
+                self.leader = Leader(self.worker, par.attention_ranks, config.cache.block_size,
+                                     par.rebalance_interval, pool.track_events)
+                self.leader.membership = self.membership
         else:
-            slots = ExpertSlots.load(self.ckpt, placement.slot2expert[:, self.topo.expert_index], self.dtype,
-                                     self.device, desc, self.kernel_backend, progress)
+            row = placement.slot2expert[:, self.topo.expert_index]
+            self._check_expert_memory(int(row.shape[1]))
+            slots = ExpertSlots.load(self.ckpt, row, self.dtype, self.device, desc, self.kernel_backend, progress)
             self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
@@ -123,10 +140,158 @@ class Runtime:
         self.info = RankInfo(int(blocks), config.cache.block_size, self.max_model_len)
         logger.info("%s ready: %d tensors read", desc, len(self.ckpt.names_read))
 
+    # ----- groups and generations ---------------------------------------------------------------------------
+    def _form_groups(self) -> None:
+        """This generation's process groups, from the store keys under its prefix."""
+        store = dist.PrefixStore(f"{PREFIX}/g{self.generation}/pg", self.store)
+        dist.init_process_group(self.backend, store=store, rank=self.topo.rank, world_size=self.topo.world_size,
+                                timeout=timedelta(seconds=self.config.collective_timeout_s))
+        self.groups = ProcessGroups.create(self.topo)
+        self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
+                                    self.topo.num_attention_ranks)
+
+    def _expert_nodes(self) -> list[int]:
+        A = self.topo.num_attention_ranks
+        return [self.topo.node_of(A + r) for r in range(self.topo.num_expert_ranks)]
+
+    def _moe_context(self) -> MoEContext:
+        spec, par = self.ckpt.spec, self.config.parallel
+        return MoEContext(self.dispatcher, make_policy(par.balancer, self.placement), self.topo.num_attention_ranks,
+                          self.placement.num_slots, spec.num_experts, self.groups.attention, self.topo.rank)
+
+    def leave_generation(self) -> None:
+        """A peer was lost: wake this rank's shm peers and abort every process group of the generation, then
+        drop every reference to them; the caller's gc.collect() then lets gloo close their connections, which
+        breaks the exchanges of ranks still waiting on this one (a gloo recv ends only when its peer's
+        connection does), so they leave too. Called outside any `except` block: a live traceback would keep the
+        failed call's groups alive."""
+        self.dispatcher.abort()
+        dist.distributed_c10d._abort_process_group()
+        stats = self.dispatcher.stats
+        self.dispatcher = self.groups = self.control = None
+        if self.topo.is_attention:
+            self.worker.moe = None
+        else:
+            self.worker.dispatcher = None
+        self._stats = stats
+        self.left = True
+
+    def member_info(self) -> dict:
+        """What this rank tells the leader when it checks in after a failure: its role, and for an expert rank
+        the bytes it may hold in expert weights (expert_memory, else what it holds plus what is free)."""
+        info = {"role": self.topo.role}
+        if not self.topo.is_attention:
+            info["expert_budget"] = self._expert_budget()
+        return info
+
+    def _expert_budget(self) -> int:
+        par = self.config.parallel
+        if par.expert_memory is not None:
+            return par.expert_memory
+        held = sum(t.numel() * t.element_size() for t in self.worker.slots._per_slot()) \
+            if isinstance(getattr(self, "worker", None), ExpertWorker) else 0
+        if self.device.type == "cuda":
+            return held + torch.cuda.mem_get_info(self.device)[0]
+        return held + _host_available_bytes()
+
+    def _check_expert_memory(self, num_slots: int) -> None:
+        limit = self.config.parallel.expert_memory
+        need = num_slots * ExpertSlots.bytes_per_slot(self.ckpt, self.dtype)
+        if limit is not None and need > limit:
+            raise ValueError(f"expert rank {self.topo.rank}: {num_slots} expert slots need {need / 2**20:.1f} MiB but "
+                             f"expert_memory={limit} ({limit / 2**20:.1f} MiB); raise expert_memory or add expert "
+                             f"ranks")
+
+    def plan_generation(self, generation: int, alive: dict[int, dict], lost: list[int]) -> dict:
+        """Leader: the plan of the next generation without the lost members (msgpack-able; step_protocol
+        publishes it). Raises MembershipError when the survivors cannot serve."""
+        A = self.topo.num_attention_ranks
+        gone = [self.members.index(m) for m in lost]
+        attention_keep = [r for r in range(A) if self.members[r] not in lost]
+        assert attention_keep[0] == 0, "the leader plans only while it lives"
+        experts = self.members[A:]
+        keep = [i for i, m in enumerate(experts) if m not in lost]
+        if not keep:
+            raise MembershipError(f"every expert rank died (ranks {gone}); the job ends")
+        spec, par = self.ckpt.spec, self.config.parallel
+        A2 = len(attention_keep)
+        new_topo = Topology(0, A2 + len(keep), A2, self.topo.ranks_per_node)
+        rank_node = [new_topo.node_of(A2 + i) for i in range(len(keep))]
+        try:
+            if len(keep) == len(experts):   # only attention ranks were lost: the experts stay where they are
+                replan = Replan(self.placement, [])
+            else:
+                replan = plan_membership(self.placement, keep, par.redundant_experts, rank_node, self.load_ema)
+        except ValueError as e:
+            raise MembershipError(f"the {len(keep)} surviving expert rank(s) cannot hold the model's "
+                                  f"{spec.num_experts} experts: {e}") from e
+        per_slot = ExpertSlots.bytes_per_slot(self.ckpt, self.dtype)
+        S = replan.placement.num_slots
+        for i, k in enumerate(keep):
+            budget = alive[experts[k]]["expert_budget"]
+            if S * per_slot > budget:
+                raise MembershipError(
+                    f"the surviving expert ranks cannot hold every expert: expert rank {A + k} (now {A2 + i}) would "
+                    f"need {S * per_slot / 2**20:.1f} MiB for {S} slots of {spec.num_experts} experts but may hold "
+                    f"{budget / 2**20:.1f} MiB; add an expert rank or give each more memory (expert_memory)")
+        return {"gen": generation, "members": [self.members[r] for r in attention_keep] + [experts[k] for k in keep],
+                "attention_ranks": A2, "attention_keep": attention_keep, "keep": keep,
+                "slot2expert": replan.placement.slot2expert.tolist(),
+                "moves": [list(m) for m in replan.moves], "from_peers": replan.num_from_peers,
+                "from_checkpoint": replan.num_from_checkpoint}
+
+    def regroup(self, plan: dict) -> dict:
+        """Join the plan's generation: form its groups, its data plane, and adopt its expert placement (expert
+        ranks copy or read the weights of the slots they gain). Returns timings in seconds."""
+        t0 = time.perf_counter()
+        spec, par = self.ckpt.spec, self.config.parallel
+        was_expert_index = None if self.topo.is_attention else self.topo.expert_index
+        self.generation, self.members = plan["gen"], list(plan["members"])
+        A = plan["attention_ranks"]
+        self.topo = Topology(self.members.index(self.member), len(self.members), A, self.topo.ranks_per_node)
+        self._form_groups()
+        self.left = False
+        new = torch.tensor(plan["slot2expert"], dtype=torch.int64)
+        self.placement = Placement(new, spec.num_experts, self.placement.load)
+        self.capacity = slot_capacities(spec.num_experts, par.redundant_experts, self.topo.num_expert_ranks)
+        self.rank_node = self._expert_nodes()
+        self.dispatcher = self._make_dispatcher(spec)
+        t1 = time.perf_counter()
+        if self.topo.is_attention:
+            self.worker.rank = self.topo.rank
+            self.worker.adopt(self._moe_context())
+            if self.leader is not None:
+                self.leader.regroup(plan["attention_keep"], self.leader.outbox)
+        else:
+            assert plan["keep"][self.topo.expert_index] == was_expert_index
+            moves = [tuple(m) for m in plan["moves"]]
+            slots, received, read = self.worker.slots.adopt(self.ckpt, moves, new[:, self.topo.expert_index],
+                                                            self.topo.expert_index, lambda r: A + r,
+                                                            self.groups.world)
+            self.worker.rank = self.topo.rank
+            self.worker.adopt(slots, self.dispatcher)
+            self.num_slots_moved += received
+        # every rank has its weights before any serves a step
+        dist.barrier(group=self.groups.control)
+        t2 = time.perf_counter()
+        logger.info("rank %d (member %d): generation %d formed", self.topo.rank, self.member, self.generation)
+        return {"groups_s": t1 - t0, "weights_s": t2 - t1}
+
+    def lead(self, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) -> str:
+        """The leader's loop (launch/step_protocol.py)."""
+        return step_protocol.lead(self, inbox, outbox, heartbeat_s, stop_when_idle)
+
+    def follow(self) -> str:
+        """Every other rank's loop (launch/step_protocol.py): obey headers until pause or shutdown."""
+        return step_protocol.follow(self)
+
     def _make_dispatcher(self, spec):
         par = self.config.parallel
         kw = dict(group=self.groups.world, hidden_size=spec.hidden_size, top_k=spec.top_k, dtype=self.dtype,
-                  device=self.device, num_sources=par.attention_ranks, ranks_per_node=self.topo.ranks_per_node)
+                  device=self.device, num_sources=self.topo.num_attention_ranks,
+                  ranks_per_node=self.topo.ranks_per_node)
+        if getattr(self, "_stats", None) is not None:   # a new generation keeps the stats so far
+            kw["stats"] = self._stats
         if self._use_shm():
             return ShmDispatcher(**kw, control=self.groups.control,
                                  max_tokens=self.config.scheduler.max_num_batched_tokens,
@@ -174,23 +339,6 @@ class Runtime:
                 memory = CPU_KV_DEFAULT_BYTES
         return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.kv_entry, self.dtype)
 
-    def follow(self) -> str:
-        """Every rank but the leader: obey step headers until pause or shutdown (returns which)."""
-        while True:
-            header = self.control.broadcast_header(None)
-            if header.kind in (SHUTDOWN, PAUSE):
-                return header.kind
-            if header.kind == IDLE:
-                continue
-            hooks = self.collective_hooks()
-            if header.kind in hooks:
-                hooks[header.kind]()
-                continue
-            if self.topo.is_attention:
-                self.control.gather_reports(run_attention_step(self.worker, header))
-            else:
-                self.worker.step(header.capacity)
-
     def collective_hooks(self) -> dict:
         """Header kinds that every rank (the leader too) answers with a collective between steps."""
         return {REBALANCE: self.rebalance, COLLECT_STATS: self.gather_stats,
@@ -200,7 +348,8 @@ class Runtime:
         """Live re-placement, on every rank at once between steps: gather what each expert slot served since
         the last one, fold it into the load EMA, recompute the placement (every rank gets the same answer),
         move the expert weights that change rank with send/recv, and adopt the new placement."""
-        par, spec = self.config.parallel, self.ckpt.spec
+        spec = self.ckpt.spec
+        A = self.topo.num_attention_ranks
         L, S = self.placement.num_layers, self.placement.num_slots
         if self.topo.is_attention:
             mine = torch.zeros(L, S, dtype=torch.int64)
@@ -208,25 +357,24 @@ class Runtime:
             mine = self.worker.load.take_slot_counts()
         every = [torch.empty_like(mine) for _ in range(self.topo.world_size)]
         dist.all_gather(every, mine, group=self.groups.control)
-        counts = torch.stack(every[par.attention_ranks:], dim=1)                     # [L, n, S]
+        counts = torch.stack(every[A:], dim=1)                                       # [L, n, S]
         observed = expert_load(self.placement.slot2expert, counts, spec.num_experts)
         if float(observed.sum()) == 0:
             return
         self.load_ema = observed if self.load_ema is None else 0.5 * self.load_ema + 0.5 * observed
-        old = self.placement.slot2expert
-        new = stabilize(old, eplb(self.load_ema, self.capacity, self.rank_node).slot2expert)
-        if torch.equal(new, old):
+        replan = plan_rebalance(self.placement, self.load_ema, self.capacity, self.rank_node)
+        if torch.equal(replan.placement.slot2expert, self.placement.slot2expert):
             return
-        moves = plan_moves(old, new)
-        self.placement = Placement(new, spec.num_experts, self.load_ema)
+        self.placement = replan.placement
         if self.topo.is_attention:
             self.worker.moe.policy.set_placement(self.placement)
         else:
-            self.num_slots_moved += self.worker.slots.move(moves, new[:, self.topo.expert_index],
-                                                           self.topo.expert_index,
-                                                           lambda r: par.attention_ranks + r, self.groups.world)
+            new = self.placement.slot2expert
+            self.num_slots_moved += self.worker.slots.move(replan.moves, new[:, self.topo.expert_index],
+                                                           self.topo.expert_index, lambda r: A + r, self.groups.world)
         self.num_replacements += 1
-        logger.info("rank %d: re-placement %d, %d slot copies", self.topo.rank, self.num_replacements, len(moves))
+        logger.info("rank %d: re-placement %d, %d slot copies", self.topo.rank, self.num_replacements,
+                    len(replan.moves))
 
     def gather_stats(self, events: bool = False) -> dict | None:
         """Every rank's comm stats and load history (and with `events` its recent calls) to the leader -> the
@@ -263,6 +411,20 @@ class Runtime:
         """Leave the job, on every rank after the shutdown header: first wait until all ranks are here, so that
         none tears its connections down while a peer still reads from them (gloo then aborts the process with
         'terminate called without an active exception'; seen on rank 0 right after it sent the header)."""
-        if dist.is_initialized():
+        if self.membership is not None:
+            self.membership.close()
+        if dist.is_initialized() and not self.left:
             dist.barrier(group=self.groups.control)
             dist.destroy_process_group()
+
+
+def _host_available_bytes() -> int:
+    """Linux: MemAvailable from /proc/meminfo; elsewhere a large number (no check)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**62

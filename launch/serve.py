@@ -139,7 +139,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     signal.signal(signal.SIGINT, on_term)
     _say(f"serving {model_name!r} on http://{args.host}:{args.port}")
     try:
-        rt.leader.serve(llm.inbox, llm.outbox, llm.config.heartbeat_s)
+        rt.lead(llm.inbox, llm.outbox, llm.config.heartbeat_s)
     except Exception as e:
         _say(f"the engine failed: {type(e).__name__}: {e}")
         os._exit(1)
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         state = {"lock": threading.Lock(), "open": {}, "eof": False}
         threading.Thread(target=_read_requests, args=(llm, args.max_tokens, state), daemon=True).start()
         threading.Thread(target=_write_outputs, args=(llm, state), daemon=True).start()
-        rt.leader.serve(llm.inbox, llm.outbox, llm.config.heartbeat_s)
+        rt.lead(llm.inbox, llm.outbox, llm.config.heartbeat_s)
     rt.close()
     return 0
 

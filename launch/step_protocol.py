@@ -1,0 +1,338 @@
+"""The step protocol: what the leader and every other rank do each step, and how the job re-forms when its
+membership changes. The one place that knows the header kinds.
+
+Each step the leader (attention rank 0) broadcasts a `StepHeader` (comm/control.py) on the control group:
+- STEP: every attention rank admits its new requests, applies its aborts and runs one forward (joining each
+  MoE layer's dispatch and combine), samples, and sends its `StepReport` back; expert ranks serve the step's
+  dispatches. IDLE: a heartbeat, nothing to run. PAUSE: a generate() call under torchrun is done.
+  SHUTDOWN: leave.
+- REBALANCE, COLLECT_STATS, COLLECT_EVENTS: every rank (the leader too) joins the runtime's collective for
+  it, between steps (live re-placement, stats).
+
+Membership generations. The job's process groups belong to a generation g: they are formed from the keys
+under "afserve/g{g}/" of one TCP store, hosted by the leader's process. When a rank dies, the survivors'
+next exchange with it fails (gloo raises from its TCP pairs; the shm transport sees the process gone), and
+each survivor leaves generation g: it wakes its shm peers, aborts its process groups (which in turn breaks
+the exchanges of ranks still waiting on it, so every survivor leaves within moments), and checks in under
+"afserve/g{g}/alive/{member}". The leader waits until every member of g has checked in or is known dead:
+its process is gone (members on the leader's host) or it has stopped heartbeating ("afserve/hb/{member}",
+bumped by a thread of every rank). It then makes the plan of generation g + 1
+(members, roles, the new expert placement and the weight copies that realise it: balancer/replan.py) and
+publishes it; every member of g + 1 forms the new groups and adopts the placement, and the leader re-sends
+the header of the step that was in flight. An attention rank that had finished that step re-sends its
+report; one that had not re-runs the same scheduled batch: nothing of a step is committed (KV positions
+advanced, tokens sampled, generator states drawn) until its forward has passed every exchange, so a step
+that failed half way leaves no trace. The leader's own death ends the job, as before: it holds the store
+and the request state.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import msgpack
+import torch.distributed as dist
+
+from comm.control import StepHeader, StepReport
+from comm.failures import is_peer_failure
+from comm.shm import host_identity, process_alive
+
+STEP, IDLE, PAUSE, SHUTDOWN = "step", "idle", "pause", "shutdown"
+# every rank joins a collective between steps; COLLECT_EVENTS: the stats plus each rank's recent calls
+REBALANCE, COLLECT_STATS, COLLECT_EVENTS = "rebalance", "collect_stats", "collect_events"
+COLLECTIVES = (REBALANCE, COLLECT_STATS, COLLECT_EVENTS)
+
+PREFIX = "afserve"
+HEARTBEAT_INTERVAL_S = 0.2
+
+logger = logging.getLogger("afserve")
+
+
+class MembershipError(RuntimeError):
+    """The job cannot re-form without the ranks it lost (the message says what is missing)."""
+
+
+def run_attention_step(worker, header: StepHeader) -> StepReport:
+    """What every attention rank does with a STEP header. Re-sent headers (the same step, after the job
+    re-formed) are idempotent: a finished step re-sends its report, an unfinished one re-runs its batch."""
+    if header.step == worker.done_step:
+        return worker.last_report
+    if header.step != worker.started_step:
+        worker.started_step = header.step
+        worker.add_requests(header.requests_for(worker.rank))
+        worker.abort(header.aborts_for(worker.rank))
+    report = worker.step(header.capacity)
+    worker.done_step, worker.last_report = header.step, report
+    return report
+
+
+# ----- the loops ------------------------------------------------------------------------------------------
+
+def lead(rt, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) -> str:
+    """The leader's loop (rt: the Runtime of attention rank 0): run steps until shutdown (returns SHUTDOWN) or,
+    with stop_when_idle, until all work is done (broadcasts PAUSE, returns PAUSE). Idle: blocks on the inbox,
+    heartbeating every heartbeat_s. A lost rank re-forms the job and the step in flight is re-sent."""
+    leader = rt.leader
+    leader.outbox = outbox
+    while True:
+        aborts: dict[str, list[str]] = {}
+        alive = True
+        try:
+            # Block (heartbeating) only when idle and serving; a generate() call ends as soon as it is done.
+            idle_wait = not leader.has_work and not stop_when_idle
+            cmd = inbox.get(timeout=heartbeat_s) if idle_wait else inbox.get_nowait()
+            alive = leader.handle(cmd, aborts, outbox)
+            while alive:
+                alive = leader.handle(inbox.get_nowait(), aborts, outbox)
+        except queue.Empty:
+            pass
+        for events in leader.take_queries():
+            kind = COLLECT_EVENTS if events else COLLECT_STATS
+            outbox.put(("comm_stats", _guarded(rt, lambda k=kind: collective(rt, k))))
+        if not alive:
+            rt.control.broadcast_header(StepHeader.empty(SHUTDOWN, leader.step_id))
+            return SHUTDOWN
+        if not leader.has_work and not aborts:
+            kind = PAUSE if stop_when_idle else IDLE
+            _guarded(rt, lambda k=kind: rt.control.broadcast_header(StepHeader.empty(k, leader.step_id)))
+            if stop_when_idle:
+                return PAUSE
+            continue
+        leader.inflight = StepHeader(STEP, *leader.next_step(aborts))
+        reports = _guarded(rt, lambda: _step(rt))
+        leader.collect(reports, outbox)
+        if leader.rebalance_interval and leader.step_id % leader.rebalance_interval == 0:
+            _guarded(rt, lambda: collective(rt, REBALANCE))
+
+
+def _step(rt) -> list[StepReport]:
+    """The step in flight (re-sent as the leader rewrote it when the job re-formed)."""
+    header = rt.leader.inflight
+    rt.control.broadcast_header(header)
+    return rt.control.gather_reports(run_attention_step(rt.worker, header))
+
+
+def collective(rt, kind: str):
+    """Leader, between steps: tell every rank to join the collective for kind, and run it here too."""
+    rt.control.broadcast_header(StepHeader.empty(kind, rt.leader.step_id))
+    return rt.collective_hooks()[kind]()
+
+
+def _guarded(rt, action):
+    """Run one exchange of the leader's; when a peer is lost, re-form the job and run it again (a step's
+    header is re-sent as it was, so ranks that had finished it re-send their reports)."""
+    for _ in range(rt.config.parallel.world_size + 1):   # each re-forming loses at least one rank
+        cause = _peer_failure(rt, action)
+        if cause is None:
+            return rt.last_result
+        rt.membership.reform_as_leader(cause)   # outside the except block: see Runtime.leave_generation
+    raise MembershipError("the job kept losing ranks while re-forming; giving up")
+
+
+def _peer_failure(rt, action) -> str | None:
+    """Run action (its result in rt.last_result) -> None, or the first line of the lost-peer error it raised
+    (any other error propagates)."""
+    try:
+        rt.last_result = action()
+        return None
+    except Exception as e:
+        if rt.membership is None or not is_peer_failure(e):
+            raise
+        return str(e).splitlines()[0][:200]
+
+
+def follow(rt) -> str:
+    """Every rank but the leader: obey step headers until pause or shutdown (returns which). A lost peer
+    re-forms the job (returns SHUTDOWN if this rank is not part of the new generation)."""
+    while True:
+        cause = _peer_failure(rt, lambda: _obey(rt))
+        if cause is not None:
+            if not rt.membership.rejoin(cause):   # outside the except block: see Runtime.leave_generation
+                return SHUTDOWN
+        elif rt.last_result in (SHUTDOWN, PAUSE):
+            return rt.last_result
+
+
+def _obey(rt) -> str:
+    header = rt.control.broadcast_header(None)
+    if header.kind in COLLECTIVES:
+        rt.collective_hooks()[header.kind]()
+    elif header.kind == STEP:
+        if rt.topo.is_attention:
+            rt.control.gather_reports(run_attention_step(rt.worker, header))
+        else:
+            rt.worker.step(header.capacity)
+    return header.kind
+
+
+# ----- membership -----------------------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class MembershipChange:
+    """One re-forming of the job, as the leader saw it (timings in seconds)."""
+
+    generation: int
+    lost: list[int]                # ranks of the old generation that were lost
+    cause: str
+    attention_ranks: int = 0       # the new generation's pools
+    expert_ranks: int = 0
+    detect_s: float = 0.0          # from the first failed exchange to every member accounted for
+    groups_s: float = 0.0          # forming the new generation's process groups and data plane
+    weights_s: float = 0.0         # expert weights copied between ranks and read from the checkpoint
+    slots_from_peers: int = 0
+    slots_from_checkpoint: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "started"}
+
+
+class Heartbeat:
+    """A daemon thread that bumps "afserve/hb/{member}" every HEARTBEAT_INTERVAL_S on its own store client, and
+    watches for a rank wedged in its generation: once some member has left generation g to re-form the job,
+    this rank's main thread has wedge_s to leave it too. A gloo point-to-point wait on a peer that has left
+    (not died) can block until the collective timeout, because gloo does not always close a departed rank's
+    connections (seen with two_phase); such a rank exits instead, and the job re-forms without it (or, for
+    the leader, ends at once rather than after the timeout)."""
+
+    def __init__(self, host: str, port: int, membership: Membership, timeout_s: float, wedge_s: float):
+        self.key = f"{PREFIX}/hb/{membership.member}"
+        self.membership, self.wedge_s = membership, wedge_s
+        self.stop = threading.Event()
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.thread = threading.Thread(target=self._run, name=f"afserve-heartbeat-{membership.member}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        since: tuple[int, float] | None = None       # (generation, when its re-forming was first seen)
+        while not self.stop.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self.store.add(self.key, 1)
+                gen = self.membership.rt.generation
+                if self.membership.left_generation >= gen or not self.store.check([f"{PREFIX}/g{gen}/leaving"]):
+                    since = None
+                    continue
+            except Exception:      # the store's host (the leader) is gone: nothing left to tell
+                return
+            if since is None or since[0] != gen:
+                since = (gen, time.monotonic())
+            elif time.monotonic() - since[1] > self.wedge_s:
+                logger.error("member %d: still in generation %d %.0fs after a peer left it (wedged in an exchange "
+                             "with a departed rank); exiting so the job re-forms without this rank",
+                             self.membership.member, gen, self.wedge_s)
+                os._exit(70)
+
+
+class Membership:
+    """This rank's side of membership changes (rt: its Runtime). `changes`: the leader's record of them."""
+
+    def __init__(self, rt, store: dist.Store, host: str, port: int, member: int, failure_s: float):
+        self.rt, self.store, self.member = rt, store, member
+        self.failure_s = failure_s
+        self.changes: list[MembershipChange] = []
+        self.left_generation = -1       # the last generation this rank has left
+        self.heartbeat = Heartbeat(host, port, self, rt.config.startup_timeout_s, max(10.0, 3 * failure_s))
+        self.host = host_identity()
+        store.set(f"{PREFIX}/proc/{member}", msgpack.packb([self.host, os.getpid()]))
+
+    def _key(self, generation: int, name: str) -> str:
+        return f"{PREFIX}/g{generation}/{name}"
+
+    def _leave(self, cause: str) -> int:
+        """Leave the current generation: wake shm peers, abort the process groups, check in as alive."""
+        gen = self.rt.generation
+        logger.warning("rank %d (member %d): lost a peer in generation %d (%s); re-forming", self.rt.topo.rank,
+                       self.member, gen, cause)
+        self.store.set(self._key(gen, "leaving"), b"1")     # wedged members notice it (Heartbeat)
+        self.rt.leave_generation()
+        self.left_generation = gen
+        self.store.set(self._key(gen, f"alive/{self.member}"), msgpack.packb(self.rt.member_info()))
+        gc.collect()       # after checking in (it takes ~0.1 s): the old groups' last references go, gloo closes them
+        return gen
+
+    def rejoin(self, cause: str) -> bool:
+        """A follower after a lost peer: wait for the leader's plan of the next generation and adopt it.
+        False: this rank is not part of it (or the job ended), leave."""
+        gen = self._leave(cause)
+        key = self._key(gen + 1, "plan")
+        try:
+            self.store.wait([key], timedelta(seconds=self.rt.config.collective_timeout_s))
+            plan = msgpack.unpackb(self.store.get(key), strict_map_key=False)
+        except Exception as e:       # the leader (and its store) is gone: the job is over
+            logger.error("rank %d (member %d): no plan for generation %d (%s); leaving", self.rt.topo.rank,
+                         self.member, gen + 1, e)
+            return False
+        if "error" in plan or self.member not in plan["members"]:
+            logger.error("rank %d (member %d): not in generation %d: %s", self.rt.topo.rank, self.member, gen + 1,
+                         plan.get("error", "left out"))
+            return False
+        self.rt.regroup(plan)
+        return True
+
+    def reform_as_leader(self, cause: str) -> None:
+        """The leader after a lost peer: account for every member, plan the next generation, publish it and
+        adopt it. Raises MembershipError (after telling the others) when the job cannot go on."""
+        t0 = time.monotonic()
+        gen = self._leave(cause)
+        members = self.rt.members
+        alive, lost = self._survey(gen, members)
+        change = MembershipChange(gen + 1, [members.index(m) for m in lost], cause,
+                                  detect_s=time.monotonic() - t0, started=t0)
+        try:
+            plan = self.rt.plan_generation(gen + 1, alive, lost)
+        except MembershipError as e:
+            self.store.set(self._key(gen + 1, "plan"), msgpack.packb({"error": str(e)}))
+            raise
+        self.store.set(self._key(gen + 1, "plan"), msgpack.packb(plan))
+        timings = self.rt.regroup(plan)
+        change.groups_s, change.weights_s = timings["groups_s"], timings["weights_s"]
+        change.slots_from_peers, change.slots_from_checkpoint = plan["from_peers"], plan["from_checkpoint"]
+        change.attention_ranks = plan["attention_ranks"]
+        change.expert_ranks = len(plan["members"]) - plan["attention_ranks"]
+        self.changes.append(change)
+        logger.warning("generation %d: lost ranks %s; %d + %d ranks; detect %.2fs, groups %.2fs, weights %.2fs",
+                       gen + 1, change.lost, change.attention_ranks, change.expert_ranks, change.detect_s,
+                       change.groups_s, change.weights_s)
+
+    def _survey(self, gen: int, members: list[int]) -> tuple[dict[int, dict], list[int]]:
+        """Wait until each member of generation gen has checked in (alive: member -> its info) or has not
+        heartbeaten for failure_s (lost), within collective_timeout_s (then the silent ones count as lost)."""
+        alive: dict[int, dict] = {}
+        lost: list[int] = []
+        seen: dict[int, tuple[int, float]] = {}
+        deadline = time.monotonic() + self.rt.config.collective_timeout_s
+        while True:
+            now = time.monotonic()
+            for m in members:
+                if m in alive or m in lost:
+                    continue
+                key = self._key(gen, f"alive/{m}")
+                if self.store.check([key]):
+                    alive[m] = msgpack.unpackb(self.store.get(key), strict_map_key=False)
+                    continue
+                if self._process_gone(m):
+                    lost.append(m)
+                    continue
+                beat = self.store.add(f"{PREFIX}/hb/{m}", 0)
+                if m not in seen or seen[m][0] != beat:
+                    seen[m] = (beat, now)
+                elif now - seen[m][1] > self.failure_s or now > deadline:
+                    lost.append(m)
+            if len(alive) + len(lost) == len(members):
+                return alive, lost
+            time.sleep(0.02)
+
+    def _process_gone(self, member: int) -> bool:
+        """The member's process is on this host and has exited (a quicker verdict than a silent heartbeat)."""
+        host, pid = msgpack.unpackb(self.store.get(f"{PREFIX}/proc/{member}"))
+        return host == self.host and not process_alive(pid)
+
+    def close(self) -> None:
+        self.heartbeat.stop.set()

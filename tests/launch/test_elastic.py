@@ -1,0 +1,130 @@
+"""A dead expert rank costs no request: the survivors re-form the job (launch/step_protocol.py), re-place the
+dead rank's experts and every output is still transformers' own greedy continuation."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from balancer.placement import Placement
+from expert_nodes.slots import ExpertSlots
+from launch import LLM, SamplingParams
+from models.checkpoint import Checkpoint
+from tests.conftest import hf_greedy, make_prompts, wider
+from tests.dist_utils import alive
+
+MAX_NEW = 24
+
+
+def _stream(llm: LLM, prompts, params, kill_pid: int | None, after_tokens: int) -> list[list[int]]:
+    """Submit prompts, SIGKILL kill_pid once after_tokens tokens have streamed in, collect every output."""
+    rids, rows = _stream_rows(llm, prompts, [params] * len(prompts), kill_pid, after_tokens)
+    return [rows[r]["tokens"] for r in rids]
+
+
+def _stream_rows(llm: LLM, prompts, params, kill_pid: int | None, after_tokens: int
+                 ) -> tuple[list[str], dict[str, dict]]:
+    """Like _stream -> (request ids, per reported row id: its tokens, finish reason and prompt-logprob entries;
+    a sample of an n > 1 request reports as f"{id}#{index}"). A row that reports after it finished fails."""
+    rids = [llm.submit(p, q) for p, q in zip(prompts, params)]
+    open_rows = sum(q.num_samples for q in params)
+    rows: dict[str, dict] = {}
+    deadline = time.monotonic() + 240
+    while open_rows:
+        msg = llm._poll(llm.outbox, deadline, "the elastic test")
+        if msg[0] != "out":
+            continue
+        for row, toks, finish, prompt_lps, _ in msg[1]:
+            r = rows.setdefault(row, {"tokens": [], "finish": None, "prompt_logprobs": 0})
+            assert r["finish"] is None, f"{row} reported after it finished"
+            r["tokens"] += toks
+            r["prompt_logprobs"] += len(prompt_lps or [])
+            if finish is not None:
+                assert finish == "length", (row, finish)
+                r["finish"] = finish
+                open_rows -= 1
+        if kill_pid is not None and sum(len(r["tokens"]) for r in rows.values()) >= after_tokens:
+            os.kill(kill_pid, signal.SIGKILL)
+            kill_pid = None
+    return rids, rows
+
+
+@pytest.mark.parametrize("arch,options", [
+    ("qwen3_moe", {}),                                              # shm transport, static balancer
+    wider("qwen3_moe", {"transport": "collective"}),
+    wider("olmoe", {"balancer": "least_loaded", "redundant_experts": 2, "micro_batches": 2}),
+])
+def test_expert_rank_killed_mid_generation(tiny_checkpoint, arch, options):
+    """2+3 -> 2+2 -> 2+1: an expert rank SIGKILLed while requests stream, then another while idle."""
+    path = tiny_checkpoint(arch)
+    prompts = make_prompts(6, 256, 5, 30, seed=3)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(path, attention_ranks=2, expert_ranks=3, **options) as llm:
+        pids = llm.worker_pids
+        assert _stream(llm, prompts, params, pids[3], after_tokens=12) == expected
+        first = llm.stats()["membership_changes"]
+        os.kill(pids[4], signal.SIGKILL)          # idle: the leader's next heartbeat header finds it
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        changes = llm.stats()["membership_changes"]
+        assert llm.lost_ranks == [3, 4]
+    assert not alive(pids[3]) and not alive(pids[4])
+    assert len(first) == 1 and first[0]["lost"] == [3]
+    assert (first[0]["attention_ranks"], first[0]["expert_ranks"]) == (2, 2)
+    # in generation 1 the old rank 4 is rank 3: that is the rank the second change lost
+    assert len(changes) == 2 and changes[1]["lost"] == [3] and changes[1]["expert_ranks"] == 1
+    if "redundant_experts" not in options:
+        # identity placement of 8 experts on 3 ranks: rank 3 held experts 3..5, which no survivor had
+        assert first[0]["slots_from_checkpoint"] == 3 * llm.spec.num_moe_layers
+    for c in changes:
+        assert c["detect_s"] >= 0 and c["groups_s"] > 0 and c["weights_s"] > 0
+
+
+def test_survivors_that_cannot_hold_every_expert_end_the_job_and_say_why(tiny_checkpoint):
+    """expert_memory fits exactly the 3 slots each rank holds at 2+3; at 2+2 each would need 4."""
+    path = tiny_checkpoint("qwen3_moe")
+    ckpt = Checkpoint(path)
+    per_slot = ExpertSlots.bytes_per_slot(ckpt, torch.float32)
+    slots = Placement.identity(ckpt.spec.num_moe_layers, ckpt.spec.num_experts, 3).num_slots
+    with LLM(path, attention_ranks=1, expert_ranks=3, expert_memory=slots * per_slot) as llm:
+        pids = llm.worker_pids
+        with pytest.raises(RuntimeError) as info:
+            _stream(llm, make_prompts(2, 256, 5, 10, seed=1), SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+                    pids[2], after_tokens=4)
+    text = str(info.value)
+    need = (slots + 1) * per_slot / 2**20
+    assert "cannot hold every expert" in text and f"{need:.1f} MiB" in text, text
+    assert "expert rank 1 (now 1)" in text, text     # the first survivor (rank 2 was killed) is named
+    for pid in pids:
+        assert not alive(pid)
+
+
+@pytest.mark.parametrize("options", [{}, wider({"transport": "collective", "micro_batches": 2})])
+def test_attention_rank_killed_mid_generation(tiny_checkpoint, options):
+    """3+2 -> 2+2: the requests of attention rank 1 move to the survivors and resume from the tokens they had
+    streamed; every row ends once, with transformers' tokens, and no prompt logprob is sent twice."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(9, 256, 5, 30, seed=3)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    greedy = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    params = [greedy] * 9    # most-free-blocks routing puts requests 1, 4 and 7 on rank 1 (asserted below)
+    params[4] = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=1)
+    params[7] = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, n=2)
+    with LLM(path, attention_ranks=3, expert_ranks=2, **options) as llm:
+        pids = llm.worker_pids
+        rids, rows = _stream_rows(llm, prompts, params, pids[1], after_tokens=40)
+        stats = llm.stats()
+    assert not alive(pids[1]) and llm.lost_ranks == [1]
+    for i, rid in enumerate(rids):
+        if i != 7:
+            assert rows[rid]["tokens"] == expected[i], rid
+    assert rows[rids[7] + "#0"]["tokens"] == rows[rids[7] + "#1"]["tokens"] == expected[7]
+    assert rows[rids[4]]["prompt_logprobs"] == len(prompts[4])      # the first prompt token's None included
+    change, = stats["membership_changes"]
+    assert change["lost"] == [1] and (change["attention_ranks"], change["expert_ranks"]) == (2, 2)
+    assert change["slots_from_peers"] == change["slots_from_checkpoint"] == 0      # the experts stayed put
+    assert stats["num_moved_requests"] >= 1
+    assert len(stats["kv_blocks"]) == 2
