@@ -34,9 +34,30 @@ class Metrics:
                                 registry=r)
 
 
+def attention_pool_kv_usage(stats: dict) -> float:
+    """Used / total KV blocks summed over every attention rank (a block is used while a sequence holds it;
+    cached blocks no one holds count as free, as in afserve_kv_blocks_used); 0.0 before any rank reports."""
+    total = sum(stats["kv_blocks"])
+    return (total - sum(stats["free_kv_blocks"])) / total if total else 0.0
+
+
+def expert_pool_load(stats: dict, comm: dict) -> float:
+    """(token, expert) pairs per step that the busiest expert rank serves, averaged over MoE layers, over the
+    recent steps of comm["expert_load"] (at most 1024, so it follows the load and a resize of the pool; the
+    cumulative compute timings would not). An expert rank's FFN time grows with these pairs, so the pool is
+    the bottleneck once they pass what one rank does in the attention ranks' compute time per layer.
+    0.0 while no request is running or waiting (the window keeps the last busy steps) or before any step."""
+    load = comm.get("expert_load", {})
+    layers, steps = load.get("layers", {}), load.get("steps", 0)
+    if not (stats["num_running"] or stats["num_waiting"]) or not steps or not layers:
+        return 0.0
+    return sum(max(v["pairs_per_rank"], default=0) for v in layers.values()) / (steps * len(layers))
+
+
 class _EngineSeries:
     """The engine-side series of one scrape: queue sizes, KV blocks per attention rank and prefix-cache tokens
-    (leader stats), and per-layer dispatch/combine totals per rank plus expert-rank balance (comm stats)."""
+    (leader stats), per-layer dispatch/combine totals per rank plus expert-rank balance (comm stats), and one
+    gauge per pool for its autoscaler (deploy/README.md)."""
 
     def __init__(self, stats: dict, comm: dict):
         self.stats, self.comm = stats, comm
@@ -79,6 +100,15 @@ class _EngineSeries:
         for layer, v in self.comm.get("expert_load", {}).get("layers", {}).items():
             balance.add_metric([layer], v["max_mean"])
         yield balance
+        yield GaugeMetricFamily("afserve_attention_pool_kv_usage_ratio",
+                                "Used / total KV blocks over all attention ranks (the attention pool's autoscaling "
+                                "signal)", value=attention_pool_kv_usage(s))
+        yield GaugeMetricFamily("afserve_expert_pool_load_pairs_per_step",
+                                "(token, expert) pairs per step served by the busiest expert rank, mean over MoE "
+                                "layers, over the recent steps (at most 1024); 0 while no request runs or waits. "
+                                "Above what one expert rank serves in the attention ranks' compute time, the "
+                                "expert pool is the bottleneck (the expert pool's autoscaling signal)",
+                                value=expert_pool_load(s, self.comm))
 
 
 async def scrape(metrics: Metrics, engine: EngineClient | None, lock: asyncio.Lock) -> str:

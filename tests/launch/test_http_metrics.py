@@ -1,0 +1,70 @@
+"""The pool gauges of /metrics (launch/http_metrics.py) on hand-made leader stats and comm stats: no engine."""
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from launch.http_metrics import _EngineSeries
+
+
+def make_stats(free_kv_blocks=(40, 10), kv_blocks=(100, 50), num_running=3, num_waiting=1) -> dict:
+    """The leader's stats() as the scrape sees them, for two attention ranks."""
+    return {"steps": 12, "num_preemptions": 0, "num_running": num_running, "num_waiting": num_waiting,
+            "free_kv_blocks": list(free_kv_blocks), "kv_blocks": list(kv_blocks),
+            "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+
+
+def make_comm(pairs_per_rank=((40, 24), (10, 30)), steps=4) -> dict:
+    """gather_stats()'s dict: one attention rank (0), two expert ranks (1, 2), one layer entry per pairs row."""
+    phases = {"dispatch": {"calls": 2, "bytes_sent": 64, "time_s": 0.5},
+              "combine": {"calls": 2, "bytes_sent": 64, "time_s": 0.25}}
+    layers = {str(layer): phases for layer in range(len(pairs_per_rank))}
+    return {"ranks": {"0": {"role": "attention", "layers": layers, "compute": {"0": {"calls": 2, "time_s": 0.1}}},
+                      "1": {"role": "expert", "layers": layers, "compute": {"0": {"calls": 2, "time_s": 0.3}}},
+                      "2": {"role": "expert", "layers": layers, "compute": {"0": {"calls": 2, "time_s": 0.2}}}},
+            "expert_load": {"steps": steps, "layers": {str(layer): {"max_mean": 1.0, "pairs_per_rank": list(p)}
+                                                       for layer, p in enumerate(pairs_per_rank)}}}
+
+
+def scraped(stats: dict, comm: dict) -> dict[str, float]:
+    """Name -> value of every single-valued series in the Prometheus text of one scrape."""
+    reg = CollectorRegistry()
+    reg.register(_EngineSeries(stats, comm))
+    out = {}
+    for line in generate_latest(reg).decode().splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.split(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_attention_pool_kv_usage_weights_ranks_by_their_blocks():
+    # (100 - 40 + 50 - 10) / (100 + 50) = 100 / 150; the mean of the per-rank ratios would be (0.6 + 0.8) / 2
+    got = scraped(make_stats(), make_comm())["afserve_attention_pool_kv_usage_ratio"]
+    assert got == pytest.approx(100 / 150)
+    assert scraped(make_stats(free_kv_blocks=(100, 50)), make_comm())["afserve_attention_pool_kv_usage_ratio"] == 0
+    assert scraped(make_stats(free_kv_blocks=(), kv_blocks=()), make_comm())[
+        "afserve_attention_pool_kv_usage_ratio"] == 0   # no rank has reported yet
+
+
+def test_expert_pool_load_is_the_busiest_rank_per_step_mean_over_layers():
+    # layer 0: busiest rank 40 pairs over 4 steps = 10 per step; layer 1: 30 / 4 = 7.5; mean 8.75
+    got = scraped(make_stats(), make_comm())["afserve_expert_pool_load_pairs_per_step"]
+    assert got == pytest.approx(8.75)
+    # with four times the steps the same pairs are a quarter of the load
+    assert scraped(make_stats(), make_comm(steps=16))["afserve_expert_pool_load_pairs_per_step"] == pytest.approx(
+        8.75 / 4)
+
+
+@pytest.mark.parametrize("stats, comm", [
+    (make_stats(num_running=0, num_waiting=0), make_comm()),        # idle: the window holds old busy steps
+    (make_stats(num_running=0, num_waiting=2), make_comm(steps=0)),  # no step recorded yet (a rank just joined)
+    (make_stats(), {"ranks": {}}),                                   # no expert_load in comm stats
+])
+def test_expert_pool_load_is_zero_without_recent_work(stats, comm):
+    assert scraped(stats, comm)["afserve_expert_pool_load_pairs_per_step"] == 0
+
+
+def test_waiting_requests_alone_keep_the_expert_load():
+    got = scraped(make_stats(num_running=0, num_waiting=2), make_comm())["afserve_expert_pool_load_pairs_per_step"]
+    assert got == pytest.approx(8.75)
