@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import wider
 from tests.dist_utils import run_ranks
 
 H, K, SLOTS = 8, 3, 4
@@ -62,10 +63,10 @@ def _rank_fn(rank, world, A, rpn, tokens, seed, one_rank):
 CASES = [
     # (A, E, ranks_per_node, tokens per source, all tokens to one expert rank)
     (2, 2, 2, [5, 7], False),
-    (4, 4, 2, [6, 0, 9, 3], False),
-    (4, 4, 4, [8, 8, 1, 5], False),
+    wider(4, 4, 2, [6, 0, 9, 3], False),
+    wider(4, 4, 4, [8, 8, 1, 5], False),
     (2, 3, 2, [0, 6], False),          # node sizes 2, 2, 1; a node mixing an attention and an expert rank
-    (3, 2, 2, [4, 0, 7], False),       # A != E, mixed node
+    wider(3, 2, 2, [4, 0, 7], False),  # A != E, mixed node
     (1, 3, 1, [9], False),             # one rank per node: every hop crosses nodes
     (2, 4, 3, [7, 5], True),           # every token to the first expert rank
 ]
