@@ -45,6 +45,7 @@ class Leader:
         self.finished: dict[str, set[int]] = {}
         self.prompt_logprobs_sent: dict[str, int] = {}
         self.inflight = None             # the header of the step in flight (re-sent after a membership change)
+        self.outbox = None               # set by the loop (launch/step_protocol.py); regroup ends aborted moves here
         self.num_moved_requests = 0
         self.cache_aware = cache_aware
         self.cached: list[set[int]] = [set() for _ in range(num_attention_ranks)]   # each rank's cached keys

@@ -128,35 +128,34 @@ def _guarded(rt, action):
     """Run one exchange of the leader's; when a peer is lost, re-form the job and run it again (a step's
     header is re-sent as it was, so ranks that had finished it re-send their reports)."""
     for _ in range(rt.config.parallel.world_size + 1):   # each re-forming loses at least one rank
-        cause = _peer_failure(rt, action)
+        result, cause = _attempt(rt, action)
         if cause is None:
-            return rt.last_result
+            return result
         rt.membership.reform_as_leader(cause)   # outside the except block: see Runtime.leave_generation
     raise MembershipError("the job kept losing ranks while re-forming; giving up")
 
 
-def _peer_failure(rt, action) -> str | None:
-    """Run action (its result in rt.last_result) -> None, or the first line of the lost-peer error it raised
-    (any other error propagates)."""
+def _attempt(rt, action) -> tuple[object, str | None]:
+    """Run action -> (its result, None), or (None, the first line of the lost-peer error it raised); any other
+    error propagates. The caller handles the loss after this returns, outside the except block."""
     try:
-        rt.last_result = action()
-        return None
+        return action(), None
     except Exception as e:
         if rt.membership is None or not is_peer_failure(e):
             raise
-        return str(e).splitlines()[0][:200]
+        return None, str(e).splitlines()[0][:200]
 
 
 def follow(rt) -> str:
     """Every rank but the leader: obey step headers until pause or shutdown (returns which). A lost peer
     re-forms the job (returns SHUTDOWN if this rank is not part of the new generation)."""
     while True:
-        cause = _peer_failure(rt, lambda: _obey(rt))
+        kind, cause = _attempt(rt, lambda: _obey(rt))
         if cause is not None:
             if not rt.membership.rejoin(cause):   # outside the except block: see Runtime.leave_generation
                 return SHUTDOWN
-        elif rt.last_result in (SHUTDOWN, PAUSE):
-            return rt.last_result
+        elif kind in (SHUTDOWN, PAUSE):
+            return kind
 
 
 def _obey(rt) -> str:
