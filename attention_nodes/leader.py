@@ -6,8 +6,8 @@ with the most free KV blocks (cache-aware routing: each rank's report carries th
 prefix cache gained and lost since the last step, so the leader mirrors every rank's cache as a set of
 64-bit keys and hashes each new prompt once), broadcasts the step header, and
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
-("abort", request_id), ("stats",), ("comm_stats"[, events]), ("shutdown",). Outbox messages, one per step at
-most: ("out", [[request_id, [new token ids], finish_reason or None, new
+("abort", request_id), ("stats",), ("comm_stats"[, events]), ("scale", expert ranks), ("shutdown",).
+Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
 prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
 ("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
 every rank joins between steps. The loop that drives all this, and the header kinds, are in
@@ -30,6 +30,7 @@ class Leader:
         self.worker = worker
         self.membership = None          # the runtime's Membership (launch/step_protocol.py), for stats
         self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
+        self.scales: list[int] = []     # expert-pool sizes asked for since the last step
         self.rebalance_interval = rebalance_interval
         self.num_attention_ranks = num_attention_ranks
         self.block_size = block_size
@@ -115,6 +116,8 @@ class Leader:
                 aborts.setdefault(str(self.req2rank[base]), []).append(rid)
         elif kind == "stats":
             outbox.put(("stats", self.stats()))
+        elif kind == "scale":           # ("scale", expert ranks): a membership change, run by the loop
+            self.scales.append(int(cmd[1]))
         elif kind == "comm_stats":      # ("comm_stats", events: bool = False): a collective, run by the loop
             self.queries.append(len(cmd) > 1 and bool(cmd[1]))
         elif kind == "shutdown":
@@ -122,6 +125,11 @@ class Leader:
         else:
             raise ValueError(f"unknown inbox command {kind!r}")
         return True
+
+    def take_scales(self) -> list[int]:
+        """The expert-pool sizes asked for since the last call, in order."""
+        out, self.scales = self.scales, []
+        return out
 
     def take_queries(self) -> list[bool]:
         """The comm_stats queries received since the last call (True: with events), in order."""

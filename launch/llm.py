@@ -71,6 +71,7 @@ class LLM:
         self._procs: list = []
         self._serving = False      # past start-up: a lost rank other than the leader is survivable
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
+        self.retired_ranks: list[int] = []   # and those a scale-in retired (they exit on their own)
         self.runtime = None
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             self._join()
@@ -254,8 +255,34 @@ class LLM:
             self.runtime.lead(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         return self._reply("comm_stats")
 
+    def scale(self, expert_ranks: int) -> dict:
+        """Shrink the expert pool to expert_ranks between steps: the last expert ranks retire (their processes
+        exit), EPLB re-places their experts onto the others, which take the slots they gain from a peer or the
+        checkpoint. Returns the membership change's record (as in stats()["membership_changes"]). Requests in
+        flight keep going; call it between generate() calls (it waits on the same queue). Spawned ranks only;
+        growing a pool is not built yet (ValueError)."""
+        if self.runtime is not None:
+            raise ValueError("scale() needs ranks spawned by LLM; under torchrun the launch fixes the pools")
+        self.request_scale(expert_ranks)
+        result = self._reply("scale")
+        return self.take_scale_result(result)
+
+    def request_scale(self, expert_ranks: int) -> None:
+        """Ask for scale(expert_ranks) without waiting: the leader answers ("scale", record) on outbox between
+        steps; pass that record to take_scale_result."""
+        if isinstance(expert_ranks, bool) or not isinstance(expert_ranks, int) or expert_ranks < 1:
+            raise ValueError(f"expert_ranks={expert_ranks!r} is invalid: pass an integer >= 1")
+        self._inbox.put(("scale", expert_ranks))
+
+    def take_scale_result(self, result: dict) -> dict:
+        """The leader's answer to a scale request: ValueError for a refused one; retired ranks are noted."""
+        if "error" in result:
+            raise ValueError(result["error"])
+        self.retired_ranks += result.get("lost_members", [])
+        return result
+
     def _reply(self, kind: str) -> dict:
-        """The leader's answer to a ("stats",) or ("comm_stats",) query just put on the inbox."""
+        """The leader's answer to a ("stats",), ("comm_stats",) or ("scale", n) command just put on the inbox."""
         while True:
             msg = self._poll(self._outbox, time.monotonic() + 60, kind)
             if msg[0] == kind:
@@ -282,7 +309,8 @@ class LLM:
         are then stopped too). Once serving, the leader re-forms the job around any other lost rank
         (launch/step_protocol.py), so those are only logged and listed in lost_ranks. Ranks under torchrun are
         watched by torchrun itself."""
-        dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()]
+        dead = [(i, p.exitcode) for i, p in enumerate(self._procs)
+                if not p.is_alive() and i not in self.retired_ranks]
         if not dead:
             return
         if self._serving and dead[0][0] != 0:

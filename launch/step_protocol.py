@@ -8,6 +8,9 @@ Each step the leader (attention rank 0) broadcasts a `StepHeader` (comm/control.
   SHUTDOWN: leave.
 - REBALANCE, COLLECT_STATS, COLLECT_EVENTS: every rank (the leader too) joins the runtime's collective for
   it, between steps (live re-placement, stats).
+- RESHAPE: a planned membership change (LLM.scale): the leader has published the next generation's plan;
+  every rank leaves the current generation together, and the members of the next one form it (the others
+  exit).
 
 Membership generations. The job's process groups belong to a generation g: they are formed from the keys
 under "afserve/g{g}/" of one TCP store, hosted by the leader's process. When a rank dies, the survivors'
@@ -46,6 +49,7 @@ from comm.shm import host_identity, process_alive
 STEP, IDLE, PAUSE, SHUTDOWN = "step", "idle", "pause", "shutdown"
 # every rank joins a collective between steps; COLLECT_EVENTS: the stats plus each rank's recent calls
 REBALANCE, COLLECT_STATS, COLLECT_EVENTS = "rebalance", "collect_stats", "collect_events"
+RESHAPE = "reshape"   # between steps: every rank moves to the next generation, whose plan is in the store
 COLLECTIVES = (REBALANCE, COLLECT_STATS, COLLECT_EVENTS)
 
 PREFIX = "afserve"
@@ -92,6 +96,8 @@ def lead(rt, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) ->
                 alive = leader.handle(inbox.get_nowait(), aborts, outbox)
         except queue.Empty:
             pass
+        for size in leader.take_scales():
+            outbox.put(("scale", rt.membership.reshape_as_leader(size)))
         for events in leader.take_queries():
             kind = COLLECT_EVENTS if events else COLLECT_STATS
             outbox.put(("comm_stats", _guarded(rt, lambda k=kind: collective(rt, k))))
@@ -156,6 +162,8 @@ def follow(rt) -> str:
                 return SHUTDOWN
         elif kind in (SHUTDOWN, PAUSE):
             return kind
+        elif kind == RESHAPE and not rt.membership.reshape():
+            return SHUTDOWN
 
 
 def _obey(rt) -> str:
@@ -177,8 +185,9 @@ class MembershipChange:
     """One re-forming of the job, as the leader saw it (timings in seconds)."""
 
     generation: int
-    lost: list[int]                # ranks of the old generation that were lost
+    lost: list[int]                # ranks of the old generation that were lost (or retired by a scale-in)
     cause: str
+    lost_members: list[int] = field(default_factory=list)   # the same as members (their first ranks)
     attention_ranks: int = 0       # the new generation's pools
     expert_ranks: int = 0
     detect_s: float = 0.0          # from the first failed exchange to every member accounted for
@@ -282,7 +291,7 @@ class Membership:
         gen = self._leave(cause)
         members = self.rt.members
         alive, lost = self._survey(gen, members)
-        change = MembershipChange(gen + 1, [members.index(m) for m in lost], cause,
+        change = MembershipChange(gen + 1, [members.index(m) for m in lost], cause, sorted(lost),
                                   detect_s=time.monotonic() - t0, started=t0)
         try:
             plan = self.rt.plan_generation(gen + 1, alive, lost)
@@ -290,15 +299,68 @@ class Membership:
             self.store.set(self._key(gen + 1, "plan"), msgpack.packb({"error": str(e)}))
             raise
         self.store.set(self._key(gen + 1, "plan"), msgpack.packb(plan))
+        self._adopt(plan, change)
+        logger.warning("generation %d: lost ranks %s; %d + %d ranks; detect %.2fs, groups %.2fs, weights %.2fs",
+                       gen + 1, change.lost, change.attention_ranks, change.expert_ranks, change.detect_s,
+                       change.groups_s, change.weights_s)
+
+    def _adopt(self, plan: dict, change: MembershipChange) -> None:
+        """Leader: form the plan's generation and record the change."""
         timings = self.rt.regroup(plan)
         change.groups_s, change.weights_s = timings["groups_s"], timings["weights_s"]
         change.slots_from_peers, change.slots_from_checkpoint = plan["from_peers"], plan["from_checkpoint"]
         change.attention_ranks = plan["attention_ranks"]
         change.expert_ranks = len(plan["members"]) - plan["attention_ranks"]
         self.changes.append(change)
-        logger.warning("generation %d: lost ranks %s; %d + %d ranks; detect %.2fs, groups %.2fs, weights %.2fs",
-                       gen + 1, change.lost, change.attention_ranks, change.expert_ranks, change.detect_s,
-                       change.groups_s, change.weights_s)
+
+    def reshape_as_leader(self, expert_ranks: int) -> dict:
+        """Leader, between steps: retire the last expert ranks down to expert_ranks (a planned change, nobody
+        failed): plan, publish, tell every rank (RESHAPE), leave together, form the new generation. Returns the
+        change's record (or {"error": why} when the plan is refused; nothing changes then)."""
+        rt, gen = self.rt, self.rt.generation
+        A = rt.topo.num_attention_ranks
+        experts = rt.members[A:]
+        if not 1 <= expert_ranks <= len(experts):
+            return {"error": f"expert_ranks={expert_ranks}: this job can shrink its {len(experts)} expert ranks to "
+                             f"between 1 and {len(experts)}; adding ranks is not built yet"}
+        retired = experts[expert_ranks:]
+        if not retired:
+            return {"unchanged": True, "expert_ranks": expert_ranks}
+        budget = rt.config.parallel.expert_memory or 2**62
+        try:
+            plan = rt.plan_generation(gen + 1, {m: {"expert_budget": budget} for m in experts}, retired)
+        except MembershipError as e:
+            return {"error": str(e)}
+        t0 = time.monotonic()
+        self.store.set(self._key(gen + 1, "plan"), msgpack.packb(plan))
+        change = MembershipChange(gen + 1, [rt.members.index(m) for m in retired], "scale", sorted(retired),
+                                  started=t0)
+        rt.control.broadcast_header(StepHeader.empty(RESHAPE, rt.leader.step_id))
+        self._leave_together(gen)
+        change.detect_s = time.monotonic() - t0
+        self._adopt(plan, change)
+        logger.warning("generation %d: retired ranks %s; %d + %d ranks; groups %.2fs, weights %.2fs", gen + 1,
+                       change.lost, change.attention_ranks, change.expert_ranks, change.groups_s, change.weights_s)
+        return change.to_dict()
+
+    def reshape(self) -> bool:
+        """A follower got RESHAPE: leave the generation with everyone, then join the next one if it is a member
+        (False: retired, leave the job)."""
+        gen = self.rt.generation
+        self._leave_together(gen)
+        plan = msgpack.unpackb(self.store.get(self._key(gen + 1, "plan")), strict_map_key=False)
+        if self.member not in plan["members"]:
+            logger.info("member %d: retired by a scale-in (generation %d)", self.member, gen + 1)
+            return False
+        self.rt.regroup(plan)
+        return True
+
+    def _leave_together(self, gen: int) -> None:
+        """Every rank at once, between steps: nobody is mid-exchange, so the groups can go without a failure."""
+        dist.barrier(group=self.rt.groups.control)
+        self.rt.leave_generation()
+        self.left_generation = gen
+        gc.collect()
 
     def _survey(self, gen: int, members: list[int]) -> tuple[dict[int, dict], list[int]]:
         """Wait until each member of generation gen has checked in (alive: member -> its info) or has not

@@ -128,3 +128,42 @@ def test_attention_rank_killed_mid_generation(tiny_checkpoint, options):
     assert change["slots_from_peers"] == change["slots_from_checkpoint"] == 0      # the experts stayed put
     assert stats["num_moved_requests"] >= 1
     assert len(stats["kv_blocks"]) == 2
+
+
+def test_scale_in_while_requests_stream(tiny_checkpoint):
+    """1+3 -> 1+2 while requests stream, then -> 1+1 between generate calls: the retired ranks exit cleanly,
+    their experts are re-placed, and every output is still transformers'."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(6, 256, 5, 30, seed=3)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(path, attention_ranks=1, expert_ranks=3) as llm:
+        pids = llm.worker_pids
+        rids = [llm.submit(p, params) for p in prompts]
+        got, done, record, asked = {r: [] for r in rids}, set(), None, False
+        deadline = time.monotonic() + 240
+        while len(done) < len(rids) or record is None:
+            msg = llm._poll(llm.outbox, deadline, "the scale test")
+            if msg[0] == "scale":
+                record = llm.take_scale_result(msg[1])
+                continue
+            for rid, toks, finish, *_ in msg[1]:
+                got[rid] += toks
+                done |= {rid} if finish is not None else set()
+            if not asked and sum(map(len, got.values())) >= 12:
+                llm.request_scale(2)
+                asked = True
+        assert [got[r] for r in rids] == expected
+        second = llm.scale(1)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        with pytest.raises(ValueError, match="adding ranks is not built yet"):
+            llm.scale(3)
+        changes = llm.stats()["membership_changes"]
+        assert llm.retired_ranks == [3, 2] and llm.lost_ranks == []
+    assert record["cause"] == "scale" and record["lost"] == [3] and record["expert_ranks"] == 2
+    assert second["lost"] == [2] and second["expert_ranks"] == 1
+    assert second["slots_from_checkpoint"] + second["slots_from_peers"] > 0
+    assert [c["expert_ranks"] for c in changes] == [2, 1]
+    for pid in pids[2:]:
+        assert not alive(pid)
+    assert [p.exitcode for p in llm._procs[2:]] == [0, 0]          # retired, not killed
