@@ -190,7 +190,7 @@ def test_kv_bytes_per_token_at_real_scale():
     assert glm.kv_bytes_per_token(torch.bfloat16) == 2 * glm.num_kv_heads * glm.head_dim * 2
 
 
-@pytest.mark.parametrize("arch,balancer", [("deepseek_v3", "least_loaded"), ("glm4_moe", "random"),
+@pytest.mark.parametrize("arch,balancer", [wider("deepseek_v3", "least_loaded"), ("glm4_moe", "random"),
                                            ("gpt_oss", "least_loaded")])
 def test_two_phase_with_replicated_experts_matches_transformers(tiny_checkpoint, arch, balancer):
     """Two emulated nodes, a replica choice among redundant experts, 2 micro-batches, chunked."""
