@@ -53,16 +53,11 @@ class AttentionWorker:
         on from there."""
         for r in requests:
             params = SamplingParams.from_dict(r["params"])
-            resume = {int(i): toks for i, toks in r.get("resume", {}).items()}
-            if not resume:
+            resume = sorted((int(i), toks) for i, toks in r.get("resume", {}).items())
+            for i, toks in resume or [(None, None)]:
                 self._arrivals += 1
-                seq = Sequence.from_request(r["id"], r["prompt"], params, self._arrivals)
-                _skip_prompt_logprobs(seq, r.get("prompt_logprobs_sent", 0))
-                self.scheduler.add(seq)
-                continue
-            for i, toks in sorted(resume.items()):
-                self._arrivals += 1
-                seq = Sequence.resumed(r["id"], i, r["prompt"], toks, params, self._arrivals)
+                seq = Sequence.from_request(r["id"], r["prompt"], params, self._arrivals) if i is None else \
+                    Sequence.resumed(r["id"], i, r["prompt"], toks, params, self._arrivals)
                 _skip_prompt_logprobs(seq, r.get("prompt_logprobs_sent", 0))
                 self.scheduler.add(seq)
 

@@ -97,27 +97,8 @@ class ExpertSlots:
         for t_new, t_old in zip(new._per_slot(), self._per_slot()):   # experts that stay in their slot
             same = (self.slot2expert[:, :width] == slot2expert[:, :width]) & (slot2expert[:, :width] >= 0)
             t_new[:, :width][same] = t_old[:, :width][same]
-        works, landed, received = [], [], 0
-        wanted = torch.full_like(slot2expert, -1)
-        for layer, dst, dslot, src, sslot in moves:
-            if dst == me and src == -1:
-                wanted[layer, dslot] = slot2expert[layer, dslot]
-            elif dst == me and src == me:
-                for t_new, t_old in zip(new._per_slot(), self._per_slot()):
-                    t_new[layer, dslot] = t_old[layer, sslot]
-            elif dst == me:
-                bufs = [torch.empty_like(t[layer, 0]) for t in new._per_slot()]
-                works += [dist.irecv(b, world_rank(src), group=group) for b in bufs]
-                landed.append((layer, dslot, bufs))
-                received += 1
-            elif src == me:
-                works += [dist.isend(t[layer, sslot], world_rank(dst), group=group) for t in self._per_slot()]
+        received, wanted = self._carry(moves, me, new, world_rank, group)
         read = new._read(ckpt, wanted) if bool((wanted >= 0).any()) else 0
-        for w in works:
-            w.wait()
-        for layer, dslot, bufs in landed:
-            for t, b in zip(new._per_slot(), bufs):
-                t[layer, dslot] = b
         return new, received, read
 
     def move(self, moves: list[tuple[int, int, int, int, int]], slot2expert: torch.Tensor, me: int,
@@ -126,25 +107,36 @@ class ExpertSlots:
         dst slot, src rank, src slot), in the same order on every rank (expert-pool rank numbers);
         world_rank maps them to ranks of `group`. Copies within this rank, sends what peers need from here
         and receives what arrives, then adopts slot2expert `[L, S]`. Returns the number of slots received."""
+        received, _ = self._carry(moves, me, self, world_rank, group)
+        self.slot2expert = slot2expert.clone()
+        return received
+
+    def _carry(self, moves, me: int, into: ExpertSlots, world_rank, group) -> tuple[int, torch.Tensor]:
+        """This rank's part of moves (layer, dst rank, dst slot, src rank, src slot) from this rank's slots
+        into `into`'s (this object itself for a move in place): copies within the rank, sends what peers need
+        and receives what arrives. Returns (slots received, `[L, S']` the experts whose source is the
+        checkpoint (src -1) at their slots, -1 elsewhere): the caller reads those."""
         works, landed, received = [], [], 0
+        wanted = torch.full_like(into.slot2expert, -1)
         for layer, dst, dslot, src, sslot in moves:
             if dst == me:
-                if src == me:   # copy now: a later write may overwrite the source slot
+                if src == -1:
+                    wanted[layer, dslot] = into.slot2expert[layer, dslot]
+                elif src == me:   # copy now: a later write may overwrite the source slot
                     landed.append((layer, dslot, [t[layer, sslot].clone() for t in self._per_slot()]))
-                    continue
-                bufs = [torch.empty_like(t[layer, 0]) for t in self._per_slot()]
-                works += [dist.irecv(b, world_rank(src), group=group) for b in bufs]
-                landed.append((layer, dslot, bufs))
-                received += 1
+                else:
+                    bufs = [torch.empty_like(t[layer, 0]) for t in into._per_slot()]
+                    works += [dist.irecv(b, world_rank(src), group=group) for b in bufs]
+                    landed.append((layer, dslot, bufs))
+                    received += 1
             elif src == me:
                 works += [dist.isend(t[layer, sslot], world_rank(dst), group=group) for t in self._per_slot()]
         for w in works:
             w.wait()
         for layer, dslot, bufs in landed:
-            for t, b in zip(self._per_slot(), bufs):
+            for t, b in zip(into._per_slot(), bufs):
                 t[layer, dslot] = b
-        self.slot2expert = slot2expert.clone()
-        return received
+        return received, wanted
 
     def _per_slot(self) -> list[torch.Tensor]:
         """Every `[L, S, ...]` tensor a slot's expert occupies (a move carries each)."""

@@ -188,8 +188,7 @@ class Runtime:
         par = self.config.parallel
         if par.expert_memory is not None:
             return par.expert_memory
-        held = sum(t.numel() * t.element_size() for t in self.worker.slots._per_slot()) \
-            if isinstance(getattr(self, "worker", None), ExpertWorker) else 0
+        held = sum(t.numel() * t.element_size() for t in self.worker.slots._per_slot())
         if self.device.type == "cuda":
             return held + torch.cuda.mem_get_info(self.device)[0]
         return held + _host_available_bytes()
@@ -290,7 +289,7 @@ class Runtime:
         kw = dict(group=self.groups.world, hidden_size=spec.hidden_size, top_k=spec.top_k, dtype=self.dtype,
                   device=self.device, num_sources=self.topo.num_attention_ranks,
                   ranks_per_node=self.topo.ranks_per_node)
-        if getattr(self, "_stats", None) is not None:   # a new generation keeps the stats so far
+        if self._stats is not None:   # a new generation keeps the stats so far
             kw["stats"] = self._stats
         if self._use_shm():
             return ShmDispatcher(**kw, control=self.groups.control,

@@ -248,6 +248,7 @@ class Membership:
         self.left_generation = -1       # the last generation this rank has left
         self.heartbeat = Heartbeat(host, port, self, rt.config.startup_timeout_s, max(10.0, 3 * failure_s))
         self.host = host_identity()
+        self.procs: dict[int, list] = {}   # member -> [host identity, pid], as read from the store
         store.set(f"{PREFIX}/proc/{member}", msgpack.packb([self.host, os.getpid()]))
 
     def _key(self, generation: int, name: str) -> str:
@@ -392,7 +393,9 @@ class Membership:
 
     def _process_gone(self, member: int) -> bool:
         """The member's process is on this host and has exited (a quicker verdict than a silent heartbeat)."""
-        host, pid = msgpack.unpackb(self.store.get(f"{PREFIX}/proc/{member}"))
+        if member not in self.procs:     # written once at start-up: read once
+            self.procs[member] = msgpack.unpackb(self.store.get(f"{PREFIX}/proc/{member}"))
+        host, pid = self.procs[member]
         return host == self.host and not process_alive(pid)
 
     def close(self) -> None:
