@@ -6,7 +6,8 @@ with the most free KV blocks (cache-aware routing: each rank's report carries th
 prefix cache gained and lost since the last step, so the leader mirrors every rank's cache as a set of
 64-bit keys and hashes each new prompt once), broadcasts the step header, and
 pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
-("abort", request_id), ("stats",), ("comm_stats"[, events]), ("scale", expert ranks), ("shutdown",).
+("abort", request_id), ("stats",), ("comm_stats"[, events]), ("scale", {"attention_ranks", "expert_ranks", "retire"}),
+("shutdown",).
 Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
 prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
 ("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
@@ -30,7 +31,7 @@ class Leader:
         self.worker = worker
         self.membership = None          # the runtime's Membership (launch/step_protocol.py), for stats
         self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
-        self.scales: list[int] = []     # expert-pool sizes asked for since the last step
+        self.scales: list[dict] = []    # membership changes asked for since the last step
         self.rebalance_interval = rebalance_interval
         self.num_attention_ranks = num_attention_ranks
         self.block_size = block_size
@@ -47,7 +48,8 @@ class Leader:
         self.prompt_logprobs_sent: dict[str, int] = {}
         self.inflight = None             # the header of the step in flight (re-sent after a membership change)
         self.outbox = None               # set by the loop (launch/step_protocol.py); regroup ends aborted moves here
-        self.num_moved_requests = 0
+        self.num_moved_requests = 0      # requests re-queued from a lost attention rank (recomputed)
+        self.num_handed_over = 0         # requests a leaving attention rank handed over with their KV
         self.cache_aware = cache_aware
         self.cached: list[set[int]] = [set() for _ in range(num_attention_ranks)]   # each rank's cached keys
         self.num_routed_to_cache = 0     # requests sent to a rank that caches a prefix of their prompt
@@ -116,8 +118,8 @@ class Leader:
                 aborts.setdefault(str(self.req2rank[base]), []).append(rid)
         elif kind == "stats":
             outbox.put(("stats", self.stats()))
-        elif kind == "scale":           # ("scale", expert ranks): a membership change, run by the loop
-            self.scales.append(int(cmd[1]))
+        elif kind == "scale":           # ("scale", request): a membership change, run by the loop
+            self.scales.append(dict(cmd[1]))
         elif kind == "comm_stats":      # ("comm_stats", events: bool = False): a collective, run by the loop
             self.queries.append(len(cmd) > 1 and bool(cmd[1]))
         elif kind == "shutdown":
@@ -126,8 +128,8 @@ class Leader:
             raise ValueError(f"unknown inbox command {kind!r}")
         return True
 
-    def take_scales(self) -> list[int]:
-        """The expert-pool sizes asked for since the last call, in order."""
+    def take_scales(self) -> list[dict]:
+        """The membership changes asked for since the last call, in order."""
         out, self.scales = self.scales, []
         return out
 
@@ -161,6 +163,8 @@ class Leader:
                 "kv_offload_restored_blocks": sum(r.offload_restored for r in self.reports),
                 "num_routed_to_cache": self.num_routed_to_cache,
                 "num_moved_requests": self.num_moved_requests,
+                "num_handed_over_requests": self.num_handed_over,
+                "kv_blocks_handed_over": sum(r.kv_blocks_received for r in self.reports),
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
                 "membership_changes": [c.to_dict() for c in self.membership.changes] if self.membership else []}
 
@@ -197,12 +201,24 @@ class Leader:
                       self.prompt_logprobs_sent):
             table.pop(rid, None)
 
-    def regroup(self, keep: list[int], outbox) -> None:
-        """The attention pool is now keep (keep[i]: the old rank of new rank i; rank 0 stays). Requests of
-        the lost ranks go back to the front of the queue, resumed from the tokens they have streamed (the
+    def regroup(self, keep: list[int], kv_blocks: list[int] = (), handover: dict[int, int] | None = None) -> None:
+        """The attention pool is now keep (keep[i]: the old rank of new rank i, -1 for a rank that joined; rank
+        0 stays); kv_blocks: the KV pool size of each joining rank, in order. handover: old rank -> the old
+        rank that took over its requests (a graceful scale-in: they stay there). Requests of the other ranks
+        that left (lost) go back to the front of the queue, resumed from the tokens they have streamed (the
         step in flight never reported its tokens, so they are computed again); the in-flight header and every
         per-rank table move to the new rank numbers. Aborts for a moved request end it here."""
-        new_rank = {old: new for new, old in enumerate(keep)}
+        new_rank = {old: new for new, old in enumerate(keep) if old >= 0}
+        handover = handover or {}
+        for rid, rank in self.req2rank.items():
+            if rank in handover:
+                self.req2rank[rid] = handover[rank]
+                self.num_handed_over += 1
+        for src, dst in handover.items():   # until dst reports again: what it took over, as src last reported it
+            s, d = self.reports[src], self.reports[dst]
+            d.max_next_tokens = min(self.token_budget, d.max_next_tokens + s.max_next_tokens)
+            d.num_running, d.num_waiting = d.num_running + s.num_running, d.num_waiting + s.num_waiting
+            d.num_free_blocks -= s.num_blocks - s.num_free_blocks
         header = self.inflight
         aborted: set[str] = set()
         if header is not None:
@@ -222,7 +238,7 @@ class Leader:
             open_ids = [i for i in range(_num_samples(req)) if i not in self.finished[rid]]
             if rid in aborted:
                 ids = sample_ids(rid, _num_samples(req))
-                outbox.put(("out", [[ids[i], [], "abort", None, None] for i in open_ids]))
+                self.outbox.put(("out", [[ids[i], [], "abort", None, None] for i in open_ids]))
                 self._forget(rid)
                 continue
             streamed = self.streamed[rid]
@@ -230,8 +246,14 @@ class Leader:
             moved.append(dict(req, resume=resume, prompt_logprobs_sent=self.prompt_logprobs_sent.get(rid, 0)))
         self.pending.extendleft(reversed(moved))
         self.num_moved_requests += len(moved)
-        self.cached = [self.cached[old] for old in keep]
-        self.reports = [self.reports[old] for old in keep]
+        blocks = iter(kv_blocks)
+        fresh = [StepReport(new, n, 0, 0, num_blocks=n) for new, old in enumerate(keep) if old < 0
+                 for n in [next(blocks)]]
+        self.cached = [self.cached[old] if old >= 0 else set() for old in keep]
+        joined = iter(fresh)
+        self.reports = [self.reports[old] if old >= 0 else next(joined) for old in keep]
+        for r, rep in enumerate(self.reports):
+            rep.rank = r
         self.num_attention_ranks = len(keep)
 
 

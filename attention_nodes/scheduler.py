@@ -124,6 +124,21 @@ class Scheduler:
             seq.finish_reason = "abort"
         return seqs
 
+    def take_over(self, running: list[Sequence], waiting: list[Sequence], next_arrival) -> None:
+        """Sequences handed over from another rank (attention_nodes/handover.py): running ones, holding their
+        blocks already, join `running` after the current ones; waiting ones (holding none) the waiting queue's
+        tail. Arrivals are renumbered with next_arrival() (the current waiting ones too, after the new running
+        ones) so that running stays sorted and below every waiting arrival."""
+        for seq in running + waiting:
+            if seq.request_id in self._live:
+                raise ValueError(f"request_id={seq.request_id!r} handed over is already here")
+            self._live[seq.request_id] = seq
+        self._running += running
+        self._waiting.extend(waiting)
+        for seq in running + list(self._waiting):
+            seq.arrival = next_arrival()
+            self._last_arrival = seq.arrival
+
     def fork(self, sched: ScheduledSeq, generators: list) -> list[ScheduledSeq]:
         """Make samples 1.. of a request whose first sample is being drawn in this step (sched: its entry in the
         step's output, before update). Each shares the request's blocks (one more reference each) and joins

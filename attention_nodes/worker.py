@@ -8,6 +8,7 @@ from comm.control import StepReport
 
 from .batch import ForwardBatch, order_for_batch, split_micro_batches
 from .block_pool import BlockPool
+from .handover import pack_sequences, unpack_sequences
 from .kv_cache import KVCache
 from .logits_process import shape_logits, token_logprobs
 from .model import AttentionModel, MoEContext
@@ -33,6 +34,7 @@ class AttentionWorker:
         self.num_preemptions = 0
         # Re-forming the job re-sends the step in flight (launch/step_protocol.py): the last step begun and
         # finished, its report, and a batch whose forward has not passed every exchange yet.
+        self.num_kv_blocks_received = 0   # KV blocks handed over by ranks that left (attention_nodes/handover.py)
         self.started_step = self.done_step = 0
         self.last_report: StepReport | None = None
         self._inflight = None
@@ -40,6 +42,18 @@ class AttentionWorker:
     def adopt(self, moe: MoEContext) -> None:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
         self.moe = moe
+
+    def next_arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    def hand_over(self) -> tuple[dict, torch.Tensor]:
+        """This rank leaves: its live sequences and their KV blocks, for the rank that takes them over."""
+        return pack_sequences(self)
+
+    def take_over(self, meta: dict, kv: torch.Tensor) -> None:
+        """Take the sequences a leaving rank handed over (with their KV blocks where they fit)."""
+        self.num_kv_blocks_received += unpack_sequences(self, meta, kv)
 
     @property
     def block_pool(self) -> BlockPool:
@@ -55,9 +69,9 @@ class AttentionWorker:
             params = SamplingParams.from_dict(r["params"])
             resume = sorted((int(i), toks) for i, toks in r.get("resume", {}).items())
             for i, toks in resume or [(None, None)]:
-                self._arrivals += 1
-                seq = Sequence.from_request(r["id"], r["prompt"], params, self._arrivals) if i is None else \
-                    Sequence.resumed(r["id"], i, r["prompt"], toks, params, self._arrivals)
+                arrival = self.next_arrival()
+                seq = Sequence.from_request(r["id"], r["prompt"], params, arrival) if i is None else \
+                    Sequence.resumed(r["id"], i, r["prompt"], toks, params, arrival)
                 _skip_prompt_logprobs(seq, r.get("prompt_logprobs_sent", 0))
                 self.scheduler.add(seq)
 
@@ -144,7 +158,8 @@ class AttentionWorker:
         return StepReport(self.rank, pool.num_free_blocks, s.num_running, s.num_waiting,
                           s.max_next_tokens(), self.num_preemptions, self.num_partial_chunks, outputs or [],
                           pool.num_blocks, s.num_prefix_queries, s.num_prefix_hits, s.num_prompt_tokens_computed,
-                          host.num_saved if host else 0, host.num_restored if host else 0, added, evicted)
+                          host.num_saved if host else 0, host.num_restored if host else 0, added, evicted,
+                          self.num_kv_blocks_received)
 
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:

@@ -60,6 +60,7 @@ class StepReport:
     offload_restored: int = 0           # cumulative: blocks copied back from it instead of recomputed
     cache_added: list[int] = field(default_factory=list)    # prefix-cache keys registered since the last report
     cache_evicted: list[int] = field(default_factory=list)  # and those evicted from the device pool
+    kv_blocks_received: int = 0         # cumulative: KV blocks taken over from attention ranks that left
 
 
 def pack(obj) -> torch.Tensor:

@@ -17,9 +17,12 @@ class Topology:
     world_size: int
     num_attention_ranks: int
     ranks_per_node: int
+    forming: bool = False    # the leader of separate pool launches alone, before the first generation forms
 
     def __post_init__(self) -> None:
         A, W = self.num_attention_ranks, self.world_size
+        if self.forming:
+            return
         if A < 1:
             raise ValueError(f"attention_ranks={A} must be >= 1")
         if W - A < 1:

@@ -35,7 +35,14 @@ from .http_generate import check_model, check_request, respond, sampling_params
 from .http_metrics import Metrics, scrape
 from .http_text import TextStream
 from .http_tokens import chat_ids, detokenize, prompt_ids, tokenize
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DrainRequest,
+    TokenizeRequest,
+)
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
 
@@ -146,6 +153,16 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         eng = engine()
         check_model(body.model, state.served)
         return detokenize(eng.llm, body, state.model_name)
+
+    @app.post("/admin/drain", dependencies=[Depends(authorized)])
+    async def drain(body: DrainRequest, request: Request):
+        """Remove the given ranks between steps (launch/step_protocol.py); answers the membership change."""
+        _warn_ignored(body, request)
+        eng = engine()
+        record = await eng.query("scale", {"retire": body.ranks}, timeout_s=eng.llm.config.startup_timeout_s)
+        if "error" in record:
+            raise APIError(400, record["error"], "ranks")
+        return record
 
     @app.get("/metrics")
     async def metrics():

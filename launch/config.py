@@ -1,7 +1,7 @@
 """The configuration tree. Only top-level objects (the runtime, the LLM front) see all of it."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -104,6 +104,11 @@ class EngineConfig:
     rank_failure_s: float = 3.0         # a rank whose heartbeat thread is silent this long counts as dead
     startup_timeout_s: float = 300.0
     load_progress: bool = True          # tqdm bar of weight bytes read, on the first rank of each role
+    # Separate pool launches (launch/step_protocol.py, "Joining"): this process's pool and the store that the
+    # pools rendezvous through, which the attention pool's first rank (the leader) serves. None: roles by rank.
+    role: str | None = None             # "attention" or "expert"
+    pool_addr: str | None = None        # "HOST:PORT"
+    leader_host: str | None = None      # the host whose attention rank 0 leads (None: attention rank 0 of any)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -119,6 +124,13 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} is invalid: pass a positive number of seconds")
         if self.threads_per_rank is not None:
             _int("threads_per_rank", self.threads_per_rank, 1)
+        if self.role not in (None, "attention", "expert"):
+            raise ValueError(f"role={self.role!r} is invalid: choose attention or expert")
+        if (self.role is None) != (self.pool_addr is None):
+            raise ValueError(f"role={self.role!r} and pool_addr={self.pool_addr!r}: separate pool launches need "
+                             f"both (--role attention|expert --pool-addr HOST:PORT), a single launch neither")
+        if self.pool_addr is not None:
+            self.pool_host_port()
         if self.heartbeat_s >= self.collective_timeout_s:
             raise ValueError(f"heartbeat_s={self.heartbeat_s} must be below collective_timeout_s="
                              f"{self.collective_timeout_s}: idle ranks would time out between heartbeats")
@@ -142,6 +154,27 @@ class EngineConfig:
         return cls(model=str(model), parallel=ParallelConfig(**groups[ParallelConfig]),
                    cache=CacheConfig(**groups[CacheConfig]), scheduler=SchedulerConfig(**groups[SchedulerConfig]),
                    **top)
+
+    def pool_host_port(self) -> tuple[str, int]:
+        """pool_addr "HOST:PORT" -> (host, port); ValueError names a malformed one."""
+        host, _, port = (self.pool_addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"pool_addr={self.pool_addr!r} is invalid: pass HOST:PORT, the address the attention "
+                             f"pool's first rank serves the job's store on (e.g. 10.0.0.5:29400)")
+        return host, int(port)
+
+    def leader_settings(self) -> dict:
+        """What a joining rank takes from the leader's config, so that every rank of the job agrees: the
+        parallel, cache and scheduler settings, dtype, kernels and timeouts. Its model path, device, threads
+        and start-up timeout stay its own."""
+        return {"parallel": asdict(self.parallel), "cache": asdict(self.cache), "scheduler": asdict(self.scheduler),
+                **{k: getattr(self, k) for k in ("dtype", "kernel_backend", "collective_timeout_s", "heartbeat_s",
+                                                 "rank_failure_s")}}
+
+    def with_leader_settings(self, settings: dict) -> EngineConfig:
+        return replace(self, parallel=ParallelConfig(**settings["parallel"]), cache=CacheConfig(**settings["cache"]),
+                       scheduler=SchedulerConfig(**settings["scheduler"]),
+                       **{k: v for k, v in settings.items() if k not in ("parallel", "cache", "scheduler")})
 
     def device_type(self) -> str:
         """"cuda" or "cpu"; the runtime picks the CUDA index from LOCAL_RANK."""

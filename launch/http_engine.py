@@ -3,8 +3,8 @@ back on its outbox to the asyncio handlers waiting for it.
 
 Threads: the leader loop owns its queues; `EngineClient` runs one router thread that reads the leader's
 outbox and hands each request's progress to the asyncio handler waiting for it (call_soon_threadsafe), and
-records latency metrics as tokens arrive. Handlers put commands ("add", "abort", "stats", "comm_stats") on
-the leader's inbox.
+records latency metrics as tokens arrive. Handlers put commands ("add", "abort", "stats", "comm_stats",
+"scale") on the leader's inbox.
 
 A request drawing several samples (SamplingParams.num_samples > 1) has one track per sample, under the
 sample's id (`sample_ids`), and its latency metrics (TTFT, TPOT, e2e, finish reason) are recorded per sample,
@@ -66,7 +66,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}           # sample id -> its track, while open
         self._samples: dict[str, list[str]] = {}       # request id -> its sample ids, while any is open
-        self._waiters: dict[str, deque] = {"stats": deque(), "comm_stats": deque()}
+        self._waiters: dict[str, deque] = {"stats": deque(), "comm_stats": deque(), "scale": deque()}
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -113,15 +113,16 @@ class EngineClient:
         if not any(i in self._tracks for i in self._samples[rid]):
             del self._samples[rid]
 
-    async def query(self, kind: str) -> dict:
-        """("stats",) or ("comm_stats",) through the leader; the answer comes back on the outbox."""
+    async def query(self, kind: str, *args, timeout_s: float = QUERY_TIMEOUT_S) -> dict:
+        """("stats",), ("comm_stats",) or ("scale", request) through the leader; the answer comes back on the
+        outbox."""
         if self.dead:
             raise engine_down(self.dead)
         fut = self.loop.create_future()
         with self._lock:
             self._waiters[kind].append(fut)
-            self.llm.inbox.put((kind,))
-        return await asyncio.wait_for(fut, QUERY_TIMEOUT_S)
+            self.llm.inbox.put((kind, *args))
+        return await asyncio.wait_for(fut, timeout_s)
 
     # ----- router thread -----------------------------------------------------------------------------------
     def _route(self) -> None:

@@ -7,7 +7,7 @@ import multiprocessing as mp
 import os
 import queue
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
@@ -80,9 +80,10 @@ class LLM:
 
     # ----- start-up -------------------------------------------------------------------------------------
     def _spawn(self) -> None:
-        ctx = mp.get_context("spawn")
+        self._ctx = ctx = mp.get_context("spawn")
         world = self.config.parallel.world_size
-        port = free_port()
+        self._port = port = free_port()
+        self.pools = [self.config.parallel.attention_ranks, self.config.parallel.expert_ranks]
         self._inbox, self._outbox, self._status = ctx.Queue(), ctx.Queue(), ctx.Queue()
         for rank in range(world):
             p = ctx.Process(target=rank_main, name=f"afserve-rank{rank}", daemon=True,
@@ -255,36 +256,68 @@ class LLM:
             self.runtime.lead(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
         return self._reply("comm_stats")
 
-    def scale(self, expert_ranks: int) -> dict:
-        """Shrink the expert pool to expert_ranks between steps: the last expert ranks retire (their processes
-        exit), EPLB re-places their experts onto the others, which take the slots they gain from a peer or the
-        checkpoint. Returns the membership change's record (as in stats()["membership_changes"]). Requests in
-        flight keep going; call it between generate() calls (it waits on the same queue). Spawned ranks only;
-        growing a pool is not built yet (ValueError)."""
+    def scale(self, attention_ranks: int | None = None, expert_ranks: int | None = None,
+              retire: list[int] | None = None) -> dict:
+        """Resize the pools between steps. Growing a pool spawns ranks that join the job (an expert rank takes
+        its experts from peers or the checkpoint); shrinking one retires its last ranks (they exit with status
+        0), and `retire` names ranks to remove (any but rank 0). EPLB re-places the experts over the new expert
+        pool; a retired attention rank's requests move to the others and resume from what they streamed.
+        Returns the membership change's record (as in stats()["membership_changes"]). Requests in flight keep
+        going; call it between generate() calls (it waits on the same queue). Spawned ranks only."""
         if self.runtime is not None:
-            raise ValueError("scale() needs ranks spawned by LLM; under torchrun the launch fixes the pools")
-        self.request_scale(expert_ranks)
-        result = self._reply("scale")
-        return self.take_scale_result(result)
+            raise ValueError("scale() needs ranks spawned by LLM; under torchrun launch more ranks against the "
+                             "job's --pool-addr, or drain ranks through the server's /admin/drain")
+        self.request_scale(attention_ranks, expert_ranks, retire)
+        return self.take_scale_result(self._reply("scale", self.config.startup_timeout_s))
 
-    def request_scale(self, expert_ranks: int) -> None:
-        """Ask for scale(expert_ranks) without waiting: the leader answers ("scale", record) on outbox between
-        steps; pass that record to take_scale_result."""
-        if isinstance(expert_ranks, bool) or not isinstance(expert_ranks, int) or expert_ranks < 1:
-            raise ValueError(f"expert_ranks={expert_ranks!r} is invalid: pass an integer >= 1")
-        self._inbox.put(("scale", expert_ranks))
+    def request_scale(self, attention_ranks: int | None = None, expert_ranks: int | None = None,
+                      retire: list[int] | None = None) -> None:
+        """Ask for scale(...) without waiting, spawning the ranks that will join: the leader answers ("scale",
+        record) on outbox between steps; pass that record to take_scale_result."""
+        for name, v in (("attention_ranks", attention_ranks), ("expert_ranks", expert_ranks)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}={v!r} is invalid: pass an integer >= 1 (or None to keep the pool)")
+        if expert_ranks is not None and expert_ranks > self.spec.num_experts:
+            raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; use "
+                             f"at most {self.spec.num_experts}")
+        retire = list(retire or [])
+        A, E = self.pools
+        if any(isinstance(r, bool) or not isinstance(r, int) or not 0 < r < A + E for r in retire):
+            raise ValueError(f"retire={retire!r} is invalid: name ranks 1..{A + E - 1} (rank 0 leads the job)")
+        self._inbox.put(("scale", {"attention_ranks": attention_ranks, "expert_ranks": expert_ranks,
+                                   "retire": retire}))
+        kept_a = A - sum(r < A for r in retire)
+        kept_e = E - sum(r >= A for r in retire)
+        roles = ["attention"] * max(0, (attention_ranks or kept_a) - kept_a) + \
+            ["expert"] * max(0, (expert_ranks or kept_e) - kept_e)
+        for role in roles:
+            self._spawn_joiner(role)
+
+    def _spawn_joiner(self, role: str) -> None:
+        """A rank that joins the running job as a new member (its member id: its index among the processes)."""
+        member = len(self._procs)
+        config = replace(self.config, role=role, pool_addr=f"127.0.0.1:{self._port}")
+        p = self._ctx.Process(target=rank_main, name=f"afserve-member{member}", daemon=True,
+                              args=(member, self.config.parallel.world_size, self._port, config, self._inbox,
+                                    self._outbox, self._status, True))
+        p.start()
+        self._procs.append(p)
 
     def take_scale_result(self, result: dict) -> dict:
         """The leader's answer to a scale request: ValueError for a refused one; retired ranks are noted."""
         if "error" in result:
             raise ValueError(result["error"])
         self.retired_ranks += result.get("lost_members", [])
+        if "attention_ranks" in result:
+            self.pools = [result["attention_ranks"], result["expert_ranks"]]
         return result
 
-    def _reply(self, kind: str) -> dict:
-        """The leader's answer to a ("stats",), ("comm_stats",) or ("scale", n) command just put on the inbox."""
+    def _reply(self, kind: str, timeout_s: float = 60) -> dict:
+        """The leader's answer to a ("stats",), ("comm_stats",) or ("scale", request) command just put on the
+        inbox."""
+        deadline = time.monotonic() + timeout_s
         while True:
-            msg = self._poll(self._outbox, time.monotonic() + 60, kind)
+            msg = self._poll(self._outbox, deadline, kind)
             if msg[0] == kind:
                 return msg[1]
 

@@ -37,12 +37,15 @@ def tune_allocator() -> None:
         libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD: give back only a free top of 1 GiB or more
 
 
-def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status) -> None:
-    """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status."""
+def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False) -> None:
+    """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status.
+    join: a rank that joins the running job (config has its role and the pool address), `rank` its member id."""
     die_with_parent()
     # A spawned child is a fresh interpreter: give it the same environment torchrun would.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if join:
+        os.environ["AFSERVE_MEMBER"] = str(rank)
     from .runtime import Runtime
 
     runtime = None

@@ -283,3 +283,10 @@ class DetokenizeRequest(_Request):
 
     model: str | None = None
     tokens: list[TokenId]
+
+
+class DrainRequest(_Request):
+    """POST /admin/drain: {"ranks": [rank, ...]}: those ranks leave the job between steps (a retired attention
+    rank's requests move to the others; a retired expert rank's experts are re-placed) and exit."""
+
+    ranks: Annotated[list[int], Field(min_length=1)]

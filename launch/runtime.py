@@ -7,11 +7,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+import msgpack
 import torch
 import torch.distributed as dist
 
@@ -24,7 +26,7 @@ from attention_nodes.scheduler import Scheduler
 from attention_nodes.worker import AttentionWorker
 from balancer.placement import Placement, eplb, expert_load, load_balance, slot_capacities
 from balancer.policy import make_policy
-from balancer.replan import Replan, plan_membership, plan_rebalance
+from balancer.replan import Replan, plan_membership, plan_moves, plan_rebalance
 from comm.calibration import shared_model
 from comm.control import ControlPlane
 from comm.dispatcher import ShmDispatcher, make_dispatcher
@@ -59,27 +61,36 @@ class Runtime:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        par = config.parallel
-        self.topo = Topology.from_env(par.attention_ranks, par.ranks_per_node, par.world_size)
-        if config.device_type() == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-            torch.cuda.set_device(self.device)
+        self.store: dist.Store | None = None
+        self.membership: Membership | None = None
+        self.leader: Leader | None = None
+        self.placement: Placement | None = None
+        self.left = False
+        self._stats = None      # the data plane's stats, carried from one generation to the next
+        self.load_ema: torch.Tensor | None = None
+        self.num_replacements = 0
+        self.num_slots_moved = 0
+        self.ckpt = Checkpoint(config.model)
+        spec = self.ckpt.spec
+        self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
+                                 spec.max_position_embeddings)
+        if config.role is None:
+            self._start_world()
+        elif self._leads_pool():
+            self._start_pool_leader()
         else:
-            self.device = torch.device("cpu")
-            tune_allocator()
-            cores = os.cpu_count() or 1
-            torch.set_num_threads(config.threads_per_rank or max(1, cores // self.topo.world_size))
-        self.dtype = config.torch_dtype(self.device)
-        self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+            self._start_joiner()
+
+    # ----- start-up -----------------------------------------------------------------------------------------
+    def _start_world(self) -> None:
+        """One launch (torchrun, or ranks spawned by LLM): roles by rank, generation 0 is the whole world."""
+        config, par = self.config, self.config.parallel
+        self.topo = Topology.from_env(par.attention_ranks, par.ranks_per_node, par.world_size)
+        self._set_device(self.topo.world_size)
         # Generation 0 of the job's membership (launch/step_protocol.py): members are named by their first rank.
         self.generation, self.member = 0, self.topo.rank
         self.members = list(range(self.topo.world_size))
-        self.membership: Membership | None = None
-        self.left = False
-        self._stats = None      # the data plane's stats, carried from one generation to the next
         if dist.is_initialized():   # the caller formed the groups: no store of ours, so no re-forming
-            self.store = None
             self.groups = ProcessGroups.create(self.topo)
             self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
                                         par.attention_ranks)
@@ -87,50 +98,23 @@ class Runtime:
             host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
             # Under torchrun its agent serves the store at MASTER_PORT; spawned ranks: rank 0 serves it.
             serve = self.topo.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-            self.store = dist.TCPStore(host, port, is_master=serve, wait_for_workers=False,
-                                       timeout=timedelta(seconds=config.startup_timeout_s))
+            self._open_store(host, port, serve)
             self._form_groups()
             self.membership = Membership(self, self.store, host, port, self.member, config.rank_failure_s)
-        self.ckpt = Checkpoint(config.model)
         spec = self.ckpt.spec
-        self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
-                                 spec.max_position_embeddings)
         self.capacity = slot_capacities(spec.num_experts, par.redundant_experts, par.expert_ranks)
         self.rank_node = self._expert_nodes()
-        if par.redundant_experts == 0:
-            placement = Placement.identity(spec.num_moe_layers, spec.num_experts, par.expert_ranks)
-        else:   # no load observed yet: uniform
-            placement = eplb(torch.ones(spec.num_moe_layers, spec.num_experts), self.capacity, self.rank_node)
-        self.placement = placement
-        self.load_ema: torch.Tensor | None = None
-        self.num_replacements = 0
-        self.num_slots_moved = 0
+        self.placement = initial_placement(spec.num_moe_layers, spec.num_experts, par.redundant_experts,
+                                           self.capacity, self.rank_node)
         self.dispatcher = self._make_dispatcher(spec)
         desc = f"rank {self.topo.rank} ({self.topo.role})"
         # The first rank of each role draws a progress bar: real checkpoints take minutes to read.
         first_of_role = self.topo.rank == 0 or (not self.topo.is_attention and self.topo.expert_index == 0)
         progress = sys.stderr if first_of_role and config.load_progress else None
-        self.leader: Leader | None = None
         if self.topo.is_attention:
-            weights = self.ckpt.read(self.ckpt.attention_tensor_names(), self.dtype, self.device, desc, progress)
-            model = AttentionModel(spec, weights, self.device, self.kernel_backend)
-            num_blocks = self._num_kv_blocks(spec)
-            cache = config.cache
-            host_blocks = self._num_host_blocks(spec)
-            kv = KVCache(spec.num_layers, num_blocks, cache.block_size, spec.kv_entry, self.dtype, self.device,
-                         host_blocks)
-            pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
-                             track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
-            sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                              cache.enable_prefix_caching)
-            self.worker = AttentionWorker(self.topo.rank, model, kv, sched, self._moe_context(), self.max_model_len,
-                                          self.device, par.micro_batches)
-            if self.topo.is_leader:
-                self.leader = Leader(self.worker, par.attention_ranks, config.cache.block_size,
-                                     par.rebalance_interval, pool.track_events)
-                self.leader.membership = self.membership
+            self._build_attention(self._moe_context(), desc, progress)
         else:
-            row = placement.slot2expert[:, self.topo.expert_index]
+            row = self.placement.slot2expert[:, self.topo.expert_index]
             self._check_expert_memory(int(row.shape[1]))
             slots = ExpertSlots.load(self.ckpt, row, self.dtype, self.device, desc, self.kernel_backend, progress)
             self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches)
@@ -139,6 +123,96 @@ class Runtime:
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control)
         self.info = RankInfo(int(blocks), config.cache.block_size, self.max_model_len)
         logger.info("%s ready: %d tensors read", desc, len(self.ckpt.names_read))
+
+    def _leads_pool(self) -> bool:
+        return leads_pool(self.config.role, self.config.leader_host)
+
+    def _start_pool_leader(self) -> None:
+        """The attention pool's first rank: serve the job's store at pool_addr, publish the settings every rank
+        takes, then form generation 0 from the ranks that register (attention_ranks - 1 more attention ranks and
+        expert_ranks expert ranks, within startup_timeout_s). Expert weights come from the checkpoint."""
+        config, par = self.config, self.config.parallel
+        host, port = config.pool_host_port()
+        self._open_store(host, port, serve=True)
+        self.generation, self.member, self.members = -1, 0, [0]
+        self.topo = Topology(0, 1, 1, par.ranks_per_node or par.world_size, forming=True)
+        self._set_device(par.world_size)
+        self.membership = Membership(self, self.store, host, port, self.member, config.rank_failure_s)
+        self._build_attention(None, "rank 0 (attention)", sys.stderr if config.load_progress else None)
+        self.membership.form_pool(par.attention_ranks - 1, par.expert_ranks)
+        self.info = RankInfo(self.worker.block_pool.num_blocks, config.cache.block_size, self.max_model_len)
+
+    def _start_joiner(self) -> None:
+        """A rank that joins through the leader's store: at start-up (separate pool launches), or a running job
+        (a pool that grows). It takes the leader's settings, loads what its role holds before it knows its
+        place (an attention rank: its model and KV cache; an expert rank: nothing), registers, and forms the
+        generation that admits it (expert weights then come from peers or the checkpoint)."""
+        host, port = self.config.pool_host_port()
+        self._open_store(host, port, serve=False)
+        self.store.wait([f"{PREFIX}/config"])
+        settings = msgpack.unpackb(self.store.get(f"{PREFIX}/config"), strict_map_key=False)
+        self.config = config = self.config.with_leader_settings(settings)
+        par, spec = config.parallel, self.ckpt.spec
+        self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
+                                 spec.max_position_embeddings)
+        member = os.environ.get("AFSERVE_MEMBER")
+        self.member = int(member) if member is not None else int(self.store.add(f"{PREFIX}/member_ids", 1))
+        self.generation, self.members, self.topo = -1, [], None
+        self._set_device(par.world_size)
+        self.membership = Membership(self, self.store, host, port, self.member, config.rank_failure_s)
+        desc = f"member {self.member} ({config.role})"
+        if config.role == "attention":
+            self._build_attention(None, desc, None)
+            blocks = self.worker.block_pool.num_blocks
+        else:
+            empty = torch.full((spec.num_moe_layers, 0), -1, dtype=torch.int64)
+            slots = ExpertSlots.empty(self.ckpt, empty, self.dtype, self.device, self.kernel_backend)
+            self.worker = ExpertWorker(-1, slots, None, spec.num_moe_layers, par.micro_batches)
+            blocks = 0
+        self.membership.join(config.role, {**self.member_info(config.role), "kv_blocks": blocks})
+        self.info = RankInfo(blocks, config.cache.block_size, self.max_model_len)
+        logger.info("%s joined generation %d as rank %d", desc, self.generation, self.topo.rank)
+
+    def _open_store(self, host: str, port: int, serve: bool) -> None:
+        self.store = dist.TCPStore(host, port, is_master=serve, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.config.startup_timeout_s))
+
+    def _set_device(self, world_size: int) -> None:
+        config = self.config
+        if config.device_type() == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            tune_allocator()
+            cores = os.cpu_count() or 1
+            torch.set_num_threads(config.threads_per_rank or max(1, cores // world_size))
+        self.dtype = config.torch_dtype(self.device)
+        self.kernel_backend = resolve_backend(config.kernel_backend, self.device)
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+
+    def _build_attention(self, moe: MoEContext | None, desc: str, progress) -> None:
+        """This rank's attention model, KV cache and scheduler (moe None: no generation yet); rank 0 leads."""
+        config, par, spec = self.config, self.config.parallel, self.ckpt.spec
+        weights = self.ckpt.read(self.ckpt.attention_tensor_names(), self.dtype, self.device, desc, progress)
+        model = AttentionModel(spec, weights, self.device, self.kernel_backend)
+        num_blocks = self._num_kv_blocks(spec)
+        cache = config.cache
+        host_blocks = self._num_host_blocks(spec)
+        kv = KVCache(spec.num_layers, num_blocks, cache.block_size, spec.kv_entry, self.dtype, self.device,
+                     host_blocks)
+        pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
+                         track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
+        sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                          cache.enable_prefix_caching)
+        rank = self.topo.rank if self.topo is not None else -1
+        self.worker = AttentionWorker(rank, model, kv, sched, moe, self.max_model_len, self.device, par.micro_batches)
+        if rank == 0:
+            self.leader = Leader(self.worker, self.topo.num_attention_ranks, cache.block_size,
+                                 par.rebalance_interval, pool.track_events)
+            self.leader.membership = self.membership
+            if self.store is not None:   # what ranks joining later take (launch/step_protocol.py, "Joining")
+                self.store.set(f"{PREFIX}/config", msgpack.packb(config.leader_settings()))
 
     # ----- groups and generations ---------------------------------------------------------------------------
     def _form_groups(self) -> None:
@@ -176,11 +250,12 @@ class Runtime:
         self._stats = stats
         self.left = True
 
-    def member_info(self) -> dict:
-        """What this rank tells the leader when it checks in after a failure: its role, and for an expert rank
-        the bytes it may hold in expert weights (expert_memory, else what it holds plus what is free)."""
-        info = {"role": self.topo.role}
-        if not self.topo.is_attention:
+    def member_info(self, role: str | None = None) -> dict:
+        """What this rank tells the leader when it checks in after a failure or joins: its role, and for an
+        expert rank the bytes it may hold in expert weights (expert_memory, else what it holds plus what is
+        free)."""
+        info = {"role": role or self.topo.role}
+        if info["role"] == "expert":
             info["expert_budget"] = self._expert_budget()
         return info
 
@@ -201,57 +276,79 @@ class Runtime:
                              f"expert_memory={limit} ({limit / 2**20:.1f} MiB); raise expert_memory or add expert "
                              f"ranks")
 
-    def plan_generation(self, generation: int, alive: dict[int, dict], lost: list[int]) -> dict:
-        """Leader: the plan of the next generation without the lost members (msgpack-able; step_protocol
-        publishes it). Raises MembershipError when the survivors cannot serve."""
+    def plan_generation(self, generation: int, infos: dict[int, dict], lost: list[int],
+                        joined: list[tuple[int, dict]] = ()) -> dict:
+        """Leader: the plan of the next generation (msgpack-able; step_protocol publishes it): the members of
+        this one except `lost` (dead or retired), then the `joined` (member, info) in order, each after the
+        kept ranks of its role. infos: member -> info (member_info) of every expert member that stays.
+        Raises MembershipError when the new pools cannot serve."""
         A = self.topo.num_attention_ranks
         gone = [self.members.index(m) for m in lost]
-        attention_keep = [r for r in range(A) if self.members[r] not in lost]
+        new_attention = [m for m, info in joined if info["role"] == "attention"]
+        new_experts = [(m, info) for m, info in joined if info["role"] == "expert"]
+        attention_keep = [r for r in range(A) if self.members[r] not in lost] + [-1] * len(new_attention)
         assert attention_keep[0] == 0, "the leader plans only while it lives"
         experts = self.members[A:]
-        keep = [i for i, m in enumerate(experts) if m not in lost]
+        keep = [i for i, m in enumerate(experts) if m not in lost] + [-1] * len(new_experts)
         if not keep:
             raise MembershipError(f"every expert rank died (ranks {gone}); the job ends")
         spec, par = self.ckpt.spec, self.config.parallel
+        if len(keep) > spec.num_experts:
+            raise MembershipError(f"{len(keep)} expert ranks exceed the model's {spec.num_experts} experts; "
+                                  f"use at most {spec.num_experts}")
         A2 = len(attention_keep)
         new_topo = Topology(0, A2 + len(keep), A2, self.topo.ranks_per_node)
         rank_node = [new_topo.node_of(A2 + i) for i in range(len(keep))]
         try:
-            if len(keep) == len(experts):   # only attention ranks were lost: the experts stay where they are
+            if self.placement is None:        # the first generation of separate pool launches
+                capacity = slot_capacities(spec.num_experts, par.redundant_experts, len(keep))
+                fresh = initial_placement(spec.num_moe_layers, spec.num_experts, par.redundant_experts, capacity,
+                                          rank_node)
+                empty = torch.empty(spec.num_moe_layers, 0, 0, dtype=torch.int64)
+                replan = Replan(fresh, plan_moves(empty, fresh.slot2expert, keep))
+            elif keep == list(range(len(experts))):   # the expert pool is unchanged: experts stay where they are
                 replan = Replan(self.placement, [])
             else:
                 replan = plan_membership(self.placement, keep, par.redundant_experts, rank_node, self.load_ema)
         except ValueError as e:
-            raise MembershipError(f"the {len(keep)} surviving expert rank(s) cannot hold the model's "
-                                  f"{spec.num_experts} experts: {e}") from e
+            raise MembershipError(f"the {len(keep)} expert rank(s) cannot hold the model's {spec.num_experts} "
+                                  f"experts: {e}") from e
         per_slot = ExpertSlots.bytes_per_slot(self.ckpt, self.dtype)
         S = replan.placement.num_slots
-        for i, k in enumerate(keep):
-            budget = alive[experts[k]]["expert_budget"]
+        expert_members = [experts[k] for k in keep if k >= 0] + [m for m, _ in new_experts]
+        infos = {**infos, **dict(new_experts)}
+        for i, (k, m) in enumerate(zip(keep, expert_members)):
+            budget = infos[m]["expert_budget"]
             if S * per_slot > budget:
+                was = f"expert rank {A + k} (now {A2 + i})" if k >= 0 else f"joining member {m} (rank {A2 + i})"
                 raise MembershipError(
-                    f"the surviving expert ranks cannot hold every expert: expert rank {A + k} (now {A2 + i}) would "
-                    f"need {S * per_slot / 2**20:.1f} MiB for {S} slots of {spec.num_experts} experts but may hold "
-                    f"{budget / 2**20:.1f} MiB; add an expert rank or give each more memory (expert_memory)")
-        return {"gen": generation, "members": [self.members[r] for r in attention_keep] + [experts[k] for k in keep],
-                "attention_ranks": A2, "attention_keep": attention_keep, "keep": keep,
+                    f"the expert ranks cannot hold every expert: {was} would need {S * per_slot / 2**20:.1f} MiB "
+                    f"for {S} slots of {spec.num_experts} experts but may hold {budget / 2**20:.1f} MiB; add an "
+                    f"expert rank or give each more memory (expert_memory)")
+        members = [self.members[r] for r in attention_keep if r >= 0] + new_attention + expert_members
+        return {"gen": generation, "members": members, "attention_ranks": A2, "attention_keep": attention_keep,
+                "keep": keep, "joined": [m for m, _ in joined],
+                "kv_blocks": [info.get("kv_blocks", 0) for m, info in joined if info["role"] == "attention"],
+                "ranks_per_node": self.topo.ranks_per_node,
                 "slot2expert": replan.placement.slot2expert.tolist(),
                 "moves": [list(m) for m in replan.moves], "from_peers": replan.num_from_peers,
                 "from_checkpoint": replan.num_from_checkpoint}
 
     def regroup(self, plan: dict) -> dict:
         """Join the plan's generation: form its groups, its data plane, and adopt its expert placement (expert
-        ranks copy or read the weights of the slots they gain). Returns timings in seconds."""
+        ranks copy or read the weights of the slots they gain; a rank that joins starts with none). Returns
+        timings in seconds."""
         t0 = time.perf_counter()
         spec, par = self.ckpt.spec, self.config.parallel
-        was_expert_index = None if self.topo.is_attention else self.topo.expert_index
+        old = self.topo
+        was_expert_index = old.expert_index if old is not None and not old.forming and not old.is_attention else -1
         self.generation, self.members = plan["gen"], list(plan["members"])
         A = plan["attention_ranks"]
-        self.topo = Topology(self.members.index(self.member), len(self.members), A, self.topo.ranks_per_node)
+        self.topo = Topology(self.members.index(self.member), len(self.members), A, plan["ranks_per_node"])
         self._form_groups()
         self.left = False
         new = torch.tensor(plan["slot2expert"], dtype=torch.int64)
-        self.placement = Placement(new, spec.num_experts, self.placement.load)
+        self.placement = Placement(new, spec.num_experts, None if self.placement is None else self.placement.load)
         self.capacity = slot_capacities(spec.num_experts, par.redundant_experts, self.topo.num_expert_ranks)
         self.rank_node = self._expert_nodes()
         self.dispatcher = self._make_dispatcher(spec)
@@ -260,7 +357,8 @@ class Runtime:
             self.worker.rank = self.topo.rank
             self.worker.adopt(self._moe_context())
             if self.leader is not None:
-                self.leader.regroup(plan["attention_keep"], self.leader.outbox)
+                handover = {int(src): dst for src, dst in plan.get("handover", {}).items()}
+                self.leader.regroup(plan["attention_keep"], plan["kv_blocks"], handover)
         else:
             assert plan["keep"][self.topo.expert_index] == was_expert_index
             moves = [tuple(m) for m in plan["moves"]]
@@ -415,6 +513,22 @@ class Runtime:
         if dist.is_initialized() and not self.left:
             dist.barrier(group=self.groups.control)
             dist.destroy_process_group()
+
+
+def leads_pool(role: str | None, leader_host: str | None) -> bool:
+    """Separate pool launches: rank 0 of the attention pool's launch on the leader's host (on any host without
+    leader_host) leads the job; a rank that LLM.scale spawned (AFSERVE_MEMBER set) never does."""
+    return (role == "attention" and int(os.environ.get("RANK", "0")) == 0 and "AFSERVE_MEMBER" not in os.environ
+            and leader_host in (None, socket.gethostname()))
+
+
+def initial_placement(num_layers: int, num_experts: int, redundant_experts: int, capacity: list[int],
+                      rank_node: list[int]) -> Placement:
+    """A job's first placement, before any load is seen: contiguous blocks without redundant slots, else EPLB
+    on uniform load."""
+    if redundant_experts == 0:
+        return Placement.identity(num_layers, num_experts, len(capacity))
+    return eplb(torch.ones(num_layers, num_experts), capacity, rank_node)
 
 
 def _host_available_bytes() -> int:

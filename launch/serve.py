@@ -8,6 +8,12 @@ uvicorn, in a thread beside the leader loop) on --host/--port, 127.0.0.1:8000 by
 requests get a 503); the other ranks leave on the leader's shutdown header. A rank that fails makes the job
 exit non-zero.
 
+Separate pool launches: `torchrun ... serve.py --role attention --pool-addr HOST:PORT --expert-ranks E` starts
+the attention pool (its rank 0 leads, serves the job's store on PORT and HTTP) and waits until E expert ranks
+have registered; `torchrun ... serve.py --role expert --pool-addr HOST:PORT` starts expert ranks (any number
+of such launches, one per node or one for several). The job forms once all have registered; ranks launched
+later against the same address join the running job, and POST /admin/drain {"ranks": [...]} removes ranks.
+
 Other modes: with --prompt it answers those prompts and exits; with --stdin attention rank 0 reads JSON
 lines ({"prompt": str | [ids], plus SamplingParams fields}) and writes one JSON line per finished request
 ({"id", "token_ids", "text", "finish_reason"} or {"error"}); EOF shuts every rank down.
@@ -107,9 +113,18 @@ def _start_http(args, model_name: str):
     return app, server, thread
 
 
+def _leads(args) -> bool:
+    """This process is attention rank 0, the leader: it serves HTTP (a single launch's rank 0, or the leader of
+    separate pool launches)."""
+    if args.role is None:
+        return int(os.environ.get("RANK", "0")) == 0
+    from launch.runtime import leads_pool
+    return leads_pool(args.role, args.leader_host)
+
+
 def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     rank = int(os.environ.get("RANK", "0"))
-    http = _start_http(args, model_name) if rank == 0 else None
+    http = _start_http(args, model_name) if _leads(args) else None
     llm = LLM(args.model, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -161,13 +176,30 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
+    p.add_argument("--role", choices=("attention", "expert"), default=None,
+                   help="separate pool launches: this launch's pool (with --pool-addr); without it, one launch "
+                        "holds both pools (roles by rank)")
+    p.add_argument("--pool-addr", default=None,
+                   help="HOST:PORT of the job's store, served by the attention pool's rank 0 (the leader); every "
+                        "pool launch, and every rank joining later, points here")
+    p.add_argument("--leader-host", default=None,
+                   help="with --role attention: only rank 0 on this host leads (default: rank 0 of any attention "
+                        "launch, so a second attention launch that joins a running job must name the leader's host)")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 0))
     if not world:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
+    if (args.role is None) != (args.pool_addr is None):
+        p.error("--role and --pool-addr go together: separate pool launches need both, a single launch neither")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    expert_ranks = args.expert_ranks if args.expert_ranks is not None else world - args.attention_ranks
-    llm_kwargs = dict(attention_ranks=args.attention_ranks, expert_ranks=expert_ranks, **engine_options(args))
+    if args.role is None:
+        attention_ranks = args.attention_ranks
+        expert_ranks = args.expert_ranks if args.expert_ranks is not None else world - args.attention_ranks
+    else:   # the leader forms the job from this many of each; other ranks take the leader's settings
+        attention_ranks = max(world, args.attention_ranks) if args.role == "attention" else 1
+        expert_ranks = args.expert_ranks if args.expert_ranks is not None else 1
+    llm_kwargs = dict(attention_ranks=attention_ranks, expert_ranks=expert_ranks, role=args.role,
+                      pool_addr=args.pool_addr, leader_host=args.leader_host, **engine_options(args))
     if not (args.prompt or args.stdin):
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         return _serve_http(args, llm_kwargs, name)

@@ -40,9 +40,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import msgpack
+import torch
 import torch.distributed as dist
 
-from comm.control import StepHeader, StepReport
+from comm.control import StepHeader, StepReport, pack, unpack
 from comm.failures import is_peer_failure
 from comm.shm import host_identity, process_alive
 
@@ -53,7 +54,9 @@ RESHAPE = "reshape"   # between steps: every rank moves to the next generation, 
 COLLECTIVES = (REBALANCE, COLLECT_STATS, COLLECT_EVENTS)
 
 PREFIX = "afserve"
+JOINS = f"{PREFIX}/joins"    # the store queue that ranks wanting to join register on
 HEARTBEAT_INTERVAL_S = 0.2
+JOIN_POLL_S = 0.2    # how often the leader looks for ranks registering to join
 
 logger = logging.getLogger("afserve")
 
@@ -84,20 +87,27 @@ def lead(rt, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) ->
     heartbeating every heartbeat_s. A lost rank re-forms the job and the step in flight is re-sent."""
     leader = rt.leader
     leader.outbox = outbox
+    scales: list[dict] = []      # scale requests waiting for their joiners
     while True:
         aborts: dict[str, list[str]] = {}
         alive = True
         try:
             # Block (heartbeating) only when idle and serving; a generate() call ends as soon as it is done.
+            # Scale requests or ranks waiting to join: poll.
             idle_wait = not leader.has_work and not stop_when_idle
-            cmd = inbox.get(timeout=heartbeat_s) if idle_wait else inbox.get_nowait()
+            wait_s = JOIN_POLL_S if scales or rt.membership is not None and rt.membership.waiting else heartbeat_s
+            cmd = inbox.get(timeout=wait_s) if idle_wait else inbox.get_nowait()
             alive = leader.handle(cmd, aborts, outbox)
             while alive:
                 alive = leader.handle(inbox.get_nowait(), aborts, outbox)
         except queue.Empty:
             pass
-        for size in leader.take_scales():
-            outbox.put(("scale", rt.membership.reshape_as_leader(size)))
+        scales += [dict(r, deadline=time.monotonic() + rt.config.startup_timeout_s) for r in leader.take_scales()]
+        if rt.membership is not None and _membership_changes(rt, scales, outbox) and aborts:
+            ids = [i for v in aborts.values() for i in v]    # ranks were renumbered: route them again
+            aborts.clear()
+            for i in ids:
+                leader.handle(("abort", i), aborts, outbox)
         for events in leader.take_queries():
             kind = COLLECT_EVENTS if events else COLLECT_STATS
             outbox.put(("comm_stats", _guarded(rt, lambda k=kind: collective(rt, k))))
@@ -115,6 +125,31 @@ def lead(rt, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) ->
         leader.collect(reports, outbox)
         if leader.rebalance_interval and leader.step_id % leader.rebalance_interval == 0:
             _guarded(rt, lambda: collective(rt, REBALANCE))
+
+
+def _membership_changes(rt, scales: list[dict], outbox) -> bool:
+    """Between steps: carry out the scale requests whose joiners are here (answering ("scale", record) on the
+    outbox), in order; with none waiting, admit any rank that registered to join (a pool launched against the
+    job's pool address grows it). Returns whether the job changed."""
+    membership, gen = rt.membership, rt.generation
+    while scales:
+        record = _guarded(rt, lambda: membership.scale_as_leader(scales[0]))
+        if record is None:
+            return rt.generation != gen
+        scales.pop(0)
+        outbox.put(("scale", record))
+    now = time.monotonic()
+    if now - membership.last_poll >= JOIN_POLL_S:
+        membership.last_poll = now
+        joiners = membership.joiners()
+        if joiners:
+            record = _guarded(rt, lambda: membership.change_as_leader([], joiners, "join"))
+            if "error" in record:   # tell them, so they exit instead of waiting
+                logger.error("ranks %s cannot join: %s", [m for m, _ in joiners], record["error"])
+                for m, _ in joiners:
+                    membership.store.set(f"{PREFIX}/admit/{m}", record["error"])
+                membership.waiting = []
+    return rt.generation != gen
 
 
 def _step(rt) -> list[StepReport]:
@@ -188,6 +223,7 @@ class MembershipChange:
     lost: list[int]                # ranks of the old generation that were lost (or retired by a scale-in)
     cause: str
     lost_members: list[int] = field(default_factory=list)   # the same as members (their first ranks)
+    joined_members: list[int] = field(default_factory=list)  # members that joined
     attention_ranks: int = 0       # the new generation's pools
     expert_ranks: int = 0
     detect_s: float = 0.0          # from the first failed exchange to every member accounted for
@@ -249,6 +285,8 @@ class Membership:
         self.heartbeat = Heartbeat(host, port, self, rt.config.startup_timeout_s, max(10.0, 3 * failure_s))
         self.host = host_identity()
         self.procs: dict[int, list] = {}   # member -> [host identity, pid], as read from the store
+        self.waiting: list[tuple[int, dict]] = []   # leader: registered joiners not admitted yet
+        self.last_poll = 0.0
         store.set(f"{PREFIX}/proc/{member}", msgpack.packb([self.host, os.getpid()]))
 
     def _key(self, generation: int, name: str) -> str:
@@ -314,47 +352,169 @@ class Membership:
         change.expert_ranks = len(plan["members"]) - plan["attention_ranks"]
         self.changes.append(change)
 
-    def reshape_as_leader(self, expert_ranks: int) -> dict:
-        """Leader, between steps: retire the last expert ranks down to expert_ranks (a planned change, nobody
-        failed): plan, publish, tell every rank (RESHAPE), leave together, form the new generation. Returns the
-        change's record (or {"error": why} when the plan is refused; nothing changes then)."""
+    # ----- planned changes: scaling and joining -------------------------------------------------------------
+    def joiners(self) -> list[tuple[int, dict]]:
+        """Leader: the ranks that have registered to join and are not admitted yet, in order of arrival
+        (member, info); those whose process is already gone are dropped."""
+        while self.store.queue_len(JOINS) > 0:
+            member, info = msgpack.unpackb(self.store.queue_pop(JOINS, block=False), strict_map_key=False)
+            self.waiting.append((member, info))
+        self.waiting = [(m, i) for m, i in self.waiting if not self._process_gone(m)]
+        return list(self.waiting)
+
+    def scale_as_leader(self, request: dict) -> dict | None:
+        """Leader, between steps: carry out a scale request {"attention_ranks": n or None, "expert_ranks": n
+        or None, "retire": [ranks] or None, "deadline": monotonic time}: retire the given ranks, then the last
+        ranks of a pool above its target; admit registered joiners up to a pool's target. Returns the change's
+        record, {"error": why} (nothing changes then), or None while joiners it needs have not registered yet
+        (the caller asks again; past the deadline the request fails)."""
+        rt = self.rt
+        A, W = rt.topo.num_attention_ranks, rt.topo.world_size
+        retire = list(request.get("retire") or [])
+        bad = [r for r in retire if isinstance(r, bool) or not isinstance(r, int) or not 0 < r < W]
+        if bad:
+            return {"error": f"cannot retire rank {bad[0]}: ranks 1..{W - 1} can be retired (rank 0 leads the "
+                             f"job and holds its requests)"}
+        attention = [r for r in range(1, A) if r not in retire]
+        experts = [r for r in range(A, W) if r not in retire]
+        want_a = request.get("attention_ranks") or len(attention) + 1
+        want_e = request.get("expert_ranks") or len(experts)
+        retire += attention[max(0, want_a - 1):] + experts[want_e:]
+        if want_e < 1:
+            return {"error": f"retiring ranks {sorted(retire)} would leave no expert rank; one must stay"}
+        need_a, need_e = max(0, want_a - 1 - len(attention)), max(0, want_e - len(experts))
+        waiting = self.joiners()
+        join = [j for j in waiting if j[1]["role"] == "attention"][:need_a] + \
+            [j for j in waiting if j[1]["role"] == "expert"][:need_e]
+        if len(join) < need_a + need_e:
+            if time.monotonic() < request["deadline"]:
+                return None
+            return {"error": f"scaling to {want_a} attention + {want_e} expert ranks needs {need_a} attention and "
+                             f"{need_e} expert rank(s) to join, but {len(join)} registered in time; launch them "
+                             f"against the job's pool address (serve.py --role ... --pool-addr)"}
+        if not retire and not join:
+            return {"unchanged": True, "attention_ranks": A, "expert_ranks": W - A}
+        return self.change_as_leader([rt.members[r] for r in sorted(set(retire))], join, "scale")
+
+    def change_as_leader(self, retire: list[int], join: list[tuple[int, dict]], cause: str) -> dict:
+        """Leader, between steps: a planned change (nobody failed): the members in retire leave (they exit),
+        the joiners (member, info) join. Plan and publish the next generation, admit the joiners, tell every
+        rank (RESHAPE), leave together, form it. Returns the change's record, or {"error": why} when the plan
+        is refused (nothing changes then)."""
         rt, gen = self.rt, self.rt.generation
-        A = rt.topo.num_attention_ranks
-        experts = rt.members[A:]
-        if not 1 <= expert_ranks <= len(experts):
-            return {"error": f"expert_ranks={expert_ranks}: this job can shrink its {len(experts)} expert ranks to "
-                             f"between 1 and {len(experts)}; adding ranks is not built yet"}
-        retired = experts[expert_ranks:]
-        if not retired:
-            return {"unchanged": True, "expert_ranks": expert_ranks}
         budget = rt.config.parallel.expert_memory or 2**62
+        infos = {m: {"expert_budget": budget} for m in rt.members}
         try:
-            plan = rt.plan_generation(gen + 1, {m: {"expert_budget": budget} for m in experts}, retired)
+            plan = rt.plan_generation(gen + 1, infos, retire, join)
         except MembershipError as e:
             return {"error": str(e)}
+        plan["handover"] = self._plan_handover(retire)
         t0 = time.monotonic()
         self.store.set(self._key(gen + 1, "plan"), msgpack.packb(plan))
-        change = MembershipChange(gen + 1, [rt.members.index(m) for m in retired], "scale", sorted(retired),
-                                  started=t0)
-        rt.control.broadcast_header(StepHeader.empty(RESHAPE, rt.leader.step_id))
-        self._leave_together(gen)
+        for m, _ in join:
+            self.store.set(f"{PREFIX}/admit/{m}", str(gen + 1))
+        self.waiting = [j for j in self.waiting if j[0] not in plan["joined"]]
+        change = MembershipChange(gen + 1, [rt.members.index(m) for m in retire], cause, sorted(retire),
+                                  joined_members=list(plan["joined"]), started=t0)
+        if gen >= 0:
+            rt.control.broadcast_header(StepHeader.empty(RESHAPE, rt.leader.step_id))
+            self._hand_over(plan)
+            self._leave_together(gen)
         change.detect_s = time.monotonic() - t0
         self._adopt(plan, change)
-        logger.warning("generation %d: retired ranks %s; %d + %d ranks; groups %.2fs, weights %.2fs", gen + 1,
-                       change.lost, change.attention_ranks, change.expert_ranks, change.groups_s, change.weights_s)
+        logger.warning("generation %d: retired %s, joined %s; %d + %d ranks; groups %.2fs, weights %.2fs", gen + 1,
+                       change.lost_members, change.joined_members, change.attention_ranks, change.expert_ranks,
+                       change.groups_s, change.weights_s)
         return change.to_dict()
 
+    def form_pool(self, attention_joiners: int, expert_joiners: int) -> None:
+        """The leader of separate pool launches, at start-up: wait until this many attention and expert ranks
+        have registered (within startup_timeout_s), then form generation 0 with them."""
+        deadline = time.monotonic() + self.rt.config.startup_timeout_s
+        while True:
+            waiting = self.joiners()
+            roles = [info["role"] for _, info in waiting]
+            if roles.count("attention") >= attention_joiners and roles.count("expert") >= expert_joiners:
+                break
+            if time.monotonic() > deadline:
+                raise MembershipError(
+                    f"waited {self.rt.config.startup_timeout_s:.0f}s for {attention_joiners} attention and "
+                    f"{expert_joiners} expert rank(s) to register at the pool address; {roles.count('attention')} "
+                    f"and {roles.count('expert')} did. Launch the pools against the same --pool-addr")
+            time.sleep(0.05)
+        join = [j for j in waiting if j[1]["role"] == "attention"][:attention_joiners] + \
+            [j for j in waiting if j[1]["role"] == "expert"][:expert_joiners]
+        record = self.change_as_leader([], join, "start")
+        if "error" in record:
+            raise MembershipError(record["error"])
+
+    def join(self, role: str, info: dict) -> None:
+        """A rank that is not a member yet: register (role and info) and wait until a generation admits it, then
+        form that generation."""
+        self.store.queue_push(JOINS, msgpack.packb([self.member, {**info, "role": role}]))
+        key = f"{PREFIX}/admit/{self.member}"
+        self.store.wait([key], timedelta(seconds=self.rt.config.startup_timeout_s))
+        answer = self.store.get(key).decode()
+        if not answer.isdigit():
+            raise MembershipError(f"member {self.member} ({role}) was refused: {answer}")
+        gen = int(answer)
+        plan = msgpack.unpackb(self.store.get(self._key(gen, "plan")), strict_map_key=False)
+        self.rt.regroup(plan)
+
     def reshape(self) -> bool:
-        """A follower got RESHAPE: leave the generation with everyone, then join the next one if it is a member
-        (False: retired, leave the job)."""
+        """A follower got RESHAPE: hand over its requests if it is a leaving attention rank (or take them over),
+        leave the generation with everyone, then join the next one if it is a member (False: retired, leave
+        the job)."""
         gen = self.rt.generation
-        self._leave_together(gen)
         plan = msgpack.unpackb(self.store.get(self._key(gen + 1, "plan")), strict_map_key=False)
+        self._hand_over(plan)
+        self._leave_together(gen)
         if self.member not in plan["members"]:
             logger.info("member %d: retired by a scale-in (generation %d)", self.member, gen + 1)
             return False
         self.rt.regroup(plan)
         return True
+
+    def _plan_handover(self, retire: list[int]) -> dict[str, int]:
+        """Leader: for each attention rank that retires, the staying one that takes over its requests and KV
+        blocks (the most free blocks, charged for what it takes) -> {str(leaving rank): taking rank}."""
+        rt = self.rt
+        A = rt.topo.num_attention_ranks
+        reports = rt.leader.reports
+        staying = [r for r in range(A) if rt.members[r] not in retire]
+        free = {r: reports[r].num_free_blocks for r in staying}
+        out = {}
+        for r in range(A):
+            if rt.members[r] in retire:
+                dst = max(staying, key=lambda k: (free[k], -k))
+                free[dst] -= reports[r].num_blocks - reports[r].num_free_blocks
+                out[str(r)] = dst
+        return out
+
+    def _hand_over(self, plan: dict) -> None:
+        """Between steps, in the old generation: each retiring attention rank sends its live requests and their
+        KV blocks to the rank the plan names (attention_nodes/handover.py), which takes them over. The
+        requests' metadata goes over the control group, the KV over the data plane's."""
+        rt = self.rt
+        me = rt.topo.rank
+        for src, dst in sorted((int(s), d) for s, d in plan.get("handover", {}).items()):
+            if me == src:
+                meta, kv = rt.worker.hand_over()
+                payload = pack(meta)
+                dist.send(torch.tensor([payload.numel()]), dst, group=rt.groups.control)
+                dist.send(payload, dst, group=rt.groups.control)
+                if meta["num_blocks"]:
+                    dist.send(kv, dst, group=rt.groups.world)
+            elif me == dst:
+                size = torch.zeros(1, dtype=torch.int64)
+                dist.recv(size, src, group=rt.groups.control)
+                payload = torch.empty(int(size), dtype=torch.uint8)
+                dist.recv(payload, src, group=rt.groups.control)
+                meta = unpack(payload)
+                kv = torch.empty(meta["shape"], dtype=rt.dtype, device=rt.device)
+                if meta["num_blocks"]:
+                    dist.recv(kv, src, group=rt.groups.world)
+                rt.worker.take_over(meta, kv)
 
     def _leave_together(self, gen: int) -> None:
         """Every rank at once, between steps: nobody is mid-exchange, so the groups can go without a failure."""

@@ -28,6 +28,7 @@ def _out(row, toks, finish=None, prompt_lps=None):
 
 def test_lost_rank_requests_resume_and_ranks_are_renumbered():
     leader, outbox = _leader(3), queue.Queue()
+    leader.outbox = outbox
     for req in (_req("a"), _req("b", n=2), _req("c", prompt_logprobs=0), _req("d"), _req("e"), _req("f")):
         leader.pending.append(req)
     leader.next_step({})                       # most free blocks, ties to the lowest rank: a0 b1 c2 d0 e1 f2
@@ -43,7 +44,7 @@ def test_lost_rank_requests_resume_and_ranks_are_renumbered():
     leader.pending.append(_req("g"))
     leader.inflight = StepHeader("step", *leader.next_step({"1": ["e"], "2": ["f"]}))
     assert leader.req2rank["g"] == 1 and list(leader.inflight.new_requests) == ["1"]
-    leader.regroup([0, 2], outbox)             # rank 1 was lost; rank 2 becomes rank 1
+    leader.regroup([0, 2])                     # rank 1 was lost; rank 2 becomes rank 1
 
     # b: sample 1 finished, sample 0 resumes from its token; e was aborted in flight: it ends here;
     # g (assigned to the lost rank in the header in flight) starts over with nothing streamed
@@ -65,6 +66,7 @@ def test_lost_rank_requests_resume_and_ranks_are_renumbered():
 
 def test_a_moved_request_aborted_while_queued_ends_only_its_open_samples():
     leader, outbox = _leader(2), queue.Queue()
+    leader.outbox = outbox
     leader.pending.append(_req("b", n=2))
     leader.next_step({})
     leader.req2rank["b"] = 1
@@ -72,9 +74,26 @@ def test_a_moved_request_aborted_while_queued_ends_only_its_open_samples():
     rep[1].outputs = [_out("b#0", [1], "length"), _out("b#1", [2])]
     leader.collect(rep, outbox)
     outbox.get_nowait()
-    leader.regroup([0], outbox)
+    leader.regroup([0])
     assert [r["resume"] for r in leader.pending] == [{"1": [2]}]
     aborts: dict = {}
     leader.handle(("abort", "b"), aborts, outbox)
     assert outbox.get_nowait() == ("out", [["b#1", [], "abort", None, None]])    # b#0 had finished already
     assert not leader.pending and "b" not in leader.assigned and not aborts
+
+
+def test_joining_ranks_get_fresh_tables_and_take_new_requests():
+    leader, outbox = _leader(2), queue.Queue()
+    leader.outbox = outbox
+    leader.pending.extend([_req("a"), _req("b")])
+    leader.next_step({})
+    assert leader.req2rank == {"a": 0, "b": 1}
+    leader.cached[1].add(7)
+    leader.regroup([0, 1, -1, -1], kv_blocks=[300, 50])     # two ranks join with their own KV pools
+    assert [r.rank for r in leader.reports] == [0, 1, 2, 3]
+    assert [r.num_free_blocks for r in leader.reports[2:]] == [300, 50]
+    assert leader.cached == [set(), {7}, set(), set()] and not leader.pending
+    assert leader.req2rank == {"a": 0, "b": 1} and leader.num_moved_requests == 0
+    leader.pending.append(_req("c"))
+    leader.next_step({})
+    assert leader.req2rank["c"] == 2           # the joiner with the most free blocks

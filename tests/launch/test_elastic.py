@@ -151,13 +151,13 @@ def test_scale_in_while_requests_stream(tiny_checkpoint):
                 got[rid] += toks
                 done |= {rid} if finish is not None else set()
             if not asked and sum(map(len, got.values())) >= 12:
-                llm.request_scale(2)
+                llm.request_scale(expert_ranks=2)
                 asked = True
         assert [got[r] for r in rids] == expected
-        second = llm.scale(1)
+        second = llm.scale(expert_ranks=1)
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-        with pytest.raises(ValueError, match="adding ranks is not built yet"):
-            llm.scale(3)
+        with pytest.raises(ValueError, match="would leave no expert rank"):
+            llm.scale(retire=[1])
         changes = llm.stats()["membership_changes"]
         assert llm.retired_ranks == [3, 2] and llm.lost_ranks == []
     assert record["cause"] == "scale" and record["lost"] == [3] and record["expert_ranks"] == 2
