@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .sampling_params import SamplingParams
+from .scheduler import seats_of
 from .sequence import Sequence, SequenceStatus
 
 
@@ -42,8 +43,10 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
     sched, pool = worker.scheduler, worker.block_pool
     seqs = [_sequence(d, 0) for d in meta["seqs"]]
     running = [(s, d) for s, d in zip(seqs, meta["seqs"]) if d["running"]]
-    seats = sched.max_num_seqs - sched.num_running
-    keep_kv = bool(running) and len(running) <= seats and pool.can_allocate(meta["num_blocks"])
+    # a request still to fork takes a seat per sample (as the scheduler counts them)
+    seats = sched.max_num_seqs - sum(map(seats_of, sched.running))
+    keep_kv = bool(running) and sum(seats_of(s) for s, _ in running) <= seats and \
+        pool.can_allocate(meta["num_blocks"])
     moved = 0
     if keep_kv:
         new_ids = pool.allocate(meta["num_blocks"])

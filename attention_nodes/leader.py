@@ -34,6 +34,7 @@ class Leader:
         self.scales: list[dict] = []    # membership changes asked for since the last step
         self.rebalance_interval = rebalance_interval
         self.num_attention_ranks = num_attention_ranks
+        self.num_expert_ranks = 0        # kept current by the runtime (stats only)
         self.block_size = block_size
         self.token_budget = worker.scheduler.max_num_batched_tokens
         self.step_id = 0
@@ -166,6 +167,7 @@ class Leader:
                 "num_handed_over_requests": self.num_handed_over,
                 "kv_blocks_handed_over": sum(r.kv_blocks_received for r in self.reports),
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
+                "pool_ranks": {"attention": self.num_attention_ranks, "expert": self.num_expert_ranks},
                 "membership_changes": [c.to_dict() for c in self.membership.changes] if self.membership else []}
 
     def collect(self, reports: list[StepReport], outbox) -> None:

@@ -183,8 +183,8 @@ class Scheduler:
             i += 1
         # Step 2: admit waiting sequences FIFO, unless this step was already short of blocks. A request that
         # will fork takes a seat per sample now, so running never outgrows max_num_seqs when it forks.
-        num_seats = sum(map(_num_seats, self._running))
-        while (not out.preempted and self._waiting and num_seats + _num_seats(self._waiting[0]) <= self.max_num_seqs
+        num_seats = sum(map(seats_of, self._running))
+        while (not out.preempted and self._waiting and num_seats + seats_of(self._waiting[0]) <= self.max_num_seqs
                and budget > 0):
             seq = self._waiting[0]
             assert seq.num_computed_tokens == 0 and not seq.block_table
@@ -197,7 +197,7 @@ class Scheduler:
             self._running.append(seq)
             out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
             budget -= num_new
-            num_seats += _num_seats(seq)
+            num_seats += seats_of(seq)
         assert out.num_tokens <= self.max_num_batched_tokens and len(out.scheduled) <= self.max_num_seqs
         return out
 
@@ -329,6 +329,6 @@ class Scheduler:
         seq.block_table = []
 
 
-def _num_seats(seq: Sequence) -> int:
+def seats_of(seq: Sequence) -> int:
     """Running seats seq takes: one per sample while its samples are still to be forked, else one."""
     return seq.params.num_samples if seq.needs_fork else 1

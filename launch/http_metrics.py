@@ -81,6 +81,18 @@ class _EngineSeries:
                                   "the prefix cache", value=s["prefix_cache_queries"])
         yield CounterMetricFamily("afserve_prefix_cache_hits", "Of those, tokens found cached (not computed)",
                                   value=s["prefix_cache_hits"])
+        pools = GaugeMetricFamily("afserve_pool_ranks", "Ranks in each pool now", labels=["pool"])
+        for pool, n in s["pool_ranks"].items():
+            pools.add_metric([pool], n)
+        yield pools
+        yield CounterMetricFamily("afserve_membership_changes", "Times the job re-formed (a rank lost, retired or "
+                                  "joined)", value=len(s["membership_changes"]))
+        yield CounterMetricFamily("afserve_requests_moved", "Requests re-queued from a lost attention rank and "
+                                  "recomputed from what they had streamed", value=s["num_moved_requests"])
+        yield CounterMetricFamily("afserve_requests_handed_over", "Requests a retiring attention rank handed "
+                                  "to another with their KV blocks", value=s["num_handed_over_requests"])
+        yield CounterMetricFamily("afserve_kv_blocks_handed_over", "KV blocks those requests brought along",
+                                  value=s["kv_blocks_handed_over"])
         secs = CounterMetricFamily("afserve_layer_comm_seconds", "Wall time in dispatch/combine per layer",
                                    labels=["rank", "role", "layer", "phase"])
         sent = CounterMetricFamily("afserve_layer_comm_bytes_sent", "Bytes sent in dispatch/combine per layer",

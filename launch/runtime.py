@@ -211,6 +211,7 @@ class Runtime:
             self.leader = Leader(self.worker, self.topo.num_attention_ranks, cache.block_size,
                                  par.rebalance_interval, pool.track_events)
             self.leader.membership = self.membership
+            self.leader.num_expert_ranks = self.topo.num_expert_ranks
             if self.store is not None:   # what ranks joining later take (launch/step_protocol.py, "Joining")
                 self.store.set(f"{PREFIX}/config", msgpack.packb(config.leader_settings()))
 
@@ -359,6 +360,7 @@ class Runtime:
             if self.leader is not None:
                 handover = {int(src): dst for src, dst in plan.get("handover", {}).items()}
                 self.leader.regroup(plan["attention_keep"], plan["kv_blocks"], handover)
+                self.leader.num_expert_ranks = self.topo.num_expert_ranks
         else:
             assert plan["keep"][self.topo.expert_index] == was_expert_index
             moves = [tuple(m) for m in plan["moves"]]

@@ -9,6 +9,7 @@ import torch
 
 from comm.cost_model import CostModel, LinkCost, fit_layers, fit_port_sharing, nnls_relative, relative_errors
 from comm.dispatcher import Layout, make_dispatcher
+from tests.conftest import wider
 from tests.dist_utils import run_ranks
 
 
@@ -120,7 +121,7 @@ def _auto_fn(rank, world, A, rpn, favour):
     return outs
 
 
-@pytest.mark.parametrize("favour", ["two_phase", "direct"])
+@pytest.mark.parametrize("favour", ["two_phase", wider("direct")])
 def test_auto_follows_the_model_and_matches_direct(favour):
     res = run_ranks(_auto_fn, 8, 4, 4, favour)
     for r in range(8):

@@ -21,7 +21,6 @@ from tests.launch.test_http_metrics import make_comm, make_stats
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.30"     # a version whose schema kubernetes-validate bundles (1.25 to 1.37 in 1.37.0)
 ENTRY = "launch.serve"
-PENDING_FLAGS = {"--role", "--pool-addr"}   # issue 18 part 1 adds them to launch/serve.py
 POD_NAME = "statefulset.kubernetes.io/pod-name"
 
 
@@ -209,4 +208,4 @@ def test_manifests_pass_only_flags_that_serve_knows(docs):
     assert {"--model", "--port", "--api-key", "--transport"} <= known
     for role, w in pools(docs).items():
         used = {a.split("=")[0] for a in serve_args(w) if a.startswith("--")}
-        assert used - known - PENDING_FLAGS == set(), f"{role}: flags launch/serve.py does not have"
+        assert used - known == set(), f"{role}: flags launch/serve.py does not have"

@@ -37,7 +37,7 @@ def test_least_loaded_with_replicas_matches_transformers(tiny_checkpoint, attent
     assert {r["role"] for r in stats["ranks"].values()} == {"attention", "expert"}
 
 
-@pytest.mark.parametrize("balancer", ["round_robin", "random"])
+@pytest.mark.parametrize("balancer", ["round_robin", wider("random")])
 def test_other_replica_choices_match_transformers(tiny_checkpoint, balancer):
     path = tiny_checkpoint("mixtral")
     prompts = make_prompts(5, 256, 3, 30, seed=12)

@@ -11,7 +11,9 @@ def make_stats(free_kv_blocks=(40, 10), kv_blocks=(100, 50), num_running=3, num_
     """The leader's stats() as the scrape sees them, for two attention ranks."""
     return {"steps": 12, "num_preemptions": 0, "num_running": num_running, "num_waiting": num_waiting,
             "free_kv_blocks": list(free_kv_blocks), "kv_blocks": list(kv_blocks),
-            "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+            "prefix_cache_queries": 0, "prefix_cache_hits": 0, "pool_ranks": {"attention": 2, "expert": 2},
+            "membership_changes": [{"generation": 1}], "num_moved_requests": 3, "num_handed_over_requests": 2,
+            "kv_blocks_handed_over": 5}
 
 
 def make_comm(pairs_per_rank=((40, 24), (10, 30)), steps=4) -> dict:
@@ -68,3 +70,13 @@ def test_expert_pool_load_is_zero_without_recent_work(stats, comm):
 def test_waiting_requests_alone_keep_the_expert_load():
     got = scraped(make_stats(num_running=0, num_waiting=2), make_comm())["afserve_expert_pool_load_pairs_per_step"]
     assert got == pytest.approx(8.75)
+
+
+def test_membership_series_come_from_the_leader_stats():
+    got = scraped(make_stats(), make_comm())
+    assert (got["afserve_membership_changes_total"], got["afserve_requests_moved_total"],
+            got["afserve_requests_handed_over_total"], got["afserve_kv_blocks_handed_over_total"]) == (1, 3, 2, 5)
+    reg = CollectorRegistry()
+    reg.register(_EngineSeries(make_stats(), make_comm()))
+    text = generate_latest(reg).decode()
+    assert 'afserve_pool_ranks{pool="attention"} 2.0' in text and 'afserve_pool_ranks{pool="expert"} 2.0' in text

@@ -10,7 +10,7 @@ import torch
 
 from launch import LLM, SamplingParams
 from models import SHIPPED_MODEL
-from tests.conftest import hf_greedy, hf_model
+from tests.conftest import hf_greedy, hf_model, wider
 from tests.dist_utils import run_ranks
 from tests.launch.test_teacher_forced import _rank_fn
 
@@ -49,7 +49,7 @@ def test_shipped_folder_is_what_the_issue_asks(tokenizer):
     assert chat.endswith("<s>assistant\n") and "Speak." in chat
 
 
-@pytest.mark.parametrize("attention_ranks,expert_ranks", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("attention_ranks,expert_ranks", [wider(1, 2), (2, 2)])
 def test_greedy_text_matches_transformers(tokenizer, attention_ranks, expert_ranks):
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
     expected = hf_greedy(SHIPPED_MODEL, prompts, MAX_NEW)
@@ -62,7 +62,7 @@ def test_greedy_text_matches_transformers(tokenizer, attention_ranks, expert_ran
     assert len(set(text.split())) >= 20, text
 
 
-@pytest.mark.parametrize("attention_ranks,expert_ranks", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("attention_ranks,expert_ranks", [wider(1, 2), (2, 2)])
 def test_teacher_forced_logits_match_transformers(tokenizer, attention_ranks, expert_ranks):
     prompt, _ = _held_out_ids(tokenizer, 400)
     with torch.no_grad():

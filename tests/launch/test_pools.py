@@ -1,0 +1,168 @@
+"""Separate pool launches (launch/serve.py --role ... --pool-addr): one torchrun for the attention leader, one
+per emulated expert node, and one for an attention rank that joins the running job. The job serves
+transformers' greedy tokens over HTTP; killing one expert node's torchrun, draining an expert rank through
+/admin/drain and killing the joined attention rank's torchrun each leave the server answering, and requests
+streaming through each of those changes end with exactly the tokens they would have had."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import openai
+import pytest
+
+from launch.local_server import ROOT, LocalServer
+from launch.procs import free_port
+from tests.conftest import hf_greedy
+from tests.launch.test_http_server import post
+
+KEY = "pool-key"
+MAX_NEW = 40
+
+
+class PoolLaunch:
+    """One `torchrun ... serve.py --role ROLE --pool-addr ADDR` in its own process group (one emulated node)."""
+
+    def __init__(self, model: str, role: str, pool_addr: str, *args: str):
+        fd, self.log_path = tempfile.mkstemp(prefix=f"afserve-{role}-", suffix=".log")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+               str(free_port()), os.path.join(ROOT, "launch", "serve.py"), "--model", model, "--role", role,
+               "--pool-addr", pool_addr, *args]
+        self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+        os.close(fd)
+
+    def kill(self) -> None:
+        """SIGKILL the whole node: its rank (torchrun starts each in a session of its own) and torchrun's agent."""
+        for pid in re.findall(r"afserve: rank \d+ \(\w+\) pid (\d+) ready", self.log()):
+            os.kill(int(pid), signal.SIGKILL)
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.kill()
+
+
+def gauge(srv: LocalServer, name: str, label: str = "") -> float:
+    m = re.search(rf"^{name}{re.escape(label)} (\S+)$", srv.metrics(), re.M)
+    assert m, f"{name}{label} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_for_pools(srv: LocalServer, attention: int, expert: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (gauge(srv, "afserve_pool_ranks", '{pool="attention"}'), gauge(srv, "afserve_pool_ranks",
+                                                                            '{pool="expert"}')) != (attention, expert):
+        assert time.monotonic() < deadline, f"the pools never became {attention} + {expert}:\n{srv.log()[-3000:]}"
+        time.sleep(0.3)
+
+
+async def _streams(url: str, prompts: list[list[int]], on_tokens) -> list[tuple[str, str]]:
+    """Stream completions of prompts side by side; on_tokens(total chunks so far) runs as chunks arrive."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=240)
+    seen = [0]
+
+    async def one(p):
+        text, finish = "", None
+        stream = await client.completions.create(model="tiny", prompt=p, max_tokens=MAX_NEW, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+            seen[0] += 1
+            on_tokens(seen[0])
+        return text, finish
+    try:
+        return await asyncio.gather(*(one(p) for p in prompts))
+    finally:
+        await client.close()
+
+
+def stream_through(srv: LocalServer, prompts, after_chunks: int, action) -> list[tuple[str, str]]:
+    """Stream prompts side by side and run action() once after_chunks chunks have arrived."""
+    done = [False]
+
+    def on_tokens(n):
+        if not done[0] and n >= after_chunks:
+            done[0] = True
+            action()
+    out = asyncio.run(_streams(srv.url, prompts, on_tokens))
+    assert done[0], "the streams ended before the change"
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_moe")
+
+
+def test_separate_pool_launches_serve_and_survive(model_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [[5 + i, 17, 33 + 2 * i, 9, 71 + i, 12 + 3 * i] for i in range(8)]
+    expected = [tok.decode(t, skip_special_tokens=True) for t in hf_greedy(model_dir, prompts, MAX_NEW)]
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--max-model-len", "128", "--heartbeat-s", "0.5"]
+    experts = [PoolLaunch(model_dir, "expert", addr, *common) for _ in range(3)]   # three emulated expert nodes
+    srv = LocalServer(model_dir, nproc=1, args=["--role", "attention", "--pool-addr", addr, "--expert-ranks", "3",
+                                                "--api-key", KEY, "--served-model-name", "tiny", *common])
+    joiner = None
+    try:
+        srv.start()                     # healthy once the three expert ranks registered and loaded
+        joiner = PoolLaunch(model_dir, "attention", addr, "--leader-host", "not-this-host", *common)
+        wait_for_pools(srv, 2, 3)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=240)
+        for p, want in zip(prompts[:2], expected[:2]):
+            got = client.completions.create(model="tiny", prompt=p, max_tokens=MAX_NEW, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            assert got.choices[0].text == want
+
+        # an expert node dies while two requests stream: 2 + 3 -> 2 + 2
+        out = stream_through(srv, prompts[2:4], 8, experts[2].kill)
+        assert out == [(e, "length") for e in expected[2:4]]
+        wait_for_pools(srv, 2, 2)
+
+        # drain an expert rank (rank 3, the first expert) through the admin endpoint: it leaves, exits 0
+        status, body = post(srv, "/admin/drain", {"ranks": [3]}, key=None)
+        assert status == 401, body
+        status, body = post(srv, "/admin/drain", {"ranks": [0]}, key=KEY)
+        assert status == 400 and "rank 0" in body["error"]["message"], body
+        status, body = post(srv, "/admin/drain", {"ranks": [3]}, key=KEY)
+        assert status == 200 and body["lost"] == [3] and body["expert_ranks"] == 1, body
+        deadline = time.monotonic() + 30
+        while all(e.proc.poll() is None for e in experts[:2]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        codes = sorted(e.proc.poll() for e in experts[:2] if e.proc.poll() is not None)
+        assert codes == [0], codes          # the drained node's torchrun ended cleanly; the other one serves
+
+        # the joined attention rank's torchrun dies while two requests stream (one of them on it): 2 + 1 -> 1 + 1
+        out = stream_through(srv, prompts[4:6], 8, joiner.kill)
+        assert out == [(e, "length") for e in expected[4:6]]
+        wait_for_pools(srv, 1, 1)
+        assert gauge(srv, "afserve_requests_moved_total") >= 1
+        got = client.completions.create(model="tiny", prompt=prompts[6], max_tokens=MAX_NEW, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert got.choices[0].text == expected[6]
+        assert srv.health() == 200
+    finally:
+        srv.stop()
+        for p in experts + ([joiner] if joiner else []):
+            if p.wait(20) is None:
+                p.stop()
+    assert "the engine failed" not in srv.log(), srv.log()[-3000:]
