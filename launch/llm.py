@@ -264,9 +264,6 @@ class LLM:
         pool; a retired attention rank's requests move to the others and resume from what they streamed.
         Returns the membership change's record (as in stats()["membership_changes"]). Requests in flight keep
         going; call it between generate() calls (it waits on the same queue). Spawned ranks only."""
-        if self.runtime is not None:
-            raise ValueError("scale() needs ranks spawned by LLM; under torchrun launch more ranks against the "
-                             "job's --pool-addr, or drain ranks through the server's /admin/drain")
         self.request_scale(attention_ranks, expert_ranks, retire)
         return self.take_scale_result(self._reply("scale", self.config.startup_timeout_s))
 
@@ -274,6 +271,9 @@ class LLM:
                       retire: list[int] | None = None) -> None:
         """Ask for scale(...) without waiting, spawning the ranks that will join: the leader answers ("scale",
         record) on outbox between steps; pass that record to take_scale_result."""
+        if self.runtime is not None:
+            raise ValueError("scale() needs ranks spawned by LLM; under torchrun launch more ranks against the "
+                             "job's --pool-addr, or drain ranks through the server's /admin/drain")
         for name, v in (("attention_ranks", attention_ranks), ("expert_ranks", expert_ranks)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r} is invalid: pass an integer >= 1 (or None to keep the pool)")

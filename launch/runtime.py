@@ -76,7 +76,7 @@ class Runtime:
                                  spec.max_position_embeddings)
         if config.role is None:
             self._start_world()
-        elif self._leads_pool():
+        elif leads_pool(config.role, config.leader_host):
             self._start_pool_leader()
         else:
             self._start_joiner()
@@ -123,9 +123,6 @@ class Runtime:
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control)
         self.info = RankInfo(int(blocks), config.cache.block_size, self.max_model_len)
         logger.info("%s ready: %d tensors read", desc, len(self.ckpt.names_read))
-
-    def _leads_pool(self) -> bool:
-        return leads_pool(self.config.role, self.config.leader_host)
 
     def _start_pool_leader(self) -> None:
         """The attention pool's first rank: serve the job's store at pool_addr, publish the settings every rank

@@ -8,9 +8,10 @@ Each step the leader (attention rank 0) broadcasts a `StepHeader` (comm/control.
   SHUTDOWN: leave.
 - REBALANCE, COLLECT_STATS, COLLECT_EVENTS: every rank (the leader too) joins the runtime's collective for
   it, between steps (live re-placement, stats).
-- RESHAPE: a planned membership change (LLM.scale): the leader has published the next generation's plan;
-  every rank leaves the current generation together, and the members of the next one form it (the others
-  exit).
+- RESHAPE: a planned membership change (a scale request, or ranks joining): the leader has published the
+  next generation's plan; a retiring attention rank hands its requests and KV blocks to the rank the plan
+  names, every rank leaves the current generation together, and the members of the next one form it (the
+  retired ones exit).
 
 Membership generations. The job's process groups belong to a generation g: they are formed from the keys
 under "afserve/g{g}/" of one TCP store, hosted by the leader's process. When a rank dies, the survivors'
@@ -27,6 +28,15 @@ report; one that had not re-runs the same scheduled batch: nothing of a step is 
 advanced, tokens sampled, generator states drawn) until its forward has passed every exchange, so a step
 that failed half way leaves no trace. The leader's own death ends the job, as before: it holds the store
 and the request state.
+
+Joining. A rank that is not a member (spawned by LLM.scale, or launched against the job's pool address:
+serve.py --role ... --pool-addr) reads the leader's settings from "afserve/config", loads what its role holds
+before it has a place, and registers on the store queue "afserve/joins". Between steps the leader admits
+registered ranks (those a scale request waits for, else any that came): it plans the next generation with
+them (a joined expert rank takes its experts from peers or the checkpoint), publishes the plan, sets
+"afserve/admit/{member}" to its number, and runs RESHAPE; the joiners form the new generation with the
+others. Separate pool launches start the same way: the leader, alone, admits the first ranks that register
+as generation 0.
 """
 from __future__ import annotations
 
@@ -226,7 +236,8 @@ class MembershipChange:
     joined_members: list[int] = field(default_factory=list)  # members that joined
     attention_ranks: int = 0       # the new generation's pools
     expert_ranks: int = 0
-    detect_s: float = 0.0          # from the first failed exchange to every member accounted for
+    detect_s: float = 0.0          # from the first failed exchange to every member accounted for (a planned
+                                   # change: from publishing the plan to every rank out of the old generation)
     groups_s: float = 0.0          # forming the new generation's process groups and data plane
     weights_s: float = 0.0         # expert weights copied between ranks and read from the checkpoint
     slots_from_peers: int = 0

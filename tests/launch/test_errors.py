@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -31,6 +32,27 @@ def test_world_size_not_a_plus_e(tiny_checkpoint, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "5")
     with pytest.raises(ValueError, match=r"world size 5 != attention_ranks \+ expert_ranks = 3"):
         LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=2)
+
+
+@pytest.mark.parametrize("options,words", [
+    ({"role": "expert"}, "role='expert' and pool_addr=None"),
+    ({"pool_addr": "127.0.0.1:29400"}, "role=None and pool_addr='127.0.0.1:29400'"),
+    ({"role": "router", "pool_addr": "h:1"}, "role='router' is invalid"),
+    ({"role": "expert", "pool_addr": "h:port"}, "pool_addr='h:port' is invalid: pass HOST:PORT"),
+    ({"role": "expert", "pool_addr": "h:70000"}, "pool_addr='h:70000' is invalid"),
+])
+def test_bad_pool_options(tiny_checkpoint, options, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        LLM(tiny_checkpoint("qwen3_moe"), **options)
+
+
+def test_scale_requests_are_checked_before_they_reach_the_ranks(llm):
+    for kwargs, words in (({"expert_ranks": 0}, "expert_ranks=0 is invalid"),
+                          ({"attention_ranks": True}, "attention_ranks=True is invalid"),
+                          ({"expert_ranks": 99}, "expert_ranks=99 exceeds the model's 8 experts"),
+                          ({"retire": [0]}, "retire=[0] is invalid: name ranks 1..")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            llm.scale(**kwargs)
 
 
 def test_unknown_option(tiny_checkpoint):
