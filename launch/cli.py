@@ -40,6 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
                    help="attention and MoE kernels: Triton on CUDA and torch references on CPU (auto), or either")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="CPU threads per rank (default: the machine's cores / the ranks of the job; set it in a "
+                        "container whose CPU limit is below the node's cores)")
     p.add_argument("--collective-timeout-s", type=float, default=600.0,
                    help="a collective that waits longer fails the job")
     p.add_argument("--heartbeat-s", type=float, default=1.0,
@@ -52,6 +55,6 @@ def engine_options(args: argparse.Namespace) -> dict:
     keys = ("comm", "comm_calibration", "balancer", "redundant_experts", "rebalance_interval", "ranks_per_node",
             "transport", "micro_batches", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
             "kv_cache_memory", "block_size", "enable_prefix_caching", "kv_offload_memory",
-            "dtype", "device", "kernel_backend", "collective_timeout_s",
+            "dtype", "device", "kernel_backend", "threads_per_rank", "collective_timeout_s",
             "heartbeat_s")
     return {k: getattr(args, k) for k in keys}

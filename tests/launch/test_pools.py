@@ -175,3 +175,23 @@ def test_separate_pool_launches_serve_and_survive(model_dir):
                 p.stop()
     assert "the engine failed" not in srv.log(), srv.log()[-3000:]
     assert experts[0].proc.returncode == 0, experts[0].log()[-3000:]   # both its ranks left cleanly (one drained)
+
+
+def test_the_leader_dying_ends_the_other_launches(model_dir):
+    """The leader is the one single point of failure: when its process dies, the expert launch (whose second
+    rank joined the running job after the first formed it) ends within seconds instead of hanging."""
+    addr = f"127.0.0.1:{free_port()}"
+    experts = PoolLaunch(model_dir, "expert", addr, nproc=2)
+    srv = LocalServer(model_dir, nproc=1, args=["--role", "attention", "--pool-addr", addr, "--expert-ranks", "1"])
+    try:
+        srv.start()
+        wait_for_pools(srv, 1, 2)
+        (leader,) = srv.rank_pids.values()
+        os.kill(leader, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = experts.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        srv.stop()
+        experts.stop()
+    assert code not in (None, 0) and took < 10, (code, took, experts.log()[-3000:])
