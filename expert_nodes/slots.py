@@ -86,18 +86,24 @@ class ExpertSlots:
         return len(todo)
 
     def adopt(self, ckpt: Checkpoint, moves: list[tuple[int, int, int, int, int]], slot2expert: torch.Tensor,
-              me: int, world_rank, group=None) -> tuple[ExpertSlots, int, int]:
+              me: int, world_rank, group=None, staged: dict | None = None) -> tuple[ExpertSlots, int, int]:
         """This rank's part of a membership change: new slots for slot2expert `[L, S']` (S' may differ from
         the current S). moves: every rank's (layer, dst rank, dst slot, src rank, src slot) in expert-pool
         ranks of the new pool (balancer/replan.py; src -1 = the checkpoint), the same list on every rank;
         world_rank maps them to ranks of `group`, where this rank's old slots are still held by it. Returns
-        (the new slots, slots received from peers, slots read from the checkpoint)."""
+        (the new slots, slots received from peers, slots read from the checkpoint). staged: (layer, new slot) ->
+        the tensors of an expert a retiring rank sent before it left, used instead of the checkpoint."""
         new = ExpertSlots.empty(ckpt, slot2expert, self.w13.dtype, self.w13.device, self.kernel_backend)
         width = min(self.num_slots, new.num_slots)
         for t_new, t_old in zip(new._per_slot(), self._per_slot()):   # experts that stay in their slot
             same = (self.slot2expert[:, :width] == slot2expert[:, :width]) & (slot2expert[:, :width] >= 0)
             t_new[:, :width][same] = t_old[:, :width][same]
         received, wanted = self._carry(moves, me, new, world_rank, group)
+        for (layer, slot), bufs in (staged or {}).items():
+            for t, b in zip(new._per_slot(), bufs):
+                t[layer, slot] = b
+            wanted[layer, slot] = -1
+            received += 1
         read = new._read(ckpt, wanted) if bool((wanted >= 0).any()) else 0
         return new, received, read
 

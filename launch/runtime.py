@@ -26,7 +26,7 @@ from attention_nodes.scheduler import Scheduler
 from attention_nodes.worker import AttentionWorker
 from balancer.placement import Placement, eplb, expert_load, load_balance, slot_capacities
 from balancer.policy import make_policy
-from balancer.replan import Replan, plan_membership, plan_moves, plan_rebalance
+from balancer.replan import CHECKPOINT, Replan, plan_membership, plan_moves, plan_rebalance
 from comm.calibration import shared_model
 from comm.control import ControlPlane
 from comm.dispatcher import ShmDispatcher, make_dispatcher
@@ -70,6 +70,7 @@ class Runtime:
         self.load_ema: torch.Tensor | None = None
         self.num_replacements = 0
         self.num_slots_moved = 0
+        self.staged: dict[tuple[int, int], list[torch.Tensor]] = {}   # (layer, new slot) -> an expert's tensors
         self.ckpt = Checkpoint(config.model)
         spec = self.ckpt.spec
         self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
@@ -275,10 +276,12 @@ class Runtime:
                              f"ranks")
 
     def plan_generation(self, generation: int, infos: dict[int, dict], lost: list[int],
-                        joined: list[tuple[int, dict]] = ()) -> dict:
+                        joined: list[tuple[int, dict]] = (), retiring: bool = False) -> dict:
         """Leader: the plan of the next generation (msgpack-able; step_protocol publishes it): the members of
-        this one except `lost` (dead or retired), then the `joined` (member, info) in order, each after the
-        kept ranks of its role. infos: member -> info (member_info) of every expert member that stays.
+        this one except `lost` (dead, or retiring when `retiring`), then the `joined` (member, info) in order,
+        each after the kept ranks of its role. infos: member -> info (member_info) of every expert member that
+        stays. Retiring expert ranks are alive: the experts that only they hold go from them to the staying
+        ranks that take them ("staged", sent in this generation before it ends) instead of from the checkpoint.
         Raises MembershipError when the new pools cannot serve."""
         A = self.topo.num_attention_ranks
         gone = [self.members.index(m) for m in lost]
@@ -324,13 +327,31 @@ class Runtime:
                     f"for {S} slots of {spec.num_experts} experts but may hold {budget / 2**20:.1f} MiB; add an "
                     f"expert rank or give each more memory (expert_memory)")
         members = [self.members[r] for r in attention_keep if r >= 0] + new_attention + expert_members
+        staged = self._staged_moves(replan, keep, [i for i, m in enumerate(experts) if m in lost]) \
+            if retiring and self.placement is not None else []
         return {"gen": generation, "members": members, "attention_ranks": A2, "attention_keep": attention_keep,
-                "keep": keep, "joined": [m for m, _ in joined],
+                "keep": keep, "staged": staged, "joined": [m for m, _ in joined],
                 "kv_blocks": [info.get("kv_blocks", 0) for m, info in joined if info["role"] == "attention"],
                 "ranks_per_node": self.topo.ranks_per_node,
                 "slot2expert": replan.placement.slot2expert.tolist(),
-                "moves": [list(m) for m in replan.moves], "from_peers": replan.num_from_peers,
-                "from_checkpoint": replan.num_from_checkpoint}
+                "moves": [list(m) for m in replan.moves], "from_peers": replan.num_from_peers + len(staged),
+                "from_checkpoint": replan.num_from_checkpoint - len(staged)}
+
+    def _staged_moves(self, replan: Replan, keep: list[int], donors: list[int]) -> list[list[int]]:
+        """Of replan's moves from the checkpoint, those whose expert a retiring expert rank (donors: old expert
+        indices) holds: [layer, old index of the staying destination, its new slot, donor, donor's slot]."""
+        old, new = self.placement.slot2expert, replan.placement.slot2expert
+        staged = []
+        for layer, dst, dslot, src, _ in replan.moves:
+            if src != CHECKPOINT or keep[dst] < 0:   # a joining rank is not in this generation to receive
+                continue
+            e = int(new[layer, dst, dslot])
+            for d in donors:
+                row = old[layer, d].tolist()
+                if e in row:
+                    staged.append([layer, keep[dst], dslot, d, row.index(e)])
+                    break
+        return staged
 
     def regroup(self, plan: dict) -> dict:
         """Join the plan's generation: form its groups, its data plane, and adopt its expert placement (expert
@@ -363,7 +384,8 @@ class Runtime:
             moves = [tuple(m) for m in plan["moves"]]
             slots, received, read = self.worker.slots.adopt(self.ckpt, moves, new[:, self.topo.expert_index],
                                                             self.topo.expert_index, lambda r: A + r,
-                                                            self.groups.world)
+                                                            self.groups.world, self.staged)
+            self.staged = {}
             self.worker.rank = self.topo.rank
             self.worker.adopt(slots, self.dispatcher)
             self.num_slots_moved += received
@@ -372,6 +394,21 @@ class Runtime:
         t2 = time.perf_counter()
         logger.info("rank %d (member %d): generation %d formed", self.topo.rank, self.member, self.generation)
         return {"groups_s": t1 - t0, "weights_s": t2 - t1}
+
+    def stage_experts(self, staged: list[list[int]]) -> None:
+        """An expert rank, in the generation that is ending: send or receive the plan's staged experts
+        ([layer, staying rank, its new slot, retiring rank, its slot], expert indices of this generation)."""
+        A, me, works = self.topo.num_attention_ranks, self.topo.expert_index, []
+        slots = self.worker.slots
+        for layer, dst, dslot, src, sslot in staged:
+            if me == src:
+                works += [dist.isend(t[layer, sslot], A + dst, group=self.groups.world) for t in slots._per_slot()]
+            elif me == dst:
+                bufs = [torch.empty_like(t[layer, 0]) for t in slots._per_slot()]
+                works += [dist.irecv(b, A + src, group=self.groups.world) for b in bufs]
+                self.staged[(layer, dslot)] = bufs
+        for w in works:
+            w.wait()
 
     def lead(self, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) -> str:
         """The leader's loop (launch/step_protocol.py)."""

@@ -416,7 +416,7 @@ class Membership:
         budget = rt.config.parallel.expert_memory or 2**62
         infos = {m: {"expert_budget": budget} for m in rt.members}
         try:
-            plan = rt.plan_generation(gen + 1, infos, retire, join)
+            plan = rt.plan_generation(gen + 1, infos, retire, join, retiring=True)
         except MembershipError as e:
             return {"error": str(e)}
         plan["handover"] = self._plan_handover(retire)
@@ -504,10 +504,14 @@ class Membership:
 
     def _hand_over(self, plan: dict) -> None:
         """Between steps, in the old generation: each retiring attention rank sends its live requests and their
-        KV blocks to the rank the plan names (attention_nodes/handover.py), which takes them over. The
-        requests' metadata goes over the control group, the KV over the data plane's."""
+        KV blocks to the rank the plan names (attention_nodes/handover.py), which takes them over (the
+        requests' metadata goes over the control group, the KV over the data plane's); retiring expert ranks
+        send the experts that only they hold to the staying ranks that take them (plan "staged"), which keep
+        them for adopting the new placement."""
         rt = self.rt
         me = rt.topo.rank
+        if not rt.topo.is_attention:
+            rt.stage_experts(plan["staged"])
         for src, dst in sorted((int(s), d) for s, d in plan.get("handover", {}).items()):
             if me == src:
                 meta, kv = rt.worker.hand_over()

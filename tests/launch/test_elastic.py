@@ -170,6 +170,7 @@ def test_scale_out_and_in_under_a_steady_stream(tiny_checkpoint):
     assert (grow["attention_ranks"], grow["expert_ranks"], len(grow["joined_members"])) == (2, 4, 3)
     assert grow["slots_from_peers"] > 0 and grow["slots_from_checkpoint"] == 0
     assert (shrink["attention_ranks"], shrink["expert_ranks"]) == (1, 2)
+    assert shrink["slots_from_checkpoint"] == 0 and shrink["slots_from_peers"] > 0   # the retiring ranks sent theirs
     assert sorted(shrink["lost_members"]) == sorted(grow["joined_members"]) == sorted(llm.retired_ranks)
     assert stats["num_handed_over_requests"] >= 1 and stats["kv_blocks_handed_over"] >= 1
     assert stats["num_moved_requests"] == 0        # handed over with their KV, nothing recomputed
