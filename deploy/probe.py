@@ -4,6 +4,11 @@
                          engine is dead, no answer while it starts)
     probe.py alive       exit 0 iff this pod's ranks (the `launch.serve` processes torchrun started) are all
                          there and none is a zombie; on the leader pod also `ready` on its own /health
+    probe.py drain URL   (a preStop hook) POST {"hosts": [this pod's hostname]} to the leader's /admin/drain
+                         (URL), with AFSERVE_API_KEY as the bearer key when set: this pod's ranks leave the job
+                         between steps (an attention rank hands its requests and KV blocks over) and exit, so
+                         a scale-down loses nothing. Exit 0 once the leader has answered 200; on the leader pod
+                         it does nothing (the leader cannot be drained)
 
 Every pod but the leader has no HTTP server, so a pool's probes ask the leader (through the headless
 afserve-leader Service, which publishes it before it is ready) whether the job its ranks belong to is serving.
@@ -14,6 +19,7 @@ name that runs attention rank 0) and AFSERVE_HEALTH_URL (default http://127.0.0.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import sys
@@ -64,16 +70,34 @@ def check_alive(num_ranks: int, proc: str = "/proc") -> str | None:
     return None
 
 
+def drain(url: str, timeout_s: float) -> str | None:
+    """None when the leader at url (its /admin/drain) removed this host's ranks, else why not."""
+    body = json.dumps({"hosts": [socket.gethostname()]}).encode()
+    headers = {"Content-Type": "application/json"}
+    if os.environ.get("AFSERVE_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['AFSERVE_API_KEY']}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=timeout_s) as resp:
+            return None if resp.status == 200 else f"{url} answered {resp.status}"
+    except urllib.error.HTTPError as e:
+        return f"{url} answered {e.code}: {e.read(500).decode(errors='replace')}"
+    except (OSError, ValueError) as e:
+        return f"{url} did not answer: {e}"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("check", choices=("ready", "alive"))
-    p.add_argument("url", nargs="?", help="ready: the URL that must answer 200")
+    p.add_argument("check", choices=("ready", "alive", "drain"))
+    p.add_argument("url", nargs="?", help="ready: the URL that must answer 200; drain: the leader's /admin/drain")
     p.add_argument("--timeout-s", type=float, default=4.0)
     args = p.parse_args(argv)
+    if args.check in ("ready", "drain") and not args.url:
+        p.error(f"{args.check} needs the URL to ask, e.g. http://afserve-leader:8000/health")
     if args.check == "ready":
-        if not args.url:
-            p.error("ready needs the URL to ask, e.g. http://afserve-leader:8000/health")
         why = check_ready(args.url, args.timeout_s)
+    elif args.check == "drain":
+        leader = socket.gethostname() == os.environ.get("AFSERVE_LEADER_POD")
+        why = None if leader else drain(args.url, args.timeout_s)
     else:
         why = check_alive(int(os.environ.get("AFSERVE_RANKS_PER_POD", "1")))
         if why is None and socket.gethostname() == os.environ.get("AFSERVE_LEADER_POD"):

@@ -158,10 +158,12 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     async def drain(body: DrainRequest, request: Request):
         """Remove the given ranks between steps (launch/step_protocol.py); answers the membership change."""
         _warn_ignored(body, request)
+        body.check()
         eng = engine()
-        record = await eng.query("scale", {"retire": body.ranks}, timeout_s=eng.llm.config.startup_timeout_s)
+        ask = {"retire": body.ranks} if body.ranks is not None else {"retire_hosts": body.hosts}
+        record = await eng.query("scale", ask, timeout_s=eng.llm.config.startup_timeout_s)
         if "error" in record:
-            raise APIError(400, record["error"], "ranks")
+            raise APIError(400, record["error"], "ranks" if body.ranks is not None else "hosts")
         return record
 
     @app.get("/metrics")

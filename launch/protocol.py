@@ -286,7 +286,13 @@ class DetokenizeRequest(_Request):
 
 
 class DrainRequest(_Request):
-    """POST /admin/drain: {"ranks": [rank, ...]}: those ranks leave the job between steps (a retired attention
-    rank's requests move to the others; a retired expert rank's experts are re-placed) and exit."""
+    """POST /admin/drain: {"ranks": [rank, ...]} or {"hosts": [hostname, ...]} (every rank on those hosts, as
+    a pod's preStop hook names its own): they leave the job between steps (a retired attention rank hands its
+    requests over; a retired expert rank's experts are re-placed) and exit."""
 
-    ranks: Annotated[list[int], Field(min_length=1)]
+    ranks: Annotated[list[int], Field(min_length=1)] | None = None
+    hosts: Annotated[list[str], Field(min_length=1)] | None = None
+
+    def check(self) -> None:
+        if (self.ranks is None) == (self.hosts is None):
+            raise APIError(400, "pass exactly one of 'ranks' (rank numbers) and 'hosts' (hostnames)", "ranks")

@@ -382,6 +382,12 @@ class Membership:
         rt = self.rt
         A, W = rt.topo.num_attention_ranks, rt.topo.world_size
         retire = list(request.get("retire") or [])
+        hosts = request.get("retire_hosts") or []
+        if hosts:
+            on = self.ranks_on(hosts)
+            if not on:
+                return {"error": f"no rank of the job runs on host(s) {hosts}"}
+            retire += on
         bad = [r for r in retire if isinstance(r, bool) or not isinstance(r, int) or not 0 < r < W]
         if bad:
             return {"error": f"cannot retire rank {bad[0]}: ranks 1..{W - 1} can be retired (rank 0 leads the "
@@ -406,6 +412,10 @@ class Membership:
         if not retire and not join:
             return {"unchanged": True, "attention_ranks": A, "expert_ranks": W - A}
         return self.change_as_leader([rt.members[r] for r in sorted(set(retire))], join, "scale")
+
+    def ranks_on(self, hosts: list[str]) -> list[int]:
+        """The ranks whose process runs on one of hosts (hostnames, as the process's host sees its own)."""
+        return [r for r, m in enumerate(self.rt.members) if self._proc(m)[0].partition("/")[0] in hosts]
 
     def change_as_leader(self, retire: list[int], join: list[tuple[int, dict]], cause: str) -> dict:
         """Leader, between steps: a planned change (nobody failed): the members in retire leave (they exit),
@@ -566,11 +576,15 @@ class Membership:
                 return alive, lost
             time.sleep(0.02)
 
+    def _proc(self, member: int) -> list:
+        """[host identity, pid] of a member's process (written once at its start-up: read once)."""
+        if member not in self.procs:
+            self.procs[member] = msgpack.unpackb(self.store.get(f"{PREFIX}/proc/{member}"))
+        return self.procs[member]
+
     def _process_gone(self, member: int) -> bool:
         """The member's process is on this host and has exited (a quicker verdict than a silent heartbeat)."""
-        if member not in self.procs:     # written once at start-up: read once
-            self.procs[member] = msgpack.unpackb(self.store.get(f"{PREFIX}/proc/{member}"))
-        host, pid = self.procs[member]
+        host, pid = self._proc(member)
         return host == self.host and not process_alive(pid)
 
     def close(self) -> None:

@@ -209,3 +209,19 @@ def test_manifests_pass_only_flags_that_serve_knows(docs):
     for role, w in pools(docs).items():
         used = {a.split("=")[0] for a in serve_args(w) if a.startswith("--")}
         assert used - known == set(), f"{role}: flags launch/serve.py does not have"
+
+
+def test_pods_drain_themselves_before_they_stop(docs):
+    """A scale-down deletes pods: each first asks the leader's /admin/drain to remove its ranks (preStop), within
+    the pod's grace period, with the API key the leader requires."""
+    by_role = pools(docs)
+    port = int(flag(serve_args(by_role["attention"]), "--port"))
+    for role, w in by_role.items():
+        argv = container(w)["lifecycle"]["preStop"]["exec"]["command"]
+        assert argv[:3] == ["python", "/opt/afserve/probe.py", "drain"], f"{role}: {argv}"
+        url = urlsplit(argv[3])
+        assert (url.hostname, url.port, url.path) == ("afserve-leader", port, "/admin/drain"), f"{role}: {url}"
+        timeout = float(argv[argv.index("--timeout-s") + 1])
+        assert timeout < w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"], role
+        env = {e["name"]: e for e in container(w)["env"]}
+        assert env["AFSERVE_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "afserve-api-key", role

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -102,3 +103,51 @@ def test_alive_checks_health_on_the_leader_pod_only(health, monkeypatch):
     assert probe.main(["alive"]) == 1          # the leader whose /health says 503
     state["code"] = 200
     assert probe.main(["alive"]) == 0
+
+
+@pytest.fixture
+def leader():
+    """A server standing in for the leader's /admin/drain: answers state["code"] and records each POST as
+    (path, authorization header, JSON body); yields (url, state)."""
+    state = {"code": 200, "posts": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state["posts"].append((self.path, self.headers.get("Authorization"), body))
+            self.send_response(state["code"])
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/admin/drain", state
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)
+
+
+def test_drain_names_this_host_to_the_leader_with_the_key(leader, monkeypatch):
+    url, state = leader
+    monkeypatch.setattr(socket, "gethostname", lambda: "afserve-expert-7f9c")
+    monkeypatch.setenv("AFSERVE_LEADER_POD", "afserve-attention-0")
+    monkeypatch.setenv("AFSERVE_API_KEY", "sekrit")
+    assert probe.main(["drain", url]) == 0
+    assert state["posts"] == [("/admin/drain", "Bearer sekrit", {"hosts": ["afserve-expert-7f9c"]})]
+    state["code"] = 400                        # the leader refused (say, the last expert rank)
+    assert probe.main(["drain", url]) == 1
+    monkeypatch.delenv("AFSERVE_API_KEY")
+    state["code"] = 200
+    assert probe.main(["drain", url]) == 0 and state["posts"][-1][1] is None
+    assert probe.main(["drain", f"http://127.0.0.1:{closed_port()}/admin/drain", "--timeout-s", "1"]) == 1
+
+
+def test_drain_on_the_leader_pod_asks_nothing(leader, monkeypatch):
+    url, state = leader
+    monkeypatch.setenv("AFSERVE_LEADER_POD", "afserve-attention-0")
+    monkeypatch.setattr(socket, "gethostname", lambda: "afserve-attention-0")
+    assert probe.main(["drain", url]) == 0 and state["posts"] == []

@@ -29,13 +29,16 @@ MAX_NEW = 40
 
 
 class PoolLaunch:
-    """One `torchrun ... serve.py --role ROLE --pool-addr ADDR` in its own process group (one emulated node)."""
+    """One `torchrun ... serve.py --role ROLE --pool-addr ADDR` in its own process group (one emulated node);
+    with host, in a UTS namespace of its own whose hostname is host (another machine, as its ranks see it)."""
 
-    def __init__(self, model: str, role: str, pool_addr: str, *args: str, nproc: int = 1):
+    def __init__(self, model: str, role: str, pool_addr: str, *args: str, nproc: int = 1, host: str | None = None):
         fd, self.log_path = tempfile.mkstemp(prefix=f"afserve-{role}-", suffix=".log")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                str(free_port()), os.path.join(ROOT, "launch", "serve.py"), "--model", model, "--role", role,
                "--pool-addr", pool_addr, *args]
+        if host is not None:
+            cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *cmd]
         self.proc = subprocess.Popen(cmd, stdout=fd, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
         os.close(fd)
 
@@ -177,15 +180,23 @@ def test_separate_pool_launches_serve_and_survive(model_dir):
     assert experts[0].proc.returncode == 0, experts[0].log()[-3000:]   # both its ranks left cleanly (one drained)
 
 
-def test_the_leader_dying_ends_the_other_launches(model_dir):
-    """The leader is the one single point of failure: when its process dies, the expert launch (whose second
+def test_drain_a_host_then_the_leader_dying_ends_the_other_launches(model_dir):
+    """A pod's preStop drain names its host: every rank there leaves between steps and its launch ends cleanly.
+    The leader is the one single point of failure: when its process dies, the expert launch left (whose second
     rank joined the running job after the first formed it) ends within seconds instead of hanging."""
     addr = f"127.0.0.1:{free_port()}"
     experts = PoolLaunch(model_dir, "expert", addr, nproc=2)
-    srv = LocalServer(model_dir, nproc=1, args=["--role", "attention", "--pool-addr", addr, "--expert-ranks", "1"])
+    other = PoolLaunch(model_dir, "expert", addr, host="expert-node-b")
+    srv = LocalServer(model_dir, nproc=1, args=["--role", "attention", "--pool-addr", addr, "--expert-ranks", "1",
+                                                "--api-key", KEY])
     try:
         srv.start()
-        wait_for_pools(srv, 1, 2)
+        wait_for_pools(srv, 1, 3)
+        status, body = post(srv, "/admin/drain", {"hosts": ["nowhere"]}, key=KEY)
+        assert status == 400 and "no rank of the job runs on host(s) ['nowhere']" in body["error"]["message"]
+        status, body = post(srv, "/admin/drain", {"hosts": ["expert-node-b"]}, key=KEY)
+        assert status == 200 and len(body["lost"]) == 1 and body["expert_ranks"] == 2, body
+        assert other.wait(30) == 0, other.log()[-3000:]
         (leader,) = srv.rank_pids.values()
         os.kill(leader, signal.SIGKILL)
         t0 = time.monotonic()
@@ -193,5 +204,6 @@ def test_the_leader_dying_ends_the_other_launches(model_dir):
         took = time.monotonic() - t0
     finally:
         srv.stop()
-        experts.stop()
+        for p in (experts, other):
+            p.stop()
     assert code not in (None, 0) and took < 10, (code, took, experts.log()[-3000:])
