@@ -122,27 +122,37 @@ class ExpertSlots:
         into `into`'s (this object itself for a move in place): copies within the rank, sends what peers need
         and receives what arrives. Returns (slots received, `[L, S']` the experts whose source is the
         checkpoint (src -1) at their slots, -1 elsewhere): the caller reads those."""
-        works, landed, received = [], [], 0
+        landed, received, from_checkpoint = self.exchange(moves, me, world_rank, group)
+        for (layer, dslot), bufs in landed.items():
+            for t, b in zip(into._per_slot(), bufs):
+                t[layer, dslot] = b
         wanted = torch.full_like(into.slot2expert, -1)
+        for layer, dslot in from_checkpoint:
+            wanted[layer, dslot] = into.slot2expert[layer, dslot]
+        return received, wanted
+
+    def exchange(self, moves, me: int, world_rank, group) -> tuple[dict, int, list[tuple[int, int]]]:
+        """This rank's part of moves (layer, dst rank, dst slot, src rank, src slot; src -1 = the checkpoint):
+        sends what peers need from its slots, receives what arrives for it and copies what moves within it ->
+        ((layer, dst slot) -> the expert's tensors that land there, how many came from peers, the (layer, dst
+        slot) whose source is the checkpoint). Nothing of this object changes."""
+        works, landed, received, from_checkpoint = [], {}, 0, []
         for layer, dst, dslot, src, sslot in moves:
             if dst == me:
                 if src == -1:
-                    wanted[layer, dslot] = into.slot2expert[layer, dslot]
+                    from_checkpoint.append((layer, dslot))
                 elif src == me:   # copy now: a later write may overwrite the source slot
-                    landed.append((layer, dslot, [t[layer, sslot].clone() for t in self._per_slot()]))
+                    landed[(layer, dslot)] = [t[layer, sslot].clone() for t in self._per_slot()]
                 else:
-                    bufs = [torch.empty_like(t[layer, 0]) for t in into._per_slot()]
+                    bufs = [t.new_empty(t.shape[2:]) for t in self._per_slot()]   # S may be 0 (a joiner)
                     works += [dist.irecv(b, world_rank(src), group=group) for b in bufs]
-                    landed.append((layer, dslot, bufs))
+                    landed[(layer, dslot)] = bufs
                     received += 1
             elif src == me:
                 works += [dist.isend(t[layer, sslot], world_rank(dst), group=group) for t in self._per_slot()]
         for w in works:
             w.wait()
-        for layer, dslot, bufs in landed:
-            for t, b in zip(into._per_slot(), bufs):
-                t[layer, dslot] = b
-        return received, wanted
+        return landed, received, from_checkpoint
 
     def _per_slot(self) -> list[torch.Tensor]:
         """Every `[L, S, ...]` tensor a slot's expert occupies (a move carries each)."""

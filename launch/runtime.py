@@ -397,18 +397,11 @@ class Runtime:
 
     def stage_experts(self, staged: list[list[int]]) -> None:
         """An expert rank, in the generation that is ending: send or receive the plan's staged experts
-        ([layer, staying rank, its new slot, retiring rank, its slot], expert indices of this generation)."""
-        A, me, works = self.topo.num_attention_ranks, self.topo.expert_index, []
-        slots = self.worker.slots
-        for layer, dst, dslot, src, sslot in staged:
-            if me == src:
-                works += [dist.isend(t[layer, sslot], A + dst, group=self.groups.world) for t in slots._per_slot()]
-            elif me == dst:
-                bufs = [torch.empty_like(t[layer, 0]) for t in slots._per_slot()]
-                works += [dist.irecv(b, A + src, group=self.groups.world) for b in bufs]
-                self.staged[(layer, dslot)] = bufs
-        for w in works:
-            w.wait()
+        ([layer, staying rank, its new slot, retiring rank, its slot], expert indices of this generation); what
+        arrives is kept for regroup."""
+        A = self.topo.num_attention_ranks
+        self.staged, _, _ = self.worker.slots.exchange(staged, self.topo.expert_index, lambda r: A + r,
+                                                       self.groups.world)
 
     def lead(self, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) -> str:
         """The leader's loop (launch/step_protocol.py)."""
