@@ -21,7 +21,7 @@ from collections import deque
 from comm.control import StepReport
 
 from .block_pool import chain_hashes
-from .sequence import request_of, sample_ids
+from .sequence import request_of, sample_ids, split_sample_id
 from .worker import AttentionWorker
 
 
@@ -179,10 +179,9 @@ class Leader:
             cached.update(rep.cache_added)
         outputs = [out for rep in reports for out in rep.outputs]
         for row_id, toks, finish, prompt_lps, _ in outputs:
-            base = request_of(row_id)
+            base, index = split_sample_id(row_id)
             if base not in self.assigned:
                 continue
-            index = int(row_id.rpartition("#")[2]) if "#" in row_id else 0
             if toks:
                 self.streamed[base].setdefault(index, []).extend(toks)
             if prompt_lps:

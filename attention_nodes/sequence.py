@@ -17,7 +17,13 @@ def sample_ids(request_id: str, num_samples: int) -> list[str]:
 
 def request_of(row_id: str) -> str:
     """The request id a sample id belongs to (a request's own id is its own)."""
-    return row_id.rpartition("#")[0] if "#" in row_id else row_id
+    return split_sample_id(row_id)[0]
+
+
+def split_sample_id(row_id: str) -> tuple[str, int]:
+    """(request id, sample index) of a sample id; a request's own id is its sample 0."""
+    rid, sep, index = row_id.rpartition("#")
+    return (rid, int(index)) if sep else (row_id, 0)
 
 
 class SequenceStatus(enum.Enum):
