@@ -114,6 +114,20 @@ class ControlPlane:
         None elsewhere."""
         return self._gather(pack(obj), self.control, dist.get_world_size(self.control))
 
+    def send_object(self, obj, dst: int) -> None:
+        """A msgpack-able object to one rank of the control group (its length, then the bytes)."""
+        payload = pack(obj)
+        dist.send(torch.tensor([payload.numel()]), dst, group=self.control)
+        dist.send(payload, dst, group=self.control)
+
+    def recv_object(self, src: int):
+        """What send_object sent from src."""
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, src, group=self.control)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(payload, src, group=self.control)
+        return unpack(payload)
+
     def _gather(self, payload: torch.Tensor, group, size: int) -> list | None:
         """Variable-size msgpack payloads to rank 0: one all_gather of the sizes, one gather of padded buffers."""
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]

@@ -137,7 +137,7 @@ class Runtime:
         self._set_device(par.world_size)
         self.membership = Membership(self, self.store, host, port, self.member, config.rank_failure_s)
         self._build_attention(None, "rank 0 (attention)", sys.stderr if config.load_progress else None)
-        self.membership.form_pool(par.attention_ranks - 1, par.expert_ranks)
+        self.membership.form_pool(par.attention_ranks, par.expert_ranks)
         self.info = RankInfo(self.worker.block_pool.num_blocks, config.cache.block_size, self.max_model_len)
 
     def _start_joiner(self) -> None:

@@ -53,7 +53,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from comm.control import StepHeader, StepReport, pack, unpack
+from comm.control import StepHeader, StepReport
 from comm.failures import is_peer_failure
 from comm.shm import host_identity, process_alive
 
@@ -156,8 +156,7 @@ def _membership_changes(rt, scales: list[dict], outbox) -> bool:
             record = _guarded(rt, lambda: membership.change_as_leader([], joiners, "join"))
             if "error" in record:   # tell them, so they exit instead of waiting
                 logger.error("ranks %s cannot join: %s", [m for m, _ in joiners], record["error"])
-                for m, _ in joiners:
-                    membership.store.set(f"{PREFIX}/admit/{m}", record["error"])
+                membership._admit([m for m, _ in joiners], record["error"])
                 membership.waiting = []
     return rt.generation != gen
 
@@ -303,6 +302,17 @@ class Membership:
     def _key(self, generation: int, name: str) -> str:
         return f"{PREFIX}/g{generation}/{name}"
 
+    def _publish_plan(self, generation: int, plan: dict) -> None:
+        self.store.set(self._key(generation, "plan"), msgpack.packb(plan))
+
+    def _read_plan(self, generation: int) -> dict:
+        return msgpack.unpackb(self.store.get(self._key(generation, "plan")), strict_map_key=False)
+
+    def _admit(self, members, answer: str) -> None:
+        """Answer ranks waiting to join: the generation that admits them, or why they are refused."""
+        for m in members:
+            self.store.set(f"{PREFIX}/admit/{m}", answer)
+
     def _leave(self, cause: str) -> int:
         """Leave the current generation: wake shm peers, abort the process groups, check in as alive."""
         gen = self.rt.generation
@@ -322,7 +332,7 @@ class Membership:
         key = self._key(gen + 1, "plan")
         try:
             self.store.wait([key], timedelta(seconds=self.rt.config.collective_timeout_s))
-            plan = msgpack.unpackb(self.store.get(key), strict_map_key=False)
+            plan = self._read_plan(gen + 1)
         except Exception as e:       # the leader (and its store) is gone: the job is over
             logger.error("rank %d (member %d): no plan for generation %d (%s); leaving", self.rt.topo.rank,
                          self.member, gen + 1, e)
@@ -346,9 +356,9 @@ class Membership:
         try:
             plan = self.rt.plan_generation(gen + 1, alive, lost)
         except MembershipError as e:
-            self.store.set(self._key(gen + 1, "plan"), msgpack.packb({"error": str(e)}))
+            self._publish_plan(gen + 1, {"error": str(e)})
             raise
-        self.store.set(self._key(gen + 1, "plan"), msgpack.packb(plan))
+        self._publish_plan(gen + 1, plan)
         self._adopt(plan, change)
         logger.warning("generation %d: lost ranks %s; %d + %d ranks; detect %.2fs, groups %.2fs, weights %.2fs",
                        gen + 1, change.lost, change.attention_ranks, change.expert_ranks, change.detect_s,
@@ -375,7 +385,8 @@ class Membership:
 
     def scale_as_leader(self, request: dict) -> dict | None:
         """Leader, between steps: carry out a scale request {"attention_ranks": n or None, "expert_ranks": n
-        or None, "retire": [ranks] or None, "deadline": monotonic time}: retire the given ranks, then the last
+        or None, "retire": [ranks] or None, "retire_hosts": [hostnames] or None, "deadline": monotonic time,
+        optionally "cause" for the record}: retire the given ranks, then the last
         ranks of a pool above its target; admit registered joiners up to a pool's target. Returns the change's
         record, {"error": why} (nothing changes then), or None while joiners it needs have not registered yet
         (the caller asks again; past the deadline the request fails)."""
@@ -411,7 +422,8 @@ class Membership:
                              f"against the job's pool address (serve.py --role ... --pool-addr)"}
         if not retire and not join:
             return {"unchanged": True, "attention_ranks": A, "expert_ranks": W - A}
-        return self.change_as_leader([rt.members[r] for r in sorted(set(retire))], join, "scale")
+        return self.change_as_leader([rt.members[r] for r in sorted(set(retire))], join,
+                                     request.get("cause", "scale"))
 
     def ranks_on(self, hosts: list[str]) -> list[int]:
         """The ranks whose process runs on one of hosts (hostnames, as the process's host sees its own)."""
@@ -431,9 +443,8 @@ class Membership:
             return {"error": str(e)}
         plan["handover"] = self._plan_handover(retire)
         t0 = time.monotonic()
-        self.store.set(self._key(gen + 1, "plan"), msgpack.packb(plan))
-        for m, _ in join:
-            self.store.set(f"{PREFIX}/admit/{m}", str(gen + 1))
+        self._publish_plan(gen + 1, plan)
+        self._admit(plan["joined"], str(gen + 1))
         self.waiting = [j for j in self.waiting if j[0] not in plan["joined"]]
         change = MembershipChange(gen + 1, [rt.members.index(m) for m in retire], cause, sorted(retire),
                                   joined_members=list(plan["joined"]), started=t0)
@@ -448,24 +459,13 @@ class Membership:
                        change.groups_s, change.weights_s)
         return change.to_dict()
 
-    def form_pool(self, attention_joiners: int, expert_joiners: int) -> None:
-        """The leader of separate pool launches, at start-up: wait until this many attention and expert ranks
-        have registered (within startup_timeout_s), then form generation 0 with them."""
-        deadline = time.monotonic() + self.rt.config.startup_timeout_s
-        while True:
-            waiting = self.joiners()
-            roles = [info["role"] for _, info in waiting]
-            if roles.count("attention") >= attention_joiners and roles.count("expert") >= expert_joiners:
-                break
-            if time.monotonic() > deadline:
-                raise MembershipError(
-                    f"waited {self.rt.config.startup_timeout_s:.0f}s for {attention_joiners} attention and "
-                    f"{expert_joiners} expert rank(s) to register at the pool address; {roles.count('attention')} "
-                    f"and {roles.count('expert')} did. Launch the pools against the same --pool-addr")
+    def form_pool(self, attention_ranks: int, expert_ranks: int) -> None:
+        """The leader of separate pool launches, alone at start-up: a scale request to this many ranks of each
+        pool, waited for until its ranks have registered (within startup_timeout_s): generation 0."""
+        request = {"attention_ranks": attention_ranks, "expert_ranks": expert_ranks, "cause": "start",
+                   "deadline": time.monotonic() + self.rt.config.startup_timeout_s}
+        while (record := self.scale_as_leader(request)) is None:
             time.sleep(0.05)
-        join = [j for j in waiting if j[1]["role"] == "attention"][:attention_joiners] + \
-            [j for j in waiting if j[1]["role"] == "expert"][:expert_joiners]
-        record = self.change_as_leader([], join, "start")
         if "error" in record:
             raise MembershipError(record["error"])
 
@@ -478,16 +478,14 @@ class Membership:
         answer = self.store.get(key).decode()
         if not answer.isdigit():
             raise MembershipError(f"member {self.member} ({role}) was refused: {answer}")
-        gen = int(answer)
-        plan = msgpack.unpackb(self.store.get(self._key(gen, "plan")), strict_map_key=False)
-        self.rt.regroup(plan)
+        self.rt.regroup(self._read_plan(int(answer)))
 
     def reshape(self) -> bool:
         """A follower got RESHAPE: hand over its requests if it is a leaving attention rank (or take them over),
         leave the generation with everyone, then join the next one if it is a member (False: retired, leave
         the job)."""
         gen = self.rt.generation
-        plan = msgpack.unpackb(self.store.get(self._key(gen + 1, "plan")), strict_map_key=False)
+        plan = self._read_plan(gen + 1)
         self._hand_over(plan)
         self._leave_together(gen)
         if self.member not in plan["members"]:
@@ -525,17 +523,11 @@ class Membership:
         for src, dst in sorted((int(s), d) for s, d in plan.get("handover", {}).items()):
             if me == src:
                 meta, kv = rt.worker.hand_over()
-                payload = pack(meta)
-                dist.send(torch.tensor([payload.numel()]), dst, group=rt.groups.control)
-                dist.send(payload, dst, group=rt.groups.control)
+                rt.control.send_object(meta, dst)
                 if meta["num_blocks"]:
                     dist.send(kv, dst, group=rt.groups.world)
             elif me == dst:
-                size = torch.zeros(1, dtype=torch.int64)
-                dist.recv(size, src, group=rt.groups.control)
-                payload = torch.empty(int(size), dtype=torch.uint8)
-                dist.recv(payload, src, group=rt.groups.control)
-                meta = unpack(payload)
+                meta = rt.control.recv_object(src)
                 kv = torch.empty(meta["shape"], dtype=rt.dtype, device=rt.device)
                 if meta["num_blocks"]:
                     dist.recv(kv, src, group=rt.groups.world)
