@@ -41,7 +41,7 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
     over. Running sequences keep their KV when every block fits and they fit max_num_seqs; the others wait
     and are recomputed."""
     sched, pool = worker.scheduler, worker.block_pool
-    seqs = [_sequence(d, 0) for d in meta["seqs"]]
+    seqs = [_sequence(d) for d in meta["seqs"]]
     running = [(s, d) for s, d in zip(seqs, meta["seqs"]) if d["running"]]
     # a request still to fork takes a seat per sample (as the scheduler counts them)
     seats = sched.max_num_seqs - sum(map(seats_of, sched.running))
@@ -69,16 +69,16 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
     return moved
 
 
-def _sequence(d: dict, arrival: int) -> Sequence:
+def _sequence(d: dict) -> Sequence:
     """A sequence as it was on the sending rank, waiting and holding no blocks (unpack_sequences may give it
-    its KV back)."""
+    its KV back; Scheduler.take_over gives it its arrival)."""
     params = SamplingParams.from_dict(d["params"])
     generator = None
     if d["generator"] is not None:
         generator = torch.Generator()
         generator.set_state(torch.frombuffer(bytearray(d["generator"]), dtype=torch.uint8))
     return Sequence(request_id=d["request_id"], token_ids=list(d["token_ids"]),
-                    num_prompt_tokens=d["num_prompt_tokens"], params=params, arrival=arrival,
+                    num_prompt_tokens=d["num_prompt_tokens"], params=params, arrival=0,
                     num_preemptions=d["num_preemptions"], generator=generator,
                     prompt_logprobs=d["prompt_logprobs"], num_prompt_logprobs_sent=d["num_prompt_logprobs_sent"],
                     group_id=d["group_id"], sample_index=d["sample_index"], forked=d["forked"])

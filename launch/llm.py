@@ -261,7 +261,7 @@ class LLM:
         """Resize the pools between steps. Growing a pool spawns ranks that join the job (an expert rank takes
         its experts from peers or the checkpoint); shrinking one retires its last ranks (they exit with status
         0), and `retire` names ranks to remove (any but rank 0). EPLB re-places the experts over the new expert
-        pool; a retired attention rank's requests move to the others and resume from what they streamed.
+        pool; a retired attention rank hands its requests over to the others with their KV blocks.
         Returns the membership change's record (as in stats()["membership_changes"]). Requests in flight keep
         going; call it between generate() calls (it waits on the same queue). Spawned ranks only."""
         self.request_scale(attention_ranks, expert_ranks, retire)

@@ -72,9 +72,6 @@ class Runtime:
         self.num_slots_moved = 0
         self.staged: dict[tuple[int, int], list[torch.Tensor]] = {}   # (layer, new slot) -> an expert's tensors
         self.ckpt = Checkpoint(config.model)
-        spec = self.ckpt.spec
-        self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
-                                 spec.max_position_embeddings)
         if config.role is None:
             self._start_world()
         elif leads_pool(config.role, config.leader_host):
@@ -151,8 +148,6 @@ class Runtime:
         settings = msgpack.unpackb(self.store.get(f"{PREFIX}/config"), strict_map_key=False)
         self.config = config = self.config.with_leader_settings(settings)
         par, spec = config.parallel, self.ckpt.spec
-        self.max_model_len = min(config.scheduler.max_model_len or spec.max_position_embeddings,
-                                 spec.max_position_embeddings)
         member = os.environ.get("AFSERVE_MEMBER")
         self.member = int(member) if member is not None else int(self.store.add(f"{PREFIX}/member_ids", 1))
         self.generation, self.members, self.topo = -1, [], None
@@ -170,6 +165,13 @@ class Runtime:
         self.membership.join(config.role, {**self.member_info(config.role), "kv_blocks": blocks})
         self.info = RankInfo(blocks, config.cache.block_size, self.max_model_len)
         logger.info("%s joined generation %d as rank %d", desc, self.generation, self.topo.rank)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence served: the configured limit within the model's positions."""
+        spec = self.ckpt.spec
+        return min(self.config.scheduler.max_model_len or spec.max_position_embeddings,
+                   spec.max_position_embeddings)
 
     def _open_store(self, host: str, port: int, serve: bool) -> None:
         self.store = dist.TCPStore(host, port, is_master=serve, wait_for_workers=False,

@@ -2,6 +2,7 @@
 `alive` on a made-up /proc."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import socket
@@ -24,6 +25,20 @@ def load_probe():
 probe = load_probe()
 
 
+@contextlib.contextmanager
+def serving(handler):
+    """A local HTTP server in a thread, answering with handler (a BaseHTTPRequestHandler class) -> its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
 @pytest.fixture
 def health():
     """A server whose /health answers state["code"]; yields (url, state)."""
@@ -39,13 +54,8 @@ def health():
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/health", state
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with serving(Handler) as base:
+        yield base + "/health", state
 
 
 def closed_port() -> int:
@@ -122,13 +132,8 @@ def leader():
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/admin/drain", state
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with serving(Handler) as base:
+        yield base + "/admin/drain", state
 
 
 def test_drain_names_this_host_to_the_leader_with_the_key(leader, monkeypatch):
