@@ -37,6 +37,17 @@ def tune_allocator() -> None:
         libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD: give back only a free top of 1 GiB or more
 
 
+def leave_process(code: int = 0) -> None:
+    """Exit at once, without the interpreter's teardown, for a rank that has left the job (retired by a scale
+    request, or left out of the generation that went on). Its process groups were aborted and dropped, and
+    tearing down what is left of them at interpreter exit was seen to abort the process once ("terminate
+    called without an active exception", exit -6): under torchrun that makes the launch stop the rank's
+    siblings, which are still serving."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False) -> None:
     """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status.
     join: a rank that joins the running job (config has its role and the pool address), `rank` its member id."""
@@ -64,3 +75,7 @@ def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, stat
         status.join_thread()  # flush the queue's feeder thread before the hard exit
         os._exit(1)
     runtime.close()
+    if runtime.left:
+        status.close()
+        status.join_thread()
+        leave_process(0)

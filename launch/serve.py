@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the project i
 from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.llm import LLM
+from launch.procs import leave_process
 
 SHUTDOWN_GRACE_S = 10.0   # after SIGTERM a rank that has not left by then exits non-zero
 
@@ -139,6 +140,8 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
             _say(f"rank {rank} failed: {type(e).__name__}: {e}")
             os._exit(1)
         rt.close()
+        if rt.left:
+            leave_process(0)
         return 0
 
     from launch.api_server import attach, shut_down
@@ -219,6 +222,8 @@ def main(argv=None) -> int:
         threading.Thread(target=_write_outputs, args=(llm, state), daemon=True).start()
         rt.lead(llm.inbox, llm.outbox, llm.config.heartbeat_s)
     rt.close()
+    if rt.left:
+        leave_process(0)
     return 0
 
 
