@@ -1,5 +1,5 @@
 """Handing an attention rank's requests, with their KV blocks, to another rank: a graceful attention scale-in
-(launch/step_protocol.py) moves the leaving rank's state instead of recomputing it.
+(launch/runtime/step_protocol.py) moves the leaving rank's state instead of recomputing it.
 
 Between steps the leaving rank packs every live sequence (tokens, progress, sampling state, its seeded
 generator's state) and the KV blocks they hold, each block once even when forked samples share it; the

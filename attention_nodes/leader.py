@@ -12,7 +12,7 @@ Outbox messages, one per step at most: ("out", [[request_id, [new token ids], fi
 prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
 ("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
 every rank joins between steps. The loop that drives all this, and the header kinds, are in
-launch/step_protocol.py; this class is the leader's request state.
+launch/runtime/step_protocol.py; this class is the leader's request state.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ class Leader:
     def __init__(self, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
                  rebalance_interval: int = 0, cache_aware: bool = False):
         self.worker = worker
-        self.membership = None          # the runtime's Membership (launch/step_protocol.py), for stats
+        self.membership = None          # the runtime's Membership (launch/runtime/step_protocol.py), for stats
         self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
         self.scales: list[dict] = []    # membership changes asked for since the last step
         self.rebalance_interval = rebalance_interval
@@ -48,7 +48,7 @@ class Leader:
         self.finished: dict[str, set[int]] = {}
         self.prompt_logprobs_sent: dict[str, int] = {}
         self.inflight = None             # the header of the step in flight (re-sent after a membership change)
-        self.outbox = None               # set by the loop (launch/step_protocol.py); regroup ends aborted moves here
+        self.outbox = None               # set by the loop (launch/runtime/step_protocol.py); regroup ends aborted moves here
         self.num_moved_requests = 0      # requests re-queued from a lost attention rank (recomputed)
         self.num_handed_over = 0         # requests a leaving attention rank handed over with their KV
         self.cache_aware = cache_aware

@@ -33,7 +33,7 @@ class AttentionWorker:
         self.num_partial_chunks = 0
         self.num_preemptions = 0
         self.num_kv_blocks_received = 0   # KV blocks handed over by ranks that left (attention_nodes/handover.py)
-        # Re-forming the job re-sends the step in flight (launch/step_protocol.py): the last step begun and
+        # Re-forming the job re-sends the step in flight (launch/runtime/step_protocol.py): the last step begun and
         # finished, its report, and a batch whose forward has not passed every exchange yet.
         self.started_step = self.done_step = 0
         self.last_report: StepReport | None = None

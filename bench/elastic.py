@@ -2,7 +2,7 @@
 
 Scenario (the shipped Shakespeare MoE, or --model): 2 attention + 3 expert ranks spawned by LLM, a steady
 stream of --requests greedy requests; once --kill-after tokens have streamed, one expert rank is SIGKILLed.
-The job re-forms as 2 + 2 (launch/step_protocol.py) and every request completes; their tokens are checked
+The job re-forms as 2 + 2 (launch/runtime/step_protocol.py) and every request completes; their tokens are checked
 against a run with no failure (printed: identical or not).
 
 Printed per repeat and as the median of --repeats:

@@ -340,7 +340,7 @@ class LLM:
     def check_alive(self, what: str = "serving") -> None:
         """RuntimeError naming the rank if the leader (rank 0), or any rank during start-up, has died (the others
         are then stopped too). Once serving, the leader re-forms the job around any other lost rank
-        (launch/step_protocol.py), so those are only logged and listed in lost_ranks. Ranks under torchrun are
+        (launch/runtime/step_protocol.py), so those are only logged and listed in lost_ranks. Ranks under torchrun are
         watched by torchrun itself."""
         dead = [(i, p.exitcode) for i, p in enumerate(self._procs)
                 if not p.is_alive() and i not in self.retired_ranks]

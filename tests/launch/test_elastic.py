@@ -1,4 +1,4 @@
-"""A dead expert rank costs no request: the survivors re-form the job (launch/step_protocol.py), re-place the
+"""A dead expert rank costs no request: the survivors re-form the job (launch/runtime/step_protocol.py), re-place the
 dead rank's experts and every output is still transformers' own greedy continuation."""
 from __future__ import annotations
 

@@ -38,8 +38,8 @@ from kernels.ops import resolve_backend
 from models.checkpoint import Checkpoint
 
 from . import step_protocol
-from .config import EngineConfig
-from .procs import tune_allocator
+from ..config import EngineConfig
+from ..procs import tune_allocator
 from .step_protocol import COLLECT_EVENTS, COLLECT_STATS, PREFIX, REBALANCE, Membership, MembershipError
 
 logger = logging.getLogger("afserve")
@@ -85,7 +85,7 @@ class Runtime:
         config, par = self.config, self.config.parallel
         self.topo = Topology.from_env(par.attention_ranks, par.ranks_per_node, par.world_size)
         self._set_device(self.topo.world_size)
-        # Generation 0 of the job's membership (launch/step_protocol.py): members are named by their first rank.
+        # Generation 0 of the job's membership (launch/runtime/step_protocol.py): members are named by their first rank.
         self.generation, self.member = 0, self.topo.rank
         self.members = list(range(self.topo.world_size))
         if dist.is_initialized():   # the caller formed the groups: no store of ours, so no re-forming
@@ -212,7 +212,7 @@ class Runtime:
                                  par.rebalance_interval, pool.track_events)
             self.leader.membership = self.membership
             self.leader.num_expert_ranks = self.topo.num_expert_ranks
-            if self.store is not None:   # what ranks joining later take (launch/step_protocol.py, "Joining")
+            if self.store is not None:   # what ranks joining later take (launch/runtime/step_protocol.py, "Joining")
                 self.store.set(f"{PREFIX}/config", msgpack.packb(config.leader_settings()))
 
     # ----- groups and generations ---------------------------------------------------------------------------
@@ -406,11 +406,11 @@ class Runtime:
                                                        self.groups.world)
 
     def lead(self, inbox, outbox, heartbeat_s: float, stop_when_idle: bool = False) -> str:
-        """The leader's loop (launch/step_protocol.py)."""
+        """The leader's loop (launch/runtime/step_protocol.py)."""
         return step_protocol.lead(self, inbox, outbox, heartbeat_s, stop_when_idle)
 
     def follow(self) -> str:
-        """Every other rank's loop (launch/step_protocol.py): obey headers until pause or shutdown."""
+        """Every other rank's loop (launch/runtime/step_protocol.py): obey headers until pause or shutdown."""
         return step_protocol.follow(self)
 
     def _make_dispatcher(self, spec):
