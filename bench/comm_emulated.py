@@ -187,8 +187,8 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from comm.calibration import calibrate, layers_per_repeat, synthetic_tokens, time_layers
-    from comm.dispatcher import make_dispatcher
-    from launch.procs import tune_allocator
+    from comm.modes import make_dispatcher
+    from launch.runtime.sizing import tune_allocator
 
     tune_allocator()                              # as the engine's ranks do
     torch.set_num_threads(1)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .cost_model import CostModel, fit_port_sharing
-from .dispatcher import Dispatcher, make_dispatcher
+from .dispatcher import Dispatcher
+from .modes import make_dispatcher
 
 CAPACITIES = (8, 32, 128, 512)      # tokens per attention rank; and the largest the engine will use
 REPEATS = 11

@@ -362,12 +362,3 @@ class ShmDispatcher(Dispatcher):
         self.stats.phase(handle.layer, "combine").add(0, 0, time.perf_counter() - t0)
         return out
 
-
-def make_dispatcher(mode: str, **kwargs) -> Dispatcher:
-    """direct / two_phase / auto (auto needs model=CostModel)."""
-    from .two_phase import AutoDispatcher, TwoPhaseDispatcher
-    dispatchers: dict[str, type[Dispatcher]] = {"direct": DirectDispatcher, "two_phase": TwoPhaseDispatcher,
-                                                "auto": AutoDispatcher}
-    if mode not in dispatchers:
-        raise ValueError(f"comm mode {mode!r} is not available; choose one of {sorted(dispatchers)}")
-    return dispatchers[mode](**kwargs)

@@ -132,7 +132,8 @@ def simulate_layers(model, attention_ranks: int, expert_ranks: int, ranks_per_no
     (bytes and messages per link class, seconds) and per layer, and two_phase/direct."""
     import torch
 
-    from comm.dispatcher import Layout, make_dispatcher
+    from comm.dispatcher import Layout
+    from comm.modes import make_dispatcher
     W = attention_ranks + expert_ranks
     node_of = [r // ranks_per_node for r in range(W)]
     kw = dict(group=Layout(W), hidden_size=hidden, top_k=top_k, dtype=dtype, device=torch.device("cpu"),

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from comm.cost_model import CostModel, LinkCost, fit_layers, fit_port_sharing, nnls_relative, relative_errors
-from comm.dispatcher import Layout, make_dispatcher
+from comm.dispatcher import Layout
+from comm.modes import make_dispatcher
 from tests.conftest import wider
 from tests.dist_utils import run_ranks
 
@@ -96,7 +97,7 @@ def test_calibration_round_trips_and_bad_files_are_named(tmp_path):
 def _auto_fn(rank, world, A, rpn, favour):
     import torch.distributed as dist
 
-    from comm.dispatcher import make_dispatcher
+    from comm.modes import make_dispatcher
     dist.init_process_group("gloo", rank=rank, world_size=world)
     if favour == "two_phase":       # inter-node messages dear, intra-node ones cheap
         model = CostModel(LinkCost(1e-6, 0.0), LinkCost(1e-3, 0.0))

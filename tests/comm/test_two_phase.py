@@ -33,7 +33,7 @@ def _routing(rank, A, E, T, seed, one_rank):
 def _rank_fn(rank, world, A, rpn, tokens, seed, one_rank):
     import torch.distributed as dist
 
-    from comm.dispatcher import make_dispatcher
+    from comm.modes import make_dispatcher
     dist.init_process_group("gloo", rank=rank, world_size=world)
     kw = dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),
               num_sources=A, ranks_per_node=rpn)
