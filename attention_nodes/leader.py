@@ -29,7 +29,7 @@ class Leader:
     def __init__(self, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
                  rebalance_interval: int = 0, cache_aware: bool = False):
         self.worker = worker
-        self.membership = None          # the runtime's Membership (launch/runtime/step_protocol.py), for stats
+        self.membership_changes: list = []   # the job's MembershipChange records (launch/runtime/membership.py)
         self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
         self.scales: list[dict] = []    # membership changes asked for since the last step
         self.rebalance_interval = rebalance_interval
@@ -48,7 +48,8 @@ class Leader:
         self.finished: dict[str, set[int]] = {}
         self.prompt_logprobs_sent: dict[str, int] = {}
         self.inflight = None             # the header of the step in flight (re-sent after a membership change)
-        self.outbox = None               # set by the loop (launch/runtime/step_protocol.py); regroup ends aborted moves here
+        self.outbox = None               # set by the loop (launch/runtime/step_protocol.py); regroup ends aborted
+                                         # moves here
         self.num_moved_requests = 0      # requests re-queued from a lost attention rank (recomputed)
         self.num_handed_over = 0         # requests a leaving attention rank handed over with their KV
         self.cache_aware = cache_aware
@@ -168,7 +169,7 @@ class Leader:
                 "kv_blocks_handed_over": sum(r.kv_blocks_received for r in self.reports),
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
                 "pool_ranks": {"attention": self.num_attention_ranks, "expert": self.num_expert_ranks},
-                "membership_changes": [c.to_dict() for c in self.membership.changes] if self.membership else []}
+                "membership_changes": [c.to_dict() for c in self.membership_changes]}
 
     def collect(self, reports: list[StepReport], outbox) -> None:
         """Take one step's reports (in attention-rank order) and pass their outputs on."""

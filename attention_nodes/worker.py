@@ -43,6 +43,14 @@ class AttentionWorker:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
         self.moe = moe
 
+    def detach(self) -> None:
+        """This rank left its generation: drop the data plane (the next generation brings its own)."""
+        self.moe = None
+
+    def set_placement(self, placement) -> None:
+        """A live re-placement: choose replicas by the new balancer/placement.py Placement from the next step."""
+        self.moe.policy.set_placement(placement)
+
     def next_arrival(self) -> int:
         self._arrivals += 1
         return self._arrivals

@@ -162,6 +162,10 @@ class ExpertSlots:
     def num_slots(self) -> int:
         return self.slot2expert.shape[1]
 
+    def num_bytes(self) -> int:
+        """Bytes of expert weights this rank holds."""
+        return sum(t.numel() * t.element_size() for t in self._per_slot())
+
     def ffn(self, moe_layer: int, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x `[N, H]`, slots `[N, K]` (-1 = elsewhere), weights `[N, K]` -> weighted expert sum `[N, H]`."""
         b13 = None if self.b13 is None else self.b13[moe_layer]

@@ -25,6 +25,16 @@ class ExpertWorker:
         self.slots, self.dispatcher = slots, dispatcher
         self.load = LoadTracker(self.num_moe_layers, slots.num_slots)
 
+    def detach(self) -> None:
+        """This rank left its generation: drop the data plane (the next generation brings its own)."""
+        self.dispatcher = None
+
+    def move_experts(self, moves: list[tuple[int, int, int, int, int]], slot2expert: torch.Tensor, me: int,
+                     world_rank, group) -> int:
+        """A live re-placement: copy, send and receive the slots that change (ExpertSlots.move) -> slots
+        received."""
+        return self.slots.move(moves, slot2expert, me, world_rank, group)
+
     @torch.inference_mode()
     def step(self, capacity: int) -> None:
         """Serve one engine step: per MoE layer, the dispatches of every micro-batch, then for each in turn

@@ -107,6 +107,16 @@ class LLM:
         self._inbox, self._outbox = queue.Queue(), queue.Queue()
         self._set_limits(asdict(self.runtime.info))
 
+    def _lead(self, stop_when_idle: bool) -> str:
+        """Under torchrun, on the leader: run the step loop (launch/runtime/step_protocol.py) on this thread."""
+        from .runtime import lead
+        return lead(self.runtime, self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle)
+
+    def _follow(self) -> str:
+        """Under torchrun, on every other rank: obey the leader's step headers until it pauses or shuts down."""
+        from .runtime import follow
+        return follow(self.runtime)
+
     def _set_limits(self, info: dict) -> None:
         self.max_model_len = info["max_model_len"]
         self.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
@@ -205,11 +215,11 @@ class LLM:
         for i, p in zip(ids, params):
             self.check_fits(i, p)
         if not self.is_leader:
-            self.runtime.follow()
+            self._follow()
             return []
         rids = [self.enqueue(i, p) for i, p in zip(ids, params)]
         if self.runtime is not None:
-            self.runtime.lead(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
+            self._lead(stop_when_idle=True)
         samples = {rid: {} for rid in rids}
         prompt_logprobs = {rid: [] if p.prompt_logprobs is not None else None for rid, p in zip(rids, params)}
         grouped = {rid for rid, p in zip(rids, params) if p.num_samples > 1}
@@ -249,11 +259,11 @@ class LLM:
         the README. events: also each rank's most recent dispatch/combine calls (a timeline). Under torchrun
         every rank must call it (like generate); non-leaders get {}."""
         if not self.is_leader:
-            self.runtime.follow()
+            self._follow()
             return {}
         self._inbox.put(("comm_stats", events))
         if self.runtime is not None:
-            self.runtime.lead(self._inbox, self._outbox, self.config.heartbeat_s, stop_when_idle=True)
+            self._lead(stop_when_idle=True)
         return self._reply("comm_stats")
 
     def scale(self, attention_ranks: int | None = None, expert_ranks: int | None = None,
@@ -382,9 +392,9 @@ class LLM:
         if self.runtime is not None:
             if self.runtime.leader is not None:
                 self._inbox.put(("shutdown",))
-                self.runtime.lead(self._inbox, self._outbox, self.config.heartbeat_s)
+                self._lead(stop_when_idle=False)
             else:
-                self.runtime.follow()
+                self._follow()
             self.runtime.close()
             return
         self._inbox.put(("shutdown",))

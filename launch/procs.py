@@ -23,20 +23,6 @@ def die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def tune_allocator() -> None:
-    """Linux/glibc: keep freed memory in the heap instead of returning it to the kernel. The forward and the
-    dispatchers free and re-allocate the same multi-MB temporaries every layer; returned memory page-faults
-    anew on its next use (measured: decode attention 4x slower). Blocks over 32 MiB (glibc's largest mmap
-    threshold) would still be mmap'd and unmapped each time, so mmap'd blocks are switched off: a 4096-token
-    two_phase layer (hidden 2048) took ~74k page faults on a gateway and 240-350 ms with them, 0 and
-    95-130 ms without (4 gloo ranks on loopback, 2 cores)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 32 << 20)   # M_MMAP_THRESHOLD: largest allowed value on 64-bit
-        libc.mallopt(-4, 0)          # M_MMAP_MAX: no mmap'd blocks, whatever their size
-        libc.mallopt(-1, 1 << 30)    # M_TRIM_THRESHOLD: give back only a free top of 1 GiB or more
-
-
 def leave_process(code: int = 0) -> None:
     """Exit at once, without the interpreter's teardown, for a rank that has left the job (retired by a scale
     request, or left out of the generation that went on). Its process groups were aborted and dropped, and
@@ -57,16 +43,16 @@ def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, stat
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if join:
         os.environ["AFSERVE_MEMBER"] = str(rank)
-    from .runtime import Runtime
+    from .runtime import Runtime, follow, lead
 
     runtime = None
     try:
         runtime = Runtime(config)
         status.put(("ready", rank, asdict(runtime.info)))
         if runtime.leader is not None:
-            runtime.lead(inbox, outbox, config.heartbeat_s)
+            lead(runtime, inbox, outbox, config.heartbeat_s)
         else:
-            runtime.follow()
+            follow(runtime)
     except BaseException:
         text = f"rank {rank}: {traceback.format_exc()}"
         print(text, file=sys.stderr, flush=True)

@@ -36,6 +36,7 @@ from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.llm import LLM
 from launch.procs import leave_process
+from launch.runtime import follow, lead
 
 SHUTDOWN_GRACE_S = 10.0   # after SIGTERM a rank that has not left by then exits non-zero
 
@@ -119,7 +120,7 @@ def _leads(args) -> bool:
     separate pool launches)."""
     if args.role is None:
         return int(os.environ.get("RANK", "0")) == 0
-    from launch.runtime import leads_pool
+    from launch.runtime.startup import leads_pool
     return leads_pool(args.role, args.leader_host)
 
 
@@ -135,7 +136,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
         signal.signal(signal.SIGTERM, on_term)
         signal.signal(signal.SIGINT, on_term)
         try:
-            rt.follow()
+            follow(rt)
         except Exception as e:
             _say(f"rank {rank} failed: {type(e).__name__}: {e}")
             os._exit(1)
@@ -157,7 +158,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     signal.signal(signal.SIGINT, on_term)
     _say(f"serving {model_name!r} on http://{args.host}:{args.port}")
     try:
-        rt.lead(llm.inbox, llm.outbox, llm.config.heartbeat_s)
+        lead(rt, llm.inbox, llm.outbox, llm.config.heartbeat_s)
     except Exception as e:
         _say(f"the engine failed: {type(e).__name__}: {e}")
         os._exit(1)
@@ -215,12 +216,12 @@ def main(argv=None) -> int:
         return 0
     rt = llm.runtime
     if rt.leader is None:
-        rt.follow()
+        follow(rt)
     else:
         state = {"lock": threading.Lock(), "open": {}, "eof": False}
         threading.Thread(target=_read_requests, args=(llm, args.max_tokens, state), daemon=True).start()
         threading.Thread(target=_write_outputs, args=(llm, state), daemon=True).start()
-        rt.lead(llm.inbox, llm.outbox, llm.config.heartbeat_s)
+        lead(rt, llm.inbox, llm.outbox, llm.config.heartbeat_s)
     rt.close()
     if rt.left:
         leave_process(0)

@@ -3,11 +3,14 @@
 - runtime.py: `Runtime`, one rank of the job (its groups, data plane, worker and expert placement)
 - startup.py: what a rank builds at start-up (its attention model and KV cache, or its expert slots)
 - sizing.py: the device, threads, and memory sizing (KV blocks, host tier, expert budget)
+- dataplane.py: the dispatcher a generation's dispatch/combine runs on
 - planning.py: the placement and plan of a generation (pure functions over the job's state)
-- stats.py: the between-step collectives (live re-placement, stats gathering)
+- collectives.py: the between-step collectives (live re-placement, stats gathering)
 - step_protocol.py: the steady-state step loops of the leader and every other rank
 - membership.py: re-forming after a loss, joining, scaling, draining and the handover's orchestration
+- liveness.py: heartbeats, and where each member's process runs
 """
 from .runtime import RankInfo, Runtime
+from .step_protocol import follow, lead
 
-__all__ = ["RankInfo", "Runtime"]
+__all__ = ["RankInfo", "Runtime", "follow", "lead"]

@@ -1,0 +1,143 @@
+"""The expert placement and the plan of a generation: pure functions over the job's state, which the leader
+calls and the membership module publishes (launch/runtime/membership.py). No torch.distributed here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from balancer.placement import Placement, eplb, slot_capacities
+from balancer.replan import CHECKPOINT, Replan, plan_membership, plan_moves
+from comm.topology import Topology
+
+
+class MembershipError(RuntimeError):
+    """The job cannot re-form without the ranks it lost (the message says what is missing)."""
+
+
+@dataclass(slots=True)
+class Job:
+    """The generation the leader plans from. members: member ids by rank (attention ranks first); placement:
+    None before the first generation of separate pool launches; load_ema: `[L, E]` expert load (or None)."""
+
+    members: list[int]
+    num_attention_ranks: int
+    ranks_per_node: int
+    placement: Placement | None
+    load_ema: torch.Tensor | None
+    num_experts: int
+    num_moe_layers: int
+    redundant_experts: int
+    bytes_per_slot: int      # one expert's weights in this job's dtype
+
+
+@dataclass(slots=True)
+class PlacementState:
+    """What every rank keeps of the expert placement between generations. placement: None until the first
+    generation (separate pool launches); capacity: slots per expert rank; rank_node: the node of each expert
+    rank; load_ema: `[L, E]` float, the observed expert load (None until the first re-placement); staged: the
+    experts a retiring rank sent this one ((layer, new slot) -> its tensors), kept for the next generation."""
+
+    placement: Placement | None = None
+    capacity: list[int] = field(default_factory=list)
+    rank_node: list[int] = field(default_factory=list)
+    load_ema: torch.Tensor | None = None
+    num_replacements: int = 0
+    num_slots_moved: int = 0
+    staged: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+
+
+def initial_placement(num_layers: int, num_experts: int, redundant_experts: int, capacity: list[int],
+                      rank_node: list[int]) -> Placement:
+    """A job's first placement, before any load is seen: contiguous blocks without redundant slots, else EPLB
+    on uniform load."""
+    if redundant_experts == 0:
+        return Placement.identity(num_layers, num_experts, len(capacity))
+    return eplb(torch.ones(num_layers, num_experts), capacity, rank_node)
+
+
+def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: list[int],
+                    joined: list[tuple[int, dict]] = (), retiring: bool = False) -> dict:
+    """The plan of the next generation (msgpack-able): the members of this one except `lost` (dead, or retiring
+    when `retiring`), then the `joined` (member, info) in order, each after the kept ranks of its role.
+    infos: member -> info (Runtime.member_info) of every expert member that stays. Retiring expert ranks are
+    alive: the experts that only they hold go from them to the staying ranks that take them ("staged", sent in
+    this generation before it ends) instead of from the checkpoint. Raises MembershipError when the new pools
+    cannot serve.
+
+    Keys: gen, members (member ids by new rank), attention_ranks, attention_keep (old attention rank of each
+    new one, -1: joined), keep (old expert index of each new expert rank, -1: joined), staged, joined,
+    kv_blocks (of joining attention ranks), ranks_per_node, slot2expert `[L, n, S]`, moves (balancer/replan.py),
+    from_peers, from_checkpoint."""
+    A, members = job.num_attention_ranks, job.members
+    gone = [members.index(m) for m in lost]
+    new_attention = [m for m, info in joined if info["role"] == "attention"]
+    new_experts = [(m, info) for m, info in joined if info["role"] == "expert"]
+    attention_keep = [r for r in range(A) if members[r] not in lost] + [-1] * len(new_attention)
+    assert attention_keep[0] == 0, "the leader plans only while it lives"
+    experts = members[A:]
+    keep = [i for i, m in enumerate(experts) if m not in lost] + [-1] * len(new_experts)
+    if not keep:
+        raise MembershipError(f"every expert rank died (ranks {gone}); the job ends")
+    if len(keep) > job.num_experts:
+        raise MembershipError(f"{len(keep)} expert ranks exceed the model's {job.num_experts} experts; "
+                              f"use at most {job.num_experts}")
+    A2 = len(attention_keep)
+    new_topo = Topology(0, A2 + len(keep), A2, job.ranks_per_node)
+    rank_node = [new_topo.node_of(A2 + i) for i in range(len(keep))]
+    replan = _replan(job, keep, len(experts), rank_node)
+    S = replan.placement.num_slots
+    expert_members = [experts[k] for k in keep if k >= 0] + [m for m, _ in new_experts]
+    infos = {**infos, **dict(new_experts)}
+    for i, (k, m) in enumerate(zip(keep, expert_members)):
+        budget = infos[m]["expert_budget"]
+        if S * job.bytes_per_slot > budget:
+            was = f"expert rank {A + k} (now {A2 + i})" if k >= 0 else f"joining member {m} (rank {A2 + i})"
+            raise MembershipError(
+                f"the expert ranks cannot hold every expert: {was} would need {S * job.bytes_per_slot / 2**20:.1f} "
+                f"MiB for {S} slots of {job.num_experts} experts but may hold {budget / 2**20:.1f} MiB; add an "
+                f"expert rank or give each more memory (expert_memory)")
+    new_members = [members[r] for r in attention_keep if r >= 0] + new_attention + expert_members
+    donors = [i for i, m in enumerate(experts) if m in lost]
+    staged = staged_moves(job.placement, replan, keep, donors) if retiring and job.placement is not None else []
+    return {"gen": generation, "members": new_members, "attention_ranks": A2, "attention_keep": attention_keep,
+            "keep": keep, "staged": staged, "joined": [m for m, _ in joined],
+            "kv_blocks": [info.get("kv_blocks", 0) for m, info in joined if info["role"] == "attention"],
+            "ranks_per_node": job.ranks_per_node,
+            "slot2expert": replan.placement.slot2expert.tolist(),
+            "moves": [list(m) for m in replan.moves], "from_peers": replan.num_from_peers + len(staged),
+            "from_checkpoint": replan.num_from_checkpoint - len(staged)}
+
+
+def _replan(job: Job, keep: list[int], num_old_experts: int, rank_node: list[int]) -> Replan:
+    """The new placement for the kept (and joining, -1) expert ranks, and the weight moves that realise it."""
+    try:
+        if job.placement is None:        # the first generation of separate pool launches
+            capacity = slot_capacities(job.num_experts, job.redundant_experts, len(keep))
+            fresh = initial_placement(job.num_moe_layers, job.num_experts, job.redundant_experts, capacity,
+                                      rank_node)
+            empty = torch.empty(job.num_moe_layers, 0, 0, dtype=torch.int64)
+            return Replan(fresh, plan_moves(empty, fresh.slot2expert, keep))
+        if keep == list(range(num_old_experts)):   # the expert pool is unchanged: experts stay where they are
+            return Replan(job.placement, [])
+        return plan_membership(job.placement, keep, job.redundant_experts, rank_node, job.load_ema)
+    except ValueError as e:
+        raise MembershipError(f"the {len(keep)} expert rank(s) cannot hold the model's {job.num_experts} "
+                              f"experts: {e}") from e
+
+
+def staged_moves(placement: Placement, replan: Replan, keep: list[int], donors: list[int]) -> list[list[int]]:
+    """Of replan's moves from the checkpoint, those whose expert a retiring expert rank (donors: old expert
+    indices) holds: [layer, old index of the staying destination, its new slot, donor, donor's slot]."""
+    old, new = placement.slot2expert, replan.placement.slot2expert
+    staged = []
+    for layer, dst, dslot, src, _ in replan.moves:
+        if src != CHECKPOINT or keep[dst] < 0:   # a joining rank is not in this generation to receive
+            continue
+        e = int(new[layer, dst, dslot])
+        for d in donors:
+            row = old[layer, d].tolist()
+            if e in row:
+                staged.append([layer, keep[dst], dslot, d, row.index(e)])
+                break
+    return staged

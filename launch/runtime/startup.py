@@ -1,0 +1,50 @@
+"""What a rank builds at start-up, whichever way it starts (one launch, the leader of separate pool launches,
+a joiner): the job's store, and its attention model with its KV cache and scheduler."""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from attention_nodes.block_pool import BlockPool
+from attention_nodes.host_tier import HostTier
+from attention_nodes.kv_cache import KVCache
+from attention_nodes.model import AttentionModel, MoEContext
+from attention_nodes.scheduler import Scheduler
+from attention_nodes.worker import AttentionWorker
+from models.checkpoint import Checkpoint
+
+from ..config import EngineConfig
+from .sizing import DeviceSettings, max_model_len, num_host_blocks, num_kv_blocks
+
+
+def leads_pool(role: str | None, leader_host: str | None) -> bool:
+    """Separate pool launches: rank 0 of the attention pool's launch on the leader's host (on any host without
+    leader_host) leads the job; a rank that LLM.scale spawned (AFSERVE_MEMBER set) never does."""
+    return (role == "attention" and int(os.environ.get("RANK", "0")) == 0 and "AFSERVE_MEMBER" not in os.environ
+            and leader_host in (None, socket.gethostname()))
+
+
+def open_store(host: str, port: int, serve: bool, timeout_s: float) -> dist.TCPStore:
+    """The job's TCP store: served by this process (serve) or reached at host:port."""
+    return dist.TCPStore(host, port, is_master=serve, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+
+
+def build_attention_worker(config: EngineConfig, ckpt: Checkpoint, dev: DeviceSettings, rank: int,
+                           moe: MoEContext | None, desc: str, progress) -> AttentionWorker:
+    """An attention rank's model (its share of the checkpoint), KV cache, block pool and scheduler. moe: how
+    it reaches the experts (None: no generation yet); rank -1: no place in the job yet; progress: a stream for
+    the loading bar, or None."""
+    par, cache, spec = config.parallel, config.cache, ckpt.spec
+    weights = ckpt.read(ckpt.attention_tensor_names(), dev.dtype, dev.device, desc, progress)
+    model = AttentionModel(spec, weights, dev.device, dev.kernel_backend)
+    num_blocks = num_kv_blocks(cache, spec, dev)
+    host_blocks = num_host_blocks(cache, spec, dev.dtype)
+    kv = KVCache(spec.num_layers, num_blocks, cache.block_size, spec.kv_entry, dev.dtype, dev.device, host_blocks)
+    pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
+                     track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
+    sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                      cache.enable_prefix_caching)
+    return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches)
