@@ -100,7 +100,7 @@ def _start_http(args, model_name: str):
     """uvicorn in a thread on rank 0, up before the weights load (so /health can say "loading")."""
     import uvicorn
 
-    from launch.api_server import build_app
+    from launch.frontend.api_server import build_app
 
     app = build_app(model_name, args.model, args.api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
@@ -145,7 +145,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
             leave_process(0)
         return 0
 
-    from launch.api_server import attach, shut_down
+    from launch.frontend.api_server import attach, shut_down
 
     app, server, thread = http
     attach(app, llm)

@@ -15,8 +15,8 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from launch.http_metrics import _EngineSeries
-from tests.launch.test_http_metrics import make_comm, make_stats
+from launch.frontend.metrics import _EngineSeries
+from tests.launch.frontend.test_http_metrics import make_comm, make_stats
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.30"     # a version whose schema kubernetes-validate bundles (1.25 to 1.37 in 1.37.0)

@@ -22,7 +22,7 @@ from launch.local_server import ROOT, LocalServer
 from launch.procs import free_port
 from tests.conftest import hf_greedy
 from tests.dist_utils import alive
-from tests.launch.test_http_server import post
+from tests.launch.frontend.test_http_server import post
 
 KEY = "pool-key"
 MAX_NEW = 40

@@ -3,16 +3,22 @@ read through the leader at scrape time (`scrape`)."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-if TYPE_CHECKING:
-    from .http_engine import EngineClient
-
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 20.0, 40.0, 80.0)
+
+
+class StatsSource(Protocol):
+    """What a scrape needs of the engine: `EngineClient` (engine_client.py, which records into `Metrics`, so
+    this module does not import it back) is one."""
+
+    dead: str | None
+
+    async def query(self, kind: str) -> dict: ...
 
 
 class Metrics:
@@ -123,7 +129,7 @@ class _EngineSeries:
                                 value=expert_pool_load(s, self.comm))
 
 
-async def scrape(metrics: Metrics, engine: EngineClient | None, lock: asyncio.Lock) -> str:
+async def scrape(metrics: Metrics, engine: StatsSource | None, lock: asyncio.Lock) -> str:
     """The Prometheus text of one scrape; `lock` keeps to one stats collective at a time."""
     text = generate_latest(metrics.registry).decode()
     if engine is None or engine.dead:

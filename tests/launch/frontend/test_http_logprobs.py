@@ -1,5 +1,5 @@
 """The HTTP front's logprobs, echo, penalties, logit_bias and prefix-cache metrics, on an in-process server (the
-app of launch/api_server.py on uvicorn in a thread, attached to one `LLM` on 1+1 spawned ranks).
+app of launch/frontend/api_server.py on uvicorn in a thread, attached to one `LLM` on 1+1 spawned ranks).
 
 Oracles: transformers' own fp32 logits for every logprob and top-k set; `LLM.generate` on the same engine
 (before the front attaches) for what penalties and logit_bias do; the scheduler's block arithmetic for the
@@ -69,7 +69,7 @@ def _penalty_cases(plain: list[int]) -> dict[str, tuple[dict, dict]]:
 def served(tiny_checkpoint):
     import uvicorn
 
-    from launch.api_server import attach, build_app, shut_down
+    from launch.frontend.api_server import attach, build_app, shut_down
 
     path = tiny_checkpoint("qwen3_moe")
     with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS) as llm:

@@ -27,12 +27,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from attention_nodes.sampling_params import SamplingParams
 
-from .http_access import access_record
-from .http_engine import EngineClient, Progress, engine_down
-from .http_logprobs import Position, TokenNames, chat_logprobs, completion_logprobs
-from .http_text import TextStream, TokenSpans, prompt_text
+from ..samples import Sample, chosen, sample_ids
+from .access_log import access_record
+from .engine_client import EngineClient, Progress, engine_down
+from .logprobs import Position, TokenNames, chat_logprobs, completion_logprobs
 from .protocol import APIError
-from .samples import Sample, chosen, sample_ids
+from .text import TextStream, TokenSpans, prompt_text
 
 
 def check_model(model: str | None, served: tuple[str, str]) -> None:

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request shapes for the HTTP front (launch/api_server.py), plus vLLM's /tokenize and
+"""OpenAI-compatible request shapes for the HTTP front (launch/frontend/api_server.py), plus vLLM's /tokenize and
 /detokenize.
 
 Requests are pydantic models in strict mode, so a wrong JSON type is a 400 that names the field, and the

@@ -1,10 +1,10 @@
-"""The pool gauges of /metrics (launch/http_metrics.py) on hand-made leader stats and comm stats: no engine."""
+"""The pool gauges of /metrics (launch/frontend/metrics.py) on hand-made leader stats and comm stats: no engine."""
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from launch.http_metrics import _EngineSeries
+from launch.frontend.metrics import _EngineSeries
 
 
 def make_stats(free_kv_blocks=(40, 10), kv_blocks=(100, 50), num_running=3, num_waiting=1) -> dict:

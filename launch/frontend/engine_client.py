@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from attention_nodes.sampling_params import SamplingParams
 
-from .http_metrics import Metrics
+from ..samples import sample_ids
+from .metrics import Metrics
 from .protocol import APIError
-from .samples import sample_ids
 
 logger = logging.getLogger("afserve.http")
 

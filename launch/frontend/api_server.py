@@ -3,14 +3,14 @@ attention rank 0) or in a spawned rank (a plain process).
 
 This module owns the app: its routes, error handlers and API-key check, and `attach`/`shut_down`, which
 connect it to an engine and disconnect it. The parts live beside it:
-  http_engine.py    `EngineClient`: the LLM's inbox/outbox <-> asyncio handlers (router thread)
-  http_generate.py  completions and chat completions: checks, sampling parameters, n and best_of, echo, JSON
+  engine_client.py  `EngineClient`: the LLM's inbox/outbox <-> asyncio handlers (router thread)
+  generate.py       completions and chat completions: checks, sampling parameters, n and best_of, echo, JSON
                     and SSE answers
-  http_logprobs.py  logprobs in OpenAI's completions and chat shapes
-  http_tokens.py    prompts and chats -> token ids; /tokenize and /detokenize
-  http_text.py      `TextStream`: incremental detokenisation, stop strings, where each token's text sits
-  http_metrics.py   `Metrics` and the /metrics scrape
-  http_access.py    the access log (one line per request)
+  logprobs.py       logprobs in OpenAI's completions and chat shapes
+  tokens.py         prompts and chats -> token ids; /tokenize and /detokenize
+  text.py           `TextStream`: incremental detokenisation, stop strings, where each token's text sits
+  metrics.py        `Metrics` and the /metrics scrape
+  access_log.py     the access log (one line per request)
   protocol.py       request shapes and `APIError`
 Request fields no model in protocol.py defines are ignored, with one warning per request naming them.
 """
@@ -29,12 +29,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .http_access import ACCESS_LOGGER, AccessLog, access_record
-from .http_engine import EngineClient
-from .http_generate import check_model, check_request, respond, sampling_params
-from .http_metrics import Metrics, scrape
-from .http_text import TextStream
-from .http_tokens import chat_ids, detokenize, prompt_ids, tokenize
+from .access_log import ACCESS_LOGGER, AccessLog, access_record
+from .engine_client import EngineClient
+from .generate import check_model, check_request, respond, sampling_params
+from .metrics import Metrics, scrape
 from .protocol import (
     APIError,
     ChatCompletionRequest,
@@ -43,6 +41,8 @@ from .protocol import (
     DrainRequest,
     TokenizeRequest,
 )
+from .text import TextStream
+from .tokens import chat_ids, detokenize, prompt_ids, tokenize
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
 
