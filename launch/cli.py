@@ -1,60 +1,56 @@
-"""Command-line options shared by serve.py and demo.py, mapped onto LLM(...) keyword options."""
+"""Command-line options shared by serve.py, demo.py and comm_profile.py: one flag per engine option, derived
+from the options' declaration (launch/options.py), mapped back onto LLM(...) keyword options.
+
+`python -m launch.cli --options-table` prints the markdown table of every option.
+"""
 from __future__ import annotations
 
 import argparse
+import sys
 
-from kernels.ops import BACKENDS as KERNEL_BACKENDS
-from models import SHIPPED_MODEL
+from .options import NAMED, Option, all_options, markdown_table
 
-from .config import BALANCERS, COMM_MODES, TRANSPORTS
+
+def _add(group, o: Option) -> None:
+    help = o.help if o.flag_default_text is None else f"{o.help} (default: {o.flag_default_text})"
+    help = help.replace("%", "%%")   # argparse expands %(default)s and the like in help
+    if o.type is bool:
+        if o.flag.startswith("--no-"):   # an option on by default that the flag turns off
+            group.add_argument(o.flag, dest=o.name, action="store_false", help=help)
+        else:
+            group.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=o.flag_default,
+                               help=help)
+        return
+    group.add_argument(o.flag, dest=o.name, type=None if o.type is str else o.type, default=o.flag_default,
+                       choices=o.choices, help=help)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--model", default=SHIPPED_MODEL,
-                   help="HF checkpoint directory (local; default: the shipped Shakespeare MoE, models/shakespeare-moe)")
-    p.add_argument("--attention-ranks", type=int, default=1)
-    p.add_argument("--expert-ranks", type=int, default=None,
-                   help="default: world size - attention ranks under torchrun, 2 otherwise")
-    p.add_argument("--comm", choices=COMM_MODES, default="direct")
-    p.add_argument("--balancer", choices=BALANCERS, default="static")
-    p.add_argument("--redundant-experts", type=int, default=0, help="extra expert slots for replicas")
-    p.add_argument("--rebalance-interval", type=int, default=0,
-                   help="recompute the expert placement every N steps (0: never)")
-    p.add_argument("--ranks-per-node", type=int, default=None)
-    p.add_argument("--comm-calibration", default=None,
-                   help="comm=auto: alpha-beta calibration JSON to load (or to write after measuring)")
-    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
-                   help="CPU data plane: shared memory on one host, gloo collectives, or auto")
-    p.add_argument("--micro-batches", type=int, default=1, help="ping-pong micro-batches per step")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per attention rank")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn off prefix caching (on by default: cached full blocks of earlier prompts are reused)")
-    p.add_argument("--kv-offload-memory", type=int, default=0,
-                   help="bytes of host memory per attention rank for KV blocks evicted from the prefix cache "
-                        "(0: off)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kernel-backend", choices=KERNEL_BACKENDS, default="auto",
-                   help="attention and MoE kernels: Triton on CUDA and torch references on CPU (auto), or either")
-    p.add_argument("--threads-per-rank", type=int, default=None,
-                   help="CPU threads per rank (default: the machine's cores / the ranks of the job; set it in a "
-                        "container whose CPU limit is below the node's cores)")
-    p.add_argument("--collective-timeout-s", type=float, default=600.0,
-                   help="a collective that waits longer fails the job")
-    p.add_argument("--heartbeat-s", type=float, default=1.0,
-                   help="an idle leader broadcasts at least this often (must be below the collective timeout)")
+    """A flag per engine option, in argument groups by config part."""
+    groups = {}
+    for o in all_options():
+        if o.group not in groups:
+            groups[o.group] = p.add_argument_group("LLM options" + (f" ({o.group})" if o.group else ""))
+        _add(groups[o.group], o)
     return p
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The LLM(...) options named by the parsed arguments."""
-    keys = ("comm", "comm_calibration", "balancer", "redundant_experts", "rebalance_interval", "ranks_per_node",
-            "transport", "micro_batches", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-            "kv_cache_memory", "block_size", "enable_prefix_caching", "kv_offload_memory",
-            "dtype", "device", "kernel_backend", "threads_per_rank", "collective_timeout_s",
-            "heartbeat_s")
-    return {k: getattr(args, k) for k in keys}
+    """The LLM(...) options named by the parsed arguments (all but model and the rank counts, which each entry
+    point resolves: see launch.options.NAMED)."""
+    return {o.name: getattr(args, o.name) for o in all_options() if o.name not in NAMED}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="afserve's engine options")
+    p.add_argument("--options-table", action="store_true", help="print the markdown table of every option")
+    args = p.parse_args(argv)
+    if not args.options_table:
+        p.print_help()
+        return 0
+    sys.stdout.write(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

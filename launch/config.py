@@ -1,15 +1,31 @@
-"""The configuration tree. Only top-level objects (the runtime, the LLM front) see all of it."""
+"""The configuration tree. Only top-level objects (the runtime, the LLM front) see all of it.
+
+It is also the one declaration of every engine option: each field below is an option with its default, and
+its metadata holds the help text, the choices where there are some, and where the command line differs
+(flag: another flag name; flag_default, flag_default_text: the flag's default when it is not the field's).
+launch/options.py reads it for the flags (launch/cli.py), the options table and the LLM(...) keywords.
+"""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 
 import torch
 
+from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from kernels.ops import resolve_backend
+from models import SHIPPED_MODEL
 
 COMM_MODES = ("direct", "two_phase", "auto")
 BALANCERS = ("static", "round_robin", "random", "least_loaded")
 TRANSPORTS = ("auto", "shm", "collective")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+ROLES = ("attention", "expert")
+
+
+def option(default=MISSING, help: str = "", **meta) -> Field:
+    """A config field that is an engine option: its default, help text and any choices/flag metadata."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 def _int(name: str, value, minimum: int) -> int:
@@ -20,17 +36,26 @@ def _int(name: str, value, minimum: int) -> int:
 
 @dataclass(slots=True)
 class ParallelConfig:
-    attention_ranks: int = 1
-    expert_ranks: int = 1
-    ranks_per_node: int | None = None   # None: from torchrun's LOCAL_WORLD_SIZE (or all ranks on one node)
-    comm: str = "direct"
-    balancer: str = "static"
-    micro_batches: int = 1              # >1: ping-pong, attention computes one while the experts serve another
-    transport: str = "auto"             # CPU data plane: shm (same host, one node), collective (gloo), auto
-    redundant_experts: int = 0          # extra expert slots in all, for replicas of the busiest experts
-    rebalance_interval: int = 0         # every N steps recompute the placement from observed load; 0 = never
-    comm_calibration: str | None = None  # auto: load the alpha-beta calibration from this JSON, or measure and save
-    expert_memory: int | None = None    # bytes of expert weights one expert rank may hold; None: what the device has
+    attention_ranks: int = option(1, "ranks that run attention and hold the KV cache; attention rank 0 leads")
+    expert_ranks: int = option(1, "ranks that hold the experts and compute them", flag_default=None,
+                               flag_default_text="world size - attention ranks under torchrun, 2 otherwise")
+    ranks_per_node: int | None = option(None, "ranks per node (default: torchrun's LOCAL_WORLD_SIZE, or all "
+                                              "ranks on one node)")
+    comm: str = option("direct", "MoE dispatch and combine: direct, two_phase (aggregated per node, one "
+                                 "exchange per node pair) or auto (per call, whichever the cost model predicts "
+                                 "faster)", choices=COMM_MODES)
+    balancer: str = option("static", "which replica of an expert a token goes to", choices=BALANCERS)
+    micro_batches: int = option(1, "ping-pong micro-batches per step (>1: attention computes one while the "
+                                   "experts serve another)")
+    transport: str = option("auto", "CPU data plane: shared memory on one host (shm), gloo collectives "
+                                    "(collective), or auto", choices=TRANSPORTS)
+    redundant_experts: int = option(0, "extra expert slots in all, for replicas of the busiest experts")
+    rebalance_interval: int = option(0, "recompute the expert placement from observed load every N steps "
+                                        "(0: never)")
+    comm_calibration: str | None = option(None, "comm=auto: alpha-beta calibration JSON to load (or to write "
+                                                "after measuring)")
+    expert_memory: int | None = option(None, "bytes of expert weights one expert rank may hold (default: what "
+                                             "the device has)")
 
     def __post_init__(self) -> None:
         _int("attention_ranks", self.attention_ranks, 1)
@@ -56,11 +81,16 @@ class ParallelConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes per attention rank; None: 256 MiB on CPU, 80% of free on CUDA
-    num_kv_blocks: int | None = None    # overrides kv_cache_memory (tests use it to force preemption)
-    enable_prefix_caching: bool = True  # reuse cached full blocks of earlier prompts (and route to them)
-    kv_offload_memory: int = 0          # bytes of host memory per attention rank for evicted cached blocks; 0 = off
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory: int | None = option(None, "bytes of KV cache per attention rank (default: 256 MiB on CPU, "
+                                               "80% of free memory on CUDA)")
+    num_kv_blocks: int | None = option(None, "KV cache blocks per attention rank; overrides kv_cache_memory "
+                                             "(tests use it to force preemption)")
+    enable_prefix_caching: bool = option(True, "reuse cached full blocks of earlier prompts, and route requests "
+                                               "to the rank caching them (--no-prefix-caching turns it off)",
+                                         flag="--no-prefix-caching")
+    kv_offload_memory: int = option(0, "bytes of host memory per attention rank for KV blocks evicted from the "
+                                       "prefix cache (0: off)")
 
     def __post_init__(self) -> None:
         _int("block_size", self.block_size, 1)
@@ -78,9 +108,10 @@ class CacheConfig:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None    # None: the model's max_position_embeddings
+    max_num_seqs: int = option(64, "most sequences scheduled at once")
+    max_num_batched_tokens: int = option(512, "most tokens in one step, prompt chunks and decodes together")
+    max_model_len: int | None = option(None, "most tokens of one sequence, prompt and output (default: the "
+                                             "model's max_position_embeddings)")
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
@@ -91,29 +122,41 @@ class SchedulerConfig:
 
 @dataclass(slots=True)
 class EngineConfig:
-    model: str
+    model: str = option(help="local HF checkpoint directory", flag_default=SHIPPED_MODEL,
+                        flag_default_text="the shipped Shakespeare MoE, models/shakespeare-moe")
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    dtype: str = "auto"                 # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"                # auto: cuda when available, else cpu
-    kernel_backend: str = "auto"        # auto: Triton kernels on CUDA, torch references on CPU
-    threads_per_rank: int | None = None  # CPU threads per rank; None: cores / world size
-    collective_timeout_s: float = 600.0
-    heartbeat_s: float = 1.0            # an idle leader broadcasts at least this often
-    rank_failure_s: float = 3.0         # a rank whose heartbeat thread is silent this long counts as dead
-    startup_timeout_s: float = 300.0
-    load_progress: bool = True          # tqdm bar of weight bytes read, on the first rank of each role
+    dtype: str = option("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
+                        choices=DTYPES)
+    device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
+    kernel_backend: str = option("auto", "attention and MoE kernels: Triton on CUDA and torch references on CPU "
+                                         "(auto), or either", choices=KERNEL_BACKENDS)
+    threads_per_rank: int | None = option(None, "CPU threads per rank (default: the machine's cores / the ranks "
+                                                "of the job; set it in a container whose CPU limit is below the "
+                                                "node's cores)")
+    collective_timeout_s: float = option(600.0, "a collective that waits longer fails the job")
+    heartbeat_s: float = option(1.0, "an idle leader broadcasts at least this often (must be below the "
+                                     "collective timeout)")
+    rank_failure_s: float = option(3.0, "a rank whose heartbeat thread is silent this long counts as dead")
+    startup_timeout_s: float = option(300.0, "how long ranks may take to start and load their weights, pools "
+                                             "to register, and a scale request to finish")
+    load_progress: bool = option(True, "a progress bar of weight bytes read, on the first rank of each role")
     # Separate pool launches (launch/step_protocol.py, "Joining"): this process's pool and the store that the
     # pools rendezvous through, which the attention pool's first rank (the leader) serves. None: roles by rank.
-    role: str | None = None             # "attention" or "expert"
-    pool_addr: str | None = None        # "HOST:PORT"
-    leader_host: str | None = None      # the host whose attention rank 0 leads (None: attention rank 0 of any)
+    role: str | None = option(None, "separate pool launches: this launch's pool (with pool_addr); without it, "
+                                    "one launch holds both pools (roles by rank)", choices=ROLES)
+    pool_addr: str | None = option(None, "HOST:PORT of the job's store, served by the attention pool's rank 0 "
+                                         "(the leader); every pool launch, and every rank joining later, points "
+                                         "here")
+    leader_host: str | None = option(None, "with role attention: only rank 0 on this host leads (default: rank "
+                                           "0 of any attention launch, so a second attention launch that joins "
+                                           "a running job must name the leader's host)")
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: choose auto, float32, bfloat16 or float16")
-        if self.device not in ("auto", "cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r} is invalid: choose auto, cpu or cuda")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
@@ -124,7 +167,7 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} is invalid: pass a positive number of seconds")
         if self.threads_per_rank is not None:
             _int("threads_per_rank", self.threads_per_rank, 1)
-        if self.role not in (None, "attention", "expert"):
+        if self.role is not None and self.role not in ROLES:
             raise ValueError(f"role={self.role!r} is invalid: choose attention or expert")
         if (self.role is None) != (self.pool_addr is None):
             raise ValueError(f"role={self.role!r} and pool_addr={self.pool_addr!r}: separate pool launches need "
@@ -138,22 +181,15 @@ class EngineConfig:
     @classmethod
     def from_options(cls, model: str, attention_ranks: int, expert_ranks: int, **options) -> EngineConfig:
         """Flat keyword options (as LLM(...) and the CLI take them) -> the config tree."""
-        groups = {ParallelConfig: {}, CacheConfig: {}, SchedulerConfig: {}}
+        owner = {f.name: group for group, f in option_fields() if f.name != "model"}
+        groups: dict[str, dict] = {group: {} for group in GROUPS}
         top = {}
-        owner = {f.name: c for c in groups for f in fields(c)}
-        top_names = {f.name for f in fields(cls)} - {"model", "parallel", "cache", "scheduler"}
         for k, v in options.items():
-            if k in owner:
-                groups[owner[k]][k] = v
-            elif k in top_names:
-                top[k] = v
-            else:
-                valid = sorted(set(owner) | top_names)
-                raise ValueError(f"unknown option {k!r}; valid options: {', '.join(valid)}")
-        groups[ParallelConfig].update(attention_ranks=attention_ranks, expert_ranks=expert_ranks)
-        return cls(model=str(model), parallel=ParallelConfig(**groups[ParallelConfig]),
-                   cache=CacheConfig(**groups[CacheConfig]), scheduler=SchedulerConfig(**groups[SchedulerConfig]),
-                   **top)
+            if k not in owner:
+                raise ValueError(f"unknown option {k!r}; valid options: {', '.join(sorted(owner))}")
+            (groups[owner[k]] if owner[k] else top)[k] = v
+        groups["parallel"].update(attention_ranks=attention_ranks, expert_ranks=expert_ranks)
+        return cls(model=str(model), **{group: GROUPS[group](**kw) for group, kw in groups.items()}, **top)
 
     def pool_host_port(self) -> tuple[str, int]:
         """pool_addr "HOST:PORT" -> (host, port); ValueError names a malformed one."""
@@ -184,3 +220,21 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
+
+
+GROUPS = {"parallel": ParallelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}   # EngineConfig's parts
+
+
+def option_fields() -> list[tuple[str, Field]]:
+    """Every engine option in declaration order, as (group, field): group is the EngineConfig field holding it
+    ("parallel", "cache", "scheduler"), or "" for EngineConfig's own."""
+    out = []
+    for f in fields(EngineConfig):
+        out += [(f.name, g) for g in fields(GROUPS[f.name])] if f.name in GROUPS else [("", f)]
+    return out
+
+
+def option_default(name: str):
+    """The declared default of one option."""
+    (f,) = [f for _, f in option_fields() if f.name == name]
+    return f.default

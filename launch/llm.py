@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
-from .config import EngineConfig
+from .config import EngineConfig, option_default
 from .procs import free_port, rank_main
 from .samples import Sample, chosen, split_id
 
@@ -58,7 +58,8 @@ class LLM:
     together, and rank 0 gets the outputs (other ranks get []).
     """
 
-    def __init__(self, model: str, attention_ranks: int = 1, expert_ranks: int = 1, **options):
+    def __init__(self, model: str, attention_ranks: int = option_default("attention_ranks"),
+                 expert_ranks: int = option_default("expert_ranks"), **options):
         self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
         ckpt = Checkpoint(self.config.model)  # fails fast, in the caller's process, on a bad checkpoint
         self.spec = ckpt.spec

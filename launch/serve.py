@@ -180,15 +180,6 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
-    p.add_argument("--role", choices=("attention", "expert"), default=None,
-                   help="separate pool launches: this launch's pool (with --pool-addr); without it, one launch "
-                        "holds both pools (roles by rank)")
-    p.add_argument("--pool-addr", default=None,
-                   help="HOST:PORT of the job's store, served by the attention pool's rank 0 (the leader); every "
-                        "pool launch, and every rank joining later, points here")
-    p.add_argument("--leader-host", default=None,
-                   help="with --role attention: only rank 0 on this host leads (default: rank 0 of any attention "
-                        "launch, so a second attention launch that joins a running job must name the leader's host)")
     args = p.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", 0))
     if not world:
@@ -202,8 +193,7 @@ def main(argv=None) -> int:
     else:   # the leader forms the job from this many of each; other ranks take the leader's settings
         attention_ranks = max(world, args.attention_ranks) if args.role == "attention" else 1
         expert_ranks = args.expert_ranks if args.expert_ranks is not None else 1
-    llm_kwargs = dict(attention_ranks=attention_ranks, expert_ranks=expert_ranks, role=args.role,
-                      pool_addr=args.pool_addr, leader_host=args.leader_host, **engine_options(args))
+    llm_kwargs = dict(attention_ranks=attention_ranks, expert_ranks=expert_ranks, **engine_options(args))
     if not (args.prompt or args.stdin):
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         return _serve_http(args, llm_kwargs, name)
