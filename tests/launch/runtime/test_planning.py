@@ -1,0 +1,70 @@
+"""The plan of a generation (launch/runtime/planning.py), as a pure function: no ranks, no model. Expected
+values are stated from the placement itself (which experts the lost rank held), not from the plan."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from balancer.placement import Placement
+from launch.runtime.planning import Job, MembershipError, plan_generation
+
+L, E = 2, 8
+BIG = {"expert_budget": 2**40}
+
+
+def make_job(num_attention: int = 1, num_expert: int = 3, **kw) -> Job:
+    members = list(range(num_attention + num_expert))
+    placement = Placement.identity(L, E, num_expert)
+    return Job(members, num_attention, ranks_per_node=len(members), placement=placement, load_ema=None,
+               num_experts=E, num_moe_layers=L, redundant_experts=0, bytes_per_slot=kw.get("bytes_per_slot", 1))
+
+
+def held(job: Job, expert_index: int) -> set[int]:
+    row = job.placement.slot2expert[0, expert_index]
+    return {int(e) for e in row if e >= 0}
+
+
+def test_a_dead_expert_rank_is_left_out_and_only_its_experts_come_from_the_checkpoint():
+    job = make_job()
+    dead = 2                                     # member 2 = expert index 1 (world rank 2)
+    infos = {m: BIG for m in job.members if m != dead}
+    plan = plan_generation(job, 1, infos, [dead])
+    assert plan["members"] == [0, 1, 3]
+    assert plan["keep"] == [0, 2] and plan["attention_keep"] == [0]
+    new = torch.tensor(plan["slot2expert"])
+    for layer in range(L):                       # every expert still has a slot
+        assert set(new[layer].flatten().tolist()) - {-1} == set(range(E))
+    assert plan["from_checkpoint"] == L * len(held(job, 1))
+    assert plan["staged"] == []                  # a dead rank cannot send
+
+
+def test_a_retiring_expert_rank_sends_the_experts_only_it_holds():
+    job = make_job()
+    plan = plan_generation(job, 1, {m: BIG for m in job.members}, [2], retiring=True)
+    assert plan["from_checkpoint"] == 0
+    assert len(plan["staged"]) == L * len(held(job, 1))
+    for layer, dst, _, donor, donor_slot in plan["staged"]:
+        assert donor == 1 and dst in (0, 2)
+        assert int(job.placement.slot2expert[layer, donor, donor_slot]) in held(job, 1)
+
+
+def test_joiners_come_after_the_kept_ranks_of_their_role():
+    job = make_job(num_attention=2, num_expert=2)
+    joined = [(10, {"role": "expert", "expert_budget": 2**40}), (11, {"role": "attention", "kv_blocks": 7})]
+    plan = plan_generation(job, 1, {m: BIG for m in job.members}, [], joined)
+    assert plan["members"] == [0, 1, 11, 2, 3, 10]
+    assert plan["attention_keep"] == [0, 1, -1] and plan["keep"] == [0, 1, -1]
+    assert plan["kv_blocks"] == [7] and plan["joined"] == [10, 11]
+
+
+def test_too_little_expert_memory_names_the_rank_and_the_way_out():
+    job = make_job(bytes_per_slot=1 << 20)
+    infos = {m: {"expert_budget": 1 << 20} for m in job.members}   # one slot's worth; 4 are needed after a loss
+    with pytest.raises(MembershipError, match=r"expert rank 1 \(now 1\) would need 4.0 MiB.*expert_memory"):
+        plan_generation(job, 1, infos, [2])
+
+
+def test_losing_every_expert_rank_ends_the_job():
+    job = make_job(num_expert=1)
+    with pytest.raises(MembershipError, match="every expert rank died"):
+        plan_generation(job, 1, {}, [1])
