@@ -50,7 +50,7 @@ eval: $(STAMP) $(EVAL_VENV)/.installed
 	$(PY) bench/lm_eval_compare.py --eval-venv $(EVAL_VENV)
 	$(PY) bench/guidellm_load.py --eval-venv $(EVAL_VENV)
 
-# needs root: network namespaces, a veth pair and tc (see the README's comm modes section)
+# needs root: network namespaces, a veth pair and tc (see docs/benchmarks.md, comm modes on an emulated cluster)
 bench-comm: $(VENV)/.bench
 	$(PY) bench/comm_emulated.py
 

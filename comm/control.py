@@ -16,7 +16,7 @@ HEADER_BYTES = 4096
 
 @dataclass(slots=True)
 class StepHeader:
-    """kind: one of the header kinds of launch/step_protocol.py (which says what each rank does with it);
+    """kind: one of the header kinds of launch/runtime/step_protocol.py (which says what each rank does with it);
     step: the leader's step counter (a header re-sent after the job re-formed keeps its step).
     new_requests / aborts are keyed by attention rank (str for msgpack).
     capacity: no attention rank runs more tokens than this in the step, so the data plane can size its

@@ -142,7 +142,7 @@ class EngineConfig:
     startup_timeout_s: float = option(300.0, "how long ranks may take to start and load their weights, pools "
                                              "to register, and a scale request to finish")
     load_progress: bool = option(True, "a progress bar of weight bytes read, on the first rank of each role")
-    # Separate pool launches (launch/step_protocol.py, "Joining"): this process's pool and the store that the
+    # Separate pool launches (launch/runtime/membership.py, "Joining"): this process's pool and the store that the
     # pools rendezvous through, which the attention pool's first rank (the leader) serves. None: roles by rank.
     role: str | None = option(None, "separate pool launches: this launch's pool (with pool_addr); without it, "
                                     "one launch holds both pools (roles by rank)", choices=ROLES)

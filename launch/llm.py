@@ -257,7 +257,7 @@ class LLM:
 
     def comm_stats(self, events: bool = False) -> dict:
         """Per-layer data-plane statistics of every rank plus the expert-rank load balance; the schema is in
-        the README. events: also each rank's most recent dispatch/combine calls (a timeline). Under torchrun
+        docs/python_api.md. events: also each rank's most recent dispatch/combine calls (a timeline). Under torchrun
         every rank must call it (like generate); non-leaders get {}."""
         if not self.is_leader:
             self._follow()

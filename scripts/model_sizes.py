@@ -3,7 +3,7 @@ model, named in the table): KV-cache bytes per token, and what an attention rank
 weight: attention, norms, router, shared experts, dense first layers, embeddings) against the routed experts.
 Models are built on the meta device, so nothing is allocated.
 
-    python scripts/model_sizes.py          # prints the README's table
+    python scripts/model_sizes.py          # prints the table in docs/models.md
 """
 from __future__ import annotations
 

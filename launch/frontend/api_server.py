@@ -156,7 +156,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
 
     @app.post("/admin/drain", dependencies=[Depends(authorized)])
     async def drain(body: DrainRequest, request: Request):
-        """Remove the given ranks between steps (launch/step_protocol.py); answers the membership change."""
+        """Remove the given ranks between steps (launch/runtime/membership.py); answers the membership change."""
         _warn_ignored(body, request)
         body.check()
         eng = engine()

@@ -1,7 +1,7 @@
 """The distributed runtime of one rank: start-up, the steady-state step protocol, membership, sizing.
 
 - runtime.py: `Runtime`, one rank of the job (its groups, data plane, worker and expert placement)
-- startup.py: what a rank builds at start-up (its attention model and KV cache, or its expert slots)
+- startup.py: what a rank builds at start-up (the job's store, its attention model and KV cache)
 - sizing.py: the device, threads, and memory sizing (KV blocks, host tier, expert budget)
 - dataplane.py: the dispatcher a generation's dispatch/combine runs on
 - planning.py: the placement and plan of a generation (pure functions over the job's state)

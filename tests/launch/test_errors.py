@@ -146,7 +146,7 @@ def test_engine_still_serves_after_bad_requests(llm):
 ])
 def test_crashed_rank_that_cannot_be_survived_fails_fast(tiny_checkpoint, expert_ranks, victim, message):
     """Losing the leader, or the last expert rank, ends the job within seconds, names why, leaves no process
-    behind. (Ranks the job can lose are tests/launch/test_elastic.py's.)"""
+    behind. (Ranks the job can lose are tests/launch/runtime/test_elastic.py's.)"""
     llm = LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=expert_ranks)
     pids = llm.worker_pids
     killed_at = []
