@@ -247,8 +247,7 @@ class Runtime:
             self.worker.rank = self.topo.rank
             self.worker.adopt(slots, self.dispatcher)
             state.num_slots_moved += received
-        # every rank has its weights before any serves a step
-        dist.barrier(group=self.groups.control)
+        self.barrier()   # every rank has its weights before any serves a step
         t2 = time.perf_counter()
         logger.info("rank %d (member %d): generation %d formed", self.topo.rank, self.member, self.generation)
         return {"groups_s": t1 - t0, "weights_s": t2 - t1}
@@ -273,6 +272,7 @@ class Runtime:
         return planning.plan_generation(job, generation, infos, lost, joined, retiring)
 
     def barrier(self) -> None:
+        """Every rank of the current generation (the control group)."""
         dist.barrier(group=self.groups.control)
 
     def start_reshape(self) -> None:
@@ -316,5 +316,5 @@ class Runtime:
         if self.membership is not None:
             self.membership.close()
         if dist.is_initialized() and not self.left:
-            dist.barrier(group=self.groups.control)
+            self.barrier()
             dist.destroy_process_group()
