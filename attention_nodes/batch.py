@@ -32,6 +32,8 @@ class PrefillMeta:
     block_tables: torch.Tensor          # [P, M] int32, -1 padded
     cu_seqlens_q: torch.Tensor          # [P+1] int32, counted from the first prefill row
     context_lens: torch.Tensor          # [P] int32, the cached prefix plus the chunk
+    host_cu_seqlens: list[int]          # cu_seqlens_q and context_lens as host lists: the per-chunk loops of the
+    host_context_lens: list[int]        # CPU paths read these instead of the device tensors
 
 
 @dataclass(slots=True)
@@ -95,10 +97,10 @@ class ForwardBatch:
         if dec_tables:
             tables, lens = _padded(dec_tables).to(device), tensor(dec_lens, torch.int32)
             decode = DecodeMeta(tables, lens, max(dec_lens),
-                                plan_decode_attention(tables, lens, block_size, kernel_backend))
+                                plan_decode_attention(tables, lens, block_size, kernel_backend, dec_lens))
         if pre_tables:
             prefill = PrefillMeta(_padded(pre_tables).to(device), tensor(cu, torch.int32),
-                                  tensor(pre_lens, torch.int32))
+                                  tensor(pre_lens, torch.int32), cu, pre_lens)
         return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, decode, prefill, tensor(logit_rows))
 
 

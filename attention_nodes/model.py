@@ -173,7 +173,8 @@ class AttentionModel:
                                    self.kernel_backend, max_context_len=dec.max_context_len, plan=dec.plan))
         if pre is not None:
             parts.append(prefill_op(q[nd:], *caches, pre.block_tables, pre.cu_seqlens_q, pre.context_lens,
-                                    self.scale, self.kernel_backend))
+                                    self.scale, self.kernel_backend, host_cu_seqlens=pre.host_cu_seqlens,
+                                    host_context_lens=pre.host_context_lens))
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts) if parts else q.new_empty(0, q.shape[1], out_dim or q.shape[2])

@@ -1,6 +1,7 @@
 """The one entry point to the kernels. Every op takes `backend`: "triton" (CUDA tensors, or any tensors under
-Triton's CPU interpreter, `TRITON_INTERPRET=1`), "torch" (the references beside each kernel), or "auto":
-Triton on CUDA, torch elsewhere. The Triton modules are imported only when first used.
+Triton's CPU interpreter, `TRITON_INTERPRET=1`), "sdpa" (attention on torch's fused scaled_dot_product_attention,
+kernels/sdpa_attention.py; everything else as "torch"), "torch" (the references beside each kernel), or "auto":
+Triton on CUDA, sdpa elsewhere. The Triton modules are imported only when first used.
 
 Names: T tokens, B sequences, P prefill sequences, h query heads, kvh KV heads, d head dim, N cache blocks,
 bs block size, M max blocks per sequence, H hidden, I expert intermediate size, S slots, K top-k.
@@ -14,6 +15,7 @@ import os
 
 import torch
 
+from . import sdpa_attention
 from .moe import SILU, ExpertAct, fused_moe_ref
 from .paged_attention import (
     DecodeGroup,
@@ -23,7 +25,7 @@ from .paged_attention import (
     write_kv_ref,
 )
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "sdpa", "torch")
 
 
 @functools.cache
@@ -33,13 +35,13 @@ def triton_available() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """"auto" | "triton" | "torch" on `device` -> the backend that runs: "triton" or "torch". Raises ValueError
-    for a backend that cannot run there."""
+    """"auto" | "triton" | "sdpa" | "torch" on `device` -> the backend that runs: "triton", "sdpa" or "torch".
+    Raises ValueError for a backend that cannot run there."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is invalid: choose one of {BACKENDS}")
     is_cuda = torch.device(device).type == "cuda"
     if backend == "auto":
-        return "triton" if is_cuda and triton_available() else "torch"
+        return "triton" if is_cuda and triton_available() else "sdpa"
     if backend == "triton":
         if not triton_available():
             raise ValueError("kernel backend 'triton' needs the triton package (pip install triton); "
@@ -67,12 +69,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 def plan_decode_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                          backend: str = "auto") -> list[DecodeGroup] | None:
+                          backend: str = "auto", host_lens: list[int] | None = None) -> list[DecodeGroup] | None:
     """What the torch backend's decode gathers, worked out once per step and passed to every layer's call as
-    `plan`; None for Triton, which needs no plan."""
-    if resolve_backend(backend, block_tables.device) == "triton":
+    `plan`; None for Triton, which needs no plan. host_lens: context_lens as a host list, where known."""
+    resolved = resolve_backend(backend, block_tables.device)
+    if resolved == "triton":
         return None
-    return plan_decode(block_tables, context_lens, block_size)
+    if resolved == "sdpa":
+        return plan_decode(block_tables, context_lens, block_size, sdpa_attention.DECODE_GROUP, host_lens)
+    return plan_decode(block_tables, context_lens, block_size, host_lens=host_lens)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -87,24 +92,35 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     logits that join the softmax's normalisation and attend to nothing (GPT-OSS); window: each query sees only
     its last `window` positions, itself included (None: all)."""
     _check_window(window)
-    if resolve_backend(backend, q.device) == "triton":
+    resolved = resolve_backend(backend, q.device)
+    if resolved == "triton":
         return _triton("attention").paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                            max_context_len, sinks=sinks, window=window)
+    if resolved == "sdpa":
+        return sdpa_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan,
+                                                     sinks, window)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, plan, sinks, window)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, backend: str = "auto", *, sinks: torch.Tensor | None = None,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None, host_cu_seqlens: list[int] | None = None,
+                            host_context_lens: list[int] | None = None) -> torch.Tensor:
     """Prefill chunks over cached prefixes. q `[T, h, d]`: sequence i's queries are rows
     cu_seqlens_q[i]:cu_seqlens_q[i+1] and its last positions of context_lens[i] tokens, whose K/V are written;
     block_tables `[P, M]` int32; cu_seqlens_q `[P+1]` int32; context_lens `[P]` int32 -> `[T, h, d]`, causal.
-    sinks, window: as in `paged_decode_attention`."""
+    sinks, window: as in `paged_decode_attention`. host_cu_seqlens / host_context_lens: the same values as host
+    lists where the caller has them (sdpa then reads nothing back from the device)."""
     _check_window(window)
-    if resolve_backend(backend, q.device) == "triton":
+    resolved = resolve_backend(backend, q.device)
+    if resolved == "triton":
         return _triton("attention").paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                             context_lens, scale, sinks=sinks, window=window)
+    if resolved == "sdpa":
+        return sdpa_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                                                      scale, sinks, window, host_cu_seqlens=host_cu_seqlens,
+                                                      host_context_lens=host_context_lens)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, sinks,
                                        window)
 
@@ -141,10 +157,12 @@ def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
 
 def paged_mla_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, backend: str = "auto", *,
-                      v_dim: int) -> torch.Tensor:
+                      v_dim: int, host_cu_seqlens: list[int] | None = None,
+                      host_context_lens: list[int] | None = None) -> torch.Tensor:
     """Weight-absorbed MLA prefill over cached prefixes, causal: as `paged_prefill_attention` with the latent
     cache as both K and V. q `[T, h, c + r]` -> `[T, h, c]`."""
-    out = paged_prefill_attention(q, cache, cache, block_tables, cu_seqlens_q, context_lens, scale, backend)
+    out = paged_prefill_attention(q, cache, cache, block_tables, cu_seqlens_q, context_lens, scale, backend,
+                                  host_cu_seqlens=host_cu_seqlens, host_context_lens=host_context_lens)
     return out[..., :_latent_width(cache, v_dim)]
 
 

@@ -74,26 +74,30 @@ class DecodeGroup:
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                group: int = 16) -> list[DecodeGroup]:
+                group: int = 16, host_lens: list[int] | None = None) -> list[DecodeGroup]:
     """Work out once per step what every layer's decode attention gathers (the tables are the same in
     every layer). Sequences are sorted by length and taken `group` at a time, each group gathering only up
-    to its own longest context (with mixed lengths, one padded gather reads mostly padding)."""
-    num_seqs = block_tables.shape[0]
+    to its own longest context (with mixed lengths, one padded gather reads mostly padding). host_lens: the
+    context lengths as a host list, where the caller has them (then nothing is read back from the device)."""
+    lens = context_lens.tolist() if host_lens is None else host_lens
+    num_seqs = len(lens)
     if num_seqs == 0:
         return []
+    device = block_tables.device
 
-    def make(index, tables, lens):
-        pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
+    def make(index, tables, lens_t):
+        pos = torch.arange(tables.shape[1] * block_size, device=device)
         return DecodeGroup(index, tables.long().clamp(min=0).reshape(-1),
-                           (pos[None, :] < lens[:, None])[:, None, :], lens)
+                           (pos[None, :] < lens_t[:, None])[:, None, :], lens_t)
 
     if num_seqs <= group:
         return [make(None, block_tables, context_lens)]
-    lens_sorted, order = torch.sort(context_lens)
+    order = sorted(range(num_seqs), key=lens.__getitem__)
     plan = []
     for start in range(0, num_seqs, group):
-        idx = order[start:start + group]
-        num_blocks = -(-int(lens_sorted[min(start + group, num_seqs) - 1]) // block_size)
+        members = order[start:start + group]
+        num_blocks = -(-lens[members[-1]] // block_size)
+        idx = torch.tensor(members, dtype=torch.int64, device=device)
         plan.append(make(idx, block_tables[idx, :num_blocks], context_lens[idx]))
     return plan
 

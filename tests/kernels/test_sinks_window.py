@@ -9,7 +9,7 @@ import torch
 from kernels import ops
 from tests.kernels.test_triton_attention import DEVICE, paged_cache
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", "sdpa", "triton"]
 
 
 def dense(q, k, v, q_pos, scale, sinks, window):
