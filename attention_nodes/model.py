@@ -89,6 +89,7 @@ class AttentionModel:
         lm = "model.embed_tokens.weight" if spec.tie_word_embeddings and "lm_head.weight" not in weights \
             else "lm_head.weight"
         self.lm_head = weights[lm]
+        self.fused = _fuse_projections(weights)
 
     def _absorb(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MLA layer i's kv_b_proj split for the weight-absorbed form: (W_UK `[h, nope, c]`, which folds into
@@ -104,15 +105,20 @@ class AttentionModel:
     def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         return F.linear(x, self.w[prefix + ".weight"], self._get(prefix + ".bias"))
 
+    def _fused(self, x: torch.Tensor, name: str) -> tuple[torch.Tensor, ...]:
+        """One GEMM for projections fused at load time (`_fuse_projections`), split back into its parts."""
+        weight, bias, sizes = self.fused[name]
+        return F.linear(x, weight, bias).split(sizes, dim=-1)
+
     def _mlp(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        g = self._linear(x, prefix + ".gate_proj")
-        return self._linear(F.silu(g) * self._linear(x, prefix + ".up_proj"), prefix + ".down_proj")
+        g, u = self._fused(x, prefix + ".gate_up_proj")
+        return self._linear(F.silu(g) * u, prefix + ".down_proj")
 
     def _attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         s, p = self.spec, f"model.layers.{i}.self_attn"
         T = x.shape[0]
-        q, k, v = (self._linear(x, f"{p}.{n}_proj") for n in "qkv")
+        q, k, v = self._fused(x, f"{p}.qkv_proj")
         if s.qk_norm == "full":
             q = rms_norm(q, self.w[f"{p}.q_norm.weight"], s.rms_norm_eps)
             k = rms_norm(k, self.w[f"{p}.k_norm.weight"], s.rms_norm_eps)
@@ -263,6 +269,25 @@ class AttentionModel:
     def _advance(self, gen, value, moe: MoEContext, logits: list, j: int) -> PendingDispatch | None:
         request = self._next(gen, value, logits, j, moe)
         return None if request is None else moe.start(*request)
+
+
+def _fuse_projections(w: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
+    """Fuse, at load time, the projections that read the same input: q/k/v (-> "<attn>.qkv_proj") and an MLP's
+    gate/up (-> "<mlp>.gate_up_proj"), as (weight, bias or None, output sizes). The parts leave `w` (no second
+    copy). Each output is the same dot product as before, so results do not change."""
+    fused = {}
+    for parts, name in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        heads = [k[:-len(parts[0]) - len(".weight")] for k in w if k.endswith(f".{parts[0]}.weight")]
+        for prefix in heads:
+            names = [f"{prefix}{p}" for p in parts]
+            if not all(f"{n}.weight" in w for n in names):
+                continue
+            weights = [w.pop(f"{n}.weight") for n in names]
+            biases = [w.pop(f"{n}.bias", None) for n in names]
+            bias = None if all(b is None for b in biases) else torch.cat(
+                [b if b is not None else wt.new_zeros(wt.shape[0]) for b, wt in zip(biases, weights)])
+            fused[f"{prefix}{name}"] = (torch.cat(weights), bias, [wt.shape[0] for wt in weights])
+    return fused
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
