@@ -166,56 +166,96 @@ def plan_rows(dst_ranks: torch.Tensor, slots: torch.Tensor, weights: torch.Tenso
     return uniq % max(T, 1), uniq // max(T, 1), row_slots, row_weights
 
 
-class DirectDispatcher(Dispatcher):
-    """One message per (attention rank, expert rank) pair and direction, sized without a split exchange.
+@dataclass(slots=True)
+class DirectHandle:
+    """What the direct combine needs, all device tensors of fixed shape (no host reads): hit `[T, E]` whether
+    token t visits expert rank e, pos `[T, E]` its row in that rank's block; on an expert rank, valid `[S * C]`
+    whether each received row holds a token."""
 
-    Dispatch: each source sends every expert rank a block of capacity + 1 rows whose first row carries the
-    number of valid rows (capacity is the step header's bound, known to all). Combine: the expert rank
-    returns exactly that many rows, a size both sides already know. With a single source the two hops are
-    a scatter and a gather (on gloo about half the latency of an all_to_all); otherwise variable-split
-    all_to_all_single calls whose splits follow from the roles alone.
+    layer: int
+    num_tokens: int
+    capacity: int
+    hit: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
+
+
+class DirectDispatcher(Dispatcher):
+    """One message per (attention rank, expert rank) pair and direction, every shape fixed by the step header.
+
+    Dispatch: each source sends every expert rank a block of capacity + 1 rows; row 0 carries the number of valid
+    rows in-band (capacity is the step header's bound, known to all on the host, so no split needs exchanging).
+    Where each token goes is worked out on the device with fixed shapes (a `[T, E]` visit map and a cumulative
+    sum for row positions; a token bound for no rank lands in a scratch row that is never sent), so nothing is
+    read back to the host and nothing has a data-dependent shape. Combine: the expert rank returns its
+    capacity rows per source (rows past the count are zeros) and the source gathers each token's rows from the
+    positions it sent them to. With a single source the two hops are a scatter and a gather (on gloo about half
+    the latency of an all_to_all); otherwise all_to_all_single calls whose splits follow from the roles alone.
     """
 
     def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
-        # T tokens, N rows after dedup, W world, S sources, C capacity, B bytes per row
+        # T tokens, E expert ranks, W world, S sources, C capacity, B bytes per row, K top-k
         t0 = time.perf_counter()
         W, S, C, B = self.world_size, self.num_sources, self.capacity, self._row_bytes()
-        if hidden.shape[0] > C:
-            raise RuntimeError(f"rank {self.rank}: {hidden.shape[0]} tokens exceed the step capacity {C}")
-        row2token, row_dst, row_slots, row_weights = plan_rows(dst_ranks, slots, weights, W)
-        send_counts = torch.bincount(row_dst, minlength=W)
-        blocks = self._pack_blocks(hidden, row2token, row_dst, row_slots, row_weights, send_counts) \
-            if self.is_source else None
+        E, T = W - S, hidden.shape[0]
+        if T > C:
+            raise RuntimeError(f"rank {self.rank}: {T} tokens exceed the step capacity {C}")
+        handle = DirectHandle(layer, T, C)
+        blocks = None
+        if self.is_source:
+            blocks, handle.hit, handle.pos = self._pack_blocks(hidden, dst_ranks - S, slots, weights)
         if S == 1:  # scatter from the single source (its own block is unused)
             recv = torch.empty(C + 1, B, dtype=torch.uint8, device=self.device)
-            work = dist.scatter(recv, list(blocks) if self.is_source else None, src=0, group=self.group,
-                                async_op=True)
-            recv = recv[:0] if self.is_source else recv[None]
+            chunks = [blocks.new_empty(C + 1, B)] + [blocks[e * (C + 1):(e + 1) * (C + 1)] for e in range(E)] \
+                if self.is_source else None
+            work = dist.scatter(recv, chunks, src=0, group=self.group, async_op=True)
+            recv = recv[:0].view(0, C + 1, B) if self.is_source else recv[None]
         else:
-            send = blocks[S:] if self.is_source else torch.empty(0, C + 1, B, dtype=torch.uint8, device=self.device)
+            send = blocks[:E * (C + 1)] if self.is_source else torch.empty(0, B, dtype=torch.uint8, device=self.device)
             recv = torch.empty(0 if self.is_source else S, C + 1, B, dtype=torch.uint8, device=self.device)
-            out_splits = [0] * S + [C + 1] * (W - S) if self.is_source else [0] * W
-            in_splits = [0] * W if self.is_source else [C + 1] * S + [0] * (W - S)
-            work = dist.all_to_all_single(recv.view(-1, B), send.reshape(-1, B), in_splits, out_splits,
-                                          group=self.group, async_op=True)
-        handle = DispatchHandle(layer, hidden.shape[0], row2token, send_counts.tolist(), [0] * W)
+            out_splits = [0] * S + [C + 1] * E if self.is_source else [0] * W
+            in_splits = [0] * W if self.is_source else [C + 1] * S + [0] * E
+            work = dist.all_to_all_single(recv.view(-1, B), send, in_splits, out_splits, group=self.group,
+                                          async_op=True)
         return PendingDispatch(work, recv, blocks, handle, t0)
+
+    def _pack_blocks(self, hidden, dst, slots, weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden `[T, H]`, dst `[T, K]` expert-rank index (0..E-1) -> (blocks `[E * (C + 1) + 1, B]` uint8: per
+        expert rank a count row (int64) and C row places, then the scratch row; hit `[T, E]`; pos `[T, E]`)."""
+        W, S, C, B, K = self.world_size, self.num_sources, self.capacity, self._row_bytes(), self.top_k
+        E, T = W - S, hidden.shape[0]
+        ranks = torch.arange(E, device=self.device)
+        same = dst[:, None, :] == ranks[None, :, None]                                  # [T, E, K]
+        hit = same.any(dim=2)                                                           # [T, E]
+        pos = torch.cumsum(hit, dim=0) - 1                                              # [T, E]
+        counts = hit.sum(dim=0)                                                         # [E]
+        row_slots = torch.where(same, slots[:, None, :], -1).to(torch.int32)
+        row_weights = torch.where(same, weights.float()[:, None, :], 0.0)
+        hb = hidden.shape[1] * hidden.element_size()
+        rows = torch.cat([hidden.contiguous().view(torch.uint8)[:, None, :].expand(T, E, hb),
+                          row_slots.view(torch.uint8).view(T, E, 4 * K),
+                          row_weights.view(torch.uint8).view(T, E, 4 * K)], dim=2)      # [T, E, B]
+        blocks = torch.zeros(E * (C + 1) + 1, B, dtype=torch.uint8, device=self.device)
+        scratch = E * (C + 1)
+        place = torch.where(hit, ranks[None, :] * (C + 1) + 1 + pos, scratch)           # [T, E]
+        if T:
+            blocks.index_copy_(0, place.reshape(-1), rows.reshape(T * E, B))
+        blocks[ranks * (C + 1), :8] = counts.view(-1, 1).view(torch.uint8)
+        return blocks, hit, pos
 
     def finish_dispatch(self, pending):
         W, S, C, B = self.world_size, self.num_sources, self.capacity, self._row_bytes()
         pending.work.wait()
-        recv = pending.recv
-        # Valid rows of each source, in source order.
-        recv_counts = recv[:, 0, :8].contiguous().view(torch.int64).flatten().tolist() if recv.shape[0] else []
-        valid = torch.cat([recv[i, 1:1 + n] for i, n in enumerate(recv_counts)]) if recv_counts else \
-            torch.empty(0, B, dtype=torch.uint8, device=self.device)
-        rows = unpack_rows(valid, self.hidden_size, self.top_k, self.dtype)
-        handle = pending.handle
+        recv, handle = pending.recv, pending.handle
+        # Every received row place, in source order; places past a source's count carry slot -1 (computed by
+        # no expert) and zeros.
+        counts = recv[:, 0, :8].contiguous().view(torch.int64).view(-1)               # [S] (0 on sources)
+        rows = unpack_rows(recv[:, 1:].reshape(-1, B), self.hidden_size, self.top_k, self.dtype)
+        valid = (torch.arange(C, device=self.device)[None, :] < counts[:, None]).reshape(-1, 1)
+        rows.slots = torch.where(valid, rows.slots, -1)
         st = self.stats.phase(handle.layer, "dispatch")
         for peer in (range(S, W) if self.is_source else ()):
             st.add_message((C + 1) * B, self.node_of[peer] != self.my_node)
         st.add(0, 0, time.perf_counter() - pending.t0)
-        handle.recv_counts = recv_counts + [0] * (W - len(recv_counts))
         return rows, handle
 
     def planned_messages(self, capacity: int) -> list[list[tuple[int, int, int]]]:
@@ -225,38 +265,35 @@ class DirectDispatcher(Dispatcher):
         return [[(s, e, (C + 1) * self._row_bytes()) for s in range(S) for e in range(S, W)],
                 [(e, s, C * hb) for e in range(S, W) for s in range(S)]]
 
-    def _pack_blocks(self, hidden, row2token, row_dst, row_slots, row_weights, send_counts) -> torch.Tensor:
-        """`[W, C + 1, B]` uint8: per destination, row 0 holds the row count (int64), then the packed rows."""
-        W, C, B = self.world_size, self.capacity, self._row_bytes()
-        blocks = torch.empty(W, C + 1, B, dtype=torch.uint8, device=self.device)
-        blocks[:, 0, :8] = send_counts.view(-1, 1).view(torch.uint8)
-        if row2token.numel():
-            first = torch.cumsum(send_counts, 0) - send_counts
-            pos = torch.arange(row_dst.numel(), device=self.device) - first[row_dst]
-            blocks[row_dst, 1 + pos] = pack_rows(hidden[row2token], row_slots, row_weights)
-        return blocks
-
     def combine(self, expert_out, handle):
         t0 = time.perf_counter()
-        W, S, C, H = self.world_size, self.num_sources, self.capacity, self.hidden_size
-        expert_out = expert_out.to(self.dtype)
-        if S == 1:  # gather to the single source; blocks padded to the capacity
-            block = torch.zeros(C, H, dtype=self.dtype, device=self.device)
-            block[:expert_out.shape[0]] = expert_out
-            gathered = [torch.empty_like(block) for _ in range(W)] if self.is_source else None
-            dist.gather(block, gathered, dst=0, group=self.group)
-            back = torch.cat([g[:n] for g, n in zip(gathered, handle.send_counts)]) if self.is_source else None
-            sent = [] if self.is_source else [(0, block.numel() * block.element_size())]
+        W, S, C, H = self.world_size, self.num_sources, handle.capacity, self.hidden_size
+        E = W - S
+        if self.is_source:
+            back = torch.empty(E * C, H, dtype=self.dtype, device=self.device)
+            if S == 1:  # gather to the single source: [own (unused), expert ranks...]
+                parts = [torch.empty(C, H, dtype=self.dtype, device=self.device)] + list(back.view(E, C, H))
+                dist.gather(torch.empty(C, H, dtype=self.dtype, device=self.device), parts, dst=0,
+                            group=self.group)
+            else:
+                dist.all_to_all_single(back, torch.empty(0, H, dtype=self.dtype, device=self.device),
+                                       [0] * S + [C] * E, [0] * W, group=self.group)
+            sent = []
+            # token t's share from expert rank e sits at row e * C + pos[t, e] (where it visited e)
+            ranks = torch.arange(E, device=self.device)
+            index = (ranks[None, :] * C + handle.pos.clamp(min=0)).reshape(-1)
+            got = back.index_select(0, index).view(handle.num_tokens, E, H)
+            out = torch.where(handle.hit[:, :, None], got, 0).sum(dim=1) if E > 1 else \
+                torch.where(handle.hit, got[:, 0], 0)
         else:
-            # Each source gets back exactly the rows it sent: both sides know the counts already.
-            in_splits = handle.send_counts if self.is_source else [0] * W
-            out_splits = [0] * W if self.is_source else handle.recv_counts
-            back = torch.empty(sum(in_splits), H, dtype=self.dtype, device=self.device)
-            dist.all_to_all_single(back, expert_out.contiguous(), in_splits, out_splits, group=self.group)
-            sent = [(p, n * H * self.dtype.itemsize) for p, n in enumerate(out_splits) if n > 0]
-        out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
-        if back is not None:
-            out.index_add_(0, handle.row2token, back)
+            block = expert_out.to(self.dtype).contiguous()                              # [S * C, H]
+            if S == 1:
+                dist.gather(block, None, dst=0, group=self.group)
+            else:
+                dist.all_to_all_single(torch.empty(0, H, dtype=self.dtype, device=self.device), block,
+                                       [0] * W, [C] * S + [0] * E, group=self.group)
+            sent = [(s, C * H * self.dtype.itemsize) for s in range(S)]
+            out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         st = self.stats.phase(handle.layer, "combine")
         for peer, nbytes in sent:
             st.add_message(nbytes, self.node_of[peer] != self.my_node)

@@ -17,7 +17,6 @@ class ExpertWorker:
         self.rank, self.slots, self.dispatcher = rank, slots, dispatcher
         self.num_moe_layers = num_moe_layers
         self.micro_batches = micro_batches
-        self.num_rows_served = 0
         self.load = LoadTracker(num_moe_layers, slots.num_slots)
 
     def adopt(self, slots: ExpertSlots, dispatcher: Dispatcher) -> None:
@@ -50,6 +49,5 @@ class ExpertWorker:
                 t0 = time.perf_counter()
                 out = self.slots.ffn(layer, rows.hidden, rows.slots, rows.weights)
                 self.dispatcher.stats.add_compute(layer, t0, time.perf_counter())
-                self.num_rows_served += rows.hidden.shape[0]
                 self.dispatcher.combine(out, handle)
         self.load.end_step()

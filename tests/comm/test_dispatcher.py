@@ -1,5 +1,7 @@
 """The direct dispatcher on real gloo ranks: dedup per (token, destination), exact routing (payloads
-encode the sender), weighted sums done on the expert side, zero-token ranks included."""
+encode the sender), weighted sums done on the expert side, zero-token ranks included. The collective transport
+hands an expert rank fixed-shape rows (every source's capacity rows; places past a source's count hold zeros and
+slot -1), the shm transport exactly the routed rows."""
 from __future__ import annotations
 
 import pytest
@@ -57,8 +59,14 @@ def test_direct_dispatch_combine(A, E, tokens, transport):
         expected = hidden * (weights * scale).sum(1, keepdim=True)
         torch.testing.assert_close(res[r]["out"], expected, atol=1e-5, rtol=1e-5)
         assert res[r]["rows"].hidden.shape[0] == 0
+    capacity = max(tokens)
     for e in range(A, A + E):
         rows = res[e]["rows"]
+        valid = (rows.slots >= 0).any(1)
+        if transport == "collective":
+            assert rows.hidden.shape[0] == A * capacity
+            assert not rows.hidden[~valid].any() and not rows.weights[~valid].any()
+        rows.hidden, rows.slots = rows.hidden[valid], rows.slots[valid]
         want = 0
         for r in range(A):
             hidden, dst, slots, _ = res[r]["inputs"]
@@ -72,7 +80,7 @@ def test_direct_dispatch_combine(A, E, tokens, transport):
         assert ((rows.slots >= 0).sum(1) >= 1).all()
     # collective: each source sends every expert rank one block of capacity + 1 rows, whatever it routes
     # there; shm: exactly the routed rows. Either way one message per expert rank.
-    row_bytes, capacity = 4 * H + 8 * K, max(tokens)
+    row_bytes = 4 * H + 8 * K
     for r in range(A):
         st = res[r]["stats"]["0"]["dispatch"]
         routed = sum(int((res[r]["inputs"][1] == e).any(1).sum()) for e in range(A, A + E))
