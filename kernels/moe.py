@@ -60,6 +60,51 @@ def fused_moe_ref(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor,
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
+    if _HAS_GROUPED_MM and not x.is_cuda:
+        return _fused_moe_fixed(x, slots, weights, w13, w2, b13, b2, act, out)
+    # Step 1: one (row, k) pair per local choice, sorted by slot (stable: row order within a slot).
+    rows, ks = torch.nonzero(slots >= 0, as_tuple=True)
+    chosen = slots[rows, ks]
+    order = torch.argsort(chosen, stable=True)
+    rows, ks, chosen = rows[order], ks[order], chosen[order]
+    counts = torch.bincount(chosen, minlength=w13.shape[0])
+    # Step 2: grouped GEMMs, SwiGLU between them.
+    h = _grouped_linear(x[rows], w13, counts)
+    if b13 is not None:
+        h = h + b13[chosen]
+    gate, up = h.chunk(2, dim=-1)
+    y = _grouped_linear(act(gate, up), w2, counts)
+    if b2 is not None:
+        y = y + b2[chosen]
+    # Step 3: weight and add back per row.
+    out.index_add_(0, rows, (y * weights[rows, ks, None]).to(out.dtype))
+    return out
+
+
+def _fused_moe_fixed(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                     w2: torch.Tensor, b13: torch.Tensor | None, b2: torch.Tensor | None, act: ExpertAct,
+                     out: torch.Tensor) -> torch.Tensor:
+    """The same sum with every shape fixed by `[N, K]` (no nonzero, no host read): all N * K pairs are sorted
+    by slot, pairs bound for another rank (slot -1) last as slot S; the grouped GEMMs' offsets end at the last
+    local pair, so those rows are never computed, and their (unset) results are masked out before the add."""
+    N, K = slots.shape
+    S = w13.shape[0]
+    key = torch.where(slots >= 0, slots, S).reshape(-1)                          # [N * K]
+    order = torch.argsort(key, stable=True)
+    chosen = key[order]
+    rows = order // K
+    offs = torch.cumsum(torch.bincount(key, minlength=S + 1)[:S], 0).to(torch.int32)
+    h = F.grouped_mm(x[rows], w13.transpose(1, 2), offs=offs)
+    local = chosen.clamp(max=S - 1)
+    if b13 is not None:
+        h = h + b13[local]
+    gate, up = h.chunk(2, dim=-1)
+    y = F.grouped_mm(act(gate, up), w2.transpose(1, 2), offs=offs)
+    if b2 is not None:
+        y = y + b2[local]
+    keep = (chosen < S)[:, None]
+    out.index_add_(0, rows, torch.where(keep, y * weights.reshape(-1)[order, None], 0).to(out.dtype))
+    return out
     # Step 1: one (row, k) pair per local choice, sorted by slot (stable: row order within a slot).
     rows, ks = torch.nonzero(slots >= 0, as_tuple=True)
     chosen = slots[rows, ks]

@@ -34,3 +34,27 @@ def test_grouped_ffn_matches_definition(monkeypatch, use_grouped_mm, N):
     out = moe.fused_moe_ref(x, slots, weights, w13, w2)
     assert out.shape == (N, H)
     torch.testing.assert_close(out, naive(x, slots, weights, w13, w2), atol=1e-4, rtol=1e-4)
+
+
+def test_rows_bound_elsewhere_never_reach_the_sum(monkeypatch):
+    """The fixed-shape path leaves the grouped GEMMs' rows past the last local pair unset (torch does not
+    define them); here they are NaN, and the result must still equal the definition."""
+    if not hasattr(F, "grouped_mm"):
+        pytest.skip("torch without grouped_mm")
+    real = F.grouped_mm
+
+    def poisoned(a, b, *, offs):
+        out = real(a, b, offs=offs)
+        out[int(offs[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(moe.F, "grouped_mm", poisoned)
+    g = torch.Generator().manual_seed(3)
+    S, H, I, K, N = 4, 16, 8, 2, 23
+    x = torch.randn(N, H, generator=g)
+    slots = torch.randint(-1, S, (N, K), generator=g)
+    slots[::3, 1] = -1
+    weights = torch.rand(N, K, generator=g)
+    w13, w2 = torch.randn(S, 2 * I, H, generator=g), torch.randn(S, H, I, generator=g)
+    out = moe.fused_moe_ref(x, slots, weights, w13, w2)
+    torch.testing.assert_close(out, naive(x, slots, weights, w13, w2), atol=1e-4, rtol=1e-4)
