@@ -132,7 +132,7 @@ class AttentionModel:
             k = rms_norm(k, self.w[f"{p}.k_norm.weight"], s.rms_norm_eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         k_cache, v_cache = kv.layer(i)
-        ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, self.kernel_backend)
+        ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, self.kernel_backend, may_skip=False)
         sinks, window = self._get(f"{p}.sinks"), s.window(i)
         out = self._paged(q, batch, partial(ops.paged_decode_attention, sinks=sinks, window=window),
                           partial(ops.paged_prefill_attention, sinks=sinks, window=window), k_cache, v_cache)
@@ -158,7 +158,7 @@ class AttentionModel:
         q_pe = _rope(q_pe, cos, sin, s.rope_interleave)
         k_pe = _rope(k_pe[:, None], cos, sin, s.rope_interleave)
         (cache,) = kv.layer(i)
-        ops.write_latent(cache, torch.cat((latent[:, None], k_pe), dim=-1), batch.slot_mapping)
+        ops.write_latent(cache, torch.cat((latent[:, None], k_pe), dim=-1), batch.slot_mapping, may_skip=False)
         w_uk, w_uv = self.absorbed[i]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)            # [T, h, c]
         query = torch.cat((q_latent, q_pe), dim=-1)                                     # [T, h, c + r]

@@ -59,13 +59,14 @@ def _triton(module: str):
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, backend: str = "auto") -> None:
+             slot_mapping: torch.Tensor, backend: str = "auto", may_skip: bool = True) -> None:
     """k, v `[T, kvh, d]` into k_cache, v_cache `[N, bs, kvh, d]` at slot_mapping `[T]` int64 flat slots
-    (block * bs + offset), -1 = skip (padding)."""
+    (block * bs + offset), -1 = skip (padding). may_skip=False: no slot is -1 (the torch path then reads
+    nothing back from the device)."""
     if resolve_backend(backend, k.device) == "triton":
         _triton("attention").write_kv(k_cache, v_cache, k, v, slot_mapping)
     else:
-        write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+        write_kv_ref(k_cache, v_cache, k, v, slot_mapping, may_skip)
 
 
 def plan_decode_attention(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
@@ -131,12 +132,12 @@ def _check_window(window: int | None) -> None:
 
 
 def write_latent(cache: torch.Tensor, entry: torch.Tensor, slot_mapping: torch.Tensor,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", may_skip: bool = True) -> None:
     """MLA: entry `[T, 1, c + r]` (latent, then rotary key) into cache `[N, bs, 1, c + r]` at slot_mapping `[T]`
-    (-1 = skip). One indexed copy on every backend: there is nothing for a kernel to fuse."""
+    (-1 = skip; may_skip=False: none is, nothing is checked). One indexed copy on every backend: there is nothing for a kernel to fuse."""
     N, bs, one, width = cache.shape
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if may_skip and not bool(keep.all()):
         entry, slot_mapping = entry[keep], slot_mapping[keep]
     cache.view(N * bs, one, width).index_copy_(0, slot_mapping, entry.to(cache.dtype))
 

@@ -12,12 +12,13 @@ import torch
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, may_skip: bool = True) -> None:
     """Store new keys/values. k, v: `[T, kvh, d]`; slot_mapping: `[T]` int64 flat slot = block * bs + offset,
-    -1 = skip this token (padding)."""
+    -1 = skip this token (padding). may_skip=False: the caller knows no slot is -1 (the engine's batches), so
+    nothing is checked (the check reads a value back from the device)."""
     N, bs, kvh, d = k_cache.shape
     keep = slot_mapping >= 0
-    if not bool(keep.all()):
+    if may_skip and not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
