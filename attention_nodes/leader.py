@@ -140,13 +140,17 @@ class Leader:
         out, self.queries = self.queries, []
         return out
 
-    def next_step(self, aborts: dict[str, list[str]]) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]]]:
-        """(step id, capacity, new requests per rank, aborts per rank) of the next step's header."""
+    def next_step(self, aborts: dict[str, list[str]]
+                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool]:
+        """(step id, capacity, new requests per rank, aborts per rank, is_decode) of the next step's header.
+        is_decode: no rank gets new requests or has any waiting, and each running sequence has one token left
+        to compute (a running sequence has at least one, so that is when their sum is their count)."""
         self.step_id += 1
         new = self._assign()
         # Ranks that get new requests may admit up to a full token budget this step.
         capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new))
-        return self.step_id, capacity, new, aborts
+        is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running for r in self.reports)
+        return self.step_id, capacity, new, aborts, is_decode
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from attention_nodes.sampling_params import SamplingParams
+from comm.sync_audit import host_read
 
 # Cumulative sums that land within this of top_p count as reaching it, so that
 # float32 rounding of e.g. 0.5 + 0.3 does not decide whether a third token is kept.
@@ -68,7 +69,7 @@ class Sampler:
                 "pass one of each per row")
         logits = logits.float()
         # Greedy for every row is cheap; random rows overwrite theirs below.
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = host_read(logits.argmax(dim=-1))   # the one read back of a decode step (sync audit)
         rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rand_rows:
             return tokens

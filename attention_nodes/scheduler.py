@@ -63,6 +63,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def is_decode(self) -> bool:
+        """Every scheduled sequence computes one generated token (no prompt chunk); also when none is."""
+        return all(s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens for s in self.scheduled)
+
 
 class Scheduler:
     """Owns the waiting queue and the running list; allocates KV blocks from `block_pool`."""

@@ -38,6 +38,7 @@ class AttentionWorker:
         self.started_step = self.done_step = 0
         self.last_report: StepReport | None = None
         self._inflight = None
+        self.is_decode_step = False   # the last step run computed only one-token decodes (or nothing)
 
     def adopt(self, moe: MoEContext) -> None:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
@@ -103,6 +104,7 @@ class AttentionWorker:
             self.kv.copy_device_blocks(self.block_pool.take_copies())   # copy on write, after the saves
             self._inflight = out
         out = self._inflight
+        self.is_decode_step = out.is_decode
         assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
         self.moe.dispatcher.set_capacity(capacity)
         batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device, self.model.kernel_backend)

@@ -20,13 +20,16 @@ class StepHeader:
     step: the leader's step counter (a header re-sent after the job re-formed keeps its step).
     new_requests / aborts are keyed by attention rank (str for msgpack).
     capacity: no attention rank runs more tokens than this in the step, so the data plane can size its
-    messages without exchanging split sizes every layer."""
+    messages without exchanging split sizes every layer.
+    is_decode: the leader expects every attention rank to run one token per running sequence and nothing new
+    (the sync audit's decode steps on expert ranks, which do not see the batches)."""
 
     kind: str
     step: int = 0
     capacity: int = 0
     new_requests: dict[str, list[dict]] = field(default_factory=dict)
     aborts: dict[str, list[str]] = field(default_factory=dict)
+    is_decode: bool = False
 
     @classmethod
     def empty(cls, kind: str, step: int = 0) -> StepHeader:

@@ -143,6 +143,9 @@ class EngineConfig:
     startup_timeout_s: float = option(300.0, "how long ranks may take to start and load their weights, pools "
                                              "to register, and a scale request to finish")
     load_progress: bool = option(True, "a progress bar of weight bytes read, on the first rank of each role")
+    sync_audit: bool = option(False, "count the host syncs a CUDA run would make (device reads, data-dependent "
+                                      "shapes) per decode step on every rank; comm_stats() reports them per rank "
+                                      "as host_syncs (adds Python work to every op: for tests and audits)")
     # Separate pool launches (launch/runtime/membership.py, "Joining"): this process's pool and the store that the
     # pools rendezvous through, which the attention pool's first rank (the leader) serves. None: roles by rank.
     role: str | None = option(None, "separate pool launches: this launch's pool (with pool_addr); without it, "
@@ -168,6 +171,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} is invalid: pass a positive number of seconds")
         if self.threads_per_rank is not None:
             _int("threads_per_rank", self.threads_per_rank, 1)
+        if not isinstance(self.sync_audit, bool):
+            raise ValueError(f"sync_audit={self.sync_audit!r} is invalid: pass True or False")
         if self.role is not None and self.role not in ROLES:
             raise ValueError(f"role={self.role!r} is invalid: choose attention or expert")
         if (self.role is None) != (self.pool_addr is None):
@@ -202,11 +207,11 @@ class EngineConfig:
 
     def leader_settings(self) -> dict:
         """What a joining rank takes from the leader's config, so that every rank of the job agrees: the
-        parallel, cache and scheduler settings, dtype, kernels and timeouts. Its model path, device, threads
-        and start-up timeout stay its own."""
+        parallel, cache and scheduler settings, dtype, kernels, timeouts and the sync audit. Its model path,
+        device, threads and start-up timeout stay its own."""
         return {"parallel": asdict(self.parallel), "cache": asdict(self.cache), "scheduler": asdict(self.scheduler),
                 **{k: getattr(self, k) for k in ("dtype", "kernel_backend", "collective_timeout_s", "heartbeat_s",
-                                                 "rank_failure_s")}}
+                                                 "rank_failure_s", "sync_audit")}}
 
     def with_leader_settings(self, settings: dict) -> EngineConfig:
         return replace(self, parallel=ParallelConfig(**settings["parallel"]), cache=CacheConfig(**settings["cache"]),

@@ -11,6 +11,7 @@ from balancer.placement import expert_load, load_balance
 from balancer.replan import plan_rebalance
 from comm.control import ControlPlane
 from comm.dispatcher import Dispatcher
+from comm.sync_audit import SyncTally
 from comm.topology import ProcessGroups, Topology
 
 from ..config import ParallelConfig
@@ -49,12 +50,14 @@ def rebalance(topo: Topology, groups: ProcessGroups, worker, state: PlacementSta
 
 
 def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, worker, state: PlacementState,
-                 par: ParallelConfig, kernel_backend: str, events: bool = False) -> dict | None:
-    """Every rank's comm stats and load history (and with `events` its recent calls) to the leader -> the
-    merged dict there, None elsewhere."""
+                 par: ParallelConfig, kernel_backend: str, events: bool = False,
+                 sync_tally: SyncTally | None = None) -> dict | None:
+    """Every rank's comm stats and load history (and with `events` its recent calls), and its sync audit
+    (host_syncs: None when off) to the leader -> the merged dict there, None elsewhere."""
     stats = dispatcher.stats
     mine = {"rank": topo.rank, "role": topo.role, "kernel_backend": kernel_backend,
-            "layers": stats.to_dict(), "compute": stats.compute_dict()}
+            "layers": stats.to_dict(), "compute": stats.compute_dict(),
+            "host_syncs": None if sync_tally is None else sync_tally.to_dict()}
     if events:
         mine["events"] = stats.events_list()
     if not topo.is_attention:
@@ -73,8 +76,8 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
             "balancer": par.balancer, "redundant_experts": par.redundant_experts,
             "replacements": state.num_replacements,
             "slots_moved": sum(r.get("slots_moved", 0) for r in every),
-            "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "kernel_backend", "layers", "compute", "events")
-                                       if k in r}
+            "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "kernel_backend", "layers", "compute", "events",
+                                                         "host_syncs") if k in r}
                       for r in every},
             "expert_load": {"steps": steps, "layers": {str(layer): {
                 "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}

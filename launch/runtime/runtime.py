@@ -21,6 +21,7 @@ from attention_nodes.model import MoEContext
 from balancer.placement import Placement, slot_capacities
 from balancer.policy import make_policy
 from comm.control import ControlPlane
+from comm.sync_audit import SyncTally
 from comm.topology import ProcessGroups, Topology
 from expert_nodes.slots import ExpertSlots
 from expert_nodes.worker import ExpertWorker
@@ -59,6 +60,7 @@ class Runtime:
         self.experts = planning.PlacementState()
         self.left = False
         self._stats = None      # the data plane's stats, carried from one generation to the next
+        self.sync_tally = SyncTally() if config.sync_audit else None   # this rank's host syncs per decode step
         self.ckpt = Checkpoint(config.model)
         if config.role is None:
             self._start_world()
@@ -307,7 +309,7 @@ class Runtime:
 
     def gather_stats(self, events: bool = False) -> dict | None:
         return collectives.gather_stats(self.topo, self.control, self.dispatcher, self.worker, self.experts,
-                                        self.config.parallel, self.dev.kernel_backend, events)
+                                        self.config.parallel, self.dev.kernel_backend, events, self.sync_tally)
 
     def close(self) -> None:
         """Leave the job, on every rank after the shutdown header: first wait until all ranks are here, so that

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from comm.control import ControlPlane, StepHeader, StepReport
 from comm.failures import is_peer_failure
+from comm.sync_audit import SyncTally
 from comm.topology import Topology
 
 from ..config import EngineConfig
@@ -43,7 +44,8 @@ logger = logging.getLogger("afserve")
 
 class StepRuntime(Protocol):
     """What the step loops need of a rank's runtime (launch/runtime/runtime.py implements it). membership is
-    None when the job cannot re-form (the caller formed the process groups); leader only on rank 0."""
+    None when the job cannot re-form (the caller formed the process groups); leader only on rank 0;
+    sync_tally only with the sync_audit option."""
 
     config: EngineConfig
     topo: Topology
@@ -51,24 +53,37 @@ class StepRuntime(Protocol):
     worker: object          # AttentionWorker or ExpertWorker
     leader: object | None   # attention_nodes/leader.py Leader
     membership: object | None   # launch/runtime/membership.py Membership
+    sync_tally: SyncTally | None
 
     def rebalance(self) -> None: ...
 
     def gather_stats(self, events: bool = False) -> dict | None: ...
 
 
-def run_attention_step(worker, header: StepHeader) -> StepReport:
+def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = None) -> StepReport:
     """What every attention rank does with a STEP header. Re-sent headers (the same step, after the job
-    re-formed) are idempotent: a finished step re-sends its report, an unfinished one re-runs its batch."""
+    re-formed) are idempotent: a finished step re-sends its report, an unfinished one re-runs its batch.
+    tally: the sync audit's, when on: the forward and sampling run under it; a decode step is one whose
+    own batch is (worker.is_decode_step)."""
     if header.step == worker.done_step:
         return worker.last_report
     if header.step != worker.started_step:
         worker.started_step = header.step
         worker.add_requests(header.requests_for(worker.rank))
         worker.abort(header.aborts_for(worker.rank))
-    report = worker.step(header.capacity)
+    report = _audited(tally, lambda: worker.step(header.capacity), lambda: worker.is_decode_step)
     worker.done_step, worker.last_report = header.step, report
     return report
+
+
+def run_expert_step(worker, header: StepHeader, tally: SyncTally | None = None) -> None:
+    """What every expert rank does with a STEP header: serve its dispatches. tally: as for attention ranks;
+    a decode step is one the header calls so (an expert rank does not see the batches)."""
+    _audited(tally, lambda: worker.step(header.capacity), lambda: header.is_decode)
+
+
+def _audited(tally: SyncTally | None, step, is_decode):
+    return step() if tally is None else tally.run(step, is_decode)
 
 
 # ----- the leader -----------------------------------------------------------------------------------------
@@ -130,7 +145,7 @@ def _step(rt: StepRuntime) -> list[StepReport]:
     """The step in flight (re-sent as the leader rewrote it when the job re-formed)."""
     header = rt.leader.inflight
     rt.control.broadcast_header(header)
-    return rt.control.gather_reports(run_attention_step(rt.worker, header))
+    return rt.control.gather_reports(run_attention_step(rt.worker, header, rt.sync_tally))
 
 
 def collective(rt: StepRuntime, kind: str):
@@ -191,7 +206,7 @@ def _obey(rt: StepRuntime) -> str:
         _run_collective(rt, header.kind)
     elif header.kind == STEP:
         if rt.topo.is_attention:
-            rt.control.gather_reports(run_attention_step(rt.worker, header))
+            rt.control.gather_reports(run_attention_step(rt.worker, header, rt.sync_tally))
         else:
-            rt.worker.step(header.capacity)
+            run_expert_step(rt.worker, header, rt.sync_tally)
     return header.kind

@@ -1,0 +1,166 @@
+"""The sync audit: counts, on a CPU run, the host syncs that a CUDA run of the same code would make.
+
+A host sync is an op after which the host must wait for the device stream:
+- a device-to-host read: `aten._local_scalar_dense` (`.item()`, `int(t)`, `float(t)`, `bool(t)`, `if t:`),
+  ops that hand back a Python value read from the data (`torch.equal`, `torch.allclose`), and `.tolist()`,
+  `.numpy()` and `.cpu()`. A CPU tensor is already on the host, so those three never reach the dispatcher:
+  the audit wraps the `torch.Tensor` methods (on its own thread) while it is active. Every call counts, also
+  on a tensor that would be on the host in a CUDA run too; the site says which;
+- an op whose output shape depends on the data (the host learns the size before it can allocate):
+  PyTorch tags them `torch.Tag.dynamic_output_shape` (`nonzero`, `unique`, `masked_select`, `bincount`,
+  `one_hot` ...) and the fake-tensor machinery raises on them. Two tagged ops are static for some arguments
+  and count only when not: `aten.index.Tensor` with a bool (mask) index, and `aten.repeat_interleave.Tensor`
+  without `output_size`. `index_put_` with a bool index (`t[mask] = v`) runs `nonzero` inside, so it
+  counts too.
+
+Not seen: a blocking host-to-device copy (`torch.tensor(..., device=d)`, `.to(d)` without `non_blocking`):
+on a CPU run the rank's device is the host, so it cannot be told from a no-op. `torch.tensor([t0, t1])` of
+0-dim tensors reads them below the dispatcher. `F.one_hot` checks its input's range with `.item()` on CPU
+(not on CUDA), so it counts here where a CUDA run would not sync.
+
+Each count goes to the first stack frame in this repository outside this module, "path/from/root.py:line".
+`host_read(t)` is the one sanctioned read (the sampled ids on an attention rank); it counts like any other.
+`SyncTally` keeps one rank's counts over steps; see docs/profiling.md ("Sync audit").
+"""
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
+_HERE = os.path.abspath(__file__)
+_aten = torch.ops.aten
+# Ops returning a Python value read from the data that carry no data_dependent_output tag.
+_SCALAR_READS = frozenset({_aten.equal.default, _aten.allclose.default})
+# Tagged dynamic_output_shape, but static unless an index is a mask.
+_MASK_INDEXING = frozenset({_aten.index.Tensor})
+# Untagged (the output has self's shape), but a mask index runs nonzero inside.
+_MASK_PUTS = frozenset({_aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default})
+_HOST_METHODS = ("tolist", "numpy", "cpu")   # reads that a CPU tensor serves without the dispatcher
+
+
+def host_read(t: torch.Tensor) -> list:
+    """The sanctioned device-to-host read: `t` as (nested) Python lists. The audit counts it at the caller."""
+    return t.tolist()
+
+
+def _has_mask(indices) -> bool:
+    return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def is_sync(func, args: tuple, kwargs: dict) -> bool:
+    """Whether this aten op (with these arguments) makes a CUDA host wait for its stream."""
+    if torch.Tag.data_dependent_output in func.tags or func in _SCALAR_READS:
+        return True
+    if func in _MASK_INDEXING or func in _MASK_PUTS:
+        return _has_mask(args[1] if len(args) > 1 else kwargs["indices"])
+    if func is _aten.repeat_interleave.Tensor:
+        return kwargs.get("output_size") is None
+    return torch.Tag.dynamic_output_shape in func.tags
+
+
+def caller_site(root: str = ROOT, skip: str = _HERE) -> str:
+    """"path:line" of the innermost frame under `root` (relative to it) that is not in `skip` and not in an
+    installed package; "<outside the repository>" when there is none."""
+    frame = sys._getframe(1)
+    prefix = root.rstrip(os.sep) + os.sep
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path != skip and path.startswith(prefix) and "site-packages" not in path:
+            return f"{os.path.relpath(path, root)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<outside the repository>"
+
+
+class SyncAudit(TorchDispatchMode):
+    """While active (`with SyncAudit() as audit:`), counts this thread's host syncs by site:
+    `audit.sites` {"path:line": count}. Not re-entrant: one audit at a time per process, since the wrapped
+    `torch.Tensor` methods are the process's."""
+
+    def __init__(self, root: str = ROOT):
+        super().__init__()
+        self.root = root
+        self.sites: collections.Counter[str] = collections.Counter()
+        self._thread = 0
+        self._saved: dict[str, object] = {}
+
+    @property
+    def num_syncs(self) -> int:
+        return sum(self.sites.values())
+
+    def _count(self) -> None:
+        self.sites[caller_site(self.root)] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if is_sync(func, args, kwargs):
+            self._count()
+        return func(*args, **kwargs)
+
+    def _wrap(self, name: str):
+        method = getattr(torch.Tensor, name)
+
+        def audited(t, *args, **kwargs):
+            if threading.get_ident() == self._thread:
+                self._count()
+            return method(t, *args, **kwargs)
+        audited.__sync_audit__ = True
+        return audited
+
+    def __enter__(self) -> SyncAudit:
+        if any(getattr(getattr(torch.Tensor, n), "__sync_audit__", False) for n in _HOST_METHODS):
+            raise RuntimeError("a SyncAudit is already active in this process; audits do not nest")
+        self._thread = threading.get_ident()
+        for name in _HOST_METHODS:
+            self._saved[name] = torch.Tensor.__dict__.get(name)
+            setattr(torch.Tensor, name, self._wrap(name))
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for name, saved in self._saved.items():
+                if saved is None:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, saved)
+            self._saved = {}
+
+
+@dataclass(slots=True)
+class SyncTally:
+    """One rank's host syncs over its steps. Only decode steps are kept (a prefill step may sync: it is
+    bounded by the prompt, not by every generated token): decode_steps, the most syncs one of them made, and
+    the syncs per site summed over them."""
+
+    decode_steps: int = 0
+    max_per_decode_step: int = 0
+    sites: collections.Counter = field(default_factory=collections.Counter)
+
+    def run(self, step: Callable[[], object], is_decode: Callable[[], bool], root: str = ROOT):
+        """step() under a SyncAudit; is_decode(), asked after it, says whether it was a decode step. Returns
+        what step returned. A step that raises (a lost peer: it is run again) is not counted."""
+        with SyncAudit(root) as audit:
+            result = step()
+        self.add(audit.sites, is_decode())
+        return result
+
+    def add(self, sites: collections.Counter, is_decode: bool) -> None:
+        if not is_decode:
+            return
+        self.decode_steps += 1
+        self.max_per_decode_step = max(self.max_per_decode_step, sum(sites.values()))
+        self.sites.update(sites)
+
+    def to_dict(self) -> dict:
+        """{"decode_steps": n, "max_per_decode_step": k, "sites": {"path:line": count}} (sites most first)."""
+        return {"decode_steps": self.decode_steps, "max_per_decode_step": self.max_per_decode_step,
+                "sites": dict(self.sites.most_common())}

@@ -1,0 +1,56 @@
+"""sync_audit=True: every rank reports its host syncs per decode step in comm_stats, and the attention rank's
+include the sampler's one sanctioned read (comm.sync_audit.host_read)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from launch import LLM, SamplingParams
+from launch.config import EngineConfig
+from models import SHIPPED_MODEL
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(SHIPPED_MODEL), reason="models/shakespeare-moe is not built")
+
+SAMPLER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "attention_nodes", "sampler.py")
+MAX_NEW = 6
+
+
+def host_read_sites() -> set[str]:
+    """The sampler's host_read calls, found in its source (not in the audit's own output)."""
+    with open(SAMPLER) as f:
+        return {f"attention_nodes/sampler.py:{n}" for n, line in enumerate(f, 1) if "host_read(" in line
+                and not line.lstrip().startswith(("from ", "import "))}
+
+
+def test_every_rank_reports_its_decode_step_syncs():
+    prompts = ["ROMEO.\n", "Hamlet.\nTo be, or not to be,", "Enter"]
+    with LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=1, sync_audit=True) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        ranks = llm.comm_stats()["ranks"]
+    assert all(len(o.token_ids) == MAX_NEW for o in outs)
+    attention, expert = ranks["0"]["host_syncs"], ranks["1"]["host_syncs"]
+    assert set(attention) == set(expert) == {"decode_steps", "max_per_decode_step", "sites"}
+    # Prompts that reach the leader together prefill in the first step, and the other MAX_NEW - 1 steps decode
+    # all of them; one that arrives a step later turns one decode step into a prefill step.
+    assert 1 <= attention["decode_steps"] <= MAX_NEW - 1
+    assert expert["decode_steps"] == attention["decode_steps"]     # the header's decode flag agrees
+    (site,) = host_read_sites()
+    assert attention["sites"][site] == attention["decode_steps"]    # one read of the sampled ids per step
+    assert attention["max_per_decode_step"] >= 1
+    assert all(n > 0 for n in attention["sites"].values())
+    assert sum(attention["sites"].values()) <= attention["max_per_decode_step"] * attention["decode_steps"]
+    assert not any(s.startswith("attention_nodes/sampler.py") for s in expert["sites"])
+
+
+def test_no_report_without_the_option():
+    with LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=1) as llm:
+        llm.generate(["Enter"], SamplingParams(max_tokens=2, ignore_eos=True))
+        ranks = llm.comm_stats()["ranks"]
+    assert [r["host_syncs"] for r in ranks.values()] == [None, None]
+
+
+def test_sync_audit_must_be_a_bool():
+    with pytest.raises(ValueError, match="sync_audit='yes'"):
+        EngineConfig.from_options(SHIPPED_MODEL, 1, 1, sync_audit="yes")
