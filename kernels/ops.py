@@ -134,7 +134,8 @@ def _check_window(window: int | None) -> None:
 def write_latent(cache: torch.Tensor, entry: torch.Tensor, slot_mapping: torch.Tensor,
                  backend: str = "auto", may_skip: bool = True) -> None:
     """MLA: entry `[T, 1, c + r]` (latent, then rotary key) into cache `[N, bs, 1, c + r]` at slot_mapping `[T]`
-    (-1 = skip; may_skip=False: none is, nothing is checked). One indexed copy on every backend: there is nothing for a kernel to fuse."""
+    (-1 = skip; may_skip=False: none is, nothing is checked). One indexed copy on every backend: there is nothing
+    for a kernel to fuse."""
     N, bs, one, width = cache.shape
     keep = slot_mapping >= 0
     if may_skip and not bool(keep.all()):
