@@ -93,7 +93,8 @@ def _fused_moe_fixed(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     order = torch.argsort(key, stable=True)
     chosen = key[order]
     rows = order // K
-    offs = torch.cumsum(torch.bincount(key, minlength=S + 1)[:S], 0).to(torch.int32)
+    # offs[s]: pairs with slot <= s, read off the sorted keys (fixed size, unlike a bincount's)
+    offs = torch.searchsorted(chosen, torch.arange(S, device=x.device), right=True, out_int32=True)
     h = F.grouped_mm(x[rows], w13.transpose(1, 2), offs=offs)
     local = chosen.clamp(max=S - 1)
     if b13 is not None:
