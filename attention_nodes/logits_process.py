@@ -22,7 +22,7 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
     if not any(s.params.shapes_logits for s in seqs):
         return logits
     logits = logits.clone(memory_format=torch.contiguous_format)
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     flat = logits.view(-1)
     # Step 1: min_tokens: EOS and stop tokens are -inf until enough tokens are out.
     stops = {i: [t for t in (*s.params.stop_token_ids, *(() if s.params.ignore_eos else eos_token_ids)) if t < vocab]
@@ -40,23 +40,28 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
     repeated = {i: s.token_ids for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0}
     if repeated:
         ids = _flat_ids(repeated, vocab, logits.device)
-        penalty = _column(seqs, "repetition_penalty", logits).view(-1)[ids // vocab]
+        penalty = _column(seqs, "repetition_penalty", logits)[ids // vocab]
         vals = flat[ids]
         flat[ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    # Step 4: frequency and presence penalties, from one bincount of every penalised row's output tokens.
+    # Step 4: frequency and presence penalties: a token generated n times loses frequency * n + presence. n comes
+    # from the sorted flat ids (the width of each id's run), so the cost follows the output length, not R * V,
+    # and nothing is read back to the host; a token generated twice is written twice with the same value.
     counted = {i: s.output_token_ids for i, s in enumerate(seqs)
                if s.params.frequency_penalty or s.params.presence_penalty}
     if counted:
         ids = _flat_ids(counted, vocab, logits.device)
-        counts = torch.bincount(ids, minlength=num_rows * vocab).view(num_rows, vocab).to(logits.dtype)
-        frequency, presence = _column(seqs, "frequency_penalty", logits), _column(seqs, "presence_penalty", logits)
-        logits -= frequency * counts + presence * (counts > 0).to(logits.dtype)
+        sorted_ids = ids.sort().values
+        times = (torch.searchsorted(sorted_ids, ids, right=True) - torch.searchsorted(sorted_ids, ids)).to(logits.dtype)
+        rows = ids // vocab
+        frequency = _column(seqs, "frequency_penalty", logits)[rows]
+        presence = _column(seqs, "presence_penalty", logits)[rows]
+        flat[ids] = flat[ids] - (frequency * times + presence)
     return logits
 
 
 def _column(seqs: list[Sequence], name: str, like: torch.Tensor) -> torch.Tensor:
-    """`[R, 1]` of each row's SamplingParams.<name>, in like's dtype and device."""
-    return torch.tensor([getattr(s.params, name) for s in seqs], dtype=like.dtype, device=like.device).unsqueeze(1)
+    """`[R]` of each row's SamplingParams.<name>, in like's dtype and device."""
+    return torch.tensor([getattr(s.params, name) for s in seqs], dtype=like.dtype, device=like.device)
 
 
 def _flat_ids(tokens: dict[int, list[int]], vocab: int, device: torch.device) -> torch.Tensor:
