@@ -5,6 +5,8 @@ R = rows to sample, V = vocabulary size.
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 from .sequence import Sequence
@@ -12,29 +14,64 @@ from .sequence import Sequence
 
 def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> torch.Tensor:
     """logits: `[R, V]` float32, row i sampling seqs[i]'s next token. Returns the logits to sample from (the same
-    tensor when no request asks for anything; otherwise a copy, so the caller's raw logits stay raw)."""
-    rows = [i for i, s in enumerate(seqs) if s.params.shapes_logits]
-    if not rows:
+    tensor when no request asks for anything; otherwise a contiguous copy, so the caller's raw logits stay raw).
+
+    Each step runs once for all rows, on the flattened `[R * V]` copy at ids row * V + token; rows that do not ask
+    for it are untouched (a step's index lists hold only the rows that do, and a zero penalty subtracts 0).
+    """
+    if not any(s.params.shapes_logits for s in seqs):
         return logits
-    logits = logits.clone()
+    logits = logits.clone(memory_format=torch.contiguous_format)
     vocab = logits.shape[1]
-    for i in rows:
-        seq, p, row = seqs[i], seqs[i].params, logits[i]
-        if seq.num_output_tokens < p.min_tokens:
-            stops = [t for t in (*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)) if t < vocab]
-            row[stops] = float("-inf")
-        if p.logit_bias:
-            ids = [t for t in p.logit_bias if t < vocab]
-            row[ids] += torch.tensor([p.logit_bias[t] for t in ids], device=row.device)
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.int64, device=row.device)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if p.frequency_penalty or p.presence_penalty:
-            out = torch.tensor(seq.output_token_ids, dtype=torch.int64, device=row.device)
-            counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    flat = logits.view(-1)
+    # Step 1: min_tokens: EOS and stop tokens are -inf until enough tokens are out.
+    stops = {i: [t for t in (*s.params.stop_token_ids, *(() if s.params.ignore_eos else eos_token_ids)) if t < vocab]
+             for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens}
+    if stops:
+        flat.index_fill_(0, _flat_ids(stops, vocab, logits.device), float("-inf"))
+    # Step 2: logit_bias, added (each request's keys are distinct, so no id is hit twice).
+    biased = {i: [t for t in s.params.logit_bias if t < vocab] for i, s in enumerate(seqs) if s.params.logit_bias}
+    if biased:
+        bias = [seqs[i].params.logit_bias[t] for i, ids in biased.items() for t in ids]
+        flat.index_put_((_flat_ids(biased, vocab, logits.device),),
+                        torch.tensor(bias, dtype=logits.dtype, device=logits.device), accumulate=True)
+    # Step 3: repetition penalty on every token of prompt and output. A token seen twice is gathered twice and
+    # written twice with the same value, so no dedup is needed.
+    repeated = {i: s.token_ids for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0}
+    if repeated:
+        ids = _flat_ids(repeated, vocab, logits.device)
+        penalty = _column(seqs, "repetition_penalty", logits)[ids // vocab]
+        vals = flat[ids]
+        flat[ids] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    # Step 4: frequency and presence penalties: a token generated n times loses frequency * n + presence. n comes
+    # from the sorted flat ids (the width of each id's run), so the cost follows the output length, not R * V,
+    # and nothing is read back to the host; a token generated twice is written twice with the same value.
+    counted = {i: s.output_token_ids for i, s in enumerate(seqs)
+               if s.params.frequency_penalty or s.params.presence_penalty}
+    if counted:
+        ids = _flat_ids(counted, vocab, logits.device)
+        sorted_ids = ids.sort().values
+        times = (torch.searchsorted(sorted_ids, ids, right=True) - torch.searchsorted(sorted_ids, ids)).to(logits.dtype)
+        rows = ids // vocab
+        frequency = _column(seqs, "frequency_penalty", logits)[rows]
+        presence = _column(seqs, "presence_penalty", logits)[rows]
+        flat[ids] = flat[ids] - (frequency * times + presence)
     return logits
+
+
+def _column(seqs: list[Sequence], name: str, like: torch.Tensor) -> torch.Tensor:
+    """`[R]` of each row's SamplingParams.<name>, in like's dtype and device."""
+    return torch.tensor([getattr(s.params, name) for s in seqs], dtype=like.dtype, device=like.device)
+
+
+def _flat_ids(tokens: dict[int, list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """`[N]` int64 ids into flattened `[R * V]` logits: row * V + token for every token of every row (in order).
+    tokens: row -> token ids, each < V."""
+    lengths = torch.tensor([len(t) for t in tokens.values()], dtype=torch.int64)
+    flat_tokens = torch.tensor(list(chain.from_iterable(tokens.values())), dtype=torch.int64)
+    assert flat_tokens.numel() == 0 or int(flat_tokens.max()) < vocab, f"a token id is outside [0, {vocab})"
+    rows = torch.tensor(list(tokens), dtype=torch.int64).repeat_interleave(lengths)
+    return (rows * vocab + flat_tokens).to(device)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:

@@ -42,8 +42,23 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return logits.masked_fill(drop_orig, float("-inf"))
 
 
+def fill_exponential(q: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Fill q in place with Exp(1) draws from generator (None: torch's global RNG) and return it.
+
+    Drawn as -log(U), U ~ Uniform[0, 1): on CPU several times faster than Tensor.exponential_ (bench/sampling.py
+    times both). q is never 0 (U < 1), so probs / q is never 0 / 0; U = 0 gives q = inf, which only drops that
+    token from this one draw (probability 2^-24 per entry in float32).
+    """
+    return q.uniform_(generator=generator).log_().neg_()
+
+
 class Sampler:
-    """Picks one token per row. Stateless: per-request randomness lives in the generators."""
+    """Picks one token per row in one pass over the batch. Stateless: per-request randomness lives in the
+    generators.
+
+    Random rows use the exponential race: argmax(probs / q) with q ~ Exp(1) per (row, token) picks token t with
+    probability probs[t] (the Gumbel-max trick in another form, as vLLM's sampler draws).
+    """
 
     def sample(
         self,
@@ -51,14 +66,23 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> list[int]:
-        """Return one token id per row.
+        """draw()'s token ids as Python ints: the batch's one host read."""
+        return host_read(self.draw(logits, params, generators))   # the one read back of a decode step
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Return `[B]` int64 token ids, on logits' device; nothing is read back to the host.
 
         logits: `[B, V]` any float dtype, on the generators' device; computed in float32.
         params: B sampling params; temperature 0 rows take argmax (first max on ties,
-            as Hugging Face greedy generate does).
+            as Hugging Face greedy generate does) and draw nothing.
         generators: B generators, one per seeded request; None draws from torch's global RNG.
-            Each row draws from its own generator only, so a seeded request's tokens do not
-            depend on which other rows share the batch or their order.
+            A seeded row's q comes from its own generator only (V draws per step), so a seeded request's
+            tokens do not depend on which other rows share the batch or their order.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -68,19 +92,32 @@ class Sampler:
                 f"got {num_rows} logit rows, {len(params)} params and {len(generators)} generators; "
                 "pass one of each per row")
         logits = logits.float()
-        # Greedy for every row is cheap; random rows overwrite theirs below.
-        tokens = host_read(logits.argmax(dim=-1))   # the one read back of a decode step (sync audit)
-        rand_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not rand_rows:
-            return tokens
+        greedy = logits.argmax(dim=-1)
+        if all(p.is_greedy for p in params):
+            return greedy
         device = logits.device
-        rows = torch.tensor(rand_rows, device=device)
-        temp = torch.tensor([params[i].temperature for i in rand_rows], device=device)
-        top_k = torch.tensor([params[i].top_k for i in rand_rows], dtype=torch.int64, device=device)
-        top_p = torch.tensor([params[i].top_p for i in rand_rows], dtype=torch.float32, device=device)
-        scaled = logits.index_select(0, rows) / temp.unsqueeze(1)
-        probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
-        # Only the draw loops: a multinomial call takes one generator.
-        for j, i in enumerate(rand_rows):
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]).item())
-        return tokens
+        # Step 1: temperature (1 on greedy rows, whose draw is discarded in step 4).
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+        is_greedy = temp == 0
+        scaled = logits / torch.where(is_greedy, 1.0, temp).unsqueeze(1)
+        # Step 2: top-k and top-p, sorting only the random rows that ask for them.
+        filtered = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0)]
+        if filtered:
+            top_k = torch.tensor([params[i].top_k for i in filtered], dtype=torch.int64, device=device)
+            top_p = torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=device)
+            if len(filtered) == num_rows:
+                scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            else:
+                rows = torch.tensor(filtered, dtype=torch.int64, device=device)
+                scaled.index_copy_(0, rows, apply_top_k_top_p(scaled.index_select(0, rows), top_k, top_p))
+        probs = scaled.softmax(dim=-1)
+        # Step 3: q ~ Exp(1). Unseeded rows share one batched draw; each seeded row overwrites its row from its
+        # own generator (a loop over seeded rows only, with no host reads). Greedy rows' q is never used.
+        q = torch.empty_like(probs)
+        if any(g is None and not p.is_greedy for p, g in zip(params, generators)):
+            fill_exponential(q)
+        for i, (p, g) in enumerate(zip(params, generators)):
+            if g is not None and not p.is_greedy:
+                fill_exponential(q[i], g)
+        # Step 4: the race, then greedy rows keep their argmax.
+        return torch.where(is_greedy, greedy, probs.div_(q).argmax(dim=-1))

@@ -63,3 +63,67 @@ def test_token_logprobs_hold_the_token_and_top_k():
 def test_bad_values_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{name}="):
         SamplingParams(**kwargs)
+
+
+def per_row_reference(logits: torch.Tensor, seqs: list[Sequence], eos: frozenset[int]) -> torch.Tensor:
+    """shape_logits written the plain way: one row at a time, one token at a time, in vLLM's order."""
+    out = logits.clone()
+    vocab = logits.shape[1]
+    for row, s in zip(out, seqs):
+        p = s.params
+        if s.num_output_tokens < p.min_tokens:
+            for t in [*p.stop_token_ids, *([] if p.ignore_eos else eos)]:
+                if t < vocab:
+                    row[t] = float("-inf")
+        for t, b in (p.logit_bias or {}).items():
+            if t < vocab:
+                row[t] += b
+        if p.repetition_penalty != 1.0:
+            for t in set(s.token_ids):
+                row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+        for t in set(s.output_token_ids):
+            n = s.output_token_ids.count(t)
+            row[t] -= p.frequency_penalty * n + p.presence_penalty
+    return out
+
+
+def make_mixed_seqs(num_rows: int, vocab: int, seed: int) -> list[Sequence]:
+    """Rows with random combinations of the options (every third row with none); prompts and outputs repeat
+    tokens, and stop ids and bias keys include ids outside the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(*choices):
+        return choices[int(torch.randint(len(choices), (1,), generator=g))]
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(vocab, (n,), generator=g).tolist()
+
+    seqs = []
+    for i in range(num_rows):
+        params = {} if i % 3 == 1 else dict(min_tokens=pick(0, 2, 5), stop_token_ids=pick([], [3, vocab + 4], [7]),
+                      ignore_eos=pick(False, True), repetition_penalty=pick(1.0, 1.3, 0.7),
+                      frequency_penalty=pick(0.0, 0.6, -1.1), presence_penalty=pick(0.0, 0.4, -2.0),
+                      logit_bias=pick(None, {}, {1: 2.5, 9: -100.0, vocab + 1: 3.0}, {0: 7.0}))
+        seqs.append(seq(tokens(pick(1, 6, 20)), tokens(pick(0, 3, 9)), **params))
+    return seqs
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_vectorised_rows_equal_the_per_row_reference(seed):
+    vocab = 40
+    seqs = make_mixed_seqs(12, vocab, seed)
+    assert any(s.params.shapes_logits for s in seqs) and not all(s.params.shapes_logits for s in seqs)
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(100 + seed)) * 3
+    eos = frozenset({0, 2})
+    got = shape_logits(logits, seqs, eos)
+    # Within float32 rounding: the reference adds Python floats, the runtime float32 tensors. -inf must match.
+    torch.testing.assert_close(got, per_row_reference(logits, seqs, eos), rtol=1e-6, atol=1e-6)
+    plain = [i for i, s in enumerate(seqs) if not s.params.shapes_logits]
+    assert torch.equal(got[plain], logits[plain])         # rows that ask for nothing are left alone
+
+
+def test_non_contiguous_logits_are_shaped_like_contiguous_ones():
+    seqs = make_mixed_seqs(6, 16, seed=9)
+    wide = torch.randn(6, 32)
+    got = shape_logits(wide[:, ::2], seqs, EOS)
+    assert got.is_contiguous() and torch.equal(got, shape_logits(wide[:, ::2].contiguous(), seqs, EOS))

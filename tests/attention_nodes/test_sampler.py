@@ -139,3 +139,71 @@ def test_mismatched_lengths_raise():
         Sampler().sample(torch.zeros(2, 4), [SamplingParams()], [None, None])
     with pytest.raises(ValueError, match=r"\[B, V\]"):
         Sampler().sample(torch.zeros(4), [SamplingParams()], [None])
+
+
+def test_seeded_rows_ignore_batch_mates_and_order():
+    """A seeded row among unseeded, greedy, filtered and other seeded rows, in any order, draws what it draws alone
+    (over several steps, so the generator's position after each step must match too)."""
+    vocab, steps = 96, 12
+    target = make_logits(1, vocab, seed=20)
+    mine = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=5)
+    others = [SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=1.3, seed=9),
+              SamplingParams(temperature=0.6, top_p=0.5), SamplingParams(temperature=2.0, top_k=3, seed=1),
+              SamplingParams(seed=4)]   # greedy with a seed: its generator is not drawn from
+
+    def run(order: list[int]) -> list[int]:
+        """order: a permutation of range(7); index 6 is the target row."""
+        rows = make_logits(7, vocab, seed=21)
+        rows[6] = target[0]
+        params, gens = others + [mine], [None if p.seed is None else make_gen(p.seed) for p in others + [mine]]
+        tokens = []
+        for _ in range(steps):
+            drawn = Sampler().sample(rows[order], [params[i] for i in order], [gens[i] for i in order])
+            tokens.append(drawn[order.index(6)])
+        assert torch.equal(gens[5].get_state(), make_gen(4).get_state())   # the greedy row drew nothing
+        return tokens
+
+    alone = [Sampler().sample(target, [mine], [gen])[0] for gen in [make_gen(5)] for _ in range(steps)]
+    assert len(set(alone)) > 1   # it really sampled
+    for order in ([6, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6], [3, 6, 5, 0, 4, 2, 1], [5, 4, 3, 2, 1, 0, 6]):
+        assert run(order) == alone, order
+
+
+def test_draw_returns_one_int64_tensor_per_row():
+    logits = make_logits(5, 20, seed=30)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=2), SamplingParams(temperature=1.0),
+              SamplingParams(), SamplingParams(temperature=0.5, top_k=4)]
+    gens = [None, make_gen(2), None, None, None]
+    ids = Sampler().draw(logits, params, gens)
+    assert ids.shape == (5,) and ids.dtype == torch.int64 and ids.device == logits.device
+    assert ((ids >= 0) & (ids < 20)).all()
+    assert ids[0] == logits[0].argmax() and ids[3] == logits[3].argmax()
+    assert Sampler().draw(logits, [SamplingParams()] * 5, [None] * 5).tolist() == logits.argmax(-1).tolist()
+
+
+# probs [0.1, 0.4, 0.2, 0.3]; each case's expected distribution worked by hand (not through apply_top_k_top_p).
+FOUR = [0.1, 0.4, 0.2, 0.3]
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+@pytest.mark.parametrize("kwargs, want", [
+    ({"temperature": 1.0}, FOUR),
+    ({"temperature": 1.0, "top_k": 2}, [0, 0.4 / 0.7, 0, 0.3 / 0.7]),
+    ({"temperature": 1.0, "top_p": 0.6}, [0, 0.4 / 0.7, 0, 0.3 / 0.7]),       # mass before 0.2 is 0.7 >= 0.6
+    ({"temperature": 1.0, "top_p": 0.75}, [0, 0.4 / 0.9, 0.2 / 0.9, 0.3 / 0.9]),
+    ({"temperature": 1.0, "top_k": 3, "top_p": 0.5}, [0, 0.4 / 0.7, 0, 0.3 / 0.7]),   # top-3 renormalised: 4/9 < .5
+    ({"temperature": 0.5}, [p * p / 0.3 for p in FOUR]),                     # softmax(2 log p) = p^2 / sum p^2
+])
+def test_sampled_frequencies_match_the_distribution(kwargs, want, seeded):
+    """20k rows of one batch: every token's frequency is within 0.015 (over 4 standard deviations) of the
+    distribution the filters leave, for the batched draw and for per-row generators."""
+    num_draws = 20_000
+    torch.manual_seed(1234)
+    logits = torch.log(torch.tensor([FOUR])).expand(num_draws, 4)
+    params = [SamplingParams(**kwargs)] * num_draws
+    gens = [make_gen(i) for i in range(num_draws)] if seeded else [None] * num_draws
+    tokens = Sampler().sample(logits, params, gens)
+    freq = torch.bincount(torch.tensor(tokens), minlength=4).double() / num_draws
+    assert sum(want) == pytest.approx(1.0)
+    assert (freq - torch.tensor(want, dtype=torch.float64)).abs().max() < 0.015, freq.tolist()
+    assert all(freq[t] == 0 for t in range(4) if want[t] == 0)     # filtered tokens are never drawn
