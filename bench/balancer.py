@@ -73,7 +73,7 @@ def run_cell(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, r
             for name in POLICIES:
                 phys[name], dt = timed(policies[name].choose, 0, ids, c, 0)
                 times[name].append(dt)
-            total = c[0].numpy()
+            total = c[0]
             times["plan"].append(timed(ll.plan, 0, total)[1])
             times["warm"].append(statistics.median(timed(ll.plan, 0, total)[1] for _ in range(10)))
             for name, phy in phys.items():
