@@ -41,7 +41,8 @@ class MoEContext:
     phy ids from the policy map to (world rank, slot) via num_attention_ranks and num_slots.
     Policies that need every attention rank's per-expert counts get them by one all_gather of `[E]`
     int64 over the attention group per layer and micro-batch (every attention rank joins, in the same
-    order as its dispatches), on the ids' device into a persistent `[A * E]` buffer: no host read."""
+    order as its dispatches), on the ids' device into a persistent `[A * E]` buffer. No copy to the host
+    here; a gloo attention group on CUDA still stages the tensors through host memory itself."""
 
     dispatcher: Dispatcher
     policy: ReplicaPolicy
