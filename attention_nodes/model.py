@@ -41,7 +41,8 @@ class MoEContext:
     phy ids from the policy map to (world rank, slot) via num_attention_ranks and num_slots.
     Policies that need every attention rank's per-expert counts get them by one all_gather of `[E]`
     int64 over the attention group per layer and micro-batch (every attention rank joins, in the same
-    order as its dispatches)."""
+    order as its dispatches), on the ids' device into a persistent `[A * E]` buffer. No copy to the host
+    here; a gloo attention group on CUDA still stages the tensors through host memory itself."""
 
     dispatcher: Dispatcher
     policy: ReplicaPolicy
@@ -50,16 +51,21 @@ class MoEContext:
     num_experts: int
     attention_group: object
     source: int         # this rank's index among the attention ranks
+    counts: torch.Tensor | None = None      # `[A * E]` int64 every attention rank's counts, made on first use
 
     def start(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
         """Send x `[T, H]` to the replicas of its experts ids `[T, K]` (router weights `[T, K]`), not waiting."""
         counts = None
         if self.policy.needs_counts:
-            mine = torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
+            # scatter_add, not bincount: bincount on CUDA reads the largest id on the host to size its output
+            flat = ids.reshape(-1)
+            mine = torch.zeros(self.num_experts, dtype=torch.int64, device=ids.device).scatter_add_(
+                0, flat, torch.ones_like(flat))
             if self.num_attention_ranks > 1:
-                every = [torch.empty_like(mine) for _ in range(self.num_attention_ranks)]
-                dist.all_gather(every, mine, group=self.attention_group)
-                counts = torch.stack(every)
+                if self.counts is None:
+                    self.counts = mine.new_empty(self.num_attention_ranks * self.num_experts)
+                dist.all_gather_single(self.counts, mine, group=self.attention_group)
+                counts = self.counts.view(self.num_attention_ranks, self.num_experts)
             else:
                 counts = mine[None]
         phy = self.policy.choose(moe_layer, ids, counts, self.source)

@@ -10,285 +10,132 @@ runtime, the tests and bench/balancer.py call them the same way.
   small exchange), runs the same deterministic water-filling over the expert ranks' loads, and takes
   its own share of each expert's per-replica quotas. Ranks agree without a coordinator.
 
+Every choose() is device tensor ops of fixed shapes: no host read (`.item()`, `.tolist()`, `.cpu()`), no
+shape that depends on the data, so the decode path never waits on the host here.
+
 Names: L MoE layers, E experts, n expert ranks, P max replicas of one expert, A attention ranks.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import numpy as np
 import torch
 
+from . import water_fill
 from .placement import Placement
 
 
 class ReplicaPolicy(ABC):
-    """Chooses a replica for every routed (token, expert) pair of one MoE layer."""
+    """Chooses a replica for every routed (token, expert) pair of one MoE layer. Its tables live on `device`
+    (where the router's ids are), moved there once per placement; choose() never reads anything on the host."""
 
     needs_counts = False   # True: choose() wants every attention rank's per-expert counts for the layer
 
-    def __init__(self, placement: Placement):
+    def __init__(self, placement: Placement, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
         self.set_placement(placement)
 
     def set_placement(self, placement: Placement) -> None:
-        """Adopt a new placement (live re-placement); recomputes the lookup tables."""
+        """Adopt a new placement (live re-placement); recomputes the lookup tables on the device:
+        log2phy `[L, E, P]` int64 phy ids (-1 = padding), replica_count `[L, E]` int64."""
         self.placement = placement
-        self.log2phy, self.replica_count = placement.log2phy()
+        log2phy, replica_count = placement.log2phy()
+        self.log2phy, self.replica_count = log2phy.to(self.device), replica_count.to(self.device)
 
     @abstractmethod
     def choose(self, layer: int, topk_ids: torch.Tensor, counts: torch.Tensor | None = None,
                source: int = 0) -> torch.Tensor:
-        """topk_ids: `[T, K]` int64 logical experts -> `[T, K]` int64 phy ids (rank * S + slot).
-        counts: `[A, E]` per-expert pair counts of every attention rank (needs_counts policies only);
-        source: this attention rank's row in counts."""
+        """topk_ids: `[T, K]` int64 logical experts, on the policy's device -> `[T, K]` int64 phy ids
+        (rank * S + slot). counts: `[A, E]` int64 per-expert pair counts of every attention rank, on the same
+        device (needs_counts policies only); source: this attention rank's row in counts."""
 
 
 class StaticPolicy(ReplicaPolicy):
     """Always the first replica of each expert (with identity placement: the expert's only copy)."""
 
     def choose(self, layer, topk_ids, counts=None, source=0):
-        return self.log2phy[layer, :, 0].to(topk_ids.device)[topk_ids]
+        return self.log2phy[layer, :, 0][topk_ids]
 
 
 class RoundRobinPolicy(ReplicaPolicy):
     """Token index modulo the expert's replica count."""
 
     def choose(self, layer, topk_ids, counts=None, source=0):
-        table, count = self.log2phy[layer].to(topk_ids.device), self.replica_count[layer].to(topk_ids.device)
         tok = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
-        return table[topk_ids, tok % count[topk_ids]]
+        return self.log2phy[layer][topk_ids, tok % self.replica_count[layer][topk_ids]]
 
 
 class RandomPolicy(ReplicaPolicy):
-    """A uniformly random replica per pair, from a seeded generator (reproducible per rank)."""
+    """A uniformly random replica per pair, drawn on the device from a seeded generator (reproducible per rank)."""
 
-    def __init__(self, placement: Placement, seed: int = 0):
-        super().__init__(placement)
-        self.generator = torch.Generator().manual_seed(seed)
+    def __init__(self, placement: Placement, device: torch.device | str = "cpu", seed: int = 0):
+        super().__init__(placement, device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def choose(self, layer, topk_ids, counts=None, source=0):
-        table, count = self.log2phy[layer], self.replica_count[layer]
-        ids = topk_ids.cpu()
-        u = torch.randint(0, 1 << 30, ids.shape, generator=self.generator)
-        return table[ids, u % count[ids]].to(topk_ids.device)
-
-
-WARM_START_ITERATIONS = 64
-PRIOR_WEIGHT = 1e-3   # pull of the least-squares split toward the placement's split (makes it unique)
+        u = torch.randint(0, 1 << 30, topk_ids.shape, generator=self.generator, device=topk_ids.device)
+        return self.log2phy[layer][topk_ids, u % self.replica_count[layer][topk_ids]]
 
 
 class LeastLoadedPolicy(ReplicaPolicy):
-    """Water-filling onto the least-loaded replicas, the same plan on every attention rank.
+    """Water-filling onto the least-loaded replicas, the same plan on every attention rank (balancer/water_fill.py).
 
     Single-replica experts load their rank as they must. The tokens of experts with several replicas are
     split over their replicas' ranks to minimise the sum of squared rank loads (the lexicographically most
-    balanced split, which walks load along chains of shared ranks). Without the sign constraint that split is
-    a linear function of the per-expert totals, so `set_placement` solves the KKT system once per layer and
-    `plan` is one small matrix-vector product. Where that puts a negative share on a replica (a rank already
-    over the level from its single experts), the split is solved once more without those replicas, clipped,
-    and polished by `iterations` rounds of exact per-expert water-filling, all experts at once, moving `step`
-    of the way (block-coordinate descent on the same objective), which can put load back on them.
-    Fractional amounts become integer per-replica quotas by rounding running sums. Each attention rank takes
-    the slice of every expert's quotas at its offset among the attention ranks (rank order), so the union
-    over ranks meets every quota exactly."""
+    balanced split, which walks load along chains of shared ranks): one precomputed linear map, with a
+    re-solve, clip and `iterations` rounds of water-filling (moving `step` of the way) where that map puts a
+    negative share on a replica. Fractional amounts become integer per-replica quotas by rounding running sums.
+    Each attention rank takes the slice of every expert's quotas at its offset among the attention ranks (rank
+    order), so the union over ranks meets every quota exactly. All of it runs on the device, fixed shapes."""
 
     needs_counts = True
 
-    def __init__(self, placement: Placement, iterations: int = 3, step: float = 0.3):
+    def __init__(self, placement: Placement, device: torch.device | str = "cpu", iterations: int = 3,
+                 step: float = 0.3):
         self.iterations, self.step = iterations, step
-        super().__init__(placement)
+        super().__init__(placement, device)
 
     def set_placement(self, placement: Placement) -> None:
         super().set_placement(placement)
-        n, S = placement.num_ranks, placement.num_slots
-        self.num_ranks = n
-        rep_rank = torch.where(self.log2phy >= 0, self.log2phy // S, n).numpy()   # [L, E, P], pad -> n
-        count = self.replica_count.numpy()
-        self._valid = self.log2phy.numpy() >= 0
-        self._single = [np.flatnonzero(count[layer] == 1) for layer in range(placement.num_layers)]
-        self._single_rank = [rep_rank[layer, idx, 0] for layer, idx in enumerate(self._single)]
-        self._multi = [np.flatnonzero(count[layer] > 1) for layer in range(placement.num_layers)]
-        self._multi_rank = [rep_rank[layer, idx] for layer, idx in enumerate(self._multi)]
-        self._phy_np = self.log2phy.clamp(min=0).numpy()
-        self._k = np.arange(1, self.log2phy.shape[2] + 1, dtype=np.float64)
-        # Warm start: the split that balances the load the placement was made for (even when unknown).
-        self._fraction = []
-        self._linear = []
-        for layer, multi in enumerate(self._multi):
-            valid = self._valid[layer, multi]
-            even = np.where(valid, 1.0 / np.maximum(valid.sum(axis=1, keepdims=True), 1), 0.0)
-            expected = placement.load[layer].double().numpy() if placement.load is not None else None
-            if expected is not None and multi.size:
-                split = self._split(layer, expected, even * expected[multi][:, None], WARM_START_ITERATIONS)
-                even = np.where(valid, split / np.maximum(expected[multi][:, None], 1e-12), even)
-            self._fraction.append(even)
-            linear = None
-            if multi.size:
-                # Replicas the expected load leaves empty (their rank is over the level from single experts
-                # alone) are taken out of the linear map, one solve at a time, so it holds at that load.
-                active = self._valid[layer, multi].copy()
-                for _ in range(active.sum()):
-                    linear = self._least_squares(layer, even, active)
-                    if expected is None:
-                        break
-                    share = (linear @ expected).reshape(active.shape)
-                    negative = active & (share < 0)
-                    if not negative.any():
-                        break
-                    active = _keep_one(active & ~(negative & (share <= share[negative].min())), share)
-            # Only the rows of replicas that can take load: a hot expert's row block is padded to the most
-            # replicas any expert has, and reading those zero rows dominated a cache-cold plan.
-            rows = np.flatnonzero(np.abs(linear).sum(axis=1) > 0) if linear is not None else None
-            self._linear.append(None if linear is None else (rows, np.ascontiguousarray(linear[rows])))
+        log2phy, _ = placement.log2phy()
+        load = placement.load
+        self.tables = [water_fill.build_tables(log2phy[layer], placement.num_ranks, placement.num_slots,
+                                    None if load is None else load[layer].to(torch.float64), self.step
+                                    ).to(self.device) for layer in range(placement.num_layers)]
 
-    def _least_squares(self, layer: int, fraction: np.ndarray, active: np.ndarray,
-                       total: np.ndarray | None = None) -> np.ndarray:
-        """The split minimising sum over ranks of load^2 + PRIOR_WEIGHT * |share - fraction * total|^2 subject
-        to each expert's shares summing to its total (signs free), with shares only on the active `[M, P]`
-        replicas. With total `[E]`: that share `[M, P]`. Without: K `[M * P, E]`, share = K @ total.
-        Solved through the Schur complement on the experts: the Hessian over replicas is eps * I plus a
-        block of ones per rank, whose inverse has a closed form (Woodbury), leaving an M x M system."""
-        multi, rr = self._multi[layer], self._multi_rank[layer]
-        E, n = self._valid.shape[1], self.num_ranks
-        M, P = active.shape
-        T = np.eye(E) if total is None else total.astype(np.float64)[:, None]     # [E, k] columns of totals
-        edge = np.flatnonzero(active.ravel())                      # replica entries of share.ravel()
-        ranks, experts = rr.ravel()[edge], edge // P
-
-        def per_rank(v: np.ndarray) -> np.ndarray:                 # sum of replica values [m, k] per rank
-            out = np.zeros((n, v.shape[1]))
-            np.add.at(out, ranks, v)
-            return out
-
-        eps = PRIOR_WEIGHT
-        single_load = np.zeros((n, T.shape[1]))
-        np.add.at(single_load, self._single_rank[layer], T[self._single[layer]])
-        r = eps * fraction.ravel()[edge][:, None] * T[multi[experts]] - single_load[ranks]      # [m, k]
-        inv_deg = 1.0 / (eps + np.bincount(ranks, minlength=n))   # [n]
-
-        def h_inv(v: np.ndarray) -> np.ndarray:                    # (eps I + A^T A)^-1 v, A: replica -> rank
-            return (v - (inv_deg[:, None] * per_rank(v))[ranks]) / eps
-
-        C = np.bincount(experts * n + ranks, minlength=M * n).reshape(M, n).astype(np.float64)
-        schur = (np.diag(C.sum(axis=1)) - (C * inv_deg) @ C.T) / eps
-        hr = h_inv(r)
-        rhs = np.zeros((M, T.shape[1]))
-        np.add.at(rhs, experts, hr)
-        mu = np.linalg.solve(schur, rhs - T[multi])
-        x = hr - h_inv(mu[experts])
-        out = np.zeros((M * P, T.shape[1]))
-        out[edge] = x
-        return out.reshape(M, P) if total is not None else out
-
-    def plan(self, layer: int, total: np.ndarray) -> np.ndarray:
+    def plan(self, layer: int, total: torch.Tensor) -> torch.Tensor:
         """total `[E]` int64 pairs per expert over all attention ranks -> quotas `[E, P]` int64 (row e sums to
-        total[e], zero on padding). The same input gives the same output on every rank."""
-        E, P = self._valid.shape[1:]
-        quota = np.zeros((E, P), dtype=np.int64)
-        single, multi = self._single[layer], self._multi[layer]
-        quota[single, 0] = total[single]
-        if multi.size:
-            share = self.linear_share(layer, total)
-            if (share < 0).any():
-                # Replicas the linear split drains below zero (their rank is over the level): solve again
-                # without them, clip what is still negative, then let water-filling put load back where fits.
-                c = total[multi].astype(np.float64)
-                active = _keep_one(self._valid[layer, multi] & (share > 0), share)
-                share = self._least_squares(layer, self._fraction[layer], active, total)
-                np.maximum(share, 0.0, out=share)
-                row = share.sum(axis=1)
-                fallback = self._fraction[layer] * c[:, None]
-                share = np.where((row > 0)[:, None], share * (c / np.where(row > 0, row, 1.0))[:, None], fallback)
-                share = self._split(layer, total, share, self.iterations)
-            quota[multi] = _round_rows(share)
-        return quota
+        total[e], zero on padding), on total's device. The same input gives the same output on every rank."""
+        return water_fill.plan(self.tables[layer], total, self.iterations, self.step)
 
-    def linear_share(self, layer: int, total: np.ndarray) -> np.ndarray:
+    def split(self, layer: int, total: torch.Tensor) -> torch.Tensor:
+        """The fractional split `[M, P]` float64 of the replicated experts (tables[layer].multi) that plan rounds."""
+        return water_fill.split(self.tables[layer], total, self.iterations, self.step)
+
+    def linear_share(self, layer: int, total: torch.Tensor) -> torch.Tensor:
         """The linear map's split of total `[E]` over the replicated experts' replicas -> `[M, P]` float64."""
-        rows, K = self._linear[layer]
-        share = np.zeros(self._valid.shape[2] * len(self._multi[layer]))
-        share[rows] = K @ total.astype(np.float64)
-        return share.reshape(len(self._multi[layer]), -1)
-
-    def _split(self, layer: int, total: np.ndarray, share: np.ndarray, iterations: int) -> np.ndarray:
-        """Improve share `[M, P]` (tokens of each replicated expert per replica) by water-filling iterations."""
-        n = self.num_ranks
-        rr, flat_rr = self._multi_rank[layer], self._multi_rank[layer].ravel()
-        c_col = share.sum(axis=1, keepdims=True)
-        # float even when no expert is single (bincount of nothing is int64)
-        load = np.bincount(self._single_rank[layer], weights=total[self._single[layer]],
-                           minlength=n + 1).astype(np.float64)
-        load += np.bincount(flat_rr, weights=share.ravel(), minlength=n + 1)
-        load[n] = np.inf                                         # padding replicas never take tokens
-        k = self._k
-        with np.errstate(invalid="ignore"):
-            for _ in range(iterations):
-                others = load[rr]
-                others -= share                                  # [M, P] rank loads without this expert
-                # Pouring c over levels o (sorted) fills to min over j of (c + o_1 + ... + o_j) / j;
-                # padding sits at +inf, so it never lowers the level and never takes a share.
-                lv = np.sort(others, axis=1)
-                np.cumsum(lv, axis=1, out=lv)
-                lv += c_col
-                lv /= k
-                delta = lv.min(axis=1)[:, None] - others
-                np.maximum(delta, 0.0, out=delta)
-                delta -= share
-                delta *= self.step
-                share += delta
-                load += np.bincount(flat_rr, weights=delta.ravel(), minlength=n + 1)
-        return share
+        return water_fill.linear_share(self.tables[layer], total)
 
     def choose(self, layer, topk_ids, counts=None, source=0):
         if counts is None:
             raise ValueError("least_loaded needs every attention rank's per-expert counts")
-        counts = counts.cpu().numpy()
-        quota = self.plan(layer, counts.sum(axis=0))
-        return self.apply(layer, topk_ids, quota, counts[:source].sum(axis=0), counts[source])
+        quota = self.plan(layer, counts.sum(dim=0))
+        return self.apply(layer, topk_ids, quota, counts[:source].sum(dim=0), counts[source])
 
-    def apply(self, layer: int, topk_ids: torch.Tensor, quota: np.ndarray, before: np.ndarray,
-              mine: np.ndarray) -> torch.Tensor:
+    def apply(self, layer: int, topk_ids: torch.Tensor, quota: torch.Tensor, before: torch.Tensor,
+              mine: torch.Tensor) -> torch.Tensor:
         """This rank's pairs take global positions [before[e], before[e] + mine[e]) in expert e's order;
-        replica j of e owns positions [sum(quota[e, :j]), sum(quota[e, :j + 1]))."""
-        cum = np.cumsum(quota, axis=1)
-        lo, hi = before[:, None], (before + mine)[:, None]
-        take = np.clip(cum, lo, hi) - np.clip(cum - quota, lo, hi)        # [E, P] my pairs per replica
-        flat = topk_ids.reshape(-1).cpu().numpy()
-        order = _stable_order(flat, quota.shape[0])
-        out = np.empty_like(flat)
-        out[order] = np.repeat(self._phy_np[layer].ravel(), take.ravel())
-        return torch.from_numpy(out).view(topk_ids.shape).to(topk_ids.device)
-
-
-def _stable_order(flat: np.ndarray, num_experts: int) -> np.ndarray:
-    """Stable argsort of expert ids; small integer types let numpy use its radix sort."""
-    small = np.uint8 if num_experts <= 256 else np.uint16 if num_experts <= 65536 else flat.dtype
-    return np.argsort(flat.astype(small, copy=False), kind="stable")
-
-
-def _keep_one(active: np.ndarray, share: np.ndarray) -> np.ndarray:
-    """active `[M, P]` with every row that lost all its replicas given back its largest-share replica (an expert
-    with no replica left makes the least-squares system singular)."""
-    empty = np.flatnonzero(~active.any(axis=1))
-    if empty.size:
-        active = active.copy()
-        active[empty, np.argmax(share[empty], axis=1)] = True
-    return active
-
-
-def _round_rows(share: np.ndarray) -> np.ndarray:
-    """Integers from each row of share `[M, P]` by rounding its running sum: every row keeps its (integer)
-    total and no entry moves by a whole unit or more."""
-    cum = np.rint(np.cumsum(share, axis=1)).astype(np.int64)
-    cum[:, 1:] -= cum[:, :-1].copy()
-    return cum
+        replica j of e owns positions [sum(quota[e, :j]), sum(quota[e, :j + 1])). mine must be the bincount of
+        topk_ids `[T, K]`; quota `[E, P]`, before and mine `[E]`, all int64 on the ids' device."""
+        return water_fill.assign(self.tables[layer].phy, topk_ids, quota, before, mine)
 
 
 POLICIES: dict[str, type[ReplicaPolicy]] = {"static": StaticPolicy, "round_robin": RoundRobinPolicy,
                                             "random": RandomPolicy, "least_loaded": LeastLoadedPolicy}
 
 
-def make_policy(name: str, placement: Placement) -> ReplicaPolicy:
+def make_policy(name: str, placement: Placement, device: torch.device | str = "cpu") -> ReplicaPolicy:
+    """The policy called name, its tables on device (where the router's ids will be)."""
     if name not in POLICIES:
         raise ValueError(f"balancer {name!r} is not available; choose one of {sorted(POLICIES)}")
-    return POLICIES[name](placement)
+    return POLICIES[name](placement, device)

@@ -6,9 +6,10 @@ hot set that drifts (Zipf 1.0; every step one of the 16 hottest experts swaps pl
 The placement is EPLB's (balancer/placement.py) from an EMA of the counts observed in warm-up steps; with
 drift it is recomputed every 4 steps from the EMA, as live re-placement does. Every policy runs on the same
 placement and the same routing. Printed per cell: mean over measured steps of max/mean rank load.
-Decision time: the median per layer of least_loaded's plan (the balanced split from the per-expert counts,
-identical on every attention rank; "cold" is its first call after the other policies ran, "warm" the median
-of 10 calls back to back), its apply (each (token, expert) pair to a replica) and static's choose().
+Decision time: the median per layer of every policy's choose() (what the runtime calls: for least_loaded the
+plan from the per-expert counts, then each (token, expert) pair to a replica), and of least_loaded's plan alone
+(the balanced split, identical on every attention rank; "cold" is its first call after the other policies ran,
+"warm" the median of 10 calls back to back).
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np
 import torch
 
 from balancer.placement import eplb, slot_capacities
@@ -59,7 +59,7 @@ def run_cell(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, r
     counts = [torch.bincount(ids.flatten(), minlength=E) for ids in routing]
     ema = None
     ratios = {p: [] for p in POLICIES}
-    times = {p: [] for p in ("static", "plan", "warm", "apply")}
+    times = {p: [] for p in (*POLICIES, "plan", "warm")}
     placement = policies = None
     for t, ids in enumerate(routing):
         if t >= warmup:
@@ -68,18 +68,14 @@ def run_cell(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, r
                 policies = {name: make_policy(name, placement) for name in POLICIES}
             c = counts[t][None]
             phys = {}
-            for name in POLICIES[:-1]:
-                phys[name], dt = timed(policies[name].choose, 0, ids, c, 0)
-                if name == "static":
-                    times["static"].append(dt)
-            # least_loaded's choose, timed in its two parts (one attention rank: its plan, then its apply)
+            # least_loaded's plan alone (one attention rank), cold after the other policies ran, then warm
             ll: LeastLoadedPolicy = policies["least_loaded"]
-            total = c[0].numpy()
-            quota, dt_plan = timed(ll.plan, 0, total)
-            phys["least_loaded"], dt_apply = timed(ll.apply, 0, ids, quota, np.zeros(E, dtype=np.int64), total)
+            for name in POLICIES:
+                phys[name], dt = timed(policies[name].choose, 0, ids, c, 0)
+                times[name].append(dt)
+            total = c[0]
+            times["plan"].append(timed(ll.plan, 0, total)[1])
             times["warm"].append(statistics.median(timed(ll.plan, 0, total)[1] for _ in range(10)))
-            times["plan"].append(dt_plan)
-            times["apply"].append(dt_apply)
             for name, phy in phys.items():
                 load = torch.bincount(phy.flatten() // placement.num_slots, minlength=n).double()
                 ratios[name].append(float(load.max() / load.mean()))
@@ -99,8 +95,8 @@ def main() -> None:
     warmup = 4
     print(f"{E} experts, top-{K}, {args.tokens} tokens per layer; cells: max/mean expert-rank load "
           f"(mean over {args.steps} steps); times: median per layer, microseconds")
-    header = (f"| routing | ranks | redundancy | {' | '.join(POLICIES)} | least_loaded plan µs cold / warm | "
-              f"least_loaded apply µs | static µs |")
+    header = (f"| routing | ranks | redundancy | {' | '.join(POLICIES)} | "
+              f"{' | '.join(p + ' choose µs' for p in POLICIES)} | least_loaded plan µs cold / warm |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     summary = {}
@@ -113,17 +109,17 @@ def main() -> None:
                 summary[(kind, n, frac)] = (ratios, times)
                 print(f"| {kind} | {n} | {frac:.1%} ({R}) | "
                       + " | ".join(f"{ratios[p]:.3f}" for p in POLICIES)
-                      + f" | {times['plan']:.0f} / {times['warm']:.0f} | {times['apply']:.0f}"
-                      + f" | {times['static']:.0f} |",
+                      + " | " + " | ".join(f"{times[p]:.0f}" for p in POLICIES)
+                      + f" | {times['plan']:.0f} / {times['warm']:.0f} |",
                       flush=True)
     print()
     for n in args.ranks:
         if ("zipf1.0", n, 0.25) in summary:
             r, t = summary[("zipf1.0", n, 0.25)]
             print(f"target: least_loaded max/mean at 25% redundancy, Zipf 1.0, {n} ranks: "
-                  f"{r['least_loaded']:.3f} (<= 1.05); plan {t['plan']:.0f} µs cold, {t['warm']:.0f} µs warm "
-                  f"(<= 100 µs), apply {t['apply']:.0f} µs; round_robin {r['round_robin']:.3f}, "
-                  f"random {r['random']:.3f}")
+                  f"{r['least_loaded']:.3f} (<= 1.05); choose {t['least_loaded']:.0f} µs, "
+                  f"plan {t['plan']:.0f} µs cold, {t['warm']:.0f} µs warm (<= 100 µs); "
+                  f"round_robin {r['round_robin']:.3f}, random {r['random']:.3f}")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ class ExpertWorker:
         self.rank, self.slots, self.dispatcher = rank, slots, dispatcher
         self.num_moe_layers = num_moe_layers
         self.micro_batches = micro_batches
-        self.load = LoadTracker(num_moe_layers, slots.num_slots)
+        self.load = LoadTracker(num_moe_layers, slots.num_slots, device=slots.w13.device)
 
     def adopt(self, slots: ExpertSlots, dispatcher: Dispatcher) -> None:
         """A new generation of the job: serve these slots through its dispatcher (load counts start over)."""
         self.slots, self.dispatcher = slots, dispatcher
-        self.load = LoadTracker(self.num_moe_layers, slots.num_slots)
+        self.load = LoadTracker(self.num_moe_layers, slots.num_slots, device=slots.w13.device)
 
     def detach(self) -> None:
         """This rank left its generation: drop the data plane (the next generation brings its own)."""

@@ -196,7 +196,7 @@ class Runtime:
 
     def _moe_context(self) -> MoEContext:
         spec, placement = self.ckpt.spec, self.experts.placement
-        return MoEContext(self.dispatcher, make_policy(self.config.parallel.balancer, placement),
+        return MoEContext(self.dispatcher, make_policy(self.config.parallel.balancer, placement, self.dev.device),
                           self.topo.num_attention_ranks, placement.num_slots, spec.num_experts, self.groups.attention,
                           self.topo.rank)
 
