@@ -54,3 +54,22 @@ def test_no_report_without_the_option():
 def test_sync_audit_must_be_a_bool():
     with pytest.raises(ValueError, match="sync_audit='yes'"):
         EngineConfig.from_options(SHIPPED_MODEL, 1, 1, sync_audit="yes")
+
+
+@pytest.mark.parametrize("balancer", ["static", "least_loaded"])
+def test_decode_steps_wait_on_the_host_once_on_attention_ranks_and_never_on_expert_ranks(balancer):
+    """The GPU property, proven on CPU: with the data plane a CUDA run uses (the collective transport, direct
+    dispatch) a decode step reads back only the sampled ids on the attention rank, and nothing on the expert
+    ranks, whatever the balancer (least_loaded with a replica to choose between)."""
+    prompts = ["ROMEO.\n", "Hamlet.\nTo be, or not to be,", "Enter", "KING."]
+    with LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=2, sync_audit=True, transport="collective",
+             comm="direct", balancer=balancer, redundant_experts=1) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        ranks = llm.comm_stats()["ranks"]
+    attention = ranks["0"]["host_syncs"]
+    (site,) = host_read_sites()
+    assert attention["decode_steps"] >= 1
+    assert attention["max_per_decode_step"] == 1 and set(attention["sites"]) == {site}, attention
+    for r in ("1", "2"):
+        assert ranks[r]["host_syncs"]["decode_steps"] == attention["decode_steps"]
+        assert ranks[r]["host_syncs"]["max_per_decode_step"] == 0, ranks[r]["host_syncs"]
