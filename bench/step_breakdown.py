@@ -1,5 +1,6 @@
-"""Where a step's time goes: bench/throughput.py's workload on 1 attention + 2 expert ranks, split from the
-runtime's own per-layer counters (`llm.comm_stats()`, taken before and after the timed run).
+"""Where a step's time goes: bench/throughput.py's workload on 1 attention + 2 expert ranks (or
+--attention-ranks/--expert-ranks), split from the runtime's own per-layer counters (`llm.comm_stats()`, taken
+before and after the timed run).
 
 The attention rank's wall time splits into
 - attention-side compute: embeddings, norms, QKV/O projections, paged attention, router, LM head;
@@ -53,10 +54,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--threads-per-rank", type=int, default=None)
+    ap.add_argument("--attention-ranks", type=int, default=1)
+    ap.add_argument("--expert-ranks", type=int, default=2)
+    ap.add_argument("--kernel-backend", default="auto", help="auto (sdpa on CPU), sdpa or torch (the references)")
     args = ap.parse_args()
     prompts, olens = workload(args.requests, model=args.model)
-    with LLM(args.model, attention_ranks=1, expert_ranks=2, max_num_seqs=64, max_num_batched_tokens=512,
-             micro_batches=args.micro_batches, threads_per_rank=args.threads_per_rank) as llm:
+    A = args.attention_ranks
+    with LLM(args.model, attention_ranks=A, expert_ranks=args.expert_ranks, max_num_seqs=64 // A,
+             max_num_batched_tokens=512, micro_batches=args.micro_batches, threads_per_rank=args.threads_per_rank,
+             kernel_backend=args.kernel_backend) as llm:
         measure(llm, prompts[:16], olens[:16])  # warm-up
         runs = [measure(llm, prompts, olens) for _ in range(args.repeats)]
     run = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # the median run, whole
