@@ -45,7 +45,8 @@ class _Audit(TorchDispatchMode):
 @contextlib.contextmanager
 def no_host_reads():
     """Within the block, any host read of tensor values raises HostRead."""
-    saved = {m: getattr(torch.Tensor, m) for m in READ_METHODS}
+    # a method that torch.Tensor inherits (from TensorBase) is deleted again afterwards, not set on torch.Tensor
+    saved = {m: torch.Tensor.__dict__.get(m) for m in READ_METHODS}
 
     def refuse(method):
         def raise_(self, *args, **kwargs):
@@ -59,4 +60,7 @@ def no_host_reads():
             yield
     finally:
         for m, f in saved.items():
-            setattr(torch.Tensor, m, f)
+            if f is None:
+                delattr(torch.Tensor, m)
+            else:
+                setattr(torch.Tensor, m, f)
