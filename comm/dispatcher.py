@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .blocks import gather_rows, place_rows
 from .shm import HEADER, Inbox, Outlet, _StoreFence, make_shared_dir
 from .stats import CommStats
 
@@ -221,26 +222,8 @@ class DirectDispatcher(Dispatcher):
     def _pack_blocks(self, hidden, dst, slots, weights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden `[T, H]`, dst `[T, K]` expert-rank index (0..E-1) -> (blocks `[E * (C + 1) + 1, B]` uint8: per
         expert rank a count row (int64) and C row places, then the scratch row; hit `[T, E]`; pos `[T, E]`)."""
-        W, S, C, B, K = self.world_size, self.num_sources, self.capacity, self._row_bytes(), self.top_k
-        E, T = W - S, hidden.shape[0]
-        ranks = torch.arange(E, device=self.device)
-        same = dst[:, None, :] == ranks[None, :, None]                                  # [T, E, K]
-        hit = same.any(dim=2)                                                           # [T, E]
-        pos = torch.cumsum(hit, dim=0) - 1                                              # [T, E]
-        counts = hit.sum(dim=0)                                                         # [E]
-        row_slots = torch.where(same, slots[:, None, :], -1).to(torch.int32)
-        row_weights = torch.where(same, weights.float()[:, None, :], 0.0)
-        hb = hidden.shape[1] * hidden.element_size()
-        rows = torch.cat([hidden.contiguous().view(torch.uint8)[:, None, :].expand(T, E, hb),
-                          row_slots.view(torch.uint8).view(T, E, 4 * K),
-                          row_weights.view(torch.uint8).view(T, E, 4 * K)], dim=2)      # [T, E, B]
-        blocks = torch.zeros(E * (C + 1) + 1, B, dtype=torch.uint8, device=self.device)
-        scratch = E * (C + 1)
-        place = torch.where(hit, ranks[None, :] * (C + 1) + 1 + pos, scratch)           # [T, E]
-        if T:
-            blocks.index_copy_(0, place.reshape(-1), rows.reshape(T * E, B))
-        blocks[ranks * (C + 1), :8] = counts.view(-1, 1).view(torch.uint8)
-        return blocks, hit, pos
+        E = self.world_size - self.num_sources
+        return place_rows(hidden.contiguous().view(torch.uint8), dst, slots, weights, E, self.capacity)
 
     def finish_dispatch(self, pending):
         W, S, C, B = self.world_size, self.num_sources, self.capacity, self._row_bytes()
@@ -280,11 +263,7 @@ class DirectDispatcher(Dispatcher):
                                        [0] * S + [C] * E, [0] * W, group=self.group)
             sent = []
             # token t's share from expert rank e sits at row e * C + pos[t, e] (where it visited e)
-            ranks = torch.arange(E, device=self.device)
-            index = (ranks[None, :] * C + handle.pos.clamp(min=0)).reshape(-1)
-            got = back.index_select(0, index).view(handle.num_tokens, E, H)
-            out = torch.where(handle.hit[:, :, None], got, 0).sum(dim=1) if E > 1 else \
-                torch.where(handle.hit, got[:, 0], 0)
+            out = gather_rows(back.view(E, C, H), handle.hit, handle.pos)
         else:
             block = expert_out.to(self.dtype).contiguous()                              # [S * C, H]
             if S == 1:

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .blocks import compact, count_of, expand, gather_rows, place_rows, set_count, valid_places
 from .cost_model import CostModel
-from .dispatcher import DirectDispatcher, Dispatcher, PendingDispatch, pack_rows, plan_rows, unpack_rows
+from .dispatcher import DirectDispatcher, Dispatcher, PendingDispatch, unpack_rows
 
 SLOT_BITS = 20
 MAX_RANKS = 1 << (31 - SLOT_BITS)   # a code must fit an int32
@@ -38,15 +39,21 @@ MAX_RANKS = 1 << (31 - SLOT_BITS)   # a code must fit an int32
 
 @dataclass(slots=True)
 class TwoPhaseHandle:
-    """What combine needs to walk the path back (all lists in the order the dispatch used)."""
+    """What combine needs to walk the path back, all device tensors of fixed shape (no host reads). D destination
+    nodes, S_n sources on my node, M_n expert ranks on my node, R rows an nd gateway holds."""
 
     layer: int
     num_tokens: int
-    to_gateway: dict[int, torch.Tensor] = field(default_factory=dict)      # source: nd -> token of each row sent
-    from_sources: dict[int, list[int]] = field(default_factory=dict)       # gateway: nd -> rows from each source
-    from_gateways: list[int] = field(default_factory=list)                 # nd gateway: rows from each ns gateway
-    exploded: torch.Tensor | None = None                                   # nd gateway: merged row of each row sent
-    from_nd_gateways: list[int] = field(default_factory=list)              # expert: rows from each nd gateway
+    hit: torch.Tensor | None = None        # source: [T, D] whether token t has a choice on dst_nodes[d]
+    pos: torch.Tensor | None = None        # source: [T, D] its place in the block for that node
+    where: dict[int, torch.Tensor] = field(default_factory=dict)   # ns gateway: nd -> [S_n, C] place of each
+    #                                        source's row place in the hop-2 block (bound + 1 = empty)
+    from_sources: dict[int, torch.Tensor] = field(default_factory=dict)   # ns gateway: nd -> [S_n] rows per source
+    from_gateways: torch.Tensor | None = None   # nd gateway: [len(gateway_of)] rows from each ns gateway
+    fan_hit: torch.Tensor | None = None    # nd gateway: [R, M_n] whether row n goes to node_experts[m]
+    fan_pos: torch.Tensor | None = None    # nd gateway: [R, M_n] its place in that rank's block
+    from_nd_gateways: torch.Tensor | None = None  # expert: [len(nd_gateways)] rows from each nd gateway
+    valid: torch.Tensor | None = None      # expert: [sum of nd_bound(g)] whether each received row place holds a row
 
 
 class TwoPhaseDispatcher(Dispatcher):
@@ -76,6 +83,9 @@ class TwoPhaseDispatcher(Dispatcher):
             for nd in self.dst_nodes:
                 g2 = self.gateways(ns, nd)[1]
                 self.served_sources[g2] = self.served_sources.get(g2, 0) + self.num_sources_on[ns]
+        # node -> index in dst_nodes (-1: holds no expert ranks), to address a choice's node block
+        self.node_index = torch.full((max(self.node_of) + 1,), -1, dtype=torch.int64, device=device)
+        self.node_index[self.dst_nodes] = torch.arange(len(self.dst_nodes), device=device)
 
     def gateways(self, ns: int, nd: int) -> tuple[int, int]:
         """(gateway on ns, gateway on nd) for traffic from source node ns to destination node nd."""
@@ -90,29 +100,16 @@ class TwoPhaseDispatcher(Dispatcher):
         return [r for r in self.members[node] if r >= self.num_sources]
 
     # ----- messages ----------------------------------------------------------------------------------------
-    def _block(self, bound: int, width: int, n: int) -> torch.Tensor:
-        """An outgoing message: `[bound + 1, width]` uint8 whose row 0 holds the count n; rows 1..n to be filled."""
-        assert n <= bound, (n, bound)
-        block = torch.empty(bound + 1, width, dtype=torch.uint8, device=self.device)
-        block[0, :8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
-        return block
-
-    def _exchange(self, sends: list[tuple[int, int, torch.Tensor, int | None]], recvs: list[tuple[int, int, int]],
-                  width: int, layer: int, phase: str) -> list[torch.Tensor]:
-        """Point-to-point rows. sends: (peer, tag, `[n, width]` uint8 rows, bound), or (peer, tag, block, None)
-        for a block made by `_block` and filled already; recvs: (peer, tag, bound) -> the rows of each recv, in
-        order. Each message is a block of bound + 1 rows (row 0: the count), a size both sides know; a message
-        to oneself is a reference, not a message."""
+    def _exchange(self, sends: list[tuple[int, int, torch.Tensor]], recvs: list[tuple[int, int, int]], width: int,
+                  layer: int, phase: str) -> list[torch.Tensor]:
+        """Point-to-point blocks. sends: (peer, tag, `[bound + 1, width]` uint8 block); recvs: (peer, tag, bound)
+        -> the received blocks, in order, whole (row 0: the count; nobody reads it on the host). A message to
+        oneself is a reference, not a message."""
         me, stats = self.rank, self.stats.phase(layer, phase)
         local, ops, blocks = {}, [], []
-        for peer, tag, rows, bound in sends:
-            if bound is None:
-                block, rows = rows, rows[1:1 + int(rows[0, :8].view(torch.int64))]
-            elif peer != me:
-                block = self._block(bound, width, rows.shape[0])
-                block[1:1 + rows.shape[0]] = rows
+        for peer, tag, block in sends:
             if peer == me:
-                local[tag] = rows
+                local[tag] = block
                 continue
             ops.append(dist.P2POp(dist.isend, block, peer, self.group, tag))
             stats.add_message(block.numel(), self.node_of[peer] != self.my_node)
@@ -125,8 +122,11 @@ class TwoPhaseDispatcher(Dispatcher):
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        return [local[tag] if buf is None else buf[1:1 + int(buf[0, :8].view(torch.int64))]
-                for (_, tag, _), buf in zip(recvs, blocks)]
+        return [local[tag] if buf is None else buf for (_, tag, _), buf in zip(recvs, blocks)]
+
+    def _reply(self, rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """A combine message: rows `[bound, width]` uint8 under a count row -> `[bound + 1, width]`."""
+        return set_count(torch.cat([rows.new_zeros(1, rows.shape[1]), rows]), count)
 
     def _bound(self, ns: int, capacity: int) -> int:
         """Most rows a source node can have for one destination node: one per token of each of its sources."""
@@ -165,71 +165,75 @@ class TwoPhaseDispatcher(Dispatcher):
 
     # ----- dispatch ----------------------------------------------------------------------------------------
     def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
+        # T tokens, D destination nodes, C capacity, B bytes per row, K top-k; every shape follows from C and
+        # the topology, every place from a visit map and a cumulative sum on the device
         t0 = time.perf_counter()
-        W, me, B, C = self.world_size, self.rank, self._row_bytes(), self.capacity
-        if hidden.shape[0] > self.capacity:
-            raise RuntimeError(f"rank {me}: {hidden.shape[0]} tokens exceed the step capacity {self.capacity}")
+        me, here, B, C, K = self.rank, self.my_node, self._row_bytes(), self.capacity, self.top_k
+        hb = self.hidden_size * self.dtype.itemsize
+        if hidden.shape[0] > C:
+            raise RuntimeError(f"rank {me}: {hidden.shape[0]} tokens exceed the step capacity {C}")
         handle = TwoPhaseHandle(layer, hidden.shape[0])
-        # hop 1: my tokens, once per destination node, to my node's gateway for it
+        # Step 1: my tokens, once per destination node, to my node's gateway for it (a block per node; a
+        # choice crosses as a code, rank << SLOT_BITS | slot, -1 on the other nodes' blocks)
         sends = []
         if self.is_source:
             code = torch.where(slots >= 0, (dst_ranks << SLOT_BITS) | slots, -1)
-            row2token, row_node, row_code, row_w = plan_rows(dst_ranks // self.ranks_per_node, code, weights, W)
-            for nd in self.dst_nodes:
-                sel = row_node == nd
-                handle.to_gateway[nd] = row2token[sel]
-                sends.append((self.gateways(self.my_node, nd)[0], self._tag(1, nd),
-                              pack_rows(hidden[row2token[sel]], row_code[sel], row_w[sel]), C))
+            blocks, handle.hit, handle.pos = place_rows(hidden.contiguous().view(torch.uint8),
+                                                        self.node_index[dst_ranks // self.ranks_per_node], code,
+                                                        weights, len(self.dst_nodes), C)
+            sends = [(self.gateways(here, nd)[0], self._tag(1, nd), blocks[i * (C + 1):(i + 1) * (C + 1)])
+                     for i, nd in enumerate(self.dst_nodes)]
         srcs = self.node_sources
         got = self._exchange(sends, [(s, self._tag(1, nd), C) for nd in self.gateway_for for s in srcs], B, layer,
                              "dispatch")
-        # hop 2: what my node has for nd, in one message to nd's gateway
+        # Step 2: what my node has for nd, packed into one block, to nd's gateway
         sends = []
         for i, nd in enumerate(self.gateway_for):
-            part = got[i * len(srcs):(i + 1) * len(srcs)]
-            handle.from_sources[nd] = [p.shape[0] for p in part]
-            sends.append((self.gateways(self.my_node, nd)[1], self._tag(2, self.my_node), torch.cat(part),
-                          self._bound(self.my_node, C)))
-        got = self._exchange(sends, [(self.gateways(ns, self.my_node)[0], self._tag(2, ns), self._bound(ns, C))
-                                     for ns in self.gateway_of], B, layer, "dispatch")
-        # hop 3: each expert rank of this node gets the rows naming it, copied once into its message, with
-        # the other ranks' choices blanked (slot -1, weight 0)
+            part = torch.stack(got[i * len(srcs):(i + 1) * len(srcs)])                    # [S_n, C + 1, B]
+            handle.from_sources[nd] = count_of(part)
+            block, handle.where[nd] = compact(part, self._bound(here, C))
+            sends.append((self.gateways(here, nd)[1], self._tag(2, here), block))
+        bounds = [self._bound(ns, C) for ns in self.gateway_of]
+        got = self._exchange(sends, [(self.gateways(ns, here)[0], self._tag(2, ns), n)
+                                     for ns, n in zip(self.gateway_of, bounds)], B, layer, "dispatch")
+        # Step 3: each row to every expert rank of this node it names, the other ranks' choices blanked
         sends = []
         if self.gateway_of:
-            handle.from_gateways = [g.shape[0] for g in got]
-            merged = torch.cat(got)
-            hb, K = self.hidden_size * self.dtype.itemsize, self.top_k
-            codes = merged[:, hb:hb + 4 * K].contiguous().view(torch.int32)
-            weights_ = merged[:, hb + 4 * K:].contiguous().view(torch.float32)
-            rank = torch.where(codes >= 0, codes >> SLOT_BITS, W)
-            slot = codes & ((1 << SLOT_BITS) - 1)
-            exploded = []
-            for r in self.node_experts:
-                mine = rank == r
-                rows = mine.any(dim=1).nonzero().flatten()
-                exploded.append(rows)
-                block = self._block(self._nd_bound(me, C), B, rows.numel())
-                body = block[1:1 + rows.numel()]
-                torch.index_select(merged, 0, rows, out=body)
-                mine = mine[rows]
-                body[:, hb:hb + 4 * K] = torch.where(mine, slot[rows], -1).view(torch.uint8)
-                body[:, hb + 4 * K:] = torch.where(mine, weights_[rows], 0.0).view(torch.uint8)
-                sends.append((r, self._tag(3, 0), block, None))
-            handle.exploded = torch.cat(exploded) if exploded else torch.empty(0, dtype=torch.int64)
-        got = self._exchange(sends, [(g, self._tag(3, 0), self._nd_bound(g, C)) for g in self.nd_gateways], B, layer,
+            handle.from_gateways = torch.stack([count_of(g) for g in got])
+            valid = torch.cat([valid_places(c[None], n)[0] for c, n in zip(handle.from_gateways, bounds)])
+            merged = torch.cat([g[1:] for g in got])                                      # [R, B]
+            codes = merged[:, hb:hb + 4 * K].contiguous().view(torch.int32).to(torch.int64)
+            rank = torch.where(valid[:, None] & (codes >= 0), (codes >> SLOT_BITS) - self.node_experts[0], -1)
+            fan, n = len(self.node_experts), self._nd_bound(me, C)
+            blocks, handle.fan_hit, handle.fan_pos = place_rows(
+                merged[:, :hb], rank, codes & ((1 << SLOT_BITS) - 1),
+                merged[:, hb + 4 * K:].contiguous().view(torch.float32), fan, n)
+            sends = [(r, self._tag(3, 0), blocks[j * (n + 1):(j + 1) * (n + 1)])
+                     for j, r in enumerate(self.node_experts)]
+        bounds = [self._nd_bound(g, C) for g in self.nd_gateways]
+        got = self._exchange(sends, [(g, self._tag(3, 0), n) for g, n in zip(self.nd_gateways, bounds)], B, layer,
                              "dispatch")
-        handle.from_nd_gateways = [g.shape[0] for g in got]
-        rows = torch.cat(got) if got else torch.empty(0, B, dtype=torch.uint8, device=self.device)
+        rows = torch.empty(0, B, dtype=torch.uint8, device=self.device)
+        handle.valid = torch.zeros(0, dtype=torch.bool, device=self.device)
+        if got:
+            handle.from_nd_gateways = torch.stack([count_of(g) for g in got])
+            handle.valid = torch.cat([valid_places(c[None], n)[0] for c, n in zip(handle.from_nd_gateways, bounds)])
+            rows = torch.cat([g[1:] for g in got])
         self.stats.phase(layer, "dispatch").add(0, 0, time.perf_counter() - t0)
         return PendingDispatch(None, rows, None, handle, t0)
 
     def finish_dispatch(self, pending):
-        return unpack_rows(pending.recv, self.hidden_size, self.top_k, self.dtype), pending.handle
+        # every received row place, in nd gateway order; places past a gateway's count get slot -1 (computed by
+        # no expert) and weight 0
+        rows, valid = unpack_rows(pending.recv, self.hidden_size, self.top_k, self.dtype), pending.handle.valid
+        rows.slots = torch.where(valid[:, None], rows.slots, -1)
+        rows.weights = torch.where(valid[:, None], rows.weights, 0.0)
+        return rows, pending.handle
 
     # ----- combine -----------------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: TwoPhaseHandle) -> torch.Tensor:
         t0 = time.perf_counter()
-        H, me, layer, C = self.hidden_size, self.rank, handle.layer, self.capacity
+        H, me, here, layer, C = self.hidden_size, self.rank, self.my_node, handle.layer, self.capacity
         width = H * self.dtype.itemsize
 
         def as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -238,49 +242,43 @@ class TwoPhaseDispatcher(Dispatcher):
         def as_hidden(x: torch.Tensor) -> torch.Tensor:
             return x.contiguous().view(self.dtype).view(-1, H)
 
-        # hop 3 back: each expert rank returns its rows to the nd gateways they came from
-        out_rows = as_bytes(expert_out)
-        sends, start = [], 0
-        for g, n in zip(self.nd_gateways, handle.from_nd_gateways):
-            sends.append((g, self._tag(6, 0), out_rows[start:start + n], self._nd_bound(g, C)))
+        # Step 3 back: each expert rank returns every row place to the nd gateway it came from
+        out_rows, sends, start = as_bytes(expert_out), [], 0
+        for i, g in enumerate(self.nd_gateways):
+            n = self._nd_bound(g, C)
+            sends.append((g, self._tag(6, 0), self._reply(out_rows[start:start + n], handle.from_nd_gateways[i])))
             start += n
-        experts = self.node_experts if handle.exploded is not None else []
-        got = self._exchange(sends, [(r, self._tag(6, 0), self._nd_bound(me, C)) for r in experts], width, layer,
-                             "combine")
-        # hop 2 back: sum each merged row over this node's experts, return each ns gateway its rows
+        experts = self.node_experts if handle.fan_hit is not None else []
+        n = self._nd_bound(me, C) if experts else 0
+        got = self._exchange(sends, [(r, self._tag(6, 0), n) for r in experts], width, layer, "combine")
+        # Step 2 back: add up each row over this node's expert ranks, return each ns gateway its rows
         sends = []
-        if handle.exploded is not None:
-            acc = torch.zeros(sum(handle.from_gateways), H, dtype=self.dtype, device=self.device)
-            start = 0
-            for rows in got:                      # in node_experts order, as handle.exploded
-                if rows.shape[0]:
-                    acc.index_add_(0, handle.exploded[start:start + rows.shape[0]], as_hidden(rows))
-                start += rows.shape[0]
-            acc, start = as_bytes(acc), 0
-            for ns, n in zip(self.gateway_of, handle.from_gateways):
-                sends.append((self.gateways(ns, self.my_node)[0], self._tag(5, ns), acc[start:start + n],
-                              self._bound(ns, C)))
+        if experts:
+            back = torch.stack([as_hidden(g[1:]) for g in got])                              # [M_n, R, H]
+            acc, start = as_bytes(gather_rows(back, handle.fan_hit, handle.fan_pos)), 0
+            for i, ns in enumerate(self.gateway_of):
+                n = self._bound(ns, C)
+                sends.append((self.gateways(ns, here)[0], self._tag(5, ns),
+                              self._reply(acc[start:start + n], handle.from_gateways[i])))
                 start += n
-        got = self._exchange(sends, [(self.gateways(self.my_node, nd)[1], self._tag(5, self.my_node),
-                                      self._bound(self.my_node, C)) for nd in self.gateway_for], width, layer,
-                             "combine")
-        # hop 1 back: hand each source its rows
+        got = self._exchange(sends, [(self.gateways(here, nd)[1], self._tag(5, here), self._bound(here, C))
+                                     for nd in self.gateway_for], width, layer, "combine")
+        # Step 1 back: hand each source its row places
         sends = []
-        for nd, rows in zip(self.gateway_for, got):
-            start = 0
-            for s, n in zip(self.node_sources, handle.from_sources[nd]):
-                sends.append((s, self._tag(4, nd), rows[start:start + n], C))
-                start += n
-        back = list(handle.to_gateway)
-        got = self._exchange(sends, [(self.gateways(self.my_node, nd)[0], self._tag(4, nd), C) for nd in back],
-                             width, layer, "combine")
-        out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
-        for nd, rows in zip(back, got):
-            if rows.shape[0]:
-                out.index_add_(0, handle.to_gateway[nd], as_hidden(rows))
+        for nd, block in zip(self.gateway_for, got):
+            per_source = expand(block, handle.where[nd])                                     # [S_n, C, width]
+            sends += [(s, self._tag(4, nd), self._reply(per_source[i], handle.from_sources[nd][i]))
+                      for i, s in enumerate(self.node_sources)]
+        back = self.dst_nodes if self.is_source else []
+        got = self._exchange(sends, [(self.gateways(here, nd)[0], self._tag(4, nd), C) for nd in back], width, layer,
+                             "combine")
+        if self.is_source:
+            out = gather_rows(torch.stack([as_hidden(g[1:]) for g in got]).view(len(back), C, H), handle.hit,
+                              handle.pos)
+        else:
+            out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         self.stats.phase(layer, "combine").add(0, 0, time.perf_counter() - t0)
         return out
-
 
 
 class AutoDispatcher(Dispatcher):

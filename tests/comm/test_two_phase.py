@@ -51,9 +51,13 @@ def _rank_fn(rank, world, A, rpn, tokens, seed, one_rank):
             scale = (rows.slots + 1 + 10 * rank).float() * (rows.slots >= 0)
             expert_out = rows.hidden * (rows.weights * scale).sum(1, keepdim=True)
             combined = d.combine(expert_out, handle)
-            # rows in a canonical order: by (sender, token)
+            # both modes keep whole fixed-size blocks: empty row places (slot -1 everywhere) hold zeros
+            valid = (rows.slots >= 0).any(1)
+            assert not rows.hidden[~valid].any() and not rows.weights[~valid].any()
+            # the rows that hold a token, in a canonical order: by (sender, token)
             key = rows.hidden[:, 0] * 10000 + rows.hidden[:, 1]
-            order = torch.argsort(key)
+            order = torch.argsort(key[valid])
+            rows.hidden, rows.slots, rows.weights = rows.hidden[valid], rows.slots[valid], rows.weights[valid]
             results.append({"rows": (rows.hidden[order], rows.slots[order], rows.weights[order]),
                             "out": combined})
         out[mode] = {"results": results, "stats": d.stats.to_dict()}
