@@ -353,8 +353,10 @@ class LLM:
         are then stopped too). Once serving, the leader re-forms the job around any other lost rank
         (launch/runtime/step_protocol.py), so those are only logged and listed in lost_ranks. Ranks under torchrun are
         watched by torchrun itself."""
-        dead = [(i, p.exitcode) for i, p in enumerate(self._procs)
-                if not p.is_alive() and i not in self.retired_ranks]
+        # A rank that a scale-in retired exits with code 0, possibly before its scale result reaches this
+        # process (take_scale_result then lists it): a clean exit while serving is a retirement, not a loss.
+        dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()
+                and i not in self.retired_ranks and not (self._serving and i != 0 and p.exitcode == 0)]
         if not dead:
             return
         if self._serving and dead[0][0] != 0:
