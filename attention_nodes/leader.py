@@ -25,10 +25,19 @@ from .sequence import request_of, sample_ids, split_sample_id
 from .worker import AttentionWorker
 
 
+def micro_batches_for(tokens: int, configured: int, min_tokens: int) -> int:
+    """The micro-batches a step runs: the configured number when the least busy attention rank carries at least
+    min_tokens per micro-batch from its running sequences alone, else 1 (one whole batch: below that, two
+    small forwards cost more per op than their overlap saves)."""
+    return configured if configured > 1 and tokens >= configured * min_tokens else 1
+
+
 class Leader:
     def __init__(self, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
-                 rebalance_interval: int = 0, cache_aware: bool = False):
+                 rebalance_interval: int = 0, cache_aware: bool = False, micro_batches: int = 1,
+                 micro_batch_min_tokens: int = 0):
         self.worker = worker
+        self.micro_batches, self.micro_batch_min_tokens = micro_batches, micro_batch_min_tokens
         self.membership_changes: list = []   # the job's MembershipChange records (launch/runtime/membership.py)
         self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
         self.scales: list[dict] = []    # membership changes asked for since the last step
@@ -38,6 +47,7 @@ class Leader:
         self.block_size = block_size
         self.token_budget = worker.scheduler.max_num_batched_tokens
         self.step_id = 0
+        self.num_split_steps = 0         # steps run as more than one micro-batch
         self.pending: deque[dict] = deque()
         self.req2rank: dict[str, int] = {}
         self.open_samples: dict[str, int] = {}   # request id -> its samples not finished yet
@@ -141,21 +151,26 @@ class Leader:
         return out
 
     def next_step(self, aborts: dict[str, list[str]]
-                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool]:
-        """(step id, capacity, new requests per rank, aborts per rank, is_decode) of the next step's header.
-        is_decode: no rank gets new requests or has any waiting, and each running sequence has one token left
-        to compute (a running sequence has at least one, so that is when their sum is their count)."""
+                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int]:
+        """(step id, capacity, new requests per rank, aborts per rank, is_decode, micro-batches) of the next
+        step's header. is_decode: no rank gets new requests or has any waiting, and each running sequence has
+        one token left to compute (a running sequence has at least one, so that is when their sum is their
+        count)."""
         self.step_id += 1
         new = self._assign()
         # Ranks that get new requests may admit up to a full token budget this step.
         capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new))
         is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running for r in self.reports)
-        return self.step_id, capacity, new, aborts, is_decode
+        running = min([r.max_next_tokens for r in self.reports] or [0])
+        split = micro_batches_for(running, self.micro_batches, self.micro_batch_min_tokens)
+        self.num_split_steps += split > 1
+        return self.step_id, capacity, new, aborts, is_decode, split
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV
         blocks, and the KV-cache bytes one token takes per layer (every attention rank holds the same layout)."""
         return {"steps": self.step_id,
+                "num_micro_batched_steps": self.num_split_steps,
                 "num_preemptions": sum(r.num_preemptions for r in self.reports),
                 "num_prefill_chunks": sum(r.num_prefill_chunks for r in self.reports),
                 "num_running": sum(r.num_running for r in self.reports),

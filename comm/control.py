@@ -22,7 +22,10 @@ class StepHeader:
     capacity: no attention rank runs more tokens than this in the step, so the data plane can size its
     messages without exchanging split sizes every layer.
     is_decode: the leader expects every attention rank to run one token per running sequence and nothing new
-    (the sync audit's decode steps on expert ranks, which do not see the batches)."""
+    (the sync audit's decode steps on expert ranks, which do not see the batches).
+    micro_batches: how many ping-pong micro-batches every rank runs this step (1..the configured number; the
+    leader's choice, attention_nodes/leader.py `micro_batches_for`), so that expert ranks expect as many
+    dispatch rounds per layer as the attention ranks send."""
 
     kind: str
     step: int = 0
@@ -30,6 +33,7 @@ class StepHeader:
     new_requests: dict[str, list[dict]] = field(default_factory=dict)
     aborts: dict[str, list[str]] = field(default_factory=dict)
     is_decode: bool = False
+    micro_batches: int = 1
 
     @classmethod
     def empty(cls, kind: str, step: int = 0) -> StepHeader:

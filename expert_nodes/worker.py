@@ -35,14 +35,16 @@ class ExpertWorker:
         return self.slots.move(moves, slot2expert, me, world_rank, group)
 
     @torch.inference_mode()
-    def step(self, capacity: int) -> None:
+    def step(self, capacity: int, micro_batches: int = 1) -> None:
         """Serve one engine step: per MoE layer, the dispatches of every micro-batch, then for each in turn
         the grouped FFN and its combine (the attention ranks issue the collectives in the same order).
-        capacity: the step header's bound on any attention rank's tokens."""
+        capacity: the step header's bound on any attention rank's tokens; micro_batches: the header's number
+        of micro-batches this step (at most the configured one, which sized the data plane)."""
+        assert 1 <= micro_batches <= self.micro_batches, (micro_batches, self.micro_batches)
         self.dispatcher.set_capacity(capacity)
         for layer in range(self.num_moe_layers):
             pending = [self.dispatcher.start_dispatch(layer, *self.dispatcher.empty_tokens())
-                       for _ in range(self.micro_batches)]
+                       for _ in range(micro_batches)]
             for p in pending:
                 rows, handle = self.dispatcher.finish_dispatch(p)
                 self.load.add(layer, rows.slots)

@@ -45,8 +45,11 @@ class ParallelConfig:
                                  "exchange per node pair) or auto (per call, whichever the cost model predicts "
                                  "faster)", choices=COMM_MODES)
     balancer: str = option("static", "which replica of an expert a token goes to", choices=BALANCERS)
-    micro_batches: int = option(1, "ping-pong micro-batches per step (>1: attention computes one while the "
-                                   "experts serve another)")
+    micro_batches: int = option(2, "ping-pong micro-batches per step (>1: attention computes one while the "
+                                   "experts serve another; 1: never split)")
+    micro_batch_min_tokens: int = option(16, "with micro_batches > 1, split a step only when every attention "
+                                             "rank runs at least this many tokens per micro-batch (else one "
+                                             "batch)")
     transport: str = option("auto", "CPU data plane: shared memory on one host (shm), gloo collectives "
                                     "(collective), or auto", choices=TRANSPORTS)
     redundant_experts: int = option(0, "extra expert slots in all, for replicas of the busiest experts")
@@ -60,6 +63,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _int("attention_ranks", self.attention_ranks, 1)
         _int("micro_batches", self.micro_batches, 1)
+        _int("micro_batch_min_tokens", self.micro_batch_min_tokens, 0)
         _int("expert_ranks", self.expert_ranks, 1)
         _int("redundant_experts", self.redundant_experts, 0)
         _int("rebalance_interval", self.rebalance_interval, 0)

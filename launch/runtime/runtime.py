@@ -170,7 +170,8 @@ class Runtime:
         if rank == 0:
             par = self.config.parallel
             self.leader = Leader(self.worker, self.topo.num_attention_ranks, self.config.cache.block_size,
-                                 par.rebalance_interval, self.worker.block_pool.track_events)
+                                 par.rebalance_interval, self.worker.block_pool.track_events,
+                                 par.micro_batches, par.micro_batch_min_tokens)
             self.leader.num_expert_ranks = self.topo.num_expert_ranks
             if self.membership is not None:
                 self.leader.membership_changes = self.membership.changes

@@ -71,7 +71,8 @@ def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = Non
         worker.started_step = header.step
         worker.add_requests(header.requests_for(worker.rank))
         worker.abort(header.aborts_for(worker.rank))
-    report = _audited(tally, lambda: worker.step(header.capacity), lambda: worker.is_decode_step)
+    report = _audited(tally, lambda: worker.step(header.capacity, header.micro_batches),
+                      lambda: worker.is_decode_step)
     worker.done_step, worker.last_report = header.step, report
     return report
 
@@ -79,7 +80,7 @@ def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = Non
 def run_expert_step(worker, header: StepHeader, tally: SyncTally | None = None) -> None:
     """What every expert rank does with a STEP header: serve its dispatches. tally: as for attention ranks;
     a decode step is one the header calls so (an expert rank does not see the batches)."""
-    _audited(tally, lambda: worker.step(header.capacity), lambda: header.is_decode)
+    _audited(tally, lambda: worker.step(header.capacity, header.micro_batches), lambda: header.is_decode)
 
 
 def _audited(tally: SyncTally | None, step, is_decode):

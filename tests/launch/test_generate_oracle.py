@@ -48,11 +48,32 @@ def test_ping_pong_micro_batches_match_transformers(tiny_checkpoint, arch, atten
     prompts = make_prompts(6, 256, 1, 40, seed=4)  # includes tiny batches: some micro-batches are empty
     expected = hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, micro_batches=2,
-             max_num_batched_tokens=32) as llm:
+             micro_batch_min_tokens=0, max_num_batched_tokens=32) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         single = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        stats = llm.stats()
     assert [o.token_ids for o in outs] == expected
     assert single[0].token_ids == expected[0]
+    assert stats["num_micro_batched_steps"] == stats["steps"]      # min 0: every step splits
+
+
+def test_micro_batches_split_only_steps_with_enough_tokens(tiny_checkpoint):
+    """The defaults, micro_batches=2 and micro_batch_min_tokens=16: a step splits only when the attention rank's
+    running sequences bring at least 2 x 16 tokens; a small batch runs whole. Tokens equal transformers' either
+    way."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(40, 256, 2, 12, seed=6)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    greedy = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
+        small = llm.generate(prompts[:3], greedy)
+        after_small = llm.stats()
+        outs = llm.generate(prompts, greedy)
+        after_all = llm.stats()
+    assert [o.token_ids for o in small] == expected[:3] and [o.token_ids for o in outs] == expected
+    assert after_small["num_micro_batched_steps"] == 0                    # 3 running sequences: never split
+    split = after_all["num_micro_batched_steps"]
+    assert 0 < split < after_all["steps"] - after_small["steps"]         # 40 decode rows split, the tail does not
 
 
 @pytest.mark.parametrize("arch,transport,attention_ranks,expert_ranks,ranks_per_node", [

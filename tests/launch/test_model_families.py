@@ -198,7 +198,8 @@ def test_two_phase_with_replicated_experts_matches_transformers(tiny_checkpoint,
     prompts = make_prompts(6, 256, 2, 30, seed=6) + [make_prompts(1, 256, 60, 60, seed=8)[0]]
     expected = hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, attention_ranks=2, expert_ranks=2, comm="two_phase", ranks_per_node=2,
-             balancer=balancer, redundant_experts=2, max_num_batched_tokens=40, micro_batches=2) as llm:
+             balancer=balancer, redundant_experts=2, max_num_batched_tokens=40, micro_batches=2,
+             micro_batch_min_tokens=0) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         stats = llm.stats()
     assert [o.token_ids for o in outs] == expected

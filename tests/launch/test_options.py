@@ -19,7 +19,8 @@ from models import SHIPPED_MODEL
 # but for the booleans below). A new option must be added here: test_every_option_has_a_test_value.
 VALUES = {
     "model": "/checkpoints/other", "attention_ranks": 3, "expert_ranks": 5, "ranks_per_node": 4,
-    "comm": "two_phase", "balancer": "least_loaded", "micro_batches": 2, "transport": "shm",
+    "comm": "two_phase", "balancer": "least_loaded", "micro_batches": 3, "micro_batch_min_tokens": 4,
+    "transport": "shm",
     "redundant_experts": 4, "rebalance_interval": 16, "comm_calibration": "/tmp/calibration.json",
     "expert_memory": 1 << 30, "block_size": 32, "kv_cache_memory": 1 << 28, "num_kv_blocks": 100,
     "enable_prefix_caching": False, "kv_offload_memory": 1 << 20, "max_num_seqs": 8,

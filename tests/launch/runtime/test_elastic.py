@@ -55,7 +55,8 @@ def _stream_rows(llm: LLM, prompts, params, kill_pid: int | None, after_tokens: 
 @pytest.mark.parametrize("arch,options", [
     ("qwen3_moe", {}),                                              # shm transport, static balancer
     wider("qwen3_moe", {"transport": "collective"}),
-    wider("olmoe", {"balancer": "least_loaded", "redundant_experts": 2, "micro_batches": 2}),
+    wider("olmoe", {"balancer": "least_loaded", "redundant_experts": 2, "micro_batches": 2,
+                    "micro_batch_min_tokens": 0}),
 ])
 def test_expert_rank_killed_mid_generation(tiny_checkpoint, arch, options):
     """2+3 -> 2+2 -> 2+1: an expert rank SIGKILLed while requests stream, then another while idle."""
@@ -102,7 +103,8 @@ def test_survivors_that_cannot_hold_every_expert_end_the_job_and_say_why(tiny_ch
         assert not alive(pid)
 
 
-@pytest.mark.parametrize("options", [{}, wider({"transport": "collective", "micro_batches": 2})])
+@pytest.mark.parametrize("options", [{}, wider({"transport": "collective", "micro_batches": 2,
+                                                "micro_batch_min_tokens": 0})])
 def test_attention_rank_killed_mid_generation(tiny_checkpoint, options):
     """3+2 -> 2+2: the requests of attention rank 1 move to the survivors and resume from the tokens they had
     streamed; every row ends once, with transformers' tokens, and no prompt logprob is sent twice."""
