@@ -1,11 +1,12 @@
 """Control plane: msgpack messages over the gloo control group.
 
-The leader (attention rank 0) broadcasts a `StepHeader` each step; attention ranks send
-their `StepReport` back over the attention group.
+The leader (attention rank 0) broadcasts a `StepHeader` each step, without the new requests' contents; each
+attention rank that gets new requests receives them from the leader point to point, so prompts never reach
+expert ranks or other attention ranks. Attention ranks send their `StepReport` back over the attention group.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgpack
 import torch
@@ -34,6 +35,13 @@ class StepHeader:
     aborts: dict[str, list[str]] = field(default_factory=dict)
     is_decode: bool = False
     micro_batches: int = 1
+    request_ranks: list[int] = field(default_factory=list)   # on the wire: the ranks that get new requests
+
+    def thin(self) -> StepHeader:
+        """What crosses to every rank: this header without the requests' contents (prompts reach only the
+        attention rank that owns them, ControlPlane.broadcast_header), naming the ranks that get some."""
+        ranks = sorted(int(r) for r, reqs in self.new_requests.items() if reqs)
+        return replace(self, new_requests={}, request_ranks=ranks)
 
     @classmethod
     def empty(cls, kind: str, step: int = 0) -> StepHeader:
@@ -91,8 +99,22 @@ class ControlPlane:
         self.rank, self.num_attention_ranks = rank, num_attention_ranks
 
     def broadcast_header(self, header: StepHeader | None) -> StepHeader:
-        """Leader passes the header; everyone else passes None and gets it. One broadcast of a fixed-size
-        buffer (8-byte length, then msgpack); a header that does not fit sends its tail in a second one."""
+        """Leader passes the header; everyone else passes None and gets it, with only its own new requests
+        (`StepHeader.thin` crosses to every rank; then the leader sends each rank named in its request_ranks
+        that rank's requests, in rank order, over the control group). The leader gets its header back whole."""
+        thin = self._broadcast(None if header is None else header.thin())
+        if self.rank == 0:
+            for r in thin.request_ranks:
+                if r != 0:
+                    self.send_object(header.new_requests[str(r)], r)
+            return header
+        if self.rank in thin.request_ranks:
+            thin.new_requests = {str(self.rank): self.recv_object(0)}
+        return thin
+
+    def _broadcast(self, header: StepHeader | None) -> StepHeader:
+        """One broadcast of a fixed-size buffer (8-byte length, then msgpack); a header that does not fit sends
+        its tail in a second one."""
         buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         if self.rank == 0:
             payload = pack(header)

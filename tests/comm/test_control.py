@@ -27,13 +27,28 @@ def test_topology_roles_and_nodes():
 def test_large_header_crosses_in_two_broadcasts():
     from comm.control import HEADER_BYTES
     from tests.dist_utils import run_ranks
-    big = {"0": [{"id": str(i), "prompt": list(range(300)), "params": {}} for i in range(40)]}
-    assert pack(StepHeader("step", 1, 512, big)).numel() > HEADER_BYTES
-    got = run_ranks(_broadcast_fn, 3, big)
-    assert all(h == StepHeader("step", 1, 512, big) for h in got)
+    aborts = {"1": [f"request-{i:06d}" for i in range(400)]}
+    assert pack(StepHeader("step", 1, 512, {}, aborts)).numel() > HEADER_BYTES
+    got = run_ranks(_broadcast_fn, 3, StepHeader("step", 1, 512, {}, aborts))
+    assert all(h == StepHeader("step", 1, 512, {}, aborts) for h in got)
 
 
-def _broadcast_fn(rank, world, big):
+def test_prompts_reach_only_the_rank_that_owns_them():
+    """Ranks 0 and 1 get new requests, rank 2 (an expert rank, say) none: the broadcast carries no prompt,
+    rank 1 receives its own requests only, rank 2 none; the leader keeps the whole header."""
+    from tests.dist_utils import run_ranks
+    new = {"0": [{"id": "a", "prompt": list(range(300)), "params": {}}],
+           "1": [{"id": f"b{i}", "prompt": [7] * 50, "params": {"max_tokens": 2}} for i in range(3)]}
+    header = StepHeader("step", 4, 512, new, {"1": ["c"]}, micro_batches=2)
+    leader, one, two = run_ranks(_broadcast_fn, 3, header)
+    assert leader == header
+    assert one.new_requests == {"1": new["1"]} and one.request_ranks == [0, 1]
+    assert two.new_requests == {} and two.request_ranks == [0, 1]
+    for h in (one, two):     # everything else crosses as it was
+        assert (h.kind, h.step, h.capacity, h.aborts, h.micro_batches) == ("step", 4, 512, {"1": ["c"]}, 2)
+
+
+def _broadcast_fn(rank, world, header):
     import torch.distributed as dist
 
     from comm.control import ControlPlane
@@ -41,4 +56,4 @@ def _broadcast_fn(rank, world, big):
     cp = ControlPlane(dist.group.WORLD, None, rank, 1)
     small = cp.broadcast_header(StepHeader("idle", 0) if rank == 0 else None)
     assert small == StepHeader("idle", 0)
-    return cp.broadcast_header(StepHeader("step", 1, 512, big) if rank == 0 else None)
+    return cp.broadcast_header(header if rank == 0 else None)
