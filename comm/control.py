@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 HEADER_BYTES = 4096
+GATHER_BYTES = 16384   # one gather slot per rank: a step's report at 64 sequences takes a few KiB
 
 
 @dataclass(slots=True)
@@ -158,14 +159,24 @@ class ControlPlane:
         return unpack(payload)
 
     def _gather(self, payload: torch.Tensor, group, size: int) -> list | None:
-        """Variable-size msgpack payloads to rank 0: one all_gather of the sizes, one gather of padded buffers."""
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-        dist.all_gather(sizes, torch.tensor([payload.numel()]), group=group)
-        max_size = int(max(s.item() for s in sizes))
-        padded = torch.zeros(max_size, dtype=torch.uint8)
-        padded[:payload.numel()] = payload
-        bufs = [torch.empty(max_size, dtype=torch.uint8) for _ in range(size)] if self.rank == 0 else None
-        dist.gather(padded, bufs, dst=0, group=group)
+        """Variable-size msgpack payloads to rank 0 in one collective: an all_gather of fixed GATHER_BYTES slots
+        (8-byte length, then the payload's head), so that every rank sees every length; only when some payload
+        does not fit, a second all_gather carries the tails, padded to the longest."""
+        slot = torch.zeros(GATHER_BYTES, dtype=torch.uint8)
+        n, room = payload.numel(), GATHER_BYTES - 8
+        slot[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
+        slot[8:8 + min(n, room)] = payload[:room]
+        slots = [torch.empty(GATHER_BYTES, dtype=torch.uint8) for _ in range(size)]
+        dist.all_gather(slots, slot, group=group)
+        lengths = [int(s[:8].view(torch.int64)) for s in slots]
+        heads = [s[8:8 + min(m, room)] for s, m in zip(slots, lengths)]
+        longest_tail = max(lengths) - room
+        if longest_tail > 0:
+            tail = torch.zeros(longest_tail, dtype=torch.uint8)
+            tail[:max(0, n - room)] = payload[room:]
+            tails = [torch.empty(longest_tail, dtype=torch.uint8) for _ in range(size)]
+            dist.all_gather(tails, tail, group=group)
+            heads = [torch.cat([h, t[:max(0, m - room)]]) for h, t, m in zip(heads, tails, lengths)]
         if self.rank != 0:
             return None
-        return [unpack(b[:int(s.item())]) for b, s in zip(bufs, sizes)]
+        return [unpack(h) for h in heads]

@@ -57,3 +57,47 @@ def _broadcast_fn(rank, world, header):
     small = cp.broadcast_header(StepHeader("idle", 0) if rank == 0 else None)
     assert small == StepHeader("idle", 0)
     return cp.broadcast_header(header if rank == 0 else None)
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_reports_reach_the_leader_in_one_collective_unless_one_overflows(big):
+    """Three attention ranks' reports (rank 1's larger than a gather slot when big): the leader gets each exactly,
+    in rank order, the others None; one collective, two when a report overflows its slot."""
+    from comm.control import GATHER_BYTES
+    from tests.dist_utils import run_ranks
+    got = run_ranks(_gather_fn, 3, big)
+    expected = [_report(r, big) for r in range(3)]
+    assert (pack(expected[1]).numel() > GATHER_BYTES) == big
+    assert got[0]["reports"] == expected and got[1]["reports"] is got[2]["reports"] is None
+    assert all(g["collectives"] == (2 if big else 1) for g in got)
+
+
+def _report(rank: int, big: bool) -> StepReport:
+    n = 3000 if big and rank == 1 else 3 + rank
+    return StepReport(rank, 100 - rank, n, 0, outputs=[[f"r{rank}-{i}", [i, i + 1], None, None, None]
+                                                      for i in range(n)])
+
+
+def _gather_fn(rank, world, big):
+    import torch.distributed as dist
+
+    from comm.control import ControlPlane
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cp = ControlPlane(dist.group.WORLD, dist.group.WORLD, rank, world)
+    calls = []
+    real = {name: getattr(dist, name) for name in ("all_gather", "gather", "broadcast", "all_reduce")}
+
+    def counting(f):
+        def call(*args, **kwargs):
+            calls.append(f.__name__)
+            return f(*args, **kwargs)
+        return call
+
+    for name, f in real.items():
+        setattr(dist, name, counting(f))
+    try:
+        reports = cp.gather_reports(_report(rank, big))
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
+    return {"reports": reports, "collectives": len(calls)}
