@@ -106,20 +106,3 @@ def _fused_moe_fixed(x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
     keep = (chosen < S)[:, None]
     out.index_add_(0, rows, torch.where(keep, y * weights.reshape(-1)[order, None], 0).to(out.dtype))
     return out
-    # Step 1: one (row, k) pair per local choice, sorted by slot (stable: row order within a slot).
-    rows, ks = torch.nonzero(slots >= 0, as_tuple=True)
-    chosen = slots[rows, ks]
-    order = torch.argsort(chosen, stable=True)
-    rows, ks, chosen = rows[order], ks[order], chosen[order]
-    counts = torch.bincount(chosen, minlength=w13.shape[0])
-    # Step 2: grouped GEMMs, SwiGLU between them.
-    h = _grouped_linear(x[rows], w13, counts)
-    if b13 is not None:
-        h = h + b13[chosen]
-    gate, up = h.chunk(2, dim=-1)
-    y = _grouped_linear(act(gate, up), w2, counts)
-    if b2 is not None:
-        y = y + b2[chosen]
-    # Step 3: weight and add back per row.
-    out.index_add_(0, rows, (y * weights[rows, ks, None]).to(out.dtype))
-    return out
