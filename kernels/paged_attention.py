@@ -156,8 +156,18 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_tables `[P, M]`; cu_seqlens_q `[P+1]`; context_lens `[P]` -> `[T, h, dv]`, causal; sinks and window
     as in the decode."""
     out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
+    for start, end, k, v, mask in prefill_chunks(k_cache, v_cache, block_tables, cu_seqlens_q.tolist(),
+                                                 context_lens.tolist(), window):
+        out[start:end] = _attend(q[None, start:end], k, v, mask[None], scale, sinks)[0]
+    return out
+
+
+def prefill_chunks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, starts: list[int],
+                   lens: list[int], window: int | None):
+    """Per prefill chunk that has queries (host lists: starts = cu_seqlens_q, lens = context_lens) -> (start, end,
+    its gathered prefix k and v `[1, kvh, L, d]`, mask `[Q, L]` bool: offset-causal, within the window). Shared
+    by the reference and the SDPA prefill."""
     bs = k_cache.shape[1]
-    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     for i, ctx in enumerate(lens):
         start, end = starts[i], starts[i + 1]
         Q = end - start
@@ -166,10 +176,9 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         rows = _rows(block_tables[i:i + 1, :-(-ctx // bs)], bs)[:ctx]
         k = _gather(k_cache, rows, 1)
         v = k if v_cache is k_cache else _gather(v_cache, rows, 1)
-        q_pos = torch.arange(ctx - Q, ctx, device=q.device)
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        q_pos = torch.arange(ctx - Q, ctx, device=k_cache.device)
+        k_pos = torch.arange(ctx, device=k_cache.device)[None, :]
         mask = k_pos <= q_pos[:, None]
         if window is not None:
             mask &= k_pos > q_pos[:, None] - window
-        out[start:end] = _attend(q[None, start:end], k, v, mask[None], scale, sinks)[0]
-    return out
+        yield start, end, k, v, mask

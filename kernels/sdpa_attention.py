@@ -14,11 +14,10 @@ import torch.nn.functional as F
 
 from .paged_attention import (
     DecodeGroup,
-    _gather,
-    _rows,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     plan_decode,
+    prefill_chunks,
 )
 
 DECODE_GROUP = 8   # sequences per decode gather: measured fastest on a 2-core CPU at 64 sequences of 16-400 tokens
@@ -70,20 +69,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     starts = cu_seqlens_q.tolist() if host_cu_seqlens is None else host_cu_seqlens
     lens = context_lens.tolist() if host_context_lens is None else host_context_lens
     out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
-    bs, kvh, h = k_cache.shape[1], k_cache.shape[2], q.shape[1]
-    for i, ctx in enumerate(lens):
-        start, end = starts[i], starts[i + 1]
-        Q = end - start
-        if Q == 0:
-            continue
-        rows = _rows(block_tables[i:i + 1, :-(-ctx // bs)], bs)[:ctx]
-        k = _gather(k_cache, rows, 1)
-        v = k if v_cache is k_cache else _gather(v_cache, rows, 1)
-        q_pos = torch.arange(ctx - Q, ctx, device=q.device)
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = k_pos <= q_pos[:, None]
-        if window is not None:
-            mask &= k_pos > q_pos[:, None] - window
+    kvh, h = k_cache.shape[2], q.shape[1]
+    for start, end, k, v, mask in prefill_chunks(k_cache, v_cache, block_tables, starts, lens, window):
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=kvh != h)          # [1, h, Q, dv]
         out[start:end] = o[0].transpose(0, 1)
