@@ -15,9 +15,8 @@ import signal
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 
+from launch.local_server import health_status
 from launch.procs import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,13 +121,7 @@ class VllmServer:
         self.stop()
 
     def health(self) -> int:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except OSError:
-            return 0
+        return health_status(self.url)
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:

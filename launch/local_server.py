@@ -20,6 +20,17 @@ from .procs import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def health_status(url: str) -> int:
+    """GET url/health -> its HTTP status, or 0 when nothing answers (yet)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
 class LocalServer:
     def __init__(self, model: str, nproc: int, args: list[str] | None = None, port: int | None = None,
                  startup_timeout_s: float = 180.0):
@@ -55,13 +66,7 @@ class LocalServer:
             time.sleep(0.1)
 
     def health(self) -> int:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
-        except OSError:
-            return 0
+        return health_status(self.url)
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
