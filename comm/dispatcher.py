@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .blocks import gather_rows, place_rows
-from .shm import HEADER, Inbox, Outlet, _StoreFence, make_shared_dir
+from .shm import Inbox, Outlet, _StoreFence, make_shared_dir, slot_buffers
 from .stats import CommStats
 
 
@@ -195,7 +194,7 @@ class DirectDispatcher(Dispatcher):
 
     def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
         # T tokens, E expert ranks, W world, S sources, C capacity, B bytes per row, K top-k
-        t0 = time.perf_counter()
+        t0 = self.stats.now()
         W, S, C, B = self.world_size, self.num_sources, self.capacity, self._row_bytes()
         E, T = W - S, hidden.shape[0]
         if T > C:
@@ -238,7 +237,7 @@ class DirectDispatcher(Dispatcher):
         st = self.stats.phase(handle.layer, "dispatch")
         for peer in (range(S, W) if self.is_source else ()):
             st.add_message((C + 1) * B, self.node_of[peer] != self.my_node)
-        st.add(0, 0, time.perf_counter() - pending.t0)
+        st.add(0, 0, self.stats.now() - pending.t0)
         return rows, handle
 
     def planned_messages(self, capacity: int) -> list[list[tuple[int, int, int]]]:
@@ -249,7 +248,7 @@ class DirectDispatcher(Dispatcher):
                 [(e, s, C * hb) for e in range(S, W) for s in range(S)]]
 
     def combine(self, expert_out, handle):
-        t0 = time.perf_counter()
+        t0 = self.stats.now()
         W, S, C, H = self.world_size, self.num_sources, handle.capacity, self.hidden_size
         E = W - S
         if self.is_source:
@@ -276,14 +275,15 @@ class DirectDispatcher(Dispatcher):
         st = self.stats.phase(handle.layer, "combine")
         for peer, nbytes in sent:
             st.add_message(nbytes, self.node_of[peer] != self.my_node)
-        st.add(0, 0, time.perf_counter() - t0)
+        st.add(0, 0, self.stats.now() - t0)
         return out
 
 
 class ShmDispatcher(Dispatcher):
-    """`direct` semantics over same-host shared memory (comm/shm.py): one message per (attention rank,
-    expert rank) pair and direction, exact sizes, no collective. `control` (gloo) is used once, to set up.
-    max_tokens bounds any source's tokens per call (the token budget)."""
+    """`direct` semantics over the same-host inboxes of comm/shm.py: one message per (attention rank, expert
+    rank) pair and direction, exact sizes, no collective. The payloads live in host shared memory on CPU
+    (transport shm) and in device memory shared through CUDA IPC on a GPU (transport cuda_ipc). `control`
+    (gloo) is used once, to set up. max_tokens bounds any source's tokens per call (the token budget)."""
 
     def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
                  control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0):
@@ -291,9 +291,10 @@ class ShmDispatcher(Dispatcher):
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
         self.round = 0
+        buffers = slot_buffers(self.device)
         # Slot sizes: expert inboxes hold dispatched rows, source inboxes hold combined rows.
-        expert_slot = HEADER + max_tokens * self._row_bytes()
-        source_slot = HEADER + max_tokens * hidden_size * dtype.itemsize
+        expert_slot = max_tokens * self._row_bytes()
+        source_slot = max_tokens * hidden_size * dtype.itemsize
         directory = make_shared_dir(control, self.rank)
         pids = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
         dist.all_gather(pids, torch.tensor([os.getpid()]), group=control)
@@ -301,14 +302,15 @@ class ShmDispatcher(Dispatcher):
         self.peer_pids = [int(pids[p]) for p in peers]
         self.peer_names = [f"rank {p}" for p in peers]
         if self.is_source:  # receives combined rows from the experts, sends them tokens as sender `rank`
-            self.inbox = Inbox(directory, self.rank, W - S, depth, source_slot)
+            self.inbox = Inbox(directory, self.rank, W - S, depth, source_slot, buffers)
             index, peer_slot = self.rank, expert_slot
         else:               # receives tokens from the sources, returns rows as sender `rank - S`
-            self.inbox = Inbox(directory, self.rank, S, depth, expert_slot)
+            self.inbox = Inbox(directory, self.rank, S, depth, expert_slot, buffers)
             index, peer_slot = self.rank - S, source_slot
-        dist.barrier(group=control)
+        exports = [None] * W      # CUDA IPC handles of the inboxes' payloads (None in host shared memory)
+        dist.all_gather_object(exports, self.inbox.export, group=control)
         fence = _StoreFence()
-        self.outlets = [Outlet(directory, p, fence, index, depth, peer_slot) for p in peers]
+        self.outlets = [Outlet(directory, p, fence, index, depth, peer_slot, buffers, exports[p]) for p in peers]
         dist.barrier(group=control)
         if self.rank == 0:  # every rank has mapped and opened what it needs: leave nothing behind
             shutil.rmtree(directory)
@@ -324,7 +326,7 @@ class ShmDispatcher(Dispatcher):
         super().set_capacity(capacity)
 
     def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
-        t0 = time.perf_counter()
+        t0 = self.stats.now()
         W, S = self.world_size, self.num_sources
         self.round += 1
         row2token, row_dst, row_slots, row_weights = plan_rows(dst_ranks, slots, weights, W)
@@ -340,7 +342,7 @@ class ShmDispatcher(Dispatcher):
                 n = send_counts[S + i]
                 outlet.send(self.round, packed[start:start + n].view(-1), n)
                 start += n
-            self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), time.perf_counter() - t0)
+            self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), self.stats.now() - t0)
         return PendingDispatch(None, torch.empty(0), None, handle, t0)
 
     def finish_dispatch(self, pending):
@@ -350,14 +352,14 @@ class ShmDispatcher(Dispatcher):
                                self.dtype), handle
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} dispatch (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
-        counts = [int(slot[8:16].view(torch.int64)[0]) for slot in slots]
-        valid = torch.cat([slot[HEADER:HEADER + n * B].view(n, B) for slot, n in zip(slots, counts)])
+        counts = [n for n, _ in slots]
+        valid = torch.cat([slot[:n * B].view(n, B) for n, slot in slots])
         handle.recv_counts = counts + [0] * (self.world_size - len(counts))
-        self.stats.phase(handle.layer, "dispatch").add(0, 0, time.perf_counter() - pending.t0)
+        self.stats.phase(handle.layer, "dispatch").add(0, 0, self.stats.now() - pending.t0)
         return unpack_rows(valid, self.hidden_size, self.top_k, self.dtype), handle
 
     def combine(self, expert_out, handle):
-        t0 = time.perf_counter()
+        t0 = self.stats.now()
         H, S = self.hidden_size, self.num_sources
         out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         if not self.is_source:
@@ -368,13 +370,12 @@ class ShmDispatcher(Dispatcher):
                 outlet.send(handle.round, rows[start:start + n].view(-1).view(torch.uint8), n)
                 start += n
             self.stats.phase(handle.layer, "combine").add(rows.numel() * rows.element_size(), S,
-                                                          time.perf_counter() - t0)
+                                                          self.stats.now() - t0)
             return out
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
-        back = torch.cat([slot[HEADER:HEADER + n * H * self.dtype.itemsize].view(self.dtype).view(n, H)
-                          for slot, n in zip(slots, handle.send_counts[S:])])
+        back = torch.cat([slot[:n * H * self.dtype.itemsize].view(self.dtype).view(n, H) for n, slot in slots])
         out.index_add_(0, handle.row2token, back)
-        self.stats.phase(handle.layer, "combine").add(0, 0, time.perf_counter() - t0)
+        self.stats.phase(handle.layer, "combine").add(0, 0, self.stats.now() - t0)
         return out
 

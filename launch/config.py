@@ -17,7 +17,7 @@ from models import SHIPPED_MODEL
 
 COMM_MODES = ("direct", "two_phase", "auto")
 BALANCERS = ("static", "round_robin", "random", "least_loaded")
-TRANSPORTS = ("auto", "shm", "collective")
+TRANSPORTS = ("auto", "shm", "cuda_ipc", "collective")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ROLES = ("attention", "expert")
@@ -50,8 +50,11 @@ class ParallelConfig:
     micro_batch_min_tokens: int = option(16, "with micro_batches > 1, split a step only when every attention "
                                              "rank runs at least this many tokens per micro-batch (else one "
                                              "batch)")
-    transport: str = option("auto", "CPU data plane: shared memory on one host (shm), gloo collectives "
-                                    "(collective), or auto", choices=TRANSPORTS)
+    transport: str = option("auto", "data plane of comm='direct' on one node: host shared memory between CPU "
+                                    "ranks (shm), device buffers shared through CUDA IPC between GPU ranks "
+                                    "(cuda_ipc; lets ranks share a GPU), gloo/NCCL collectives (collective), "
+                                    "or auto (shm or cuda_ipc when they can, else collective)",
+                            choices=TRANSPORTS)
     redundant_experts: int = option(0, "extra expert slots in all, for replicas of the busiest experts")
     rebalance_interval: int = option(0, "recompute the expert placement from observed load every N steps "
                                         "(0: never)")
@@ -150,6 +153,9 @@ class EngineConfig:
     sync_audit: bool = option(False, "count the host syncs a CUDA run would make (device reads, data-dependent "
                                       "shapes) per decode step on every rank; comm_stats() reports them per rank "
                                       "as host_syncs (adds Python work to every op: for tests and audits)")
+    timing_sync: bool = option(False, "CUDA: synchronize the device before each comm/compute timer reads the "
+                                      "clock, so comm_stats times are device times, not launch times (a host "
+                                      "sync per timed call; the comm profiling tool turns it on)")
     # Separate pool launches (launch/runtime/membership.py, "Joining"): this process's pool and the store that the
     # pools rendezvous through, which the attention pool's first rank (the leader) serves. None: roles by rank.
     role: str | None = option(None, "separate pool launches: this launch's pool (with pool_addr); without it, "
@@ -175,8 +181,9 @@ class EngineConfig:
                 raise ValueError(f"{name}={v!r} is invalid: pass a positive number of seconds")
         if self.threads_per_rank is not None:
             _int("threads_per_rank", self.threads_per_rank, 1)
-        if not isinstance(self.sync_audit, bool):
-            raise ValueError(f"sync_audit={self.sync_audit!r} is invalid: pass True or False")
+        for name in ("sync_audit", "timing_sync"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: pass True or False")
         if self.role is not None and self.role not in ROLES:
             raise ValueError(f"role={self.role!r} is invalid: choose attention or expert")
         if (self.role is None) != (self.pool_addr is None):
@@ -215,7 +222,7 @@ class EngineConfig:
         device, threads and start-up timeout stay its own."""
         return {"parallel": asdict(self.parallel), "cache": asdict(self.cache), "scheduler": asdict(self.scheduler),
                 **{k: getattr(self, k) for k in ("dtype", "kernel_backend", "collective_timeout_s", "heartbeat_s",
-                                                 "rank_failure_s", "sync_audit")}}
+                                                 "rank_failure_s", "sync_audit", "timing_sync")}}
 
     def with_leader_settings(self, settings: dict) -> EngineConfig:
         return replace(self, parallel=ParallelConfig(**settings["parallel"]), cache=CacheConfig(**settings["cache"]),

@@ -3,6 +3,7 @@ every rank."""
 from __future__ import annotations
 
 import hashlib
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -21,36 +22,53 @@ from .sizing import DeviceSettings
 
 def make_data_plane(config: EngineConfig, topo: Topology, groups: ProcessGroups, dev: DeviceSettings,
                     spec: ModelSpec, stats: CommStats | None) -> Dispatcher:
-    """The dispatcher of this generation: shm on one CPU host, else the comm mode over the world group.
+    """The dispatcher of this generation: the same-host inboxes (shm on CPU, cuda_ipc on GPUs) on one host,
+    else the comm mode over the world group.
     stats: the previous generation's, carried on (None: fresh)."""
-    par = config.parallel
     kw = dict(group=groups.world, hidden_size=spec.hidden_size, top_k=spec.top_k, dtype=dev.dtype,
               device=dev.device, num_sources=topo.num_attention_ranks, ranks_per_node=topo.ranks_per_node)
     if stats is not None:
         kw["stats"] = stats
+    dispatcher = _dispatcher(config, topo, groups, dev, kw)
+    if config.timing_sync and dev.device.type == "cuda":
+        dispatcher.stats.sync = partial(torch.cuda.synchronize, dev.device)
+    return dispatcher
+
+
+def _dispatcher(config: EngineConfig, topo: Topology, groups: ProcessGroups, dev: DeviceSettings,
+                kw: dict) -> Dispatcher:
+    par = config.parallel
     if use_shm(config, topo, groups, dev.device):
         return ShmDispatcher(**kw, control=groups.control, max_tokens=config.scheduler.max_num_batched_tokens,
                              depth=par.micro_batches + 1, timeout_s=config.collective_timeout_s)
+    if dev.gpu_sharers > 1:
+        raise RuntimeError(f"{dev.gpu_sharers} ranks share {dev.device} but the cuda_ipc transport cannot carry "
+                           f"this job; launch at most one rank per GPU")
     if par.comm == "auto":   # a collective: every rank measures (or rank 0 loads) the same model
         kw["model"] = shared_model(par.comm_calibration, config.scheduler.max_num_batched_tokens, **kw)
     return make_dispatcher(par.comm, **kw)
 
 
 def use_shm(config: EngineConfig, topo: Topology, groups: ProcessGroups, device: torch.device) -> bool:
-    """shm: CPU ranks on one host and one (emulated) node. Every rank must reach the same answer (one
-    all_gather on the control group)."""
+    """The same-host inboxes (comm/shm.py): transport shm between CPU ranks, cuda_ipc between GPU ranks, on one
+    host and one (emulated) node with comm='direct'. Every rank must reach the same answer (one all_gather on
+    the control group)."""
     choice, comm = config.parallel.transport, config.parallel.comm
-    if choice == "shm" and comm != "direct":
-        raise ValueError(f"transport='shm' carries comm='direct' only, not comm={comm!r}; "
+    mine = "cuda_ipc" if device.type == "cuda" else "shm"
+    if choice in ("shm", "cuda_ipc") and choice != mine:
+        raise ValueError(f"transport={choice!r} cannot carry {device.type.upper()} ranks: use transport={mine!r} "
+                         f"(shm between CPU ranks, cuda_ipc between GPU ranks) or 'auto'")
+    if choice == mine and comm != "direct":
+        raise ValueError(f"transport={choice!r} carries comm='direct' only, not comm={comm!r}; "
                          f"use transport='collective' or 'auto'")
-    if choice == "collective" or device.type != "cpu" or comm != "direct":
+    if choice == "collective" or comm != "direct":
         return False
     host = int.from_bytes(hashlib.sha256(host_identity().encode()).digest()[:7], "little")
     here = torch.tensor([host, int(shm_supported())])
     every = [torch.zeros_like(here) for _ in range(topo.world_size)]
     dist.all_gather(every, here, group=groups.control)
     possible = all(int(e[0]) == int(here[0]) and int(e[1]) for e in every) and topo.num_nodes == 1
-    if choice == "shm" and not possible:
-        raise ValueError("transport='shm' needs every rank on one Linux x86-64 host and one node "
-                         "(ranks_per_node >= world size); use transport='collective'")
+    if choice == mine and not possible:
+        raise ValueError(f"transport={choice!r} needs every rank on one Linux x86-64 host and one node "
+                         f"(ranks_per_node >= world size); use transport='collective'")
     return possible

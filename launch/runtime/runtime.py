@@ -185,8 +185,10 @@ class Runtime:
     def _form_groups(self) -> None:
         """This generation's process groups, from the store keys under its prefix."""
         store = dist.PrefixStore(f"{PREFIX}/g{self.generation}/pg", self.store)
+        # NCCL: eager init on this rank's GPU (device_id), so the first point-to-point needs no lazy communicator
+        eager = self.dev.device if self.dev.backend == "nccl" else None
         dist.init_process_group(self.dev.backend, store=store, rank=self.topo.rank, world_size=self.topo.world_size,
-                                timeout=timedelta(seconds=self.config.collective_timeout_s))
+                                timeout=timedelta(seconds=self.config.collective_timeout_s), device_id=eager)
         self.groups = ProcessGroups.create(self.topo)
         self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
                                     self.topo.num_attention_ranks)

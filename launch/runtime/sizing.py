@@ -27,22 +27,52 @@ class DeviceSettings:
     device: torch.device
     dtype: torch.dtype
     kernel_backend: str
-    backend: str        # torch.distributed backend: nccl on CUDA, gloo on CPU
+    backend: str                # torch.distributed backend: nccl on CUDA, gloo on CPU or on GPUs shared by ranks
+    gpu_sharers: int = 1        # ranks of this node on this rank's GPU (1: a GPU of its own)
+
+
+def gpu_placement(local_rank: int, local_world_size: int, device_count: int, transport: str, comm: str,
+                  one_node: bool) -> tuple[int, int]:
+    """CUDA: (this rank's GPU index, ranks of the node on that GPU). One GPU per rank (by LOCAL_RANK) when the
+    node has enough; otherwise the node's ranks share its GPUs round-robin, which only the cuda_ipc transport
+    can carry (NCCL refuses two ranks of one communicator on one GPU). ValueError names the numbers."""
+    if device_count < 1:
+        raise ValueError("device='cuda' but no CUDA device is visible; use device='cpu'")
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}")
+    if local_world_size <= device_count:
+        return local_rank, 1
+    index = local_rank % device_count
+    sharers = len(range(index, local_world_size, device_count))
+    need = (f"{local_world_size} ranks on this node but {device_count} GPU(s): NCCL needs a GPU per rank")
+    if transport not in ("auto", "cuda_ipc"):
+        raise ValueError(f"{need}; ranks can share GPUs only with transport='cuda_ipc' (transport={transport!r}), "
+                         f"or launch at most {device_count} ranks per node")
+    if comm != "direct" or not one_node:
+        raise ValueError(f"{need}; ranks sharing GPUs talk through cuda_ipc, which carries comm='direct' on one node "
+                         f"only (comm={comm!r}, one node: {one_node}); launch at most {device_count} ranks per node")
+    return index, sharers
 
 
 def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
-    """Pick this rank's device (CUDA: by LOCAL_RANK) and, on CPU, its threads (threads_per_rank, else the
-    machine's cores shared by the job's ranks) and allocator behaviour."""
+    """Pick this rank's device (CUDA: gpu_placement by LOCAL_RANK) and, on CPU, its threads (threads_per_rank,
+    else the machine's cores shared by the job's ranks) and allocator behaviour."""
     if config.device_type() == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        par = config.parallel
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+        one_node = (par.ranks_per_node or local_world) >= world_size
+        index, sharers = gpu_placement(int(os.environ.get("LOCAL_RANK", "0")), local_world,
+                                       torch.cuda.device_count(), par.transport, par.comm, one_node)
+        device = torch.device("cuda", index)
         torch.cuda.set_device(device)
+        backend = "nccl" if sharers == 1 else "gloo"
     else:
-        device = torch.device("cpu")
+        device, sharers, backend = torch.device("cpu"), 1, "gloo"
         tune_allocator()
         cores = os.cpu_count() or 1
         torch.set_num_threads(config.threads_per_rank or max(1, cores // world_size))
     return DeviceSettings(device, config.torch_dtype(device), resolve_backend(config.kernel_backend, device),
-                          "nccl" if device.type == "cuda" else "gloo")
+                          backend, sharers)
 
 
 def tune_allocator() -> None:

@@ -11,18 +11,18 @@ from comm.shm import Inbox, Outlet, _StoreFence
 
 
 def test_rounds_and_payloads(tmp_path):
-    inbox = Inbox(str(tmp_path), rank=1, num_senders=2, depth=2, slot_bytes=64)
-    out = [Outlet(str(tmp_path), 1, _StoreFence(), sender, depth=2, slot_bytes=64) for sender in range(2)]
+    inbox = Inbox(str(tmp_path), rank=1, num_senders=2, depth=2, slot_bytes=48)
+    out = [Outlet(str(tmp_path), 1, _StoreFence(), sender, depth=2, slot_bytes=48) for sender in range(2)]
     # Round 2 arrives from sender 1 before round 1 is complete: still read in order.
     out[0].send(1, torch.arange(4, dtype=torch.uint8), 4)
     out[1].send(2, torch.full((3,), 9, dtype=torch.uint8), 3)
     out[1].send(1, torch.full((2,), 7, dtype=torch.uint8), 2)
     slots = inbox.wait(1, 5, "test")
-    assert int(slots[0][8:16].view(torch.int64)) == 4 and slots[0][16:20].tolist() == [0, 1, 2, 3]
-    assert int(slots[1][8:16].view(torch.int64)) == 2 and slots[1][16:18].tolist() == [7, 7]
+    assert slots[0][0] == 4 and slots[0][1][:4].tolist() == [0, 1, 2, 3]
+    assert slots[1][0] == 2 and slots[1][1][:2].tolist() == [7, 7]
     out[0].send(2, torch.zeros(0, dtype=torch.uint8), 0)
     slots = inbox.wait(2, 5, "test")
-    assert slots[1][16:19].tolist() == [9, 9, 9]
+    assert slots[1][0] == 3 and slots[1][1][:3].tolist() == [9, 9, 9]
     with pytest.raises(RuntimeError, match="exceeds the 48-byte slot"):
         out[0].send(3, torch.zeros(49, dtype=torch.uint8), 49)
 
@@ -57,3 +57,24 @@ def test_a_peer_leaving_the_generation_wakes_a_waiting_inbox_at_once(tmp_path):
         inbox.wait(2, 60, "test", [__import__("os").getpid()], ["rank 1"])
     assert 0.25 < time.monotonic() - t0 < 5
     assert is_peer_failure(info.value)
+
+
+def test_the_allocator_publishes_the_payload_before_the_round_word(tmp_path):
+    """The same Inbox/Outlet logic runs with another allocator (cuda_ipc's waits for its copies in publish):
+    publish is called after the payload is written and before the round word a receiver polls."""
+    from comm.shm import CudaIpcBuffers, HostShmBuffers, slot_buffers
+
+    seen = []
+
+    class Recording(HostShmBuffers):
+        def publish(self):
+            seen.append((inbox._flag(0, 1, 0), inbox.slot(0, 1)[:3].tolist()))
+
+    inbox = Inbox(str(tmp_path), rank=0, num_senders=1, depth=2, slot_bytes=16, buffers=Recording())
+    out = Outlet(str(tmp_path), 0, _StoreFence(), 0, depth=2, slot_bytes=16, buffers=Recording(),
+                 export=inbox.export)
+    out.send(1, torch.tensor([5, 6, 7], dtype=torch.uint8), 3)
+    assert seen == [(-1, [5, 6, 7])]           # payload in place, round not yet published
+    assert inbox.wait(1, 5, "test")[0][0] == 3
+    assert type(slot_buffers(torch.device("cpu"))) is HostShmBuffers
+    assert type(slot_buffers(torch.device("cuda", 0))) is CudaIpcBuffers
