@@ -41,7 +41,7 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
     over. Running sequences keep their KV when every block fits and they fit max_num_seqs; the others wait
     and are recomputed."""
     sched, pool = worker.scheduler, worker.block_pool
-    seqs = [_sequence(d) for d in meta["seqs"]]
+    seqs = [_sequence(d, worker.device) for d in meta["seqs"]]
     running = [(s, d) for s, d in zip(seqs, meta["seqs"]) if d["running"]]
     # a request still to fork takes a seat per sample (as the scheduler counts them)
     seats = sched.max_num_seqs - sum(map(seats_of, sched.running))
@@ -69,13 +69,13 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
     return moved
 
 
-def _sequence(d: dict) -> Sequence:
+def _sequence(d: dict, device: torch.device) -> Sequence:
     """A sequence as it was on the sending rank, waiting and holding no blocks (unpack_sequences may give it
-    its KV back; Scheduler.take_over gives it its arrival)."""
+    its KV back; Scheduler.take_over gives it its arrival). device: where this rank samples."""
     params = SamplingParams.from_dict(d["params"])
     generator = None
     if d["generator"] is not None:
-        generator = torch.Generator()
+        generator = torch.Generator(device=device)
         generator.set_state(torch.frombuffer(bytearray(d["generator"]), dtype=torch.uint8))
     return Sequence(request_id=d["request_id"], token_ids=list(d["token_ids"]),
                     num_prompt_tokens=d["num_prompt_tokens"], params=params, arrival=0,

@@ -7,7 +7,6 @@ Names: T tokens, H hidden, h/kvh heads, d head dim, K top-k, E experts, V vocab.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from functools import partial
 
@@ -262,14 +261,14 @@ class AttentionModel:
     def _next(gen, value, logits: list, j: int, moe: MoEContext):
         """Resume a micro-batch up to its next MoE layer -> its request, or None once it has its logits. The
         time it computes goes to the comm stats, under that MoE layer (-1: the tail up to the logits)."""
-        t0 = time.perf_counter()
+        t0 = moe.dispatcher.stats.now()
         try:
             request = gen.send(value)
         except StopIteration as stop:
             logits[j] = stop.value
-            moe.dispatcher.stats.add_compute(-1, t0, time.perf_counter())
+            moe.dispatcher.stats.add_compute(-1, t0, moe.dispatcher.stats.now())
             return None
-        moe.dispatcher.stats.add_compute(request[0], t0, time.perf_counter())
+        moe.dispatcher.stats.add_compute(request[0], t0, moe.dispatcher.stats.now())
         return request
 
     def _advance(self, gen, value, moe: MoEContext, logits: list, j: int) -> PendingDispatch | None:

@@ -32,6 +32,12 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A seeded request's own random stream, on the device its logits are sampled on (a CPU generator cannot
+    draw into a CUDA tensor)."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 @dataclass(slots=True, eq=False)  # eq=False: identity semantics, so list.remove never hits a look-alike
 class Sequence:
     """A request's prompt plus generated tokens.
@@ -73,10 +79,11 @@ class Sequence:
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival: int) -> Sequence:
+                     arrival: int, device: torch.device | str = "cpu") -> Sequence:
+        """device: where the rank samples (a seeded request's generator must live there)."""
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r} has an empty prompt: pass at least one token id")
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        generator = None if params.seed is None else seeded_generator(params.seed, device)
         group = request_id if params.num_samples > 1 else None
         return cls(request_id=request_id if group is None else f"{group}#0", token_ids=list(prompt_token_ids),
                    num_prompt_tokens=len(prompt_token_ids), params=params, arrival=arrival,
@@ -85,14 +92,14 @@ class Sequence:
 
     @classmethod
     def resumed(cls, request_id: str, index: int, prompt_token_ids: list[int], output_ids: list[int],
-                params: SamplingParams, arrival: int) -> Sequence:
+                params: SamplingParams, arrival: int, device: torch.device | str = "cpu") -> Sequence:
         """Sample `index` of a request moved from a lost attention rank with output_ids generated so far (its
         KV is recomputed like a preempted sequence's). A seeded sample restarts its generator from the seed
         and the tokens so far, so it is reproducible but not the stream it would have drawn unmoved."""
         group = request_id if params.num_samples > 1 else None
         generator = None
         if params.seed is not None:
-            generator = torch.Generator().manual_seed((params.seed + index + 1000003 * len(output_ids)) % 2**63)
+            generator = seeded_generator((params.seed + index + 1000003 * len(output_ids)) % 2**63, device)
         return cls(request_id=request_id if group is None else f"{group}#{index}",
                    token_ids=list(prompt_token_ids) + list(output_ids), num_prompt_tokens=len(prompt_token_ids),
                    params=params, arrival=arrival, generator=generator,

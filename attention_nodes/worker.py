@@ -15,7 +15,7 @@ from .model import AttentionModel, MoEContext
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, sample_ids
+from .sequence import Sequence, sample_ids, seeded_generator
 
 
 class AttentionWorker:
@@ -79,8 +79,8 @@ class AttentionWorker:
             resume = sorted((int(i), toks) for i, toks in r.get("resume", {}).items())
             for i, toks in resume or [(None, None)]:
                 arrival = self.next_arrival()
-                seq = Sequence.from_request(r["id"], r["prompt"], params, arrival) if i is None else \
-                    Sequence.resumed(r["id"], i, r["prompt"], toks, params, arrival)
+                seq = Sequence.from_request(r["id"], r["prompt"], params, arrival, self.device) if i is None else \
+                    Sequence.resumed(r["id"], i, r["prompt"], toks, params, arrival, self.device)
                 _skip_prompt_logprobs(seq, r.get("prompt_logprobs_sent", 0))
                 self.scheduler.add(seq)
 
@@ -129,7 +129,7 @@ class AttentionWorker:
         forking = [(s, r) for s, r in zip(to_sample, sample_rows) if s.seq.needs_fork]
         for s, r in forking:
             p = s.seq.params
-            children = self.scheduler.fork(s, [None if p.seed is None else torch.Generator().manual_seed(p.seed + i)
+            children = self.scheduler.fork(s, [None if p.seed is None else seeded_generator(p.seed + i, self.device)
                                                for i in range(1, p.num_samples)])
             out.scheduled += children
             to_sample += children

@@ -65,6 +65,8 @@ def time_layers(modes: dict[str, Dispatcher], capacity: int, repeats: int, layer
             for i in range(layers):
                 rows, handle = d.dispatch(i, *inputs[m])
                 d.combine(rows.hidden, handle)
+            if d.device.type == "cuda":      # the layers' kernels must have run before the timer stops
+                torch.cuda.synchronize(d.device)
             if rep:
                 times[m].append((time.perf_counter() - t0) / layers)
     t = torch.tensor([times[m] for m in names], dtype=torch.float64, device=modes[names[0]].device)

@@ -49,9 +49,17 @@ class CommStats:
     of one host share the clock)."""
 
     def __init__(self, max_events: int = MAX_EVENTS) -> None:
+        self.sync = None      # called before each clock read (now()): the device's synchronize, when timing_sync
         self.layers: dict[int, dict[str, PhaseStats]] = {}
         self.compute: dict[int, list] = {}          # layer -> [calls, seconds] of this rank's own compute
         self.events: collections.deque = collections.deque(maxlen=max_events)
+
+    def now(self) -> float:
+        """time.perf_counter() once the device has finished what was queued (with `sync` set): on CUDA the
+        kernels run after their launch returns, so without it a phase's time is its host-side launch time."""
+        if self.sync is not None:
+            self.sync()
+        return time.perf_counter()
 
     def add_compute(self, layer: int, start: float, end: float) -> None:
         """This rank computed from start to end (perf_counter) for MoE layer `layer`: on an attention rank the

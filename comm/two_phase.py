@@ -23,7 +23,6 @@ nodes as a code (rank << 20 | slot). Names: T tokens, H hidden, K top-k, W world
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -167,7 +166,7 @@ class TwoPhaseDispatcher(Dispatcher):
     def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
         # T tokens, D destination nodes, C capacity, B bytes per row, K top-k; every shape follows from C and
         # the topology, every place from a visit map and a cumulative sum on the device
-        t0 = time.perf_counter()
+        t0 = self.stats.now()
         me, here, B, C, K = self.rank, self.my_node, self._row_bytes(), self.capacity, self.top_k
         hb = self.hidden_size * self.dtype.itemsize
         if hidden.shape[0] > C:
@@ -219,7 +218,7 @@ class TwoPhaseDispatcher(Dispatcher):
             handle.from_nd_gateways = torch.stack([count_of(g) for g in got])
             handle.valid = torch.cat([valid_places(c[None], n)[0] for c, n in zip(handle.from_nd_gateways, bounds)])
             rows = torch.cat([g[1:] for g in got])
-        self.stats.phase(layer, "dispatch").add(0, 0, time.perf_counter() - t0)
+        self.stats.phase(layer, "dispatch").add(0, 0, self.stats.now() - t0)
         return PendingDispatch(None, rows, None, handle, t0)
 
     def finish_dispatch(self, pending):
@@ -232,7 +231,7 @@ class TwoPhaseDispatcher(Dispatcher):
 
     # ----- combine -----------------------------------------------------------------------------------------
     def combine(self, expert_out: torch.Tensor, handle: TwoPhaseHandle) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0 = self.stats.now()
         H, me, here, layer, C = self.hidden_size, self.rank, self.my_node, handle.layer, self.capacity
         width = H * self.dtype.itemsize
 
@@ -277,7 +276,7 @@ class TwoPhaseDispatcher(Dispatcher):
                               handle.pos)
         else:
             out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
-        self.stats.phase(layer, "combine").add(0, 0, time.perf_counter() - t0)
+        self.stats.phase(layer, "combine").add(0, 0, self.stats.now() - t0)
         return out
 
 

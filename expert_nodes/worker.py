@@ -1,8 +1,6 @@
 """One expert rank's step: for every MoE layer, receive rows, run the grouped FFN, send results back."""
 from __future__ import annotations
 
-import time
-
 import torch
 
 from balancer.load import LoadTracker
@@ -48,8 +46,8 @@ class ExpertWorker:
             for p in pending:
                 rows, handle = self.dispatcher.finish_dispatch(p)
                 self.load.add(layer, rows.slots)
-                t0 = time.perf_counter()
+                t0 = self.dispatcher.stats.now()
                 out = self.slots.ffn(layer, rows.hidden, rows.slots, rows.weights)
-                self.dispatcher.stats.add_compute(layer, t0, time.perf_counter())
+                self.dispatcher.stats.add_compute(layer, t0, self.dispatcher.stats.now())
                 self.dispatcher.combine(out, handle)
         self.load.end_step()

@@ -52,8 +52,8 @@ def measure(args) -> dict | None:
     if expert_ranks is None:
         world = int(os.environ.get("WORLD_SIZE", 0))
         expert_ranks = world - args.attention_ranks if world else 2
-    with LLM(args.model, attention_ranks=args.attention_ranks, expert_ranks=expert_ranks,
-             **engine_options(args)) as llm:
+    options = {**engine_options(args), "timing_sync": True}    # CUDA: device times, not launch times
+    with LLM(args.model, attention_ranks=args.attention_ranks, expert_ranks=expert_ranks, **options) as llm:
         rng = random.Random(args.seed)
         prompts = [[rng.randrange(llm.spec.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
         llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))

@@ -15,3 +15,19 @@ def test_lost_peers_are_told_from_bugs():
     assert not is_peer_failure(RuntimeError("rank 1: 70 tokens exceed the step capacity 48"))
     assert not is_peer_failure(ValueError("Connection closed by peer"))     # not a runtime error of a transport
     assert not is_peer_failure(AssertionError("rank 0: 9 tokens > step capacity 8"))
+
+
+def test_nccl_peer_losses_are_told_from_nccl_misuse():
+    """NCCL's texts, as torch's ProcessGroupNCCL raises them (DistBackendError is a RuntimeError)."""
+    from torch.distributed import DistBackendError
+
+    assert is_peer_failure(DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, remote process exited or there was "
+        "a network error, NCCL version 2.28.9\nncclRemoteError: A call failed possibly due to a network error or a "
+        "remote process exiting prematurely."))
+    assert is_peer_failure(DistBackendError("NCCL communicator was aborted on rank 1."))
+    # two ranks on one GPU is a configuration bug, not a lost peer (the error seen on a real H100)
+    assert not is_peer_failure(DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, invalid usage (run with "
+        "NCCL_DEBUG=WARN for details), NCCL version 2.28.9\nncclInvalidUsage: This usually reflects invalid usage "
+        "of NCCL library.\nLast error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 60"))

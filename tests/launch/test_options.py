@@ -26,11 +26,12 @@ VALUES = {
     "enable_prefix_caching": False, "kv_offload_memory": 1 << 20, "max_num_seqs": 8,
     "max_num_batched_tokens": 1024, "max_model_len": 2048, "dtype": "bfloat16", "device": "cpu",
     "kernel_backend": "torch", "threads_per_rank": 2, "collective_timeout_s": 1200.5, "heartbeat_s": 2.5,
-    "rank_failure_s": 7.5, "startup_timeout_s": 60.5, "load_progress": False, "sync_audit": True, "role": "expert",
+    "rank_failure_s": 7.5, "startup_timeout_s": 60.5, "load_progress": False, "sync_audit": True, "timing_sync": True,
+    "role": "expert",
     "pool_addr": "10.0.0.5:29400", "leader_host": "node-0",
 }
 BOOL_FLAGS = {"enable_prefix_caching": ["--no-prefix-caching"], "load_progress": ["--no-load-progress"],
-              "sync_audit": ["--sync-audit"]}
+              "sync_audit": ["--sync-audit"], "timing_sync": ["--timing-sync"]}
 COMPANIONS = {"role": ["pool_addr"], "pool_addr": ["role"]}   # valid only together
 NAMES = [o.name for o in all_options()]
 

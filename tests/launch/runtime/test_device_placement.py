@@ -1,0 +1,83 @@
+"""The CUDA path's decisions, checked on CPU: which GPU a rank takes and when ranks may share one, which
+transport a device may use, that seeded requests draw on the rank's device, and that device-synchronised
+timers synchronise before reading the clock."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from launch.runtime.sizing import gpu_placement
+
+
+def test_one_gpu_per_rank_when_the_node_has_enough():
+    assert [gpu_placement(r, 4, 8, "auto", "two_phase", False) for r in range(4)] == [(r, 1) for r in range(4)]
+    assert gpu_placement(3, 4, 4, "collective", "direct", True) == (3, 1)
+
+
+def test_ranks_share_gpus_round_robin_only_through_cuda_ipc():
+    # 4 ranks on 1 GPU (the gpu_check topology 1+3), 5 ranks on 2 GPUs: 3 on GPU 0, 2 on GPU 1
+    assert [gpu_placement(r, 4, 1, "auto", "direct", True) for r in range(4)] == [(0, 4)] * 4
+    assert [gpu_placement(r, 5, 2, "cuda_ipc", "direct", True) for r in range(5)] == \
+        [(0, 3), (1, 2), (0, 3), (1, 2), (0, 3)]
+
+
+@pytest.mark.parametrize("transport,comm,one_node,match", [
+    ("collective", "direct", True, r"4 ranks on this node but 1 GPU\(s\).*transport='cuda_ipc'.*at most 1 ranks"),
+    ("shm", "direct", True, r"only with transport='cuda_ipc' \(transport='shm'\)"),
+    ("auto", "two_phase", True, r"comm='direct' on one node only \(comm='two_phase'"),
+    ("cuda_ipc", "direct", False, r"one node: False"),
+])
+def test_sharing_a_gpu_is_refused_where_nccl_would_have_to_carry_it(transport, comm, one_node, match):
+    with pytest.raises(ValueError, match=match):
+        gpu_placement(0, 4, 1, transport, comm, one_node)
+
+
+def test_no_gpu_and_a_bad_local_rank_are_named():
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        gpu_placement(0, 2, 0, "auto", "direct", True)
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 is outside LOCAL_WORLD_SIZE=2"):
+        gpu_placement(2, 2, 4, "auto", "direct", True)
+
+
+@pytest.mark.parametrize("transport,device,match", [
+    ("cuda_ipc", "cpu", "transport='cuda_ipc' cannot carry CPU ranks: use transport='shm'"),
+    ("shm", "cuda", "transport='shm' cannot carry CUDA ranks: use transport='cuda_ipc'"),
+])
+def test_a_transport_for_the_other_device_is_refused(transport, device, match):
+    from launch.config import EngineConfig
+    from launch.runtime.dataplane import use_shm
+
+    cfg = EngineConfig.from_options("/m", 1, 1, transport=transport, device="cpu")
+    with pytest.raises(ValueError, match=match):
+        use_shm(cfg, None, None, torch.device(device))
+
+
+def test_seeded_requests_draw_on_the_ranks_device(monkeypatch):
+    """A CPU generator cannot draw into CUDA probabilities: each seeded stream is created on the device."""
+    from attention_nodes.sampling_params import SamplingParams
+    from attention_nodes.sequence import Sequence
+
+    made = []
+    real = torch.Generator
+
+    def generator(device="cpu"):
+        made.append(torch.device(device))
+        return real()      # this CPU build has no CUDA generator; the device asked for is what counts
+
+    monkeypatch.setattr(torch, "Generator", generator)
+    params = SamplingParams(seed=7, temperature=1.0)
+    Sequence.from_request("a", [1, 2], params, 1, torch.device("cuda", 1))
+    Sequence.resumed("b", 0, [1, 2], [3], params, 2, torch.device("cuda", 1))
+    Sequence.from_request("c", [1, 2], SamplingParams(), 3, torch.device("cuda", 1))   # unseeded: none
+    assert made == [torch.device("cuda", 1)] * 2
+
+
+def test_synchronised_timers_wait_for_the_device_before_the_clock():
+    from comm.stats import CommStats
+
+    stats, calls = CommStats(), []
+    assert stats.sync is None
+    stats.now()
+    stats.sync = lambda: calls.append("sync")
+    stats.now()
+    assert calls == ["sync"]
