@@ -42,6 +42,21 @@ def workload(n: int, seed: int = 0, max_output: int = 256, model: str = SHIPPED_
     return prompts, olens.tolist()
 
 
+def synthetic_checkpoint(path: str, layers: int, device: str) -> str:
+    """A random checkpoint of Qwen3-30B-A3B's shape (hidden 2048, 32 query / 4 KV heads of 128, 128 experts
+    of 768, top-8, vocab 151936) with `layers` layers, bf16, initialised on `device` -> path."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                         num_experts_per_tok=8, num_hidden_layers=layers, num_attention_heads=32,
+                         num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
+                         norm_topk_prob=True, tie_word_embeddings=False)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
 def run_ours(llm: LLM, prompts, olens) -> tuple[float, int]:
     params = [SamplingParams(max_tokens=o, ignore_eos=True) for o in olens]
     t0 = time.perf_counter()
@@ -70,8 +85,11 @@ def run_hf(model, prompts, olens, batch: int = 64) -> tuple[float, int]:
         for i in range(0, len(prompts), batch):
             ps, os_ = prompts[i:i + batch], olens[i:i + batch]
             ids, mask = left_padded(ps)
+            ids, mask = ids.to(model.device), mask.to(model.device)
             model.generate(ids, attention_mask=mask, max_new_tokens=max(os_), do_sample=False, pad_token_id=0)
             n += sum(os_)  # useful tokens only: the padded batch runs to its longest request
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     return time.perf_counter() - t0, n
 
 
@@ -84,18 +102,29 @@ def main() -> None:
     ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
     ap.add_argument("--attention-ranks", type=int, default=1)
     ap.add_argument("--expert-ranks", type=int, default=2)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="both engines' device")
+    ap.add_argument("--dtype", default=None, help="both engines' dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument("--synthetic-layers", type=int, default=0,
+                    help="instead of --model: a random Qwen3-30B-A3B-shaped checkpoint with this many layers")
+    ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per attention rank")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
+    if args.synthetic_layers:
+        import tempfile
+        args.model = synthetic_checkpoint(tempfile.mkdtemp(prefix="qwen3-30b-shape-"), args.synthetic_layers,
+                                          args.device)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     prompts, olens = workload(args.requests, model=args.model)
     print(f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
           f"output tokens {sum(olens)} (min {min(olens)}, median {int(statistics.median(olens))}, max {max(olens)})")
-    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).to(args.device).eval()
     hf.generation_config.eos_token_id = None
     A, E = args.attention_ranks, args.expert_ranks
     # 64 requests in flight in all, as in HF's batches: max_num_seqs is per attention rank.
     with LLM(args.model, attention_ranks=A, expert_ranks=E, max_num_seqs=64 // A, max_num_batched_tokens=512,
-             threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches) as llm:
+             threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches, device=args.device,
+             dtype=dtype, kv_cache_memory=args.kv_cache_memory) as llm:
         run_ours(llm, prompts[:16], olens[:16])        # warm-up
         run_hf(hf, prompts[:16], [8] * 16, batch=16)    # warm-up
         ours, base = [], []
@@ -105,6 +134,7 @@ def main() -> None:
             dt, n = run_hf(hf, prompts, olens)
             base.append(n / dt)
     mo, mb = statistics.median(ours), statistics.median(base)
+    print(f"device {args.device}, dtype {dtype}, model {args.model}")
     print(f"afserve {A}+{E} ranks      : {mo:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in ours)})")
     print(f"HF generate, batch 64  : {mb:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in base)})")
     print(f"ratio                  : {mo / mb:.2f}x")

@@ -1,17 +1,47 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (the device tool; no network there, so no `make`): the kernel tests natively
-# on CUDA, then bench/kernels.py. Logs and JSON go under $OUT (default /tmp/gpu_check).
-# Usage, from the repository root: bash scripts/gpu_check.sh
+# One call on a lent GPU machine (the device tool; no network there, so no `make`), at most 10 minutes. Logs
+# and JSON go under $OUT (default /tmp/gpu_check); a summary table is printed last.
+#   1. the Triton kernel tests natively on CUDA, and the CUDA-only tests (tests/gpu): greedy tokens equal to
+#      transformers for every architecture with 1+1 and 1+3 ranks on one GPU through cuda_ipc, bf16 prompt
+#      log-probabilities near transformers' bf16, a seeded request twice;
+#   2. bench/kernels.py (decode attention against copy bandwidth, fused MoE against dense matmul);
+#   3. per-layer dispatch/combine times through cuda_ipc (launch/comm_profile.py, device-synchronised timers);
+#   4. bench/throughput.py on a Qwen3-30B-A3B-shaped checkpoint with a few layers, against HF generate.
+# Usage, from the repository root: bash scripts/gpu_check.sh [stage ...]   (stages: tests kernels comm throughput)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 PY=${PY:-python3}
+STAGES=${*:-tests kernels comm throughput}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+declare -A result
+run() {   # run NAME SECONDS CMD...: its output to $OUT/NAME.log, its exit status to the summary
+    local name=$1 secs=$2; shift 2
+    local t0=$SECONDS
+    timeout "$secs" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    result[$name]="rc=$rc $((SECONDS - t0))s"
+    tail -n 4 "$OUT/$name.log"
+}
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$OUT/versions.txt"
+for stage in $STAGES; do
+    case $stage in
+    tests) run tests 330 $PY -m pytest -q -p no:cacheprovider -rfEP -n 4 tests/kernels tests/gpu ;;
+    kernels) run kernels 150 $PY bench/kernels.py --out "$OUT/kernels.json" ;;
+    comm) run comm 120 $PY -m launch.comm_profile --device cuda --attention-ranks 1 --expert-ranks 3 \
+              --transport cuda_ipc --prompts 32 --prompt-len 128 --max-tokens 32 --out /tmp/comm_profile \
+              && cp /tmp/comm_profile/profile.json "$OUT/comm_profile.json" ;;
+    throughput) run throughput 300 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 --micro-batches 2 \
+                    --repeats 3 --attention-ranks 1 --expert-ranks 1 --kv-cache-memory $((8 << 30)) ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+done
 status=0
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-$PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
-    2>&1 | tee "$OUT/versions.txt"
-$PY -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$OUT/kernel_tests.log" || status=1
-$PY bench/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/bench_kernels.log" || status=1
+echo "stage       result"
+for name in "${!result[@]}"; do
+    printf '%-11s %s\n' "$name" "${result[$name]}"
+    [[ ${result[$name]} == rc=0* ]] || status=1
+done
 exit $status
