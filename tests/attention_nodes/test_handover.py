@@ -33,7 +33,7 @@ def make_worker(num_blocks: int = 32, max_num_seqs: int = 8, max_num_batched_tok
     arrivals = itertools.count(1)
     return SimpleNamespace(scheduler=Scheduler(pool, max_num_seqs, max_num_batched_tokens), block_pool=pool,
                            kv=KVCache(2, num_blocks, BLOCK, (2, 2, 4), torch.float32, torch.device("cpu")),
-                           next_arrival=lambda: next(arrivals))
+                           next_arrival=lambda: next(arrivals), device=torch.device("cpu"))
 
 
 def add(worker, rid: str, prompt_len: int, max_tokens: int = 20, **params) -> None:
