@@ -28,7 +28,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$OUT/versions.txt"
 for stage in $STAGES; do
     case $stage in
-    tests) run tests 330 $PY -m pytest -q -p no:cacheprovider -rfEP -n 4 tests/kernels tests/gpu ;;
+    tests) run tests 330 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/kernels tests/gpu ;;
     kernels) run kernels 150 $PY bench/kernels.py --out "$OUT/kernels.json" ;;
     comm) run comm 120 $PY -m launch.comm_profile --device cuda --attention-ranks 1 --expert-ranks 3 \
               --transport cuda_ipc --prompts 32 --prompt-len 128 --max-tokens 32 --out /tmp/comm_profile \
