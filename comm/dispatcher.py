@@ -291,7 +291,7 @@ class ShmDispatcher(Dispatcher):
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
         self.round = 0
-        buffers = slot_buffers(self.device)
+        self.buffers = buffers = slot_buffers(self.device)
         # Slot sizes: expert inboxes hold dispatched rows, source inboxes hold combined rows.
         expert_slot = max_tokens * self._row_bytes()
         source_slot = max_tokens * hidden_size * dtype.itemsize
@@ -319,6 +319,17 @@ class ShmDispatcher(Dispatcher):
         for outlet in self.outlets:
             outlet.abort()
 
+    def _send(self, rnd: int, rows: torch.Tensor, counts: list[int]) -> None:
+        """rows `[N, bytes]` uint8, counts[i] of them (in order) to outlet i: every payload written, one wait
+        for the copies (cuda_ipc: a stream synchronize for all of them), then every round word."""
+        start = 0
+        for outlet, n in zip(self.outlets, counts):
+            outlet.write(rnd, rows[start:start + n].view(-1))
+            start += n
+        self.buffers.publish()
+        for outlet, n in zip(self.outlets, counts):
+            outlet.post(rnd, n)
+
     def set_capacity(self, capacity: int) -> None:
         if capacity > self.max_tokens:
             raise RuntimeError(f"rank {self.rank}: step capacity {capacity} exceeds the shm slots' "
@@ -337,11 +348,7 @@ class ShmDispatcher(Dispatcher):
                 raise RuntimeError(f"rank {self.rank}: {hidden.shape[0]} tokens exceed the shm slots' "
                                    f"{self.max_tokens}")
             packed = pack_rows(hidden[row2token], row_slots, row_weights)
-            start = 0
-            for i, outlet in enumerate(self.outlets):  # expert ranks S..W-1, in rank order
-                n = send_counts[S + i]
-                outlet.send(self.round, packed[start:start + n].view(-1), n)
-                start += n
+            self._send(self.round, packed, send_counts[S:])   # to expert ranks S..W-1
             self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), self.stats.now() - t0)
         return PendingDispatch(None, torch.empty(0), None, handle, t0)
 
@@ -364,11 +371,7 @@ class ShmDispatcher(Dispatcher):
         out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         if not self.is_source:
             rows = expert_out.to(self.dtype).contiguous()
-            start = 0
-            for s, outlet in enumerate(self.outlets):  # sources 0..S-1
-                n = handle.recv_counts[s]
-                outlet.send(handle.round, rows[start:start + n].view(-1).view(torch.uint8), n)
-                start += n
+            self._send(handle.round, rows.view(torch.uint8), handle.recv_counts[:S])   # to sources 0..S-1
             self.stats.phase(handle.layer, "combine").add(rows.numel() * rows.element_size(), S,
                                                           self.stats.now() - t0)
             return out

@@ -77,6 +77,12 @@ def _slot(buf: torch.Tensor, sender: int, rnd: int, depth: int, slot_bytes: int)
     return buf[start:start + slot_bytes]
 
 
+def _flag(sender: int, rnd: int, depth: int) -> int:
+    """Index of the round word of (sender, round) in an inbox's int64 flags [sender][round % depth][round,
+    count]; its count follows it."""
+    return (sender * depth + rnd % depth) * 2
+
+
 class HostShmBuffers:
     """Slot payloads in host shared memory: a file (in the job's shared directory) that every peer maps. The
     flags' fence orders a sender's payload stores before its round word, so publish has nothing to do."""
@@ -151,7 +157,7 @@ class Inbox:
         self.flags = _map(self.path, num_senders * depth * HEADER + ABORT_WORD, create=True).view(torch.int64)
         self.data, self.export = buffers.allocate(os.path.join(directory, f"rank{rank}.data"),
                                                   num_senders * depth * slot_bytes)
-        self.flags.view(-1)[:-1].view(num_senders, depth, 2)[:, :, 0] = -1
+        self.flags[:-1].view(num_senders, depth, 2)[:, :, 0] = -1
         os.mkfifo(self.fifo_path, 0o600)
         self.fifo = os.open(self.fifo_path, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF, never blocks on open
 
@@ -159,7 +165,7 @@ class Inbox:
         return _slot(self.data, sender, rnd, self.depth, self.slot_bytes)
 
     def _flag(self, sender: int, rnd: int, word: int) -> int:
-        return int(self.flags[(sender * self.depth + rnd % self.depth) * 2 + word])
+        return int(self.flags[_flag(sender, rnd, self.depth) + word])
 
     def wait(self, rnd: int, timeout_s: float, what: str, sender_pids: list[int] | None = None,
              sender_names: list[str] | None = None) -> list[tuple[int, torch.Tensor]]:
@@ -206,11 +212,19 @@ class Outlet:
 
     def send(self, rnd: int, payload: torch.Tensor, count: int) -> None:
         """payload: `[bytes]` uint8 on the buffers' device (count rows already packed)."""
+        self.write(rnd, payload)
+        self.buffers.publish()
+        self.post(rnd, count)
+
+    def write(self, rnd: int, payload: torch.Tensor) -> None:
+        """The payload into this sender's slot for round rnd, not yet visible: buffers.publish, then post."""
         if payload.numel() > self.slot_bytes:
             raise RuntimeError(f"message of {payload.numel()} bytes exceeds the {self.slot_bytes}-byte slot")
         _slot(self.data, self.sender_index, rnd, self.depth, self.slot_bytes)[:payload.numel()].copy_(payload)
-        self.buffers.publish()
-        flag = (self.sender_index * self.depth + rnd % self.depth) * 2
+
+    def post(self, rnd: int, count: int) -> None:
+        """Publish round rnd's count and round word (the payload written and published) and wake the peer."""
+        flag = _flag(self.sender_index, rnd, self.depth)
         self.flags[flag + 1] = count
         self.fence()
         self.flags[flag] = rnd

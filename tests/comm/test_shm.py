@@ -78,3 +78,26 @@ def test_the_allocator_publishes_the_payload_before_the_round_word(tmp_path):
     assert inbox.wait(1, 5, "test")[0][0] == 3
     assert type(slot_buffers(torch.device("cpu"))) is HostShmBuffers
     assert type(slot_buffers(torch.device("cuda", 0))) is CudaIpcBuffers
+
+
+def test_a_fan_out_waits_for_its_copies_once_before_any_round_word(tmp_path):
+    """ShmDispatcher._send: every payload is written, then one publish (cuda_ipc: one stream synchronize per
+    dispatch or combine, not one per peer), then the round words."""
+    from types import SimpleNamespace
+
+    from comm.dispatcher import ShmDispatcher
+    from comm.shm import HostShmBuffers
+
+    seen = []
+
+    class Recording(HostShmBuffers):
+        def publish(self):
+            seen.append([(ib._flag(0, 1, 0), ib.slot(0, 1)[:2].tolist()) for ib in inboxes])
+
+    inboxes = [Inbox(str(tmp_path), rank=r, num_senders=1, depth=2, slot_bytes=8) for r in range(2)]
+    outlets = [Outlet(str(tmp_path), r, _StoreFence(), 0, depth=2, slot_bytes=8) for r in range(2)]
+    rows = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.uint8)
+    ShmDispatcher._send(SimpleNamespace(outlets=outlets, buffers=Recording()), 1, rows, [1, 2])
+    assert seen == [[(-1, [1, 2]), (-1, [3, 4])]]       # one wait, both payloads in place, no round yet
+    assert [ib.wait(1, 5, "test")[0][0] for ib in inboxes] == [1, 2]
+    assert inboxes[1].slot(0, 1)[:4].tolist() == [3, 4, 5, 6]
