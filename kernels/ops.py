@@ -1,7 +1,9 @@
 """The one entry point to the kernels. Every op takes `backend`: "triton" (CUDA tensors, or any tensors under
-Triton's CPU interpreter, `TRITON_INTERPRET=1`), "sdpa" (attention on torch's fused scaled_dot_product_attention,
-kernels/sdpa_attention.py; everything else as "torch"), "torch" (the references beside each kernel), or "auto":
-Triton on CUDA, sdpa elsewhere. The Triton modules are imported only when first used.
+Triton's CPU interpreter, `TRITON_INTERPRET=1`), "cpu" (fp32 paged decode in C reading the cache in place,
+kernels/cpu_attention.py; everything else as "sdpa"), "sdpa" (attention on torch's fused
+scaled_dot_product_attention, kernels/sdpa_attention.py; everything else as "torch"), "torch" (the references
+beside each kernel), or "auto": Triton on CUDA; on the CPU "cpu" where its C kernel builds, else sdpa. The Triton
+modules are imported only when first used.
 
 Names: T tokens, B sequences, P prefill sequences, h query heads, kvh KV heads, d head dim, N cache blocks,
 bs block size, M max blocks per sequence, H hidden, I expert intermediate size, S slots, K top-k.
@@ -15,7 +17,7 @@ import os
 
 import torch
 
-from . import sdpa_attention
+from . import cpu_attention, sdpa_attention
 from .moe import SILU, ExpertAct, fused_moe_ref
 from .paged_attention import (
     DecodeGroup,
@@ -25,7 +27,7 @@ from .paged_attention import (
     write_kv_ref,
 )
 
-BACKENDS = ("auto", "triton", "sdpa", "torch")
+BACKENDS = ("auto", "triton", "cpu", "sdpa", "torch")
 
 
 @functools.cache
@@ -35,13 +37,23 @@ def triton_available() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """"auto" | "triton" | "sdpa" | "torch" on `device` -> the backend that runs: "triton", "sdpa" or "torch".
+    """One of BACKENDS on `device` -> the backend that runs: "triton", "cpu", "sdpa" or "torch".
     Raises ValueError for a backend that cannot run there."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r} is invalid: choose one of {BACKENDS}")
-    is_cuda = torch.device(device).type == "cuda"
+    kind = torch.device(device).type
+    is_cuda = kind == "cuda"
     if backend == "auto":
-        return "triton" if is_cuda and triton_available() else "sdpa"
+        if is_cuda and triton_available():
+            return "triton"
+        return "cpu" if kind == "cpu" and cpu_attention.available() else "sdpa"
+    if backend == "cpu":
+        if kind != "cpu":
+            raise ValueError(f"kernel backend 'cpu' runs on the CPU only, not on {kind}; use 'auto'")
+        try:
+            cpu_attention.library()
+        except (cpu_attention.BuildError, OSError) as e:
+            raise ValueError(str(e)) from e
     if backend == "triton":
         if not triton_available():
             raise ValueError("kernel backend 'triton' needs the triton package (pip install triton); "
@@ -74,7 +86,7 @@ def plan_decode_attention(block_tables: torch.Tensor, context_lens: torch.Tensor
     """What the torch backend's decode gathers, worked out once per step and passed to every layer's call as
     `plan`; None for Triton, which needs no plan. host_lens: context_lens as a host list, where known."""
     resolved = resolve_backend(backend, block_tables.device)
-    if resolved == "triton":
+    if resolved in ("triton", "cpu"):
         return None
     if resolved == "sdpa":
         return plan_decode(block_tables, context_lens, block_size, sdpa_attention.DECODE_GROUP, host_lens)
@@ -97,7 +109,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if resolved == "triton":
         return _triton("attention").paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                            max_context_len, sinks=sinks, window=window)
-    if resolved == "sdpa":
+    if resolved == "cpu" and cpu_attention.supports(q, k_cache, v_cache):
+        return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, sinks,
+                                                    window)
+    if resolved in ("cpu", "sdpa"):
         return sdpa_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, plan,
                                                      sinks, window)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, context_lens, scale, plan, sinks, window)
@@ -118,7 +133,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if resolved == "triton":
         return _triton("attention").paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                             context_lens, scale, sinks=sinks, window=window)
-    if resolved == "sdpa":
+    if resolved in ("cpu", "sdpa"):
         return sdpa_attention.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                                                       scale, sinks, window, host_cu_seqlens=host_cu_seqlens,
                                                       host_context_lens=host_context_lens)

@@ -137,9 +137,11 @@ class EngineConfig:
     dtype: str = option("auto", "weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
                         choices=DTYPES)
     device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
-    kernel_backend: str = option("auto", "attention and MoE kernels: Triton on CUDA, sdpa (torch's fused "
-                                         "attention over the paged cache) elsewhere (auto), or the torch "
-                                         "references", choices=KERNEL_BACKENDS)
+    kernel_backend: str = option("auto", "attention and MoE kernels: Triton on CUDA; on the CPU a C paged "
+                                         "decode that reads the cache in place (cpu, built on first use; "
+                                         "sdpa where no C compiler runs) (auto); or sdpa (torch's fused "
+                                         "attention over gathered blocks), or the torch references",
+                                 choices=KERNEL_BACKENDS)
     threads_per_rank: int | None = option(None, "CPU threads per rank (default: the machine's cores / the ranks "
                                                 "of the job; set it in a container whose CPU limit is below the "
                                                 "node's cores)")

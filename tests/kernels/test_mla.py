@@ -21,7 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, C, R, NOPE, V = 4, 32, 8, 16, 16
 SCALE = (NOPE + R) ** -0.5
 TOL = 1e-4
-BACKENDS = ["torch", "sdpa", pytest.param("triton", marks=pytest.mark.skipif(not ops.triton_available(),
+BACKENDS = ["torch", "sdpa", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")),
+            pytest.param("triton", marks=pytest.mark.skipif(not ops.triton_available(),
                                                                       reason="triton is not installed"))]
 
 

@@ -1,14 +1,15 @@
-"""Paged attention references, and the SDPA path (kernels/sdpa_attention.py), equal dense causal attention over
-the same keys and values."""
+"""Paged attention references, the SDPA path (kernels/sdpa_attention.py) and the C decode
+(kernels/cpu_attention.py) equal dense causal attention over the same keys and values."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import sdpa_attention
+from kernels import cpu_attention, sdpa_attention
 from kernels.paged_attention import paged_decode_attention_ref, paged_prefill_attention_ref, plan_decode, write_kv_ref
 
-DECODE = {"torch": paged_decode_attention_ref, "sdpa": sdpa_attention.paged_decode_attention}
+DECODE = {"torch": paged_decode_attention_ref, "sdpa": sdpa_attention.paged_decode_attention,
+          "cpu": lambda *args, plan: cpu_attention.paged_decode_attention(*args)}   # C reads the tables, no plan
 PREFILL = {"torch": paged_prefill_attention_ref, "sdpa": sdpa_attention.paged_prefill_attention}
 
 
@@ -42,7 +43,7 @@ def setup(lens, N=40, bs=4, kvh=2, d=8, seed=0):
     return kc, vc, tables, keys, vals
 
 
-@pytest.mark.parametrize("backend", ["torch", "sdpa"])
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "cpu"])
 @pytest.mark.parametrize("group", [16, 2, 3])  # one group; several length-sorted groups
 @pytest.mark.parametrize("host", [False, True])  # the plan from the device lengths, or from a host list
 def test_decode_matches_dense(backend, group, host):

@@ -9,7 +9,8 @@ import torch
 from kernels import ops
 from tests.kernels.test_triton_attention import DEVICE, paged_cache
 
-BACKENDS = ["torch", "sdpa", "triton"]
+BACKENDS = ["torch", "sdpa", "triton", pytest.param("cpu", marks=pytest.mark.skipif(
+    DEVICE != "cpu", reason="the C kernels take CPU tensors"))]
 
 
 def dense(q, k, v, q_pos, scale, sinks, window):

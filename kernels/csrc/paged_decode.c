@@ -1,0 +1,138 @@
+/* Paged decode attention for the CPU, reading K/V blocks where they lie in the cache (no gathered copy).
+ *
+ * One query per sequence. For sequence b, query head j (KV head j / (h / kvh)) and the context positions t
+ * its window keeps, score_t = scale * q . k_t; out = sum_t softmax(score)_t v_t, with an optional sink logit
+ * per head that joins the normalisation and attends to nothing (GPT-OSS). The softmax is exact (two passes:
+ * scores, then max, exponentials and the weighted sum), in fp32.
+ *
+ * Layouts (element strides, in floats): q [B, h, dk] and out [B, h, dv] contiguous; the key of cache slot
+ * s = block * bs + offset and KV head g is at k + s * k_tok + g * k_head (dk contiguous floats), the value at
+ * v + s * v_tok + g * v_head (dv floats); block_tables [B, M] int32 (-1 padded), context_lens [B] int32.
+ * dk and dv must be multiples of W (the caller checks). Vectors are GCC/clang vector extensions, so the
+ * compiler picks the instructions (-march=native). Built and loaded by kernels/cpu_attention.py.
+ * Returns 0, or -1 when scratch memory cannot be had.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define W 8
+typedef float vec __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x}; }
+
+static inline vec vmax(vec a, vec b) {
+    ivec keep = a > b, ai, bi;
+    memcpy(&ai, &a, sizeof a);
+    memcpy(&bi, &b, sizeof b);
+    ai = (ai & keep) | (bi & ~keep);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+static inline float hsum(vec v) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+    return v[0];
+}
+
+/* exp(x) for x <= 0 (the softmax's shifted scores), Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, a degree-7
+ * polynomial for exp(r), then 2^n from the exponent bits. About 1 ulp; inputs below -87 give exp(-87). */
+static inline vec exp_nonpositive(vec x) {
+    x = vmax(x, splat(-87.0f));
+    vec t = x * splat(1.44269504088896341f) - splat(0.5f);
+    ivec n = __builtin_convertvector(t, ivec);          /* truncation toward zero = round to nearest, x <= 0 */
+    vec nf = __builtin_convertvector(n, vec);
+    vec r = x - nf * splat(0.693359375f) + nf * splat(2.12194440e-4f);
+    vec p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    ivec bits = (n + 127) << 23;
+    vec scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static inline float dot(const float *a, const float *b, int64_t nv) {
+    vec acc = load(a) * load(b);
+    for (int64_t c = 1; c < nv; ++c) acc += load(a + c * W) * load(b + c * W);
+    return hsum(acc);
+}
+
+int afserve_paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
+                             const int32_t *context_lens, const float *sinks, float *out, int64_t B, int64_t h,
+                             int64_t kvh, int64_t dk, int64_t dv, int64_t bs, int64_t M, int64_t k_tok,
+                             int64_t k_head, int64_t v_tok, int64_t v_head, float scale, int64_t window) {
+    const int64_t group = h / kvh, nk = dk / W, nvv = dv / W;
+    int64_t longest = 1;
+    for (int64_t b = 0; b < B; ++b)
+        if (context_lens[b] > longest) longest = context_lens[b];
+    const int64_t stride = (longest + W - 1) / W * W;   /* a head's scores, padded to whole vectors */
+    float *scores = malloc(sizeof(float) * (size_t)(h * stride));
+    if (scores == NULL) return -1;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t len = context_lens[b];
+        const int64_t first = (window > 0 && len > window) ? len - window : 0;
+        const int64_t n = len - first;
+        const int32_t *table = block_tables + b * M;
+        const float *qb = q + b * h * dk;
+        float *ob = out + b * h * dv;
+        /* Scores, a block's run of tokens at a time (their slots are consecutive). */
+        for (int64_t t = first; t < len;) {
+            const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
+            const float *kt = k + ((int64_t)table[t / bs] * bs + t % bs) * k_tok;
+            for (; t < end; ++t, kt += k_tok)
+                for (int64_t j = 0; j < h; ++j)
+                    scores[j * stride + (t - first)] = scale * dot(qb + j * dk, kt + (j / group) * k_head, nk);
+        }
+        /* Softmax numerators in place, and each head's 1 / denominator. */
+        float inv[h];
+        for (int64_t j = 0; j < h; ++j) {
+            float *s = scores + j * stride;
+            float top = sinks ? sinks[j] : -INFINITY;
+            for (int64_t i = 0; i < n; ++i) top = s[i] > top ? s[i] : top;
+            /* Padding to a whole vector: exp gives exp(-87) ~ 1e-38, which cannot change a sum of at least 1 (the top). */
+            for (int64_t i = n; i < (n + W - 1) / W * W; ++i) s[i] = -INFINITY;
+            vec sum = splat(0.0f);
+            for (int64_t i = 0; i < n; i += W) {
+                vec e = exp_nonpositive(load(s + i) - splat(top));
+                store(s + i, e);
+                sum += e;
+            }
+            float total = hsum(sum) + (sinks ? expf(sinks[j] - top) : 0.0f);
+            inv[j] = total > 0.0f ? 1.0f / total : 0.0f;   /* an empty context attends to nothing */
+            memset(ob + j * dv, 0, sizeof(float) * (size_t)dv);
+        }
+        /* The weighted sum of values, again a block's run at a time. */
+        for (int64_t t = first; t < len;) {
+            const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
+            const float *vt = v + ((int64_t)table[t / bs] * bs + t % bs) * v_tok;
+            for (; t < end; ++t, vt += v_tok)
+                for (int64_t j = 0; j < h; ++j) {
+                    const vec p = splat(scores[j * stride + (t - first)]);
+                    const float *vr = vt + (j / group) * v_head;
+                    float *o = ob + j * dv;
+                    for (int64_t c = 0; c < nvv; ++c) store(o + c * W, load(o + c * W) + p * load(vr + c * W));
+                }
+        }
+        for (int64_t j = 0; j < h; ++j)
+            for (int64_t c = 0; c < nvv; ++c) store(ob + j * dv + c * W, load(ob + j * dv + c * W) * splat(inv[j]));
+    }
+    free(scores);
+    return 0;
+}

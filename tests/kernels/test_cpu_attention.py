@@ -1,0 +1,72 @@
+"""The C paged decode (kernels/cpu_attention.py): how it is built, chosen and refused. Its results against dense
+attention are in test_paged_attention.py, test_sinks_window.py and test_mla.py (backend "cpu")."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_attention, ops
+from tests.kernels.test_paged_attention import dense, setup
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """An empty cache directory and no library loaded yet in this process; the normal one is restored after."""
+    monkeypatch.setenv("AFSERVE_CACHE_DIR", str(tmp_path))
+    cpu_attention.library.cache_clear()
+    cpu_attention.available.cache_clear()
+    yield tmp_path
+    cpu_attention.library.cache_clear()
+    cpu_attention.available.cache_clear()
+
+
+def test_builds_once_into_the_cache_dir(fresh_build):
+    cpu_attention.library()
+    built = sorted(p.name for p in fresh_build.iterdir())
+    assert len(built) == 1 and built[0].startswith("paged_decode-") and built[0].endswith(".so")
+    cpu_attention.library.cache_clear()
+    mtime = (fresh_build / built[0]).stat().st_mtime_ns
+    cpu_attention.library()                     # a second process finds it: no rebuild, no temporary left
+    assert sorted(p.name for p in fresh_build.iterdir()) == built
+    assert (fresh_build / built[0]).stat().st_mtime_ns == mtime
+
+
+def test_a_missing_compiler_is_named(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-cc"))
+    with pytest.raises(ValueError, match="no-such-cc.*kernel_backend='sdpa'"):
+        ops.resolve_backend("cpu", "cpu")
+    assert not cpu_attention.available()
+    assert ops.resolve_backend("auto", "cpu") == "sdpa"      # auto falls back rather than failing
+    assert not list(fresh_build.iterdir())
+
+
+def test_auto_picks_the_c_kernel_on_the_cpu_only():
+    assert cpu_attention.available()
+    assert ops.resolve_backend("auto", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="CPU only, not on cuda"):
+        ops.resolve_backend("cpu", "cuda")
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 8), (torch.float32, 12)])
+def test_what_c_does_not_take_goes_to_sdpa(dtype, d):
+    """bf16 caches and head dims that are not whole vectors: the "cpu" backend answers through sdpa."""
+    lens = [9, 1, 16, 5]
+    kc, vc, tables, keys, vals = setup(lens, N=20, d=d)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    q = torch.randn(len(lens), 4, d).to(dtype)
+    assert not cpu_attention.supports(q, kc, vc)
+    out = ops.paged_decode_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.3, "cpu")
+    for i in range(len(lens)):
+        want = dense(q[i:i + 1].float(), keys[i].to(dtype).float(), vals[i].to(dtype).float(), 0.3)[0]
+        torch.testing.assert_close(out[i].float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_long_contexts_and_far_apart_scores():
+    """Contexts of several hundred tokens over 16-token blocks, scores far apart (probabilities that underflow
+    next to the largest), and a context of exactly one token."""
+    lens = [1, 300, 517, 64]
+    kc, vc, tables, keys, vals = setup(lens, N=80, bs=16, d=64, seed=3)
+    q = torch.randn(len(lens), 4, 64) * 6.0
+    out = cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i], dense(q[i:i + 1], keys[i], vals[i], 0.125)[0], atol=1e-5, rtol=1e-5)
