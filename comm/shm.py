@@ -8,8 +8,12 @@ With three or more rank processes on a few cores, every gloo collective costs ~1
 rank owns an inbox: per sender and per round in flight, a slot's flags [round int64 | count int64] in a
 host shared-memory file, its payload from the allocator, and a FIFO that senders write one byte to after
 filling a slot.
-A receiver checks its slots' round words and blocks on the FIFO only while one is missing, so wake-ups
-that arrive early for a later round are harmless. Rounds follow the call order, which is the same on
+A receiver checks its slots' round words, polls them for up to SPIN_S (yielding the core between looks, so
+another process that is ready runs), and only then blocks on the FIFO. A sender writes the wake-up byte only
+when the receiver says it sleeps (a word in its inbox; sender and receiver each store, fence, then load, so
+one of them always sees the other), which saves a system call and a wake-up of an idle core per message:
+on the 2-core VM the wake-ups alone took ~10% of both ranks' time. Wake-ups that arrive early for a later
+round are harmless. Rounds follow the call order, which is the same on
 every rank, so no sizes or sequence numbers are exchanged. The inbox ends with an abort word: a rank that
 leaves the job's current generation (to re-form it after a failure) sets it in each peer's inbox and wakes
 the peer, whose wait then raises `PeerLost` at once instead of waiting out its timeout.
@@ -28,8 +32,10 @@ import torch
 from .failures import PeerLost
 
 HEADER = 16  # a slot's flags: round (int64) + count (int64)
-ABORT_WORD = 8  # int64 at the end of an inbox: non-zero once a peer has left the generation
+TAIL_WORDS = 2  # int64 words after the slots' flags: SLEEP (the receiver blocks on its FIFO), ABORT
+SLEEP, ABORT = -2, -1  # non-zero while the receiver sleeps / once a peer has left the generation
 LIVENESS_S = 0.1  # a wait silent this long checks that its missing senders' processes still exist
+SPIN_S = 0.002  # a wait polls this long (yielding the core) before it sleeps on the FIFO
 
 
 class _StoreFence:
@@ -132,6 +138,16 @@ def slot_buffers(device: torch.device) -> HostShmBuffers | CudaIpcBuffers:
 
 def _map(path: str, size: int, create: bool) -> torch.Tensor:
     """A uint8 view of a shared file: created (O_EXCL) with `size` zero bytes, or opened whole."""
+    return torch.frombuffer(_mmap(path, size, create), dtype=torch.uint8)
+
+
+def _map_words(path: str, size: int, create: bool) -> memoryview:
+    """The int64 words of a shared file (as `_map`): plain 8-byte loads and stores, ~20x cheaper from Python
+    than indexing a tensor."""
+    return memoryview(_mmap(path, size, create)).cast("q")
+
+
+def _mmap(path: str, size: int, create: bool) -> mmap.mmap:
     if create:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_EXCL, 0o600)
         os.ftruncate(fd, max(size, 1))
@@ -139,7 +155,7 @@ def _map(path: str, size: int, create: bool) -> torch.Tensor:
         fd = os.open(path, os.O_RDWR)
     mm = mmap.mmap(fd, os.fstat(fd).st_size)
     os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8)
+    return mm
 
 
 class Inbox:
@@ -154,10 +170,12 @@ class Inbox:
         buffers = buffers or HostShmBuffers()
         self.path = os.path.join(directory, f"rank{rank}.buf")
         self.fifo_path = os.path.join(directory, f"rank{rank}.fifo")
-        self.flags = _map(self.path, num_senders * depth * HEADER + ABORT_WORD, create=True).view(torch.int64)
+        self.flags = _map_words(self.path, num_senders * depth * HEADER + TAIL_WORDS * 8, create=True)
         self.data, self.export = buffers.allocate(os.path.join(directory, f"rank{rank}.data"),
                                                   num_senders * depth * slot_bytes)
-        self.flags[:-1].view(num_senders, depth, 2)[:, :, 0] = -1
+        for i in range(0, num_senders * depth * 2, 2):
+            self.flags[i] = -1
+        self.fence = _StoreFence()
         os.mkfifo(self.fifo_path, 0o600)
         self.fifo = os.open(self.fifo_path, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF, never blocks on open
 
@@ -165,21 +183,44 @@ class Inbox:
         return _slot(self.data, sender, rnd, self.depth, self.slot_bytes)
 
     def _flag(self, sender: int, rnd: int, word: int) -> int:
-        return int(self.flags[_flag(sender, rnd, self.depth) + word])
+        return self.flags[_flag(sender, rnd, self.depth) + word]
+
+    def _missing(self, rnd: int, what: str) -> list[int]:
+        if self.flags[ABORT]:
+            raise PeerLost(f"{what}: a peer left the job to re-form it (round {rnd})")
+        return [s for s in range(self.num_senders) if self._flag(s, rnd, 0) != rnd]
 
     def wait(self, rnd: int, timeout_s: float, what: str, sender_pids: list[int] | None = None,
              sender_names: list[str] | None = None) -> list[tuple[int, torch.Tensor]]:
         """Block until every sender has filled its slot for round rnd -> (count, payload slot) per sender, in
         sender order. Raises within about LIVENESS_S once a missing sender's process (sender_pids) has died:
         liveness is checked only after LIVENESS_S without any wake-up, never on the fast path."""
+        if self._poll(rnd, what):
+            self._sleep(rnd, timeout_s, what, sender_pids, sender_names)
+        return [(self._flag(s, rnd, 1), self.slot(s, rnd)) for s in range(self.num_senders)]
+
+    def _poll(self, rnd: int, what: str) -> list[int]:
+        """Look for round rnd for up to SPIN_S, yielding the core between looks -> the senders still missing."""
+        missing = self._missing(rnd, what)
+        if missing:
+            end = time.perf_counter() + SPIN_S
+            while missing and time.perf_counter() < end:
+                os.sched_yield()
+                missing = self._missing(rnd, what)
+        return missing
+
+    def _sleep(self, rnd: int, timeout_s: float, what: str, sender_pids: list[int] | None,
+               sender_names: list[str] | None) -> None:
+        """Block on the FIFO until round rnd is complete, a sender is found dead, or timeout_s passes."""
         deadline = time.monotonic() + timeout_s
         silent = False
         while True:
-            if int(self.flags[-1]):
-                raise PeerLost(f"{what}: a peer left the job to re-form it (round {rnd})")
-            missing = [s for s in range(self.num_senders) if self._flag(s, rnd, 0) != rnd]
+            self.flags[SLEEP] = 1
+            self.fence()            # the sleep word before the round words are read again (senders mirror it)
+            missing = self._missing(rnd, what)
             if not missing:
-                return [(self._flag(s, rnd, 1), self.slot(s, rnd)) for s in range(self.num_senders)]
+                self.flags[SLEEP] = 0
+                return
             names = sender_names or [f"sender {s}" for s in range(self.num_senders)]
             if silent and sender_pids is not None:
                 dead = [names[s] for s in missing if not process_alive(sender_pids[s])]
@@ -190,6 +231,7 @@ class Inbox:
                 raise RuntimeError(f"{what}: {', '.join(names[s] for s in missing)} sent nothing for round {rnd} "
                                    f"within {timeout_s}s")
             ready, _, _ = select.select([self.fifo], [], [], min(left, LIVENESS_S))
+            self.flags[SLEEP] = 0
             silent = not ready
             if ready:
                 with contextlib.suppress(BlockingIOError):  # another reader of ours cannot exist; be safe
@@ -205,7 +247,7 @@ class Outlet:
                  slot_bytes: int, buffers: HostShmBuffers | CudaIpcBuffers | None = None, export: object = None):
         self.sender_index, self.depth, self.slot_bytes = sender_index, depth, slot_bytes
         self.buffers = buffers or HostShmBuffers()
-        self.flags = _map(os.path.join(directory, f"rank{peer}.buf"), 0, create=False).view(torch.int64)
+        self.flags = _map_words(os.path.join(directory, f"rank{peer}.buf"), 0, create=False)
         self.data = self.buffers.open(os.path.join(directory, f"rank{peer}.data"), export)
         self.fifo = os.open(os.path.join(directory, f"rank{peer}.fifo"), os.O_WRONLY | os.O_NONBLOCK)
         self.fence = fence
@@ -228,13 +270,15 @@ class Outlet:
         self.flags[flag + 1] = count
         self.fence()
         self.flags[flag] = rnd
-        # A full FIFO holds earlier wake-ups already: the reader will see the round word anyway.
-        with contextlib.suppress(BlockingIOError):
-            os.write(self.fifo, b"\x01")
+        self.fence()                # the round word before the sleep word is read (the receiver mirrors it)
+        if self.flags[SLEEP]:
+            # A full FIFO holds earlier wake-ups already: the reader will see the round word anyway.
+            with contextlib.suppress(BlockingIOError):
+                os.write(self.fifo, b"\x01")
 
     def abort(self) -> None:
         """Mark the peer's inbox aborted and wake it (this rank is leaving the generation)."""
-        self.flags[-1] = 1
+        self.flags[ABORT] = 1
         with contextlib.suppress(OSError):
             os.write(self.fifo, b"\x01")
 
