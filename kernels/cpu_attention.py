@@ -2,7 +2,9 @@
 sdpa backend gathers a copy of them first (decode attention is memory-bound, so the copy costs about as much as
 the attention). The source is kernels/csrc/paged_decode.c; it is compiled with the system C compiler on first use
 (about a second) into a cache directory and loaded with ctypes. Only fp32 caches on the CPU take it; anything
-else, and prefill, go to the sdpa backend.
+else, and prefill, go to the sdpa backend. A call can split its sequences over a few threads of the library's
+own (`set_threads`): on a CPU, attention ranks are busy while the expert ranks wait, so the cores the experts
+leave idle can read the cache (the engine's `decode_threads`).
 
 The build is keyed by the source, the flags, the compiler and the CPU's feature flags (it uses -march=native), so
 a cache directory shared by different machines keeps one library per machine kind. Ranks starting together may
@@ -69,8 +71,8 @@ def library() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
-                                  timeout=300)
+            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm", "-lpthread"], capture_output=True,
+                                  text=True, timeout=300)
             if done.returncode != 0:
                 raise BuildError(f"kernel backend 'cpu': compiling {SOURCE} with {cc} failed:\n{done.stderr[-2000:]}"
                                  f"\nuse kernel_backend='sdpa' instead")
@@ -82,7 +84,18 @@ def library() -> ctypes.CDLL:
     fn = getattr(lib, SYMBOL)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int64]
+    lib.afserve_set_threads.argtypes = [ctypes.c_int]
+    lib.afserve_set_threads.restype = ctypes.c_int
     return lib
+
+
+def set_threads(n: int) -> int:
+    """Threads the decode splits its sequences over from now on in this process (1: the calling thread alone;
+    the library keeps a pool of n - 1 workers, started on first need) -> the number in use (capped at 64).
+    Calls with under 2048 context tokens in all run on the calling thread."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"decode threads={n!r} must be a positive int")
+    return library().afserve_set_threads(n)
 
 
 @functools.cache

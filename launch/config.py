@@ -145,6 +145,9 @@ class EngineConfig:
     threads_per_rank: int | None = option(None, "CPU threads per rank (default: the machine's cores / the ranks "
                                                 "of the job; set it in a container whose CPU limit is below the "
                                                 "node's cores)")
+    decode_threads: int | None = option(None, "threads of each attention rank's C paged decode (kernel backend "
+                                              "cpu), taken from cores the expert ranks leave idle while they wait "
+                                              "(default: the machine's cores / the attention ranks)")
     collective_timeout_s: float = option(600.0, "a collective that waits longer fails the job")
     heartbeat_s: float = option(1.0, "an idle leader broadcasts at least this often (must be below the "
                                      "collective timeout)")
@@ -181,8 +184,9 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
                 raise ValueError(f"{name}={v!r} is invalid: pass a positive number of seconds")
-        if self.threads_per_rank is not None:
-            _int("threads_per_rank", self.threads_per_rank, 1)
+        for name in ("threads_per_rank", "decode_threads"):
+            if getattr(self, name) is not None:
+                _int(name, getattr(self, name), 1)
         for name in ("sync_audit", "timing_sync"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: pass True or False")

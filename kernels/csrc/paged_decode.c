@@ -13,6 +13,8 @@
  * Returns 0, or -1 when scratch memory cannot be had.
  */
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,18 +76,28 @@ static inline float dot(const float *a, const float *b, int64_t nv) {
     return hsum(acc);
 }
 
-int afserve_paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
-                             const int32_t *context_lens, const float *sinks, float *out, int64_t B, int64_t h,
-                             int64_t kvh, int64_t dk, int64_t dv, int64_t bs, int64_t M, int64_t k_tok,
-                             int64_t k_head, int64_t v_tok, int64_t v_head, float scale, int64_t window) {
-    const int64_t group = h / kvh, nk = dk / W, nvv = dv / W;
-    int64_t longest = 1;
-    for (int64_t b = 0; b < B; ++b)
-        if (context_lens[b] > longest) longest = context_lens[b];
-    const int64_t stride = (longest + W - 1) / W * W;   /* a head's scores, padded to whole vectors */
+/* One call's arguments, shared by the threads that split its sequences. */
+struct job {
+    const float *q, *k, *v, *sinks;
+    const int32_t *block_tables, *context_lens;
+    float *out;
+    int64_t h, kvh, dk, dv, bs, M, k_tok, k_head, v_tok, v_head, window, stride;
+    float scale;
+};
+
+/* Sequences [b0, b1) of the job, with scratch of its own -> 0, or -1 without memory. */
+static int decode_range(const struct job *jb, int64_t b0, int64_t b1) {
+    const float *q = jb->q, *k = jb->k, *v = jb->v, *sinks = jb->sinks;
+    const int32_t *block_tables = jb->block_tables, *context_lens = jb->context_lens;
+    float *out = jb->out;
+    const int64_t h = jb->h, dk = jb->dk, dv = jb->dv, bs = jb->bs, M = jb->M, k_tok = jb->k_tok;
+    const int64_t k_head = jb->k_head, v_tok = jb->v_tok, v_head = jb->v_head, window = jb->window;
+    const int64_t stride = jb->stride, group = h / jb->kvh, nk = dk / W, nvv = dv / W;
+    const float scale = jb->scale;
+    if (b0 >= b1) return 0;
     float *scores = malloc(sizeof(float) * (size_t)(h * stride));
     if (scores == NULL) return -1;
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
         const int64_t len = context_lens[b];
         const int64_t first = (window > 0 && len > window) ? len - window : 0;
         const int64_t n = len - first;
@@ -135,4 +147,87 @@ int afserve_paged_decode_f32(const float *q, const float *k, const float *v, con
     }
     free(scores);
     return 0;
+}
+
+/* A pool of worker threads, started on first need and kept: worker i (1..) takes part i of each call's
+ * sequences, the calling thread part 0. One caller at a time (a rank's main thread). */
+#define MAX_THREADS 64
+#define SPIN_POLLS 200
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
+static int pool_threads = 1, pool_started = 1, pool_pending = 0, pool_rc = 0;
+static int64_t pool_round = 0, pool_bounds[MAX_THREADS + 1];
+static const struct job *pool_job;
+
+static void *pool_worker(void *arg) {
+    const int id = (int)(intptr_t)arg;
+    int64_t seen = 0;
+    for (;;) {
+        /* Poll a while before sleeping: calls come once per layer, and a wake-up through the kernel costs
+         * about as much as a small call's work. Yielding lets another ready process have the core. */
+        for (int i = 0; i < SPIN_POLLS && __atomic_load_n(&pool_round, __ATOMIC_ACQUIRE) == seen; ++i) sched_yield();
+        pthread_mutex_lock(&pool_lock);
+        while (pool_round == seen) pthread_cond_wait(&pool_go, &pool_lock);
+        seen = pool_round;
+        const struct job *jb = pool_job;
+        const int64_t b0 = pool_bounds[id], b1 = pool_bounds[id + 1];
+        pthread_mutex_unlock(&pool_lock);
+        const int rc = decode_range(jb, b0, b1);
+        pthread_mutex_lock(&pool_lock);
+        if (rc) pool_rc = rc;
+        if (--pool_pending == 0) pthread_cond_signal(&pool_done);
+        pthread_mutex_unlock(&pool_lock);
+    }
+    return NULL;
+}
+
+/* Threads for later calls (1: the caller alone) -> the number in use (at most MAX_THREADS). */
+int afserve_set_threads(int n) {
+    pool_threads = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
+    return pool_threads;
+}
+
+int afserve_paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
+                             const int32_t *context_lens, const float *sinks, float *out, int64_t B, int64_t h,
+                             int64_t kvh, int64_t dk, int64_t dv, int64_t bs, int64_t M, int64_t k_tok,
+                             int64_t k_head, int64_t v_tok, int64_t v_head, float scale, int64_t window) {
+    int64_t longest = 1, total = 0;
+    for (int64_t b = 0; b < B; ++b) {
+        if (context_lens[b] > longest) longest = context_lens[b];
+        total += context_lens[b];
+    }
+    const struct job jb = {q, k, v, sinks, block_tables, context_lens, out, h, kvh, dk, dv, bs, M, k_tok, k_head,
+                           v_tok, v_head, window, (longest + W - 1) / W * W, scale};
+    /* Work is memory-bound and proportional to context: split it into parts of about equal total length. A
+     * call too small to pay for waking threads runs on the caller alone. */
+    const int64_t parts = total < 2048 || B < 2 ? 1 : (pool_threads < B ? pool_threads : B);
+    if (parts == 1) return decode_range(&jb, 0, B);
+    pthread_mutex_lock(&pool_lock);
+    while (pool_started < parts) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, pool_worker, (void *)(intptr_t)pool_started) != 0) break;
+        pthread_detach(t);
+        ++pool_started;
+    }
+    const int64_t used = parts < pool_started ? parts : pool_started;
+    int64_t b = 0, acc = 0;
+    pool_bounds[0] = 0;
+    for (int64_t i = 1; i < pool_started; ++i) {     /* part i ends once i / used of the length is covered */
+        while (i < used && b < B && acc * used < total * i) acc += context_lens[b++];
+        pool_bounds[i] = i < used ? b : B;
+    }
+    pool_bounds[pool_started] = B;
+    pool_job = &jb;
+    pool_rc = 0;
+    pool_pending = pool_started - 1;
+    ++pool_round;
+    pthread_cond_broadcast(&pool_go);
+    pthread_mutex_unlock(&pool_lock);
+    int rc = decode_range(&jb, 0, pool_bounds[1]);
+    for (int i = 0; i < SPIN_POLLS && __atomic_load_n(&pool_pending, __ATOMIC_ACQUIRE) > 0; ++i) sched_yield();
+    pthread_mutex_lock(&pool_lock);
+    while (pool_pending > 0) pthread_cond_wait(&pool_done, &pool_lock);
+    if (pool_rc) rc = pool_rc;
+    pthread_mutex_unlock(&pool_lock);
+    return rc;
 }

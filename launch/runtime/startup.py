@@ -14,10 +14,11 @@ from attention_nodes.kv_cache import KVCache
 from attention_nodes.model import AttentionModel, MoEContext
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.worker import AttentionWorker
+from kernels import cpu_attention
 from models.checkpoint import Checkpoint
 
 from ..config import EngineConfig
-from .sizing import DeviceSettings, max_model_len, num_host_blocks, num_kv_blocks
+from .sizing import DeviceSettings, decode_threads, max_model_len, num_host_blocks, num_kv_blocks
 
 
 def leads_pool(role: str | None, leader_host: str | None) -> bool:
@@ -40,6 +41,8 @@ def build_attention_worker(config: EngineConfig, ckpt: Checkpoint, dev: DeviceSe
     par, cache, spec = config.parallel, config.cache, ckpt.spec
     weights = ckpt.read(ckpt.attention_tensor_names(), dev.dtype, dev.device, desc, progress)
     model = AttentionModel(spec, weights, dev.device, dev.kernel_backend)
+    if dev.kernel_backend == "cpu":
+        cpu_attention.set_threads(decode_threads(config))
     num_blocks = num_kv_blocks(cache, spec, dev)
     host_blocks = num_host_blocks(cache, spec, dev.dtype)
     kv = KVCache(spec.num_layers, num_blocks, cache.block_size, spec.kv_entry, dev.dtype, dev.device, host_blocks)

@@ -70,3 +70,29 @@ def test_long_contexts_and_far_apart_scores():
     out = cpu_attention.paged_decode_attention(q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.125)
     for i in range(len(lens)):
         torch.testing.assert_close(out[i], dense(q[i:i + 1], keys[i], vals[i], 0.125)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_threads_split_the_sequences(threads):
+    """Over 2048 context tokens in all, so the call splits: every sequence equals dense attention and is
+    bit-for-bit what the calling thread alone computes (more threads than sequences leaves some idle)."""
+    lens = [700, 3, 650, 1, 400, 333, 90]
+    kc, vc, tables, keys, vals = setup(lens, N=200, bs=16, d=64, seed=4)
+    q = torch.randn(len(lens), 4, 64)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    try:
+        cpu_attention.set_threads(1)
+        alone = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)
+        assert cpu_attention.set_threads(threads) == threads
+        split = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)
+    finally:
+        cpu_attention.set_threads(1)
+    assert torch.equal(split, alone)
+    for i in range(len(lens)):
+        torch.testing.assert_close(split[i], dense(q[i:i + 1], keys[i], vals[i], 0.125)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_thread_counts_are_refused():
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=f"threads={bad!r}"):
+            cpu_attention.set_threads(bad)

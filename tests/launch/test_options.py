@@ -25,7 +25,7 @@ VALUES = {
     "expert_memory": 1 << 30, "block_size": 32, "kv_cache_memory": 1 << 28, "num_kv_blocks": 100,
     "enable_prefix_caching": False, "kv_offload_memory": 1 << 20, "max_num_seqs": 8,
     "max_num_batched_tokens": 1024, "max_model_len": 2048, "dtype": "bfloat16", "device": "cpu",
-    "kernel_backend": "torch", "threads_per_rank": 2, "collective_timeout_s": 1200.5, "heartbeat_s": 2.5,
+    "kernel_backend": "torch", "threads_per_rank": 2, "decode_threads": 3, "collective_timeout_s": 1200.5, "heartbeat_s": 2.5,
     "rank_failure_s": 7.5, "startup_timeout_s": 60.5, "load_progress": False, "sync_audit": True, "timing_sync": True,
     "role": "expert",
     "pool_addr": "10.0.0.5:29400", "leader_host": "node-0",
