@@ -181,6 +181,15 @@ static void *pool_worker(void *arg) {
     return NULL;
 }
 
+/* A forked child has none of the workers (only the forking thread survives a fork): start over. */
+static void pool_reset_in_child(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_cond_init(&pool_go, NULL);
+    pthread_cond_init(&pool_done, NULL);
+    pool_started = 1;
+    pool_pending = 0;
+}
+
 /* Threads for later calls (1: the caller alone) -> the number in use (at most MAX_THREADS). */
 int afserve_set_threads(int n) {
     pool_threads = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
@@ -203,6 +212,10 @@ int afserve_paged_decode_f32(const float *q, const float *k, const float *v, con
     const int64_t parts = total < 2048 || B < 2 ? 1 : (pool_threads < B ? pool_threads : B);
     if (parts == 1) return decode_range(&jb, 0, B);
     pthread_mutex_lock(&pool_lock);
+    if (pool_started == 1 && parts > 1) {
+        static int registered = 0;
+        if (!registered) registered = pthread_atfork(NULL, NULL, pool_reset_in_child) == 0;
+    }
     while (pool_started < parts) {
         pthread_t t;
         if (pthread_create(&t, NULL, pool_worker, (void *)(intptr_t)pool_started) != 0) break;

@@ -75,12 +75,19 @@ def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
                           backend, sharers)
 
 
+DECODE_THREADS_MAX = 16   # the default's cap: the decode is memory-bound, and a wake-up per thread costs per call
+
+
 def decode_threads(config: EngineConfig) -> int:
-    """Threads of an attention rank's C paged decode: decode_threads, else the machine's cores shared by the
-    attention ranks. The expert ranks' cores are counted in on purpose: on a CPU an expert rank waits while the
-    attention ranks compute attention (measured on the 2-core VM at 1+1: ~60% of its time), so the decode,
-    memory-bound, borrows them; its threads poll briefly, yielding, then sleep."""
-    return config.decode_threads or max(1, (os.cpu_count() or 1) // config.parallel.attention_ranks)
+    """Threads of an attention rank's C paged decode: decode_threads, else the cores this process may run on
+    shared by the attention ranks (at most DECODE_THREADS_MAX). The expert ranks' cores are counted in on
+    purpose: on a CPU an expert rank waits while the attention ranks compute attention (measured on the 2-core
+    VM at 1+1: ~60% of its time), so the decode, memory-bound, borrows them; its threads poll briefly,
+    yielding, then sleep."""
+    if config.decode_threads:
+        return config.decode_threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(DECODE_THREADS_MAX, cores // config.parallel.attention_ranks))
 
 
 def tune_allocator() -> None:

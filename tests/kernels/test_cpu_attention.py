@@ -96,3 +96,33 @@ def test_bad_thread_counts_are_refused():
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=f"threads={bad!r}"):
             cpu_attention.set_threads(bad)
+
+
+def test_a_forked_child_starts_its_own_workers():
+    """Only the forking thread survives a fork: a child that splits a call must not wait for the parent's
+    workers (without the reset it hangs, and the join below times out)."""
+    import multiprocessing as mp
+
+    lens = [700, 650, 400, 333]
+    kc, vc, tables, keys, vals = setup(lens, N=160, bs=16, d=64, seed=5)
+    q = torch.randn(len(lens), 4, 64)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    try:
+        cpu_attention.set_threads(2)
+        want = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)   # workers started here
+        ctx = mp.get_context("fork")
+        result = ctx.Queue()
+        child = ctx.Process(target=_decode_in_child, args=(q, kc, vc, tables, lens_t, result))
+        child.start()
+        child.join(timeout=30)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive, "the forked child hung in the split decode"
+        assert torch.equal(torch.tensor(result.get(timeout=5)), want)
+    finally:
+        cpu_attention.set_threads(1)
+
+
+def _decode_in_child(q, kc, vc, tables, lens_t, result) -> None:
+    result.put(cpu_attention.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125).tolist())

@@ -1,7 +1,9 @@
 """The CUDA path's decisions, checked on CPU: which GPU a rank takes and when ranks may share one, which
 transport a device may use, that seeded requests draw on the rank's device, and that device-synchronised
-timers synchronise before reading the clock."""
+timers synchronise before reading the clock; and on CPU, how many threads the C decode borrows."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -81,3 +83,16 @@ def test_synchronised_timers_wait_for_the_device_before_the_clock():
     stats.sync = lambda: calls.append("sync")
     stats.now()
     assert calls == ["sync"]
+
+
+@pytest.mark.parametrize("cores,attention_ranks,want", [(2, 1, 2), (2, 2, 1), (3, 2, 1), (8, 2, 4), (64, 1, 16)])
+def test_decode_threads_default_shares_the_cores_among_attention_ranks(monkeypatch, tmp_path, cores,
+                                                                        attention_ranks, want):
+    from launch.config import EngineConfig
+    from launch.runtime.sizing import decode_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    config = EngineConfig.from_options(str(tmp_path), attention_ranks, 1, device="cpu")
+    assert decode_threads(config) == want
+    config = EngineConfig.from_options(str(tmp_path), attention_ranks, 1, device="cpu", decode_threads=3)
+    assert decode_threads(config) == 3
