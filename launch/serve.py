@@ -2,11 +2,11 @@
 
 Without --model it serves the shipped Shakespeare MoE (models/shakespeare-moe).
 
-Every rank joins the runtime. Attention rank 0 also runs the OpenAI-compatible HTTP server (FastAPI on
-uvicorn, in a thread beside the leader loop) on --host/--port, 127.0.0.1:8000 by default; /health answers
-503 until every rank has loaded its weights. SIGTERM or SIGINT on rank 0 shuts every rank down (open
-requests get a 503); the other ranks leave on the leader's shutdown header. A rank that fails makes the job
-exit non-zero.
+Every rank joins the runtime. Attention rank 0 also starts the OpenAI-compatible HTTP server (FastAPI on
+uvicorn) in a process of its own (launch/frontend/process.py), so JSON and detokenising never stall the step
+loop, on --host/--port, 127.0.0.1:8000 by default; /health answers 503 until every rank has loaded its
+weights. SIGTERM or SIGINT on rank 0 shuts every rank down (open requests get a 503); the other ranks leave
+on the leader's shutdown header. A rank that fails makes the job exit non-zero.
 
 Separate pool launches: `torchrun ... serve.py --role attention --pool-addr HOST:PORT --expert-ranks E` starts
 the attention pool (its rank 0 leads, serves the job's store on PORT and HTTP) and waits until E expert ranks
@@ -96,25 +96,6 @@ def _exit_later(seconds: float, why: str) -> None:
     threading.Thread(target=run, daemon=True).start()
 
 
-def _start_http(args, model_name: str):
-    """uvicorn in a thread on rank 0, up before the weights load (so /health can say "loading")."""
-    import uvicorn
-
-    from launch.frontend.api_server import build_app
-
-    app = build_app(model_name, args.model, args.api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=3))
-    thread = threading.Thread(target=server.run, name="afserve-http", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise SystemExit(f"afserve: the HTTP server could not listen on {args.host}:{args.port}")
-        time.sleep(0.05)
-    return app, server, thread
-
-
 def _leads(args) -> bool:
     """This process is attention rank 0, the leader: it serves HTTP (a single launch's rank 0, or the leader of
     separate pool launches)."""
@@ -126,7 +107,12 @@ def _leads(args) -> bool:
 
 def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     rank = int(os.environ.get("RANK", "0"))
-    http = _start_http(args, model_name) if _leads(args) else None
+    front = None
+    if _leads(args):   # the HTTP front in its own process, listening before the weights load
+        from launch.frontend.process import FrontProcess
+        engine = {"attention_ranks": llm_kwargs["attention_ranks"], "expert_ranks": llm_kwargs["expert_ranks"],
+                  "options": {k: v for k, v in llm_kwargs.items() if k not in ("attention_ranks", "expert_ranks")}}
+        front = FrontProcess.start(args.host, args.port, args.api_key, model_name, args.model, engine)
     llm = LLM(args.model, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -145,26 +131,24 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
             leave_process(0)
         return 0
 
-    from launch.frontend.api_server import attach, shut_down
+    from dataclasses import asdict
 
-    app, server, thread = http
-    attach(app, llm)
+    front.attach(asdict(rt.info))
+    front.watch()
 
     def on_term(signum, _frame):
         _say(f"rank 0 got signal {signum}: shutting down every rank")
         _exit_later(SHUTDOWN_GRACE_S, "shutdown")
-        llm.inbox.put(("shutdown",))
+        front.inbox.put(("shutdown",))
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     _say(f"serving {model_name!r} on http://{args.host}:{args.port}")
     try:
-        lead(rt, llm.inbox, llm.outbox, llm.config.heartbeat_s)
+        lead(rt, front.inbox, front.outbox, llm.config.heartbeat_s)
     except Exception as e:
         _say(f"the engine failed: {type(e).__name__}: {e}")
         os._exit(1)
-    shut_down(app, "the server is shutting down")
-    server.should_exit = True
-    thread.join(timeout=5)
+    front.stop("the server is shutting down")
     rt.close()
     _say("shut down cleanly")
     return 0

@@ -1,0 +1,140 @@
+"""The HTTP front in a process of its own, as vLLM's API server is apart from its engine core: JSON, tokenising,
+detokenising and the router thread never hold the leader's GIL while it steps the engine.
+
+The leader (attention rank 0 under `serve.py`) starts it with `FrontProcess.start` before loading weights, so
+/health answers 503 ("loading") meanwhile. The two processes share three queues: `inbox` (the front's commands
+for the leader loop: add, abort, stats, comm_stats, scale, shutdown), `outbox` (the leader's progress and
+answers) and `control` (the leader's word to the front: attach once every rank is ready, then shutdown). The
+front dies with the leader (PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM itself: the leader decides when to
+stop. If the front exits on its own, `FrontProcess.watch` puts a shutdown on the leader's inbox, so the job
+never serves without a front.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+
+from models.checkpoint import Checkpoint
+
+from ..config import EngineConfig
+from ..llm import LLM, _load_tokenizer
+from ..procs import die_with_parent
+
+START_TIMEOUT_S = 60.0
+
+
+class FrontLLM(LLM):
+    """What the HTTP handlers use of an `LLM` (config, spec, tokenizer, limits, request checks, enqueue, the
+    leader's queues), in the front process: no ranks, no runtime. The leader's liveness is the parent's."""
+
+    def __init__(self, model: str, attention_ranks: int, expert_ranks: int, options: dict, inbox, outbox,
+                 info: dict, leader_pid: int):
+        self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
+        self.spec = Checkpoint(self.config.model).spec
+        self.tokenizer = _load_tokenizer(self.config.model)
+        self._ids = itertools.count()
+        self._closed, self._serving, self._procs = False, True, []
+        self.lost_ranks, self.retired_ranks, self.runtime = [], [], None
+        self._inbox, self._outbox = inbox, outbox
+        self._leader_pid = leader_pid
+        self._set_limits(info)
+
+    def check_alive(self, what: str = "serving") -> None:
+        if os.getppid() != self._leader_pid:
+            raise RuntimeError(f"the leader (attention rank 0, pid {self._leader_pid}) died during {what}")
+
+
+def front_main(host: str, port: int, api_key: str | None, model_name: str, model: str, engine: dict,
+               inbox, outbox, control, status) -> None:
+    """The front process: serve HTTP at once, attach to the engine when the leader says so, stop when told."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import uvicorn
+
+    from .api_server import attach, build_app, shut_down
+
+    leader = os.getppid()
+    app = build_app(model_name, model, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=3))
+    thread = threading.Thread(target=server.run, name="afserve-http", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            status.put(("error", f"the HTTP server could not listen on {host}:{port}"))
+            return
+        time.sleep(0.05)
+    status.put(("listening",))
+    while True:
+        try:
+            msg = control.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != leader:
+                return
+            continue
+        if msg[0] == "attach":
+            attach(app, FrontLLM(model, engine["attention_ranks"], engine["expert_ranks"], engine["options"],
+                                 inbox, outbox, msg[1], leader))
+        elif msg[0] == "shutdown":
+            shut_down(app, msg[1])
+            server.should_exit = True
+            thread.join(timeout=5)
+            return
+
+
+class FrontProcess:
+    """The leader's handle on its HTTP front. `inbox`/`outbox` are the leader loop's queues."""
+
+    def __init__(self, host: str, port: int, api_key: str | None, model_name: str, model: str, engine: dict):
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox, self._control, status = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self._stopping = False
+        self.proc = ctx.Process(target=front_main, name="afserve-http", daemon=True,
+                                args=(host, port, api_key, model_name, model, engine, self.inbox, self.outbox,
+                                      self._control, status))
+        self.proc.start()
+        try:
+            msg = status.get(timeout=START_TIMEOUT_S)
+        except queue.Empty:
+            msg = ("error", f"the HTTP front did not start within {START_TIMEOUT_S:.0f} s")
+        if msg[0] != "listening":
+            self.proc.kill()
+            raise SystemExit(f"afserve: {msg[1]}")
+
+    @classmethod
+    def start(cls, host: str, port: int, api_key: str | None, model_name: str, model: str,
+              engine: dict) -> FrontProcess:
+        """Spawn the front; returns once it listens (SystemExit naming host:port when it cannot)."""
+        return cls(host, port, api_key, model_name, model, engine)
+
+    def attach(self, info: dict) -> None:
+        """Every rank is ready: the front answers requests from now on. info: the runtime's RuntimeInfo as a dict
+        (max_model_len, num_kv_blocks, block_size: the request checks' limits)."""
+        self._control.put(("attach", info))
+
+    def watch(self) -> None:
+        """A thread that shuts the engine down if the front exits while the leader still serves."""
+        def run():
+            self.proc.join()
+            if not self._stopping:
+                logging.getLogger("afserve").error("the HTTP front exited (code %s); shutting down",
+                                                   self.proc.exitcode)
+                self.inbox.put(("shutdown",))
+        threading.Thread(target=run, name="afserve-front-watch", daemon=True).start()
+
+    def stop(self, why: str) -> None:
+        """Fail what is still open with a 503 and stop the front (bounded)."""
+        self._stopping = True
+        self._control.put(("shutdown", why))
+        self.proc.join(timeout=8)
+        if self.proc.is_alive():
+            self.proc.kill()
