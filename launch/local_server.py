@@ -77,6 +77,12 @@ class LocalServer:
         """rank -> pid, from the ranks' "ready" lines."""
         return {int(r): int(p) for r, p in re.findall(r"afserve: rank (\d+) \(\w+\) pid (\d+) ready", self.log())}
 
+    @property
+    def front_pid(self) -> int | None:
+        """The HTTP front's process (serve.py's "HTTP front pid" line), once the engine is attached."""
+        found = re.findall(r"afserve: HTTP front pid (\d+)", self.log())
+        return int(found[0]) if found else None
+
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
             return r.read().decode()

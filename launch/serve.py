@@ -135,6 +135,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
 
     front.attach(asdict(rt.info))
     front.watch()
+    _say(f"HTTP front pid {front.proc.pid}")
 
     def on_term(signum, _frame):
         _say(f"rank 0 got signal {signum}: shutting down every rank")
@@ -150,6 +151,9 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
         os._exit(1)
     front.stop("the server is shutting down")
     rt.close()
+    if front.lost:
+        _say(f"the HTTP front exited (code {front.proc.exitcode}): the job shut down without it")
+        return 1
     _say("shut down cleanly")
     return 0
 

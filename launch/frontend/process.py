@@ -7,7 +7,7 @@ for the leader loop: add, abort, stats, comm_stats, scale, shutdown), `outbox` (
 answers) and `control` (the leader's word to the front: attach once every rank is ready, then shutdown). The
 front dies with the leader (PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM itself: the leader decides when to
 stop. If the front exits on its own, `FrontProcess.watch` puts a shutdown on the leader's inbox, so the job
-never serves without a front.
+never serves without a front, and exits non-zero.
 """
 from __future__ import annotations
 
@@ -98,6 +98,7 @@ class FrontProcess:
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox, self._control, status = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
         self._stopping = False
+        self.lost = False      # the front exited on its own: the job shut down for it, and exits non-zero
         self.proc = ctx.Process(target=front_main, name="afserve-http", daemon=True,
                                 args=(host, port, api_key, model_name, model, engine, self.inbox, self.outbox,
                                       self._control, status))
@@ -126,6 +127,7 @@ class FrontProcess:
         def run():
             self.proc.join()
             if not self._stopping:
+                self.lost = True
                 logging.getLogger("afserve").error("the HTTP front exited (code %s); shutting down",
                                                    self.proc.exitcode)
                 self.inbox.put(("shutdown",))

@@ -469,3 +469,41 @@ def test_killed_rank_takes_the_server_down(model_dir):
     assert took < 15, took
     for pid in pids.values():
         assert not alive(pid)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_http_front_is_a_process_of_its_own(model_dir):
+    """The front answers from its own process, a child of the leader (rank 0); a clean shutdown ends it too."""
+    with LocalServer(model_dir, nproc=2, args=["--attention-ranks", "1"]) as srv:
+        pids, front = srv.rank_pids, srv.front_pid
+        assert front is not None and front not in pids.values()
+        assert _parent(front) == pids[0]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.wait(30) is not None
+        log = srv.log()
+    assert "shut down cleanly" in log and "HTTP front exited" not in log, log[-3000:]
+    assert not alive(front)
+
+
+def test_a_killed_front_takes_the_server_down(model_dir):
+    """The job never serves without its front: SIGKILL on the front ends every rank, non-zero, within seconds."""
+    with LocalServer(model_dir, nproc=2, args=["--attention-ranks", "1"]) as srv:
+        pids, front = srv.rank_pids, srv.front_pid
+        t0 = time.monotonic()
+        __import__("os").kill(front, signal.SIGKILL)
+        code = srv.wait(30)
+        took = time.monotonic() - t0
+        log = srv.log()
+    assert code not in (None, 0), code
+    assert took < 15, took
+    assert "the HTTP front exited" in log, log[-2000:]
+    for pid in pids.values():
+        assert not alive(pid)
