@@ -16,6 +16,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -39,12 +40,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "afserve"
 
 
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str]:
+    """The compiler command: $CC (split like a shell word list, e.g. "ccache gcc"), else cc, gcc or clang."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise BuildError("kernel backend 'cpu' needs a C compiler (cc, gcc or clang on PATH, or $CC); install one "
                          "or use kernel_backend='sdpa'")
-    return cc
+    return [cc]
 
 
 def _cpu_flags() -> str:
@@ -60,10 +64,10 @@ def library() -> ctypes.CDLL:
     """The built library (compiled once per machine kind and source). Raises BuildError naming the cause."""
     cc = _compiler()
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        raise BuildError(f"kernel backend 'cpu': the C compiler {cc!r} does not run ({e}); set $CC or use "
-                         f"kernel_backend='sdpa'") from e
+        raise BuildError(f"kernel backend 'cpu': the C compiler {' '.join(cc)!r} does not run ({e}); set $CC or "
+                         f"use kernel_backend='sdpa'") from e
     key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"paged_decode-{key}.so"
     if not path.exists():
@@ -71,11 +75,15 @@ def library() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
         try:
-            done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm", "-lpthread"], capture_output=True,
-                                  text=True, timeout=300)
+            try:
+                done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm", "-lpthread"], capture_output=True,
+                                      text=True, timeout=300)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise BuildError(f"kernel backend 'cpu': compiling {SOURCE} failed ({e}); use kernel_backend='sdpa' "
+                                 f"instead") from e
             if done.returncode != 0:
-                raise BuildError(f"kernel backend 'cpu': compiling {SOURCE} with {cc} failed:\n{done.stderr[-2000:]}"
-                                 f"\nuse kernel_backend='sdpa' instead")
+                raise BuildError(f"kernel backend 'cpu': compiling {SOURCE} with {' '.join(cc)} failed:\n"
+                                 f"{done.stderr[-2000:]}\nuse kernel_backend='sdpa' instead")
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):

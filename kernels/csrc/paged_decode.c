@@ -175,7 +175,7 @@ static void *pool_worker(void *arg) {
         const int rc = decode_range(jb, b0, b1);
         pthread_mutex_lock(&pool_lock);
         if (rc) pool_rc = rc;
-        if (--pool_pending == 0) pthread_cond_signal(&pool_done);
+        if (__atomic_sub_fetch(&pool_pending, 1, __ATOMIC_RELEASE) == 0) pthread_cond_signal(&pool_done);
         pthread_mutex_unlock(&pool_lock);
     }
     return NULL;
@@ -232,8 +232,9 @@ int afserve_paged_decode_f32(const float *q, const float *k, const float *v, con
     pool_bounds[pool_started] = B;
     pool_job = &jb;
     pool_rc = 0;
-    pool_pending = pool_started - 1;
-    ++pool_round;
+    /* Atomic stores: the spinning threads read both outside the lock (every decision is then made under it). */
+    __atomic_store_n(&pool_pending, pool_started - 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&pool_round, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool_go);
     pthread_mutex_unlock(&pool_lock);
     int rc = decode_range(&jb, 0, pool_bounds[1]);

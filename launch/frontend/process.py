@@ -11,6 +11,8 @@ never serves without a front, and exits non-zero.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -51,17 +53,21 @@ class FrontLLM(LLM):
 
 
 def front_main(host: str, port: int, api_key: str | None, model_name: str, model: str, engine: dict,
-               inbox, outbox, control, status) -> None:
-    """The front process: serve HTTP at once, attach to the engine when the leader says so, stop when told."""
+               inbox, outbox, control, status, leader: int) -> None:
+    """The front process: serve HTTP at once, attach to the engine when the leader says so, stop when told.
+    leader: the leader's pid (compared after the parent-death signal is armed: a leader that died before it
+    was leaves this process with another parent)."""
     die_with_parent()
+    if os.getppid() != leader:
+        os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    inbox.cancel_join_thread()   # exiting never waits to flush commands the leader no longer reads
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
     from .api_server import attach, build_app, shut_down
 
-    leader = os.getppid()
     app = build_app(model_name, model, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=3))
@@ -80,6 +86,8 @@ def front_main(host: str, port: int, api_key: str | None, model_name: str, model
         except queue.Empty:
             if os.getppid() != leader:
                 return
+            if not thread.is_alive():     # uvicorn stopped on its own: exit so the leader's watch shuts down
+                os._exit(1)
             continue
         if msg[0] == "attach":
             attach(app, FrontLLM(model, engine["attention_ranks"], engine["expert_ranks"], engine["options"],
@@ -97,12 +105,19 @@ class FrontProcess:
     def __init__(self, host: str, port: int, api_key: str | None, model_name: str, model: str, engine: dict):
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox, self._control, status = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+        # Exiting never waits to flush progress or words the front no longer reads (it may be gone).
+        self.outbox.cancel_join_thread()
+        self._control.cancel_join_thread()
         self._stopping = False
+        self._exited = threading.Event()   # set by the watch thread, the only one that joins the process
+        self._watching = False
         self.lost = False      # the front exited on its own: the job shut down for it, and exits non-zero
         self.proc = ctx.Process(target=front_main, name="afserve-http", daemon=True,
                                 args=(host, port, api_key, model_name, model, engine, self.inbox, self.outbox,
-                                      self._control, status))
+                                      self._control, status, os.getpid()))
         self.proc.start()
+        # Before multiprocessing's own exit handler, which would SIGTERM the front (ignored) and join it forever.
+        atexit.register(self.kill)
         try:
             msg = status.get(timeout=START_TIMEOUT_S)
         except queue.Empty:
@@ -124,8 +139,11 @@ class FrontProcess:
 
     def watch(self) -> None:
         """A thread that shuts the engine down if the front exits while the leader still serves."""
+        self._watching = True
+
         def run():
             self.proc.join()
+            self._exited.set()
             if not self._stopping:
                 self.lost = True
                 logging.getLogger("afserve").error("the HTTP front exited (code %s); shutting down",
@@ -137,6 +155,14 @@ class FrontProcess:
         """Fail what is still open with a 503 and stop the front (bounded)."""
         self._stopping = True
         self._control.put(("shutdown", why))
-        self.proc.join(timeout=8)
-        if self.proc.is_alive():
-            self.proc.kill()
+        if self._watching:
+            self._exited.wait(timeout=8)
+        else:
+            self.proc.join(timeout=8)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the front if it still runs (the leader is leaving, whatever the reason)."""
+        if self.proc.exitcode is None and not self._exited.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                self.proc.kill()

@@ -8,6 +8,8 @@ import torch
 from kernels import cpu_attention, ops
 from tests.kernels.test_paged_attention import dense, setup
 
+needs_cc = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler runs here")
+
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
@@ -20,6 +22,7 @@ def fresh_build(monkeypatch, tmp_path):
     cpu_attention.available.cache_clear()
 
 
+@needs_cc
 def test_builds_once_into_the_cache_dir(fresh_build):
     cpu_attention.library()
     built = sorted(p.name for p in fresh_build.iterdir())
@@ -31,8 +34,10 @@ def test_builds_once_into_the_cache_dir(fresh_build):
     assert (fresh_build / built[0]).stat().st_mtime_ns == mtime
 
 
-def test_a_missing_compiler_is_named(fresh_build, monkeypatch):
-    monkeypatch.setenv("CC", str(fresh_build / "no-such-cc"))
+@pytest.mark.parametrize("cc", ["{dir}/no-such-cc", "ccache-like {dir}/no-such-cc"])
+def test_a_missing_compiler_is_named(fresh_build, monkeypatch, cc):
+    """$CC is split like a shell word list (a wrapper such as ccache and the compiler)."""
+    monkeypatch.setenv("CC", cc.format(dir=fresh_build))
     with pytest.raises(ValueError, match="no-such-cc.*kernel_backend='sdpa'"):
         ops.resolve_backend("cpu", "cpu")
     assert not cpu_attention.available()
@@ -40,6 +45,7 @@ def test_a_missing_compiler_is_named(fresh_build, monkeypatch):
     assert not list(fresh_build.iterdir())
 
 
+@needs_cc
 def test_auto_picks_the_c_kernel_on_the_cpu_only():
     assert cpu_attention.available()
     assert ops.resolve_backend("auto", "cpu") == "cpu"
@@ -47,6 +53,7 @@ def test_auto_picks_the_c_kernel_on_the_cpu_only():
         ops.resolve_backend("cpu", "cuda")
 
 
+@needs_cc
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 8), (torch.float32, 12)])
 def test_what_c_does_not_take_goes_to_sdpa(dtype, d):
     """bf16 caches and head dims that are not whole vectors: the "cpu" backend answers through sdpa."""
@@ -61,6 +68,7 @@ def test_what_c_does_not_take_goes_to_sdpa(dtype, d):
         torch.testing.assert_close(out[i].float(), want, atol=2e-2, rtol=2e-2)
 
 
+@needs_cc
 def test_long_contexts_and_far_apart_scores():
     """Contexts of several hundred tokens over 16-token blocks, scores far apart (probabilities that underflow
     next to the largest), and a context of exactly one token."""
@@ -72,6 +80,7 @@ def test_long_contexts_and_far_apart_scores():
         torch.testing.assert_close(out[i], dense(q[i:i + 1], keys[i], vals[i], 0.125)[0], atol=1e-5, rtol=1e-5)
 
 
+@needs_cc
 @pytest.mark.parametrize("threads", [2, 3, 8])
 def test_threads_split_the_sequences(threads):
     """Over 2048 context tokens in all, so the call splits: every sequence equals dense attention and is
@@ -92,12 +101,14 @@ def test_threads_split_the_sequences(threads):
         torch.testing.assert_close(split[i], dense(q[i:i + 1], keys[i], vals[i], 0.125)[0], atol=1e-5, rtol=1e-5)
 
 
+@needs_cc
 def test_bad_thread_counts_are_refused():
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match=f"threads={bad!r}"):
             cpu_attention.set_threads(bad)
 
 
+@needs_cc
 def test_a_forked_child_starts_its_own_workers():
     """Only the forking thread survives a fork: a child that splits a call must not wait for the parent's
     workers (without the reset it hangs, and the join below times out)."""

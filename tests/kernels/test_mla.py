@@ -15,13 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
+from kernels import cpu_attention, ops
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, C, R, NOPE, V = 4, 32, 8, 16, 16
 SCALE = (NOPE + R) ** -0.5
 TOL = 1e-4
-BACKENDS = ["torch", "sdpa", pytest.param("cpu", marks=pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")),
+BACKENDS = ["torch", "sdpa", pytest.param("cpu", marks=pytest.mark.skipif(
+    DEVICE != "cpu" or not cpu_attention.available(), reason="CPU tensors only, and a C compiler")),
             pytest.param("triton", marks=pytest.mark.skipif(not ops.triton_available(),
                                                                       reason="triton is not installed"))]
 

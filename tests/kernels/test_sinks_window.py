@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
+from kernels import cpu_attention, ops
 from tests.kernels.test_triton_attention import DEVICE, paged_cache
 
 BACKENDS = ["torch", "sdpa", "triton", pytest.param("cpu", marks=pytest.mark.skipif(
-    DEVICE != "cpu", reason="the C kernels take CPU tensors"))]
+    DEVICE != "cpu" or not cpu_attention.available(), reason="the C kernels take CPU tensors and need a C compiler"))]
 
 
 def dense(q, k, v, q_pos, scale, sinks, window):

@@ -507,3 +507,14 @@ def test_a_killed_front_takes_the_server_down(model_dir):
     assert "the HTTP front exited" in log, log[-2000:]
     for pid in pids.values():
         assert not alive(pid)
+
+
+def test_a_leader_that_fails_to_start_does_not_wait_for_its_front(model_dir):
+    """One rank, so the engine refuses to start (no expert rank) after the front is already listening: the
+    leader must end its front and exit, not wait on it forever (its front ignores SIGTERM)."""
+    srv = LocalServer(model_dir, nproc=1, args=["--attention-ranks", "1"], startup_timeout_s=60)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited with status [1-9]") as err:
+        srv.start()
+    assert time.monotonic() - t0 < 45
+    assert "expert" in str(err.value), str(err.value)[-2000:]
