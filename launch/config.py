@@ -147,7 +147,8 @@ class EngineConfig:
                                                 "node's cores)")
     decode_threads: int | None = option(None, "threads of each attention rank's C paged decode (kernel backend "
                                               "cpu), taken from cores the expert ranks leave idle while they wait "
-                                              "(default: the machine's cores / the attention ranks)")
+                                              "(default: the cores this process may run on / the attention "
+                                              "ranks, at most 16)")
     collective_timeout_s: float = option(600.0, "a collective that waits longer fails the job")
     heartbeat_s: float = option(1.0, "an idle leader broadcasts at least this often (must be below the "
                                      "collective timeout)")

@@ -60,6 +60,15 @@ class LLM:
 
     def __init__(self, model: str, attention_ranks: int = option_default("attention_ranks"),
                  expert_ranks: int = option_default("expert_ranks"), **options):
+        self._front(model, attention_ranks, expert_ranks, options)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            self._join()
+        else:
+            self._spawn()
+
+    def _front(self, model: str, attention_ranks: int, expert_ranks: int, options: dict) -> None:
+        """What every front of the engine holds, with no rank started yet: the checked config, the model's
+        spec and tokenizer, request ids and the rank bookkeeping (launch/frontend/process.py's front too)."""
         self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
         ckpt = Checkpoint(self.config.model)  # fails fast, in the caller's process, on a bad checkpoint
         self.spec = ckpt.spec
@@ -74,10 +83,6 @@ class LLM:
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
         self.retired_ranks: list[int] = []   # and those a scale-in retired (they exit on their own)
         self.runtime = None
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            self._join()
-        else:
-            self._spawn()
 
     # ----- start-up -------------------------------------------------------------------------------------
     def _spawn(self) -> None:

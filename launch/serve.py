@@ -110,9 +110,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     front = None
     if _leads(args):   # the HTTP front in its own process, listening before the weights load
         from launch.frontend.process import FrontProcess
-        engine = {"attention_ranks": llm_kwargs["attention_ranks"], "expert_ranks": llm_kwargs["expert_ranks"],
-                  "options": {k: v for k, v in llm_kwargs.items() if k not in ("attention_ranks", "expert_ranks")}}
-        front = FrontProcess.start(args.host, args.port, args.api_key, model_name, args.model, engine)
+        front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs)
     llm = LLM(args.model, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")

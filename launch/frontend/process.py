@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -22,10 +21,7 @@ import signal
 import threading
 import time
 
-from models.checkpoint import Checkpoint
-
-from ..config import EngineConfig
-from ..llm import LLM, _load_tokenizer
+from ..llm import LLM
 from ..procs import die_with_parent
 
 START_TIMEOUT_S = 60.0
@@ -35,14 +31,10 @@ class FrontLLM(LLM):
     """What the HTTP handlers use of an `LLM` (config, spec, tokenizer, limits, request checks, enqueue, the
     leader's queues), in the front process: no ranks, no runtime. The leader's liveness is the parent's."""
 
-    def __init__(self, model: str, attention_ranks: int, expert_ranks: int, options: dict, inbox, outbox,
-                 info: dict, leader_pid: int):
-        self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
-        self.spec = Checkpoint(self.config.model).spec
-        self.tokenizer = _load_tokenizer(self.config.model)
-        self._ids = itertools.count()
-        self._closed, self._serving, self._procs = False, True, []
-        self.lost_ranks, self.retired_ranks, self.runtime = [], [], None
+    def __init__(self, model: str, inbox, outbox, info: dict, leader_pid: int, attention_ranks: int,
+                 expert_ranks: int, **options):
+        self._front(model, attention_ranks, expert_ranks, options)
+        self._serving = True
         self._inbox, self._outbox = inbox, outbox
         self._leader_pid = leader_pid
         self._set_limits(info)
@@ -52,7 +44,7 @@ class FrontLLM(LLM):
             raise RuntimeError(f"the leader (attention rank 0, pid {self._leader_pid}) died during {what}")
 
 
-def front_main(host: str, port: int, api_key: str | None, model_name: str, model: str, engine: dict,
+def front_main(host: str, port: int, api_key: str | None, model_name: str, model: str, llm_kwargs: dict,
                inbox, outbox, control, status, leader: int) -> None:
     """The front process: serve HTTP at once, attach to the engine when the leader says so, stop when told.
     leader: the leader's pid (compared after the parent-death signal is armed: a leader that died before it
@@ -90,8 +82,7 @@ def front_main(host: str, port: int, api_key: str | None, model_name: str, model
                 os._exit(1)
             continue
         if msg[0] == "attach":
-            attach(app, FrontLLM(model, engine["attention_ranks"], engine["expert_ranks"], engine["options"],
-                                 inbox, outbox, msg[1], leader))
+            attach(app, FrontLLM(model, inbox, outbox, msg[1], leader, **llm_kwargs))
         elif msg[0] == "shutdown":
             shut_down(app, msg[1])
             server.should_exit = True
@@ -102,7 +93,9 @@ def front_main(host: str, port: int, api_key: str | None, model_name: str, model
 class FrontProcess:
     """The leader's handle on its HTTP front. `inbox`/`outbox` are the leader loop's queues."""
 
-    def __init__(self, host: str, port: int, api_key: str | None, model_name: str, model: str, engine: dict):
+    def __init__(self, host: str, port: int, api_key: str | None, model_name: str, model: str, llm_kwargs: dict):
+        """Spawn the front and return once it listens (SystemExit naming host:port when it cannot). llm_kwargs:
+        the leader's LLM arguments after the model (the front checks requests against the same config)."""
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox, self._control, status = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
         # Exiting never waits to flush progress or words the front no longer reads (it may be gone).
@@ -113,7 +106,7 @@ class FrontProcess:
         self._watching = False
         self.lost = False      # the front exited on its own: the job shut down for it, and exits non-zero
         self.proc = ctx.Process(target=front_main, name="afserve-http", daemon=True,
-                                args=(host, port, api_key, model_name, model, engine, self.inbox, self.outbox,
+                                args=(host, port, api_key, model_name, model, llm_kwargs, self.inbox, self.outbox,
                                       self._control, status, os.getpid()))
         self.proc.start()
         # Before multiprocessing's own exit handler, which would SIGTERM the front (ignored) and join it forever.
@@ -126,14 +119,8 @@ class FrontProcess:
             self.proc.kill()
             raise SystemExit(f"afserve: {msg[1]}")
 
-    @classmethod
-    def start(cls, host: str, port: int, api_key: str | None, model_name: str, model: str,
-              engine: dict) -> FrontProcess:
-        """Spawn the front; returns once it listens (SystemExit naming host:port when it cannot)."""
-        return cls(host, port, api_key, model_name, model, engine)
-
     def attach(self, info: dict) -> None:
-        """Every rank is ready: the front answers requests from now on. info: the runtime's RuntimeInfo as a dict
+        """Every rank is ready: the front answers requests from now on. info: the runtime's RankInfo as a dict
         (max_model_len, num_kv_blocks, block_size: the request checks' limits)."""
         self._control.put(("attach", info))
 
