@@ -67,18 +67,14 @@ class LLM:
             self._spawn()
 
     def _front(self, model: str, attention_ranks: int, expert_ranks: int, options: dict) -> None:
-        """What every front of the engine holds, with no rank started yet: the checked config, the model's
-        spec and tokenizer, request ids and the rank bookkeeping (launch/frontend/process.py's front too)."""
+        """Config, spec, tokenizer, request ids, rank bookkeeping: all a front holds (frontend/process.py's too)."""
         self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
-        ckpt = Checkpoint(self.config.model)  # fails fast, in the caller's process, on a bad checkpoint
-        self.spec = ckpt.spec
+        self.spec = Checkpoint(self.config.model).spec  # fails fast, in the caller's process, on a bad checkpoint
         if expert_ranks > self.spec.num_experts:
             raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "
                              f"use at most {self.spec.num_experts}")
         self.tokenizer = _load_tokenizer(self.config.model)
-        self._ids = itertools.count()
-        self._closed = False
-        self._procs: list = []
+        self._ids, self._closed, self._procs = itertools.count(), False, []
         self._serving = False      # past start-up: a lost rank other than the leader is survivable
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
         self.retired_ranks: list[int] = []   # and those a scale-in retired (they exit on their own)
