@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--synthetic-layers", type=int, default=0,
                     help="instead of --model: a random Qwen3-30B-A3B-shaped checkpoint with this many layers")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per attention rank")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="CUDA: share of the GPU the engine's ranks may use (HF's model counts in what they find used)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
@@ -124,7 +126,8 @@ def main() -> None:
     # 64 requests in flight in all, as in HF's batches: max_num_seqs is per attention rank.
     with LLM(args.model, attention_ranks=A, expert_ranks=E, max_num_seqs=64 // A, max_num_batched_tokens=512,
              threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches, device=args.device,
-             dtype=dtype, kv_cache_memory=args.kv_cache_memory) as llm:
+             dtype=dtype, kv_cache_memory=args.kv_cache_memory,
+             gpu_memory_utilization=args.gpu_memory_utilization) as llm:
         run_ours(llm, prompts[:16], olens[:16])        # warm-up
         run_hf(hf, prompts[:16], [8] * 16, batch=16)    # warm-up
         ours, base = [], []
@@ -133,8 +136,9 @@ def main() -> None:
             ours.append(n / dt)
             dt, n = run_hf(hf, prompts, olens)
             base.append(n / dt)
+        kv_blocks = llm.stats()["kv_blocks"]
     mo, mb = statistics.median(ours), statistics.median(base)
-    print(f"device {args.device}, dtype {dtype}, model {args.model}")
+    print(f"device {args.device}, dtype {dtype}, model {args.model}, KV blocks per attention rank {kv_blocks}")
     print(f"afserve {A}+{E} ranks      : {mo:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in ours)})")
     print(f"HF generate, batch 64  : {mb:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in base)})")
     print(f"ratio                  : {mo / mb:.2f}x")

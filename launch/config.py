@@ -89,8 +89,11 @@ class ParallelConfig:
 @dataclass(slots=True)
 class CacheConfig:
     block_size: int = option(16, "tokens per KV cache block")
-    kv_cache_memory: int | None = option(None, "bytes of KV cache per attention rank (default: 256 MiB on CPU, "
-                                               "80% of free memory on CUDA)")
+    kv_cache_memory: int | None = option(None, "bytes of KV cache per attention rank (default: 256 MiB on CPU; "
+                                               "on CUDA, sized by gpu_memory_utilization)")
+    gpu_memory_utilization: float = option(0.9, "CUDA: share of each GPU's total memory the ranks on it may use; "
+                                                "the KV cache gets what weights, buffers and a warm-up forward's "
+                                                "peak leave, split among the GPU's attention ranks")
     num_kv_blocks: int | None = option(None, "KV cache blocks per attention rank; overrides kv_cache_memory "
                                              "(tests use it to force preemption)")
     enable_prefix_caching: bool = option(True, "reuse cached full blocks of earlier prompts, and route requests "
@@ -109,6 +112,10 @@ class CacheConfig:
                              f"host tier keeps: drop enable_prefix_caching=False or set kv_offload_memory=0")
         if self.kv_cache_memory is not None:
             _int("kv_cache_memory", self.kv_cache_memory, 1)
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization={u!r} is invalid: pass a fraction of the GPU's memory in "
+                             f"(0, 1], e.g. 0.9")
         if self.num_kv_blocks is not None:
             _int("num_kv_blocks", self.num_kv_blocks, 1)
 

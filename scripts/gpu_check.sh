@@ -6,12 +6,15 @@
 #      log-probabilities near transformers' bf16, a seeded request twice;
 #   2. bench/kernels.py (decode attention against copy bandwidth, fused MoE against dense matmul);
 #   3. per-layer dispatch/combine times through cuda_ipc (launch/comm_profile.py, device-synchronised timers);
-#   4. bench/throughput.py on a Qwen3-30B-A3B-shaped checkpoint with a few layers, against HF generate.
-# Usage, from the repository root: bash scripts/gpu_check.sh [stage ...]   (stages: tests kernels comm throughput)
+#   4. bench/throughput.py on a Qwen3-30B-A3B-shaped checkpoint with a few layers, against HF generate, its KV
+#      cache sized by the GPU memory plan;
+#   5. the GPU memory plan alone on the GPU (tests/gpu/test_memory_plan.py reads the whole GPU's use).
+# Usage, from the repository root: bash scripts/gpu_check.sh [stage ...]
+#   (stages: tests kernels comm throughput memory)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 PY=${PY:-python3}
-STAGES=${*:-tests kernels comm throughput}
+STAGES=${*:-tests kernels comm throughput memory}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
@@ -28,13 +31,15 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 't
 'transformers', transformers.__version__, torch.cuda.get_device_name())" 2>&1 | tee "$OUT/versions.txt"
 for stage in $STAGES; do
     case $stage in
-    tests) run tests 330 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/kernels tests/gpu ;;
+    tests) run tests 330 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/kernels tests/gpu \
+               --ignore=tests/gpu/test_memory_plan.py ;;
+    memory) run memory 200 $PY -m pytest -q -p no:cacheprovider -rfEPs -s tests/gpu/test_memory_plan.py ;;
     kernels) run kernels 150 $PY bench/kernels.py --out "$OUT/kernels.json" ;;
     comm) run comm 120 $PY -m launch.comm_profile --device cuda --attention-ranks 1 --expert-ranks 3 \
               --transport cuda_ipc --prompts 32 --prompt-len 128 --max-tokens 32 --out /tmp/comm_profile \
               && cp /tmp/comm_profile/profile.json "$OUT/comm_profile.json" ;;
     throughput) run throughput 300 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 --micro-batches 2 \
-                    --repeats 3 --attention-ranks 1 --expert-ranks 1 --kv-cache-memory $((8 << 30)) ;;
+                    --repeats 3 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

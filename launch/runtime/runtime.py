@@ -28,12 +28,12 @@ from expert_nodes.worker import ExpertWorker
 from models.checkpoint import Checkpoint
 
 from ..config import EngineConfig
-from . import collectives, planning, step_protocol
+from . import collectives, memory, planning, step_protocol
 from .dataplane import make_data_plane
 from .liveness import PREFIX
 from .membership import Membership, MembershipSettings
-from .sizing import check_expert_memory, expert_budget, max_model_len, set_device
-from .startup import build_attention_worker, leads_pool, open_store
+from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
+from .startup import build_attention_worker, leads_pool, load_attention_model, open_store
 
 logger = logging.getLogger("afserve")
 
@@ -100,12 +100,16 @@ class Runtime:
         first_of_role = self.topo.rank == 0 or (not self.topo.is_attention and self.topo.expert_index == 0)
         progress = sys.stderr if first_of_role and config.load_progress else None
         if self.topo.is_attention:
-            self._build_attention(self._moe_context(), desc, progress)
+            self._build_attention(self._moe_context(), desc, progress, self.groups.control)
         else:
             row = self.experts.placement.slot2expert[:, self.topo.expert_index]
             check_expert_memory(self.topo.rank, int(row.shape[1]), self._bytes_per_slot(), par.expert_memory)
             slots = ExpertSlots.load(self.ckpt, row, self.dev.dtype, self.dev.device, desc, self.dev.kernel_backend,
                                      progress)
+            if plans_gpu_memory(config.cache, self.dev):
+                rows = par.attention_ranks * config.scheduler.max_num_batched_tokens
+                peak = memory.expert_peak(slots, rows, spec.top_k, spec.hidden_size, self.dev.dtype, self.dev.device)
+                self._plan_gpu_memory(False, peak, self.groups.control)
             self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
@@ -163,10 +167,21 @@ class Runtime:
         return Membership(self, self.store, host, port, MembershipSettings(
             c.rank_failure_s, c.collective_timeout_s, c.startup_timeout_s, c.parallel.expert_memory))
 
-    def _build_attention(self, moe: MoEContext | None, desc: str, progress) -> None:
-        """This rank's attention model, KV cache and scheduler (moe None: no generation yet); rank 0 leads."""
+    def _build_attention(self, moe: MoEContext | None, desc: str, progress, group=None) -> None:
+        """This rank's attention model, KV cache and scheduler (moe None: no generation yet); rank 0 leads.
+        group: the launch's control group, whose ranks all take part in the GPU memory plan (None: a rank
+        that starts alone, which plans with what it sees of its GPU)."""
         rank = self.topo.rank if self.topo is not None else -1
-        self.worker = build_attention_worker(self.config, self.ckpt, self.dev, rank, moe, desc, progress)
+        config = self.config
+        model = load_attention_model(config, self.ckpt, self.dev, desc, progress)
+        kv_bytes = None
+        if plans_gpu_memory(config.cache, self.dev):
+            sched = config.scheduler
+            peak = memory.attention_peak(model, self.ckpt.spec, sched.max_num_batched_tokens, sched.max_num_seqs,
+                                         max_model_len(config, self.ckpt.spec), config.cache.block_size,
+                                         self.dev.dtype)
+            kv_bytes = self._plan_gpu_memory(True, peak, group)
+        self.worker = build_attention_worker(config, self.ckpt.spec, self.dev, model, rank, moe, kv_bytes)
         if rank == 0:
             par = self.config.parallel
             self.leader = Leader(self.worker, self.topo.num_attention_ranks, self.config.cache.block_size,
@@ -177,6 +192,27 @@ class Runtime:
                 self.leader.membership_changes = self.membership.changes
             if self.store is not None:   # what ranks joining later take (launch/runtime/membership.py, "Joining")
                 self.store.set(f"{PREFIX}/config", msgpack.packb(self.config.leader_settings()))
+
+    def _plan_gpu_memory(self, attention: bool, peak: int, group) -> int | None:
+        """The GPU memory plan (launch/runtime/memory.py), once this rank has loaded and warmed up: after a
+        barrier of `group`'s ranks (all loaded, caches emptied) each reads its GPU's use, the ranks share what
+        they read, and an attention rank gets its KV bytes (an expert rank None)."""
+        torch.cuda.empty_cache()
+        if group is not None:
+            dist.barrier(group=group)
+        share = memory.measure_share(self.dev.device, attention, peak)
+        shares, me = [share], 0
+        if group is not None:
+            shares = [None] * dist.get_world_size(group)
+            dist.all_gather_object(shares, share, group=group)
+            me = dist.get_rank(group)
+        if not attention:
+            return None
+        kv = memory.kv_cache_bytes(me, shares, self.config.cache.gpu_memory_utilization)
+        logger.info("GPU memory plan: %s used %.2f GiB of %.2f, warm-up peaks %s MiB; KV cache %.2f GiB",
+                    share.gpu, share.used / 2**30, share.total / 2**30,
+                    [s.peak >> 20 for s in shares if s.gpu == share.gpu], kv / 2**30)
+        return kv
 
     def _bytes_per_slot(self) -> int:
         return ExpertSlots.bytes_per_slot(self.ckpt, self.dev.dtype)

@@ -17,7 +17,6 @@ from models.spec import ModelSpec
 from ..config import CacheConfig, EngineConfig
 
 CPU_KV_DEFAULT_BYTES = 256 << 20
-CUDA_KV_FRACTION = 0.8      # of the device's free memory, when kv_cache_memory is not set
 
 
 @dataclass(slots=True, frozen=True)
@@ -109,16 +108,23 @@ def max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     return min(config.scheduler.max_model_len or spec.max_position_embeddings, spec.max_position_embeddings)
 
 
-def num_kv_blocks(cache: CacheConfig, spec: ModelSpec, dev: DeviceSettings) -> int:
-    """Blocks of the device KV pool: num_kv_blocks, else kv_cache_memory bytes, else a default (256 MiB on
-    CPU, 80% of the free memory on CUDA)."""
+def plans_gpu_memory(cache: CacheConfig, dev: DeviceSettings) -> bool:
+    """Whether start-up runs the GPU memory plan (launch/runtime/memory.py): on CUDA, with the KV cache's size
+    not configured (num_kv_blocks and kv_cache_memory unset). The same answer on every rank of a launch."""
+    return dev.device.type == "cuda" and cache.num_kv_blocks is None and cache.kv_cache_memory is None
+
+
+def num_kv_blocks(cache: CacheConfig, spec: ModelSpec, dev: DeviceSettings, planned: int | None = None) -> int:
+    """Blocks of the device KV pool: num_kv_blocks, else kv_cache_memory bytes, else on CUDA the memory plan's
+    `planned` bytes, else 256 MiB (CPU)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     memory = cache.kv_cache_memory
     if memory is None:
-        if dev.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(dev.device)
-            memory = int(free * CUDA_KV_FRACTION)
+        if plans_gpu_memory(cache, dev):
+            if planned is None:
+                raise RuntimeError("the KV cache on CUDA is sized by the GPU memory plan, which did not run")
+            memory = planned
         else:
             memory = CPU_KV_DEFAULT_BYTES
     return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.kv_entry, dev.dtype)

@@ -1,5 +1,6 @@
 """What a rank builds at start-up, whichever way it starts (one launch, the leader of separate pool launches,
-a joiner): the job's store, and its attention model with its KV cache and scheduler."""
+a joiner): the job's store, and its attention model, then its KV cache and scheduler (sized after the GPU memory
+plan, launch/runtime/memory.py, where there is one)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ from attention_nodes.scheduler import Scheduler
 from attention_nodes.worker import AttentionWorker
 from kernels import cpu_attention
 from models.checkpoint import Checkpoint
+from models.spec import ModelSpec
 
 from ..config import EngineConfig
 from .sizing import DeviceSettings, decode_threads, max_model_len, num_host_blocks, num_kv_blocks
@@ -33,17 +35,24 @@ def open_store(host: str, port: int, serve: bool, timeout_s: float) -> dist.TCPS
     return dist.TCPStore(host, port, is_master=serve, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
 
 
-def build_attention_worker(config: EngineConfig, ckpt: Checkpoint, dev: DeviceSettings, rank: int,
-                           moe: MoEContext | None, desc: str, progress) -> AttentionWorker:
-    """An attention rank's model (its share of the checkpoint), KV cache, block pool and scheduler. moe: how
-    it reaches the experts (None: no generation yet); rank -1: no place in the job yet; progress: a stream for
-    the loading bar, or None."""
-    par, cache, spec = config.parallel, config.cache, ckpt.spec
+def load_attention_model(config: EngineConfig, ckpt: Checkpoint, dev: DeviceSettings, desc: str,
+                         progress) -> AttentionModel:
+    """An attention rank's model: its share of the checkpoint (progress: a stream for the loading bar, or
+    None), with the C decode's threads set on the CPU backend."""
     weights = ckpt.read(ckpt.attention_tensor_names(), dev.dtype, dev.device, desc, progress)
-    model = AttentionModel(spec, weights, dev.device, dev.kernel_backend)
+    model = AttentionModel(ckpt.spec, weights, dev.device, dev.kernel_backend)
     if dev.kernel_backend == "cpu":
         cpu_attention.set_threads(decode_threads(config))
-    num_blocks = num_kv_blocks(cache, spec, dev)
+    return model
+
+
+def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSettings, model: AttentionModel,
+                           rank: int, moe: MoEContext | None, kv_bytes: int | None) -> AttentionWorker:
+    """An attention rank's worker around its model: KV cache, block pool and scheduler. moe: how it reaches
+    the experts (None: no generation yet); rank -1: no place in the job yet; kv_bytes: the GPU memory plan's
+    KV bytes (launch/runtime/memory.py), used when the cache size is not configured."""
+    par, cache = config.parallel, config.cache
+    num_blocks = num_kv_blocks(cache, spec, dev, kv_bytes)
     host_blocks = num_host_blocks(cache, spec, dev.dtype)
     kv = KVCache(spec.num_layers, num_blocks, cache.block_size, spec.kv_entry, dev.dtype, dev.device, host_blocks)
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
