@@ -1,9 +1,15 @@
 """GPU profile: 1+1 ranks on one GPU (cuda_ipc), Qwen3-30B-A3B shape with 4 layers, steady decode; py-spy
 samples both ranks from the outside (see prof.sh)."""
-import os, sys, tempfile, time
+import os
+import sys
+import tempfile
+import time
+
 sys.path.insert(0, os.getcwd())
 from bench.throughput import synthetic_checkpoint, workload
 from launch import LLM, SamplingParams
+
+
 def main():
     out = os.environ["OUT"]
     mb = int(os.environ.get("MB", "1"))
