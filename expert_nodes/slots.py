@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
+from comm import p2p
 from kernels import ops
 from kernels.moe import SILU, ExpertAct
 from models.checkpoint import Checkpoint, dequantize_mxfp4
@@ -145,11 +145,11 @@ class ExpertSlots:
                     landed[(layer, dslot)] = [t[layer, sslot].clone() for t in self._per_slot()]
                 else:
                     bufs = [t.new_empty(t.shape[2:]) for t in self._per_slot()]   # S may be 0 (a joiner)
-                    works += [dist.irecv(b, world_rank(src), group=group) for b in bufs]
+                    works += [p2p.irecv(b, world_rank(src), group) for b in bufs]
                     landed[(layer, dslot)] = bufs
                     received += 1
             elif src == me:
-                works += [dist.isend(t[layer, sslot], world_rank(dst), group=group) for t in self._per_slot()]
+                works += [p2p.isend(t[layer, sslot], world_rank(dst), group) for t in self._per_slot()]
         for w in works:
             w.wait()
         return landed, received, from_checkpoint

@@ -20,6 +20,7 @@ from attention_nodes.leader import Leader
 from attention_nodes.model import MoEContext
 from balancer.placement import Placement, slot_capacities
 from balancer.policy import make_policy
+from comm import p2p
 from comm.control import ControlPlane
 from comm.sync_audit import SyncTally
 from comm.topology import ProcessGroups, Topology
@@ -326,13 +327,13 @@ class Runtime:
         meta, kv = self.worker.hand_over()
         self.control.send_object(meta, dst)
         if meta["num_blocks"]:
-            dist.send(kv, dst, group=self.groups.world)
+            p2p.send(kv, dst, self.groups.world)
 
     def receive_requests(self, src: int) -> None:
         meta = self.control.recv_object(src)
         kv = torch.empty(meta["shape"], dtype=self.dev.dtype, device=self.dev.device)
         if meta["num_blocks"]:
-            dist.recv(kv, src, group=self.groups.world)
+            p2p.recv(kv, src, self.groups.world)
         self.worker.take_over(meta, kv)
 
     def stage_experts(self, staged: list[list[int]]) -> None:
