@@ -34,15 +34,23 @@ def leave_process(code: int = 0) -> None:
     os._exit(code)
 
 
+def rank_env(rank: int, world_size: int, port: int, join: bool) -> dict[str, str]:
+    """The environment torchrun would give a spawned rank (a fresh interpreter). A joiner's `rank` is its member
+    id, which grows past the first launch's world size: the node then counts at least rank + 1 local ranks, so
+    its LOCAL_RANK stays inside LOCAL_WORLD_SIZE (on CUDA it picks its GPU from them)."""
+    env = dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(max(world_size, rank + 1) if join else world_size),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if join:
+        env["AFSERVE_MEMBER"] = str(rank)
+    return env
+
+
 def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False) -> None:
     """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status.
     join: a rank that joins the running job (config has its role and the pool address), `rank` its member id."""
     die_with_parent()
-    # A spawned child is a fresh interpreter: give it the same environment torchrun would.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if join:
-        os.environ["AFSERVE_MEMBER"] = str(rank)
+    os.environ.update(rank_env(rank, world_size, port, join))
     from .runtime import Runtime, follow, lead
 
     runtime = None

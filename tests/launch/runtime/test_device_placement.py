@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from launch.procs import rank_env
 from launch.runtime.sizing import gpu_placement
 
 
@@ -32,6 +33,17 @@ def test_ranks_share_gpus_round_robin_only_through_cuda_ipc():
 def test_sharing_a_gpu_is_refused_where_nccl_would_have_to_carry_it(transport, comm, one_node, match):
     with pytest.raises(ValueError, match=match):
         gpu_placement(0, 4, 1, transport, comm, one_node)
+
+
+def test_a_joiner_spawned_by_scale_places_itself_among_the_nodes_ranks():
+    """LLM.scale spawns joiners whose rank is their member id, past the first launch's world (seen on an H100:
+    'LOCAL_RANK=5 is outside LOCAL_WORLD_SIZE=3'). The node then counts them in, and on one GPU they share it
+    through cuda_ipc like the first ranks."""
+    first = rank_env(2, 3, 1234, join=False)
+    assert (first["LOCAL_RANK"], first["LOCAL_WORLD_SIZE"]) == ("2", "3") and "AFSERVE_MEMBER" not in first
+    env = rank_env(5, 3, 1234, join=True)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["AFSERVE_MEMBER"]) == ("5", "6", "5")
+    assert gpu_placement(int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), 1, "auto", "direct", True) == (0, 6)
 
 
 def test_no_gpu_and_a_bad_local_rank_are_named():
