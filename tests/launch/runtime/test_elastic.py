@@ -136,12 +136,16 @@ def test_scale_out_and_in_under_a_steady_stream(tiny_checkpoint):
     """1+2 -> 2+4 -> 1+2 while a steady stream of requests runs (about four in flight): the joining ranks take
     experts from their peers, the leaving attention rank hands its requests over with their KV blocks, the
     retired ranks exit cleanly, and no request is lost, repeated or changed: each is transformers' greedy."""
-    path = tiny_checkpoint("qwen3_moe")
+    scale_under_stream(tiny_checkpoint("qwen3_moe"))
+
+
+def scale_under_stream(path: str, **engine) -> None:
+    """The scale test's body, on the engine options given (tests/gpu runs it on CUDA)."""
     prompts = make_prompts(12, 256, 5, 40, seed=5)
     max_new = 40
     expected = hf_greedy(path, prompts, max_new)
     params = SamplingParams(max_tokens=max_new, ignore_eos=True)
-    with LLM(path, attention_ranks=1, expert_ranks=2) as llm:
+    with LLM(path, attention_ranks=1, expert_ranks=2, **engine) as llm:
         rids, got, done, records = [], {}, set(), []
         after_grow: list[str] = []     # requests submitted once the job is 2 + 4
         asked = 0
