@@ -31,6 +31,16 @@ class Job:
     bytes_per_slot: int      # one expert's weights in this job's dtype
 
 
+def grown_ranks_per_node(ranks_per_node: int, configured: bool, num_nodes: int, new_world: int) -> int:
+    """Ranks per node of the next generation. A job on one node whose node size nobody configured (ranks that
+    LLM spawned on one host, or one torchrun node) stays one node as it grows: otherwise a job grown past its
+    first world size would count a second node and lose its one-node transports (shm, cuda_ipc; seen on an
+    H100). Configured node sizes (emulated nodes) and jobs of several nodes keep theirs."""
+    if configured or num_nodes > 1:
+        return ranks_per_node
+    return max(ranks_per_node, new_world)
+
+
 @dataclass(slots=True)
 class PlacementState:
     """What every rank keeps of the expert placement between generations. placement: None until the first

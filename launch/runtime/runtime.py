@@ -308,7 +308,10 @@ class Runtime:
     def plan_generation(self, generation: int, infos: dict[int, dict], lost: list[int],
                         joined: list[tuple[int, dict]] = (), retiring: bool = False) -> dict:
         spec, par, state = self.ckpt.spec, self.config.parallel, self.experts
-        job = planning.Job(self.members, self.topo.num_attention_ranks, self.topo.ranks_per_node, state.placement,
+        new_world = len(self.members) - len(lost) + len(joined)
+        rpn = planning.grown_ranks_per_node(self.topo.ranks_per_node, par.ranks_per_node is not None,
+                                            self.topo.num_nodes, new_world)
+        job = planning.Job(self.members, self.topo.num_attention_ranks, rpn, state.placement,
                            state.load_ema, spec.num_experts, spec.num_moe_layers, par.redundant_experts,
                            self._bytes_per_slot())
         return planning.plan_generation(job, generation, infos, lost, joined, retiring)

@@ -35,9 +35,6 @@ def test_expert_rank_killed_mid_generation_on_one_gpu(tiny_checkpoint):
           f"weights {change['weights_s']:.2f}s")
 
 
-@pytest.mark.xfail(reason="seen on an H100 (2026-11-24): a job of spawned ranks that grows past its first world "
-                          "size counts a second node (ranks_per_node came from that size), so the grown generation "
-                          "refuses transport='cuda_ipc'; open in docs/status.md", strict=False)
 def test_scale_out_and_in_under_a_steady_stream_on_one_gpu(tiny_checkpoint):
     scale_under_stream(tiny_checkpoint("qwen3_moe"), device="cuda", dtype="float32", transport="cuda_ipc",
                        kv_cache_memory=KV)

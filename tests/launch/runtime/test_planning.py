@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from balancer.placement import Placement
-from launch.runtime.planning import Job, MembershipError, plan_generation
+from launch.runtime.planning import Job, MembershipError, grown_ranks_per_node, plan_generation
 
 L, E = 2, 8
 BIG = {"expert_budget": 2**40}
@@ -68,3 +68,13 @@ def test_losing_every_expert_rank_ends_the_job():
     job = make_job(num_expert=1)
     with pytest.raises(MembershipError, match="every expert rank died"):
         plan_generation(job, 1, {}, [1])
+
+
+def test_a_one_node_job_stays_one_node_as_it_grows():
+    """Spawned ranks (3 on one host, node size not configured) grown to 6: still one node, so shm/cuda_ipc
+    still carry it (a grown job counted a second node on an H100 and refused cuda_ipc). A configured node size
+    and a job of several nodes keep theirs; shrinking never splits a node."""
+    assert grown_ranks_per_node(3, False, 1, 6) == 6
+    assert grown_ranks_per_node(3, False, 1, 2) == 3
+    assert grown_ranks_per_node(2, True, 1, 4) == 2       # ranks_per_node=2 asked for: emulated nodes of 2
+    assert grown_ranks_per_node(4, False, 2, 12) == 4     # torchrun on two nodes of 4
