@@ -84,6 +84,7 @@ class Dispatcher(ABC):
         self.dtype, self.device = dtype, device
         self.stats = stats or CommStats()
         self.capacity = 0
+        self._empty = None      # empty_tokens(), made on first use
 
     @property
     def is_source(self) -> bool:
@@ -126,11 +127,14 @@ class Dispatcher(ABC):
         return {}
 
     def empty_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Zero-token inputs for ranks with nothing to send (expert ranks, idle attention ranks)."""
-        K = self.top_k
-        z = torch.empty(0, K, dtype=torch.int64, device=self.device)
-        return (torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), z, z,
-                torch.empty(0, K, dtype=torch.float32, device=self.device))
+        """Zero-token inputs for ranks with nothing to send (expert ranks, idle attention ranks); made once
+        (they hold nothing, so every call may share them)."""
+        if self._empty is None:
+            K = self.top_k
+            z = torch.empty(0, K, dtype=torch.int64, device=self.device)
+            self._empty = (torch.empty(0, self.hidden_size, dtype=self.dtype, device=self.device), z, z,
+                           torch.empty(0, K, dtype=torch.float32, device=self.device))
+        return self._empty
 
 
 def pack_rows(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -291,6 +295,7 @@ class ShmDispatcher(Dispatcher):
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
         self.round = 0
+        self._no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
         self.buffers = buffers = slot_buffers(self.device)
         # Slot sizes: expert inboxes hold dispatched rows, source inboxes hold combined rows.
         expert_slot = max_tokens * self._row_bytes()
@@ -340,17 +345,18 @@ class ShmDispatcher(Dispatcher):
         t0 = self.stats.now()
         W, S = self.world_size, self.num_sources
         self.round += 1
+        if not self.is_source:   # an expert rank sends nothing in a dispatch: only its round moves on
+            handle = DispatchHandle(layer, 0, self._no_rows, [0] * W, [0] * W, self.round)
+            return PendingDispatch(None, self._no_rows, None, handle, t0)
         row2token, row_dst, row_slots, row_weights = plan_rows(dst_ranks, slots, weights, W)
         send_counts = torch.bincount(row_dst, minlength=W).tolist()
         handle = DispatchHandle(layer, hidden.shape[0], row2token, send_counts, [0] * W, self.round)
-        if self.is_source:
-            if hidden.shape[0] > self.max_tokens:
-                raise RuntimeError(f"rank {self.rank}: {hidden.shape[0]} tokens exceed the shm slots' "
-                                   f"{self.max_tokens}")
-            packed = pack_rows(hidden[row2token], row_slots, row_weights)
-            self._send(self.round, packed, send_counts[S:])   # to expert ranks S..W-1
-            self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), self.stats.now() - t0)
-        return PendingDispatch(None, torch.empty(0), None, handle, t0)
+        if hidden.shape[0] > self.max_tokens:
+            raise RuntimeError(f"rank {self.rank}: {hidden.shape[0]} tokens exceed the shm slots' {self.max_tokens}")
+        packed = pack_rows(hidden[row2token], row_slots, row_weights)
+        self._send(self.round, packed, send_counts[S:])   # to expert ranks S..W-1
+        self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), self.stats.now() - t0)
+        return PendingDispatch(None, self._no_rows, None, handle, t0)
 
     def finish_dispatch(self, pending):
         handle, B = pending.handle, self._row_bytes()
