@@ -209,8 +209,9 @@ class AttentionModel:
 
     def _layers(self, batch: ForwardBatch, kv: KVCache):
         """The forward of one micro-batch as a generator: at each MoE layer it yields (moe_layer, x `[T, H]`,
-        ids `[T, K]`, weights `[T, K]`) and is sent back the routed-expert output `[T, H]`; it returns the
-        logits `[len(batch.logit_rows), V]` fp32."""
+        ids `[T, K]`, weights `[T, K]`), is resumed (sent None) once the dispatch has started, computes what
+        needs no routed expert (the shared expert) while the experts work, yields None, and is sent back the
+        routed-expert output `[T, H]`; it returns the logits `[len(batch.logit_rows), V]` fp32."""
         s = self.spec
         h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
         cos, sin = self._rope_tables(h, batch.positions)
@@ -228,13 +229,14 @@ class AttentionModel:
             r = f"{m}.{s.router_module}"
             weights, ids = route(s, x, self.w[f"{r}.weight"], self._get(f"{r}.e_score_correction_bias"),
                                  self._get(f"{r}.bias"))
-            out = yield moe_layer, x, ids, weights
-            if s.shared_expert_size:
+            yield moe_layer, x, ids, weights
+            shared = None
+            if s.shared_expert_size:   # overlaps the experts' round trip
                 shared = self._mlp(x, f"{m}.{s.shared_module}")
                 if s.shared_expert_gate:
                     shared = torch.sigmoid(F.linear(x, self.w[f"{m}.shared_expert_gate.weight"])) * shared
-                out = out + shared
-            h = h + out
+            out = yield None
+            h = h + (out if shared is None else out + shared)
             moe_layer += 1
         h = rms_norm(h[batch.logit_rows], self.w["model.norm.weight"], s.rms_norm_eps)
         return F.linear(h, self.lm_head).float()
@@ -257,7 +259,7 @@ class AttentionModel:
             for j in range(M):
                 out = moe.finish(pending[j])
                 ready.append(self._next(gens[j], out, logits, j, moe) if j < M - 1 else out)
-            pending = [None if r is None else moe.start(*r) for r in ready[:-1]]
+            pending = [None if r is None else self._start(gens[j], r, moe) for j, r in enumerate(ready[:-1])]
             pending.append(self._advance(gens[-1], ready[-1], moe, logits, M - 1))
         return torch.cat(logits)
 
@@ -277,7 +279,17 @@ class AttentionModel:
 
     def _advance(self, gen, value, moe: MoEContext, logits: list, j: int) -> PendingDispatch | None:
         request = self._next(gen, value, logits, j, moe)
-        return None if request is None else moe.start(*request)
+        return None if request is None else self._start(gen, request, moe)
+
+    @staticmethod
+    def _start(gen, request, moe: MoEContext) -> PendingDispatch:
+        """Start a micro-batch's dispatch, then let it compute what needs no routed expert while the experts
+        work (its time goes to the comm stats under that MoE layer, as compute)."""
+        pending = moe.start(*request)
+        t0 = moe.dispatcher.stats.now()
+        assert gen.send(None) is None
+        moe.dispatcher.stats.add_compute(request[0], t0, moe.dispatcher.stats.now())
+        return pending
 
 
 def _fuse_projections(w: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, list[int]]]:
