@@ -14,7 +14,6 @@ A start that finds no room fails with the numbers and what to change.
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +24,7 @@ from attention_nodes.kv_cache import KVCache
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledSeq
 from attention_nodes.sequence import Sequence
+from comm.shm import host_identity
 from comm.stats import CommStats
 
 MiB = 2**20
@@ -154,9 +154,10 @@ def expert_peak(slots, num_rows: int, top_k: int, hidden_size: int, dtype: torch
 
 
 def gpu_name(device: torch.device) -> str:
-    """This rank's GPU, the same string in every process using it: host and the device's UUID."""
+    """This rank's GPU, the same string in every process using it: the machine (comm.shm.host_identity, as the
+    data plane tells hosts apart) and the device's UUID."""
     props = torch.cuda.get_device_properties(device)
-    return f"{socket.gethostname()}/{getattr(props, 'uuid', device.index)}"
+    return f"{host_identity()}/{getattr(props, 'uuid', device.index)}"
 
 
 def measure_share(device: torch.device, attention: bool, peak: int) -> GpuShare:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_nodes.kv_cache import num_blocks_for
+from attention_nodes.kv_cache import KVCache, num_blocks_for
 from attention_nodes.model import AttentionModel
 from expert_nodes.slots import ExpertSlots
 from launch.config import CacheConfig
@@ -94,7 +94,7 @@ def test_warmup_forward_runs_for_every_architecture(tiny_checkpoint, arch):
                            torch.device("cpu"), "torch")
     assert memory.attention_peak(model, spec, 64, 5, 4096, 16, torch.float32) == 0
     batch, blocks = warmup_batch(64, 5, 4096, 16, torch.device("cpu"), "torch")
-    kv = memory.KVCache(spec.num_layers, blocks, 16, spec.kv_entry, torch.float32, torch.device("cpu"))
+    kv = KVCache(spec.num_layers, blocks, 16, spec.kv_entry, torch.float32, torch.device("cpu"))
     logits = model.forward([batch], kv, memory.NoExperts())
     assert logits.shape == (5, spec.vocab_size) and torch.isfinite(logits).all()
     assert kv.tensor.abs().sum() > 0                       # the forward wrote its K/V
