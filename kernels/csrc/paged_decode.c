@@ -85,14 +85,77 @@ struct job {
     float scale;
 };
 
+/* Ask for the next block's cache lines while this one is computed: blocks lie anywhere in the cache, so the
+ * hardware prefetcher, which follows one address stream within a page, cannot see the next one coming. */
+static inline void prefetch_block(const float *p, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* The sums of 8 vectors' lanes, as one vector: lane i is hsum(a[i]). */
+static inline vec reduce8(const vec a[8]) {
+    vec p[4], r[2];
+    for (int i = 0; i < 4; ++i)      /* pairwise: [a0+a1 b0+b1 a2+a3 b2+b3 a4+a5 b4+b5 a6+a7 b6+b7] */
+        p[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14)
+             + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; ++i)
+        r[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13)
+             + __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(r[0], r[1], 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(r[0], r[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* score_t = scale * q_j . k_t for the tokens [0, n_tok) of one block run (consecutive slots from kt) and the query
+ * heads [j0, j0 + group) of one KV head. Eight dots at a time (8 / group tokens x the group's heads) keep eight
+ * independent FMA chains going and reduce together; the rest one at a time. */
+static inline __attribute__((always_inline)) void run_scores(const float *qb, const float *kt, float *scores,
+                                                             int64_t n_tok, int64_t k_tok, int64_t j0, int64_t group,
+                                                             int64_t dk, int64_t stride, float scale, int64_t nk) {
+    const float *qg = qb + j0 * dk;
+    int64_t i = 0;
+    if (8 % group == 0) {
+        const int64_t tile = 8 / group;
+        for (; i + tile <= n_tok; i += tile) {
+            vec acc[8];
+            for (int d = 0; d < 8; ++d) acc[d] = splat(0.0f);
+            for (int64_t c = 0; c < nk; ++c)
+                for (int d = 0; d < 8; ++d)
+                    acc[d] += load(qg + (d % group) * dk + c * W) * load(kt + (i + d / group) * k_tok + c * W);
+            const vec r = reduce8(acc) * splat(scale);
+            for (int d = 0; d < 8; ++d) scores[(j0 + d % group) * stride + i + d / group] = r[d];
+        }
+    }
+    for (; i < n_tok; ++i)
+        for (int64_t jj = 0; jj < group; ++jj)
+            scores[(j0 + jj) * stride + i] = scale * dot(qg + jj * dk, kt + i * k_tok, nk);
+}
+
+/* o_j += sum_t p_jt v_t over the tokens of one block run, for the query heads [j0, j0 + group) of one KV head,
+ * with each head's output row held in registers over the run. nvv is a constant where the caller specialises. */
+static inline __attribute__((always_inline)) void run_values(const float *vt, const float *scores, float *ob,
+                                                             int64_t n_tok, int64_t v_tok, int64_t j0, int64_t group,
+                                                             int64_t dv, int64_t stride, int64_t nvv) {
+    for (int64_t jj = 0; jj < group; ++jj) {
+        float *o = ob + (j0 + jj) * dv;
+        const float *p = scores + (j0 + jj) * stride;
+        vec acc[nvv];
+        for (int64_t c = 0; c < nvv; ++c) acc[c] = load(o + c * W);
+        const float *vr = vt;
+        for (int64_t i = 0; i < n_tok; ++i, vr += v_tok) {
+            const vec w = splat(p[i]);
+            for (int64_t c = 0; c < nvv; ++c) acc[c] += w * load(vr + c * W);
+        }
+        for (int64_t c = 0; c < nvv; ++c) store(o + c * W, acc[c]);
+    }
+}
+
 /* Sequences [b0, b1) of the job, with scratch of its own -> 0, or -1 without memory. */
 static int decode_range(const struct job *jb, int64_t b0, int64_t b1) {
     const float *q = jb->q, *k = jb->k, *v = jb->v, *sinks = jb->sinks;
     const int32_t *block_tables = jb->block_tables, *context_lens = jb->context_lens;
     float *out = jb->out;
-    const int64_t h = jb->h, dk = jb->dk, dv = jb->dv, bs = jb->bs, M = jb->M, k_tok = jb->k_tok;
+    const int64_t h = jb->h, kvh = jb->kvh, dk = jb->dk, dv = jb->dv, bs = jb->bs, M = jb->M, k_tok = jb->k_tok;
     const int64_t k_head = jb->k_head, v_tok = jb->v_tok, v_head = jb->v_head, window = jb->window;
-    const int64_t stride = jb->stride, group = h / jb->kvh, nk = dk / W, nvv = dv / W;
+    const int64_t stride = jb->stride, group = h / kvh, nk = dk / W, nvv = dv / W;
     const float scale = jb->scale;
     if (b0 >= b1) return 0;
     float *scores = malloc(sizeof(float) * (size_t)(h * stride));
@@ -104,13 +167,21 @@ static int decode_range(const struct job *jb, int64_t b0, int64_t b1) {
         const int32_t *table = block_tables + b * M;
         const float *qb = q + b * h * dk;
         float *ob = out + b * h * dv;
-        /* Scores, a block's run of tokens at a time (their slots are consecutive). */
+        /* Scores, a block's run of tokens at a time (their slots are consecutive), a KV head's group at a time. */
         for (int64_t t = first; t < len;) {
             const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
             const float *kt = k + ((int64_t)table[t / bs] * bs + t % bs) * k_tok;
-            for (; t < end; ++t, kt += k_tok)
-                for (int64_t j = 0; j < h; ++j)
-                    scores[j * stride + (t - first)] = scale * dot(qb + j * dk, kt + (j / group) * k_head, nk);
+            if (end < len) prefetch_block(k + (int64_t)table[end / bs] * bs * k_tok, bs * k_tok);
+            for (int64_t g = 0; g < kvh; ++g) {
+                float *s = scores + (t - first);
+                if (nk == 8 && group == 2)
+                    run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, 2, dk, stride, scale, 8);
+                else if (nk == 8)
+                    run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, group, dk, stride, scale, 8);
+                else
+                    run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, group, dk, stride, scale, nk);
+            }
+            t = end;
         }
         /* Softmax numerators in place, and each head's 1 / denominator. */
         float inv[h];
@@ -134,13 +205,17 @@ static int decode_range(const struct job *jb, int64_t b0, int64_t b1) {
         for (int64_t t = first; t < len;) {
             const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
             const float *vt = v + ((int64_t)table[t / bs] * bs + t % bs) * v_tok;
-            for (; t < end; ++t, vt += v_tok)
-                for (int64_t j = 0; j < h; ++j) {
-                    const vec p = splat(scores[j * stride + (t - first)]);
-                    const float *vr = vt + (j / group) * v_head;
-                    float *o = ob + j * dv;
-                    for (int64_t c = 0; c < nvv; ++c) store(o + c * W, load(o + c * W) + p * load(vr + c * W));
-                }
+            if (end < len) prefetch_block(v + (int64_t)table[end / bs] * bs * v_tok, bs * v_tok);
+            for (int64_t g = 0; g < kvh; ++g) {
+                const float *s = scores + (t - first);
+                if (nvv == 8)
+                    run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, 8);
+                else if (nvv == 16)
+                    run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, 16);
+                else
+                    run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, nvv);
+            }
+            t = end;
         }
         for (int64_t j = 0; j < h; ++j)
             for (int64_t c = 0; c < nvv; ++c) store(ob + j * dv + c * W, load(ob + j * dv + c * W) * splat(inv[j]));
