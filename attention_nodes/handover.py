@@ -56,7 +56,7 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
         worker.kv.tensor[:, :, dst] = kv.to(worker.kv.tensor.device)
         holders = [0] * len(new_ids)
         for seq, d in running:
-            seq.block_table = [new_ids[i] for i in d["blocks"]]
+            seq.replace_blocks([new_ids[i] for i in d["blocks"]])
             seq.num_computed_tokens = d["num_computed_tokens"]
             seq.status = SequenceStatus.RUNNING
             for i in d["blocks"]:

@@ -180,7 +180,7 @@ class Scheduler:
                 break
             if self._is_shared_tail(seq):   # copy on write: this step writes into a block other samples hold
                 tail = seq.num_computed_tokens // pool.block_size
-                seq.block_table[tail] = pool.copy_block(seq.block_table[tail])
+                seq.replace_block(tail, pool.copy_block(seq.block_table[tail]))
                 num_missing -= 1
             seq.block_table.extend(pool.allocate(num_missing))
             out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
@@ -279,7 +279,7 @@ class Scheduler:
         if pool.num_free_blocks - pool.num_revived(device_hits) < num_missing:
             return False
         pool.take(device_hits)
-        seq.block_table = list(device_hits)
+        seq.replace_blocks(list(device_hits))
         if num_host:
             host_keys = keys[len(device_hits):len(device_hits) + num_host]
             host.pin(host_keys)   # allocating may save evicted blocks to the host: not over these
@@ -287,7 +287,7 @@ class Scheduler:
             host.restore(host_keys, restored)
             for b, key in zip(restored, host_keys):
                 pool.register(b, key)
-            seq.block_table += restored
+            seq.replace_blocks(seq.block_table + restored)
         seq.num_computed_tokens = num_cached
         seq.num_registered_blocks = len(seq.block_table)
         if lookup:
@@ -331,7 +331,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.block_pool.free(reversed(seq.block_table))   # the tail is reused first, the shared head kept longest
-        seq.block_table = []
+        seq.replace_blocks([])
 
 
 def seats_of(seq: Sequence) -> int:

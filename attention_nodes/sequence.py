@@ -53,6 +53,8 @@ class Sequence:
     num_prompt_logprobs_sent: how many of those entries the worker has reported.
     block_keys: prefix-cache keys of the full blocks of token_ids computed so far (a cache: tokens only grow).
     num_registered_blocks: how many leading blocks of block_table are findable in the prefix cache.
+    block_table_version: counts the changes to block_table other than appending (`replace_blocks`,
+        `replace_block`): the rank's InputBatch rewrites its copy of the table when it moves, else appends.
     group_id: for a request drawing several samples (SamplingParams.num_samples > 1), the request's own id; each
         sample's request_id is then f"{group_id}#{sample_index}". None otherwise.
     forked: the samples exist (set on all of them once the first sample is drawn).
@@ -76,6 +78,7 @@ class Sequence:
     group_id: str | None = None
     sample_index: int = 0
     forked: bool = False
+    block_table_version: int = 0
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -105,6 +108,16 @@ class Sequence:
                    params=params, arrival=arrival, generator=generator,
                    prompt_logprobs=None if params.prompt_logprobs is None else [None], group_id=group,
                    sample_index=index, forked=group is not None)
+
+    def replace_blocks(self, blocks: list[int]) -> None:
+        """A new block table (admission from the prefix cache, release, a handover)."""
+        self.block_table = blocks
+        self.block_table_version += 1
+
+    def replace_block(self, index: int, block: int) -> None:
+        """Block `index` of the table becomes `block` (copy on write)."""
+        self.block_table[index] = block
+        self.block_table_version += 1
 
     @property
     def needs_fork(self) -> bool:

@@ -6,9 +6,10 @@ import torch
 
 from comm.control import StepReport
 
-from .batch import ForwardBatch, order_for_batch, split_micro_batches
+from .batch import order_for_batch, split_micro_batches
 from .block_pool import BlockPool
 from .handover import pack_sequences, unpack_sequences
+from .input_batch import InputBatch
 from .kv_cache import KVCache
 from .logits_process import shape_logits, token_logprobs
 from .model import AttentionModel, MoEContext
@@ -28,6 +29,8 @@ class AttentionWorker:
         self.eos = frozenset(model.spec.eos_token_ids)
         self.max_model_len = max_model_len
         self.device = device
+        # Per-sequence block tables kept across steps; each step's batches are built from them.
+        self.inputs = InputBatch(kv.block_size, kv.num_blocks, max_model_len, device, 2 * scheduler.max_num_seqs)
         self._arrivals = 0
         self._aborted: list[list] = []
         self.num_partial_chunks = 0
@@ -58,7 +61,9 @@ class AttentionWorker:
 
     def hand_over(self) -> tuple[dict, torch.Tensor]:
         """This rank leaves: its live sequences and their KV blocks, for the rank that takes them over."""
-        return pack_sequences(self)
+        packed = pack_sequences(self)
+        self.inputs.clear()
+        return packed
 
     def take_over(self, meta: dict, kv: torch.Tensor) -> None:
         """Take the sequences a leaving rank handed over (with their KV blocks where they fit)."""
@@ -108,7 +113,8 @@ class AttentionWorker:
         self.is_decode_step = out.is_decode
         assert out.num_tokens <= capacity, f"rank {self.rank}: {out.num_tokens} tokens > step capacity {capacity}"
         self.moe.dispatcher.set_capacity(capacity)
-        batches = [ForwardBatch.from_scheduled(part, self.kv.block_size, self.device, self.model.kernel_backend)
+        self.inputs.begin_step()
+        batches = [self.inputs.prepare(part, self.model.kernel_backend)
                    for part in split_micro_batches(out.scheduled, micro_batches)]
         logits = self.model.forward(batches, self.kv, self.moe)
         self._inflight = None

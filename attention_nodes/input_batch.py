@@ -1,0 +1,190 @@
+"""InputBatch: the per-sequence state one attention rank keeps across steps to build each step's ForwardBatch.
+
+`ForwardBatch.from_scheduled` builds a batch from the sequences' Python lists: every block table copied and padded,
+one host-to-device copy per field. Here each live sequence owns a row of a persistent block-table array, and a
+step writes only what changed since the row was last written: the blocks appended (usually none, or one every
+block_size decode steps), or the whole row when the table changed otherwise (copy on write at its tail, prefix-cache
+admission, preemption), which `Sequence.block_table_version` tells. Positions, slots and the block tables of the
+step are computed from those rows with a few vectorised array ops, staged into one int32 buffer (pinned on CUDA) and
+moved to the device in one non-blocking copy; the int64 fields are widened there.
+
+Rows are handed out on first sight of a sequence and taken back lazily: when none is free, rows whose sequence has
+finished go back; if none has, the array doubles. `clear` drops every row (the rank handed its sequences over).
+The staging buffer is reused from step to step (`begin_step`): a batch's tensors, views of it on the CPU, are only
+valid until the next step begins.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.ops import plan_decode_attention
+
+from .batch import DecodeMeta, ForwardBatch, PrefillMeta
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+
+class InputBatch:
+    def __init__(self, block_size: int, num_blocks: int, max_model_len: int, device: torch.device, rows: int = 64):
+        if num_blocks * block_size >= 2**31:
+            raise ValueError(f"{num_blocks} KV blocks of {block_size} tokens: slot numbers overflow int32; use a "
+                             f"smaller KV cache per attention rank (at most {2**31 // block_size - 1} blocks)")
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self._pin = self.device.type == "cuda"
+        self._tables = self._host((max(rows, 1), -(-max_model_len // block_size)), fill=-1)
+        self._tables_np = self._tables.numpy()
+        self._row: dict[Sequence, int] = {}        # a live sequence -> its row (identity: Sequence has eq=False)
+        self._seq: list[Sequence | None] = [None] * self._tables.shape[0]
+        self._written = [0] * self._tables.shape[0]      # table entries written per row
+        self._version = [-1] * self._tables.shape[0]     # the sequence's block_table_version they were written at
+        self._free = list(range(self._tables.shape[0] - 1, -1, -1))
+        self._stage = self._host((4096,))
+        self._stage_np = self._stage.numpy()
+        self._used = 0
+        self.num_row_writes = 0                          # (partial) row writes so far: what a step changed
+
+    def _host(self, shape: tuple[int, ...], fill: int = 0) -> torch.Tensor:
+        return torch.full(shape, fill, dtype=torch.int32, pin_memory=self._pin)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows held by sequences."""
+        return len(self._row)
+
+    @property
+    def capacity(self) -> int:
+        """Rows allocated."""
+        return self._tables.shape[0]
+
+    def begin_step(self) -> None:
+        """A new step: its batches are staged from the start of the buffer again."""
+        self._used = 0
+
+    def clear(self) -> None:
+        """Forget every sequence (their rows are free again)."""
+        for r in self._row.values():
+            self._release(r)
+        self._row.clear()
+
+    def table_row(self, seq: Sequence) -> torch.Tensor:
+        """seq's row as written (-1 past its blocks): for tests and checks."""
+        return self._tables[self._row[seq]]
+
+    def prepare(self, scheduled: list[ScheduledSeq], kernel_backend: str = "torch") -> ForwardBatch:
+        """The ForwardBatch of `scheduled` (ordered decodes first), as `ForwardBatch.from_scheduled` builds it."""
+        if not scheduled:
+            return ForwardBatch.empty(self.device)
+        bs = self.block_size
+        rows, starts, counts, ids, logit_rows = [], [], [], [], []
+        num_decodes = total = 0
+        for s in scheduled:
+            seq, start, n = s.seq, s.start, s.num_new_tokens
+            rows.append(self._sync(seq))
+            starts.append(start)
+            counts.append(n)
+            if n == 1:
+                ids.append(seq.token_ids[start])
+                if num_decodes == len(rows) - 1:
+                    num_decodes += 1
+            else:
+                ids.extend(seq.token_ids[start:start + n])
+            if seq.prompt_logprobs is not None:
+                logit_rows.extend(total + p - start for p in seq.prompt_logprob_positions(start, start + n))
+            total += n
+            if s.needs_sample:
+                logit_rows.append(total - 1)
+        rows_np, starts_np = np.asarray(rows), np.asarray(starts)
+        counts_np = np.asarray(counts)
+        ends = starts_np + counts_np
+        if total == len(scheduled):           # every row one token: no expansion needed
+            req, pos = rows_np, starts_np
+        else:
+            req = np.repeat(rows_np, counts_np)
+            pos = np.arange(total) + np.repeat(starts_np - (np.cumsum(counts_np) - counts_np), counts_np)
+        slots = self._tables_np[req, pos // bs] * bs + pos % bs
+        nd, npre = num_decodes, len(scheduled) - num_decodes
+        dec_w = -(-int(ends[:nd].max()) // bs) if nd else 0
+        pre_w = -(-int(ends[nd:].max()) // bs) if npre else 0
+        cu = np.zeros(npre + 1, dtype=np.int64)
+        np.cumsum(counts_np[nd:], out=cu[1:])
+        parts = [ids, pos, slots, logit_rows, ends[:nd], self._tables_np[rows_np[:nd], :dec_w].ravel(), cu,
+                 ends[nd:], self._tables_np[rows_np[nd:], :pre_w].ravel()]
+        sizes = [len(p) for p in parts]
+        first = self._staged(sum(sizes))
+        at = first
+        for p, n in zip(parts, sizes):
+            self._stage_np[at:at + n] = p
+            at += n
+        on_device = self._stage[first:at].to(self.device, non_blocking=True)
+        views = on_device.split(sizes)
+        v_ids, v_pos, v_slots, v_logits, v_dlens, v_dtab, v_cu, v_plens, v_ptab = views
+        decode = prefill = None
+        if nd:
+            dec_lens = ends[:nd].tolist()
+            tables = v_dtab.view(nd, dec_w)
+            decode = DecodeMeta(tables, v_dlens, max(dec_lens),
+                                plan_decode_attention(tables, v_dlens, bs, kernel_backend, dec_lens))
+        if npre:
+            prefill = PrefillMeta(v_ptab.view(npre, pre_w), v_cu, v_plens, cu.tolist(), ends[nd:].tolist())
+        return ForwardBatch(v_ids.long(), v_pos.long(), v_slots.long(), nd, decode, prefill, v_logits.long())
+
+    def _staged(self, n: int) -> int:
+        """Where the next n entries of the staging buffer start (grown, never shrunk, when a step needs more)."""
+        if self._used + n > self._stage.numel():
+            # Batches staged earlier this step keep the old buffer alive through their views.
+            self._stage = self._host((max(2 * self._stage.numel(), self._used + n),))
+            self._stage_np = self._stage.numpy()
+        first = self._used
+        self._used += n
+        return first
+
+    def _sync(self, seq: Sequence) -> int:
+        """seq's row, with what changed in its block table since the last write written -> the row."""
+        r = self._row.get(seq)
+        if r is None:
+            r = self._row[seq] = self._take()
+            self._seq[r] = seq
+        table, written = seq.block_table, self._written[r]
+        n = len(table)
+        if n > self._tables_np.shape[1]:
+            self._grow(cols=n)
+        if self._version[r] != seq.block_table_version or n < written:
+            row = self._tables_np[r]
+            row[:n] = table
+            row[n:written] = -1
+            self._version[r] = seq.block_table_version
+            self.num_row_writes += 1
+        elif n > written:
+            self._tables_np[r, written:n] = table[written:]
+            self.num_row_writes += 1
+        self._written[r] = n
+        return r
+
+    def _take(self) -> int:
+        if not self._free:
+            for seq, r in list(self._row.items()):
+                if seq.is_finished:
+                    del self._row[seq]
+                    self._release(r)
+        if not self._free:
+            self._grow(rows=2 * self._tables.shape[0])
+        return self._free.pop()
+
+    def _release(self, r: int) -> None:
+        self._tables_np[r, :self._written[r]] = -1
+        self._seq[r], self._written[r], self._version[r] = None, 0, -1
+        self._free.append(r)
+
+    def _grow(self, rows: int = 0, cols: int = 0) -> None:
+        old = self._tables
+        R, C = max(rows, old.shape[0]), max(cols, old.shape[1])
+        self._tables = self._host((R, C), fill=-1)
+        self._tables[:old.shape[0], :old.shape[1]] = old
+        self._tables_np = self._tables.numpy()
+        extra = R - old.shape[0]
+        self._seq += [None] * extra
+        self._written += [0] * extra
+        self._version += [-1] * extra
+        self._free[:0] = range(R - 1, old.shape[0] - 1, -1)
