@@ -7,7 +7,9 @@ Printed per case: median ns per context token and GB/s of K/V read (20th-80th pe
 (gather + scaled_dot_product_attention, one torch thread) and the ratio sdpa / C, and the GB/s of a torch copy of
 as many bytes (the machine's limit for reading them once, measured here). Calls alternate between the kernels so
 the VM's drift reaches both alike.
-Run: python bench/cpu_decode.py [--repeats 200] [--warmup 20]
+--baseline FILE also builds another version of the kernel source (e.g. `git show REV:kernels/csrc/paged_decode.c`)
+and times it in the same rounds: the "base/C" column is its time over this one's.
+Run: python bench/cpu_decode.py [--repeats 200] [--warmup 20] [--baseline FILE]
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,6 +39,16 @@ def case(batch: int, gen: torch.Generator):
     tables = torch.randperm(CACHE_BLOCKS, generator=gen)[:batch * width].view(batch, width).to(torch.int32)
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
     return q, k, v, tables, lens
+
+
+def call_with(lib, inputs) -> torch.Tensor:
+    """The C decode through library `lib` (this source's or the baseline's build)."""
+    keep = cpu_attention.library
+    cpu_attention.library = lambda: lib
+    try:
+        return cpu_attention.paged_decode_attention(*inputs)
+    finally:
+        cpu_attention.library = keep
 
 
 def timed(fn, repeats: int, warmup: int) -> list[float]:
@@ -58,11 +71,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--baseline", type=Path, help="another paged_decode.c to time beside this one")
     args = ap.parse_args()
+    libraries = {"C": cpu_attention.library()}
+    if args.baseline:
+        source = cpu_attention.SOURCE
+        cpu_attention.SOURCE = args.baseline
+        cpu_attention.library.cache_clear()
+        libraries["base"] = cpu_attention.library()
+        cpu_attention.SOURCE = source
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     scale = HEAD_DIM ** -0.5
-    print(f"{'case':<22}{'C ns/tok':>10}{'C GB/s (p20-p80)':>22}{'sdpa ns/tok':>13}{'sdpa/C':>8}{'copy GB/s':>11}")
+    print(f"{'case':<22}{'C ns/tok':>10}{'C GB/s (p20-p80)':>22}{'sdpa ns/tok':>13}{'sdpa/C':>8}{'copy GB/s':>11}"
+          + (f"{'base ns/tok':>13}{'base/C':>8}" if args.baseline else ""))
     for batch in (4, 64):
         q, k, v, tables, lens = case(batch, gen)
         tokens = int(lens.sum())
@@ -71,24 +93,30 @@ def main() -> None:
         src = torch.randn(nbytes // 4, generator=gen)
         dst = torch.empty_like(src)
         for threads in (1, 2):
-            cpu_attention.set_threads(threads)
+            for lib in libraries.values():
+                lib.afserve_set_threads(threads)
             out = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale)
             err = (out - ref).abs().max().item()
             if err > 1e-4:
                 raise SystemExit(f"C decode differs from sdpa by {err} at batch {batch}")
             inputs = (q, k, v, tables, lens, scale)
-            c_call = partial(cpu_attention.paged_decode_attention, *inputs)
+            c_call = partial(call_with, libraries["C"], inputs)
+            base_call = partial(call_with, libraries.get("base"), inputs)
             sdpa_call = partial(sdpa_attention.paged_decode_attention, *inputs)
             copy_call = partial(dst.copy_, src)
-            c, s, cp = [], [], []
+            c, s, cp, base = [], [], [], []
             for _ in range(4):      # alternate, in rounds
                 c += timed(c_call, args.repeats // 4, args.warmup)
+                if args.baseline:
+                    base += timed(base_call, args.repeats // 4, args.warmup)
                 s += timed(sdpa_call, max(args.repeats // 16, 3), 2)
                 cp += timed(copy_call, args.repeats // 4, 2)
             mc, ms = statistics.median(c), statistics.median(s)
             spread = f"{nbytes / mc / 1e9:.1f} ({nbytes / pct(c, 0.8) / 1e9:.1f}-{nbytes / pct(c, 0.2) / 1e9:.1f})"
             print(f"{f'{batch} seqs, {threads} thr':<22}{mc / tokens * 1e9:>10.1f}{spread:>22}"
-                  f"{ms / tokens * 1e9:>13.1f}{ms / mc:>8.2f}{nbytes / statistics.median(cp) / 1e9:>11.1f}")
+                  f"{ms / tokens * 1e9:>13.1f}{ms / mc:>8.2f}{nbytes / statistics.median(cp) / 1e9:>11.1f}"
+                  + (f"{statistics.median(base) / tokens * 1e9:>13.1f}{statistics.median(base) / mc:>8.2f}"
+                     if base else ""))
 
 
 if __name__ == "__main__":

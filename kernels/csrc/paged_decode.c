@@ -85,12 +85,6 @@ struct job {
     float scale;
 };
 
-/* Ask for the next block's cache lines while this one is computed: blocks lie anywhere in the cache, so the
- * hardware prefetcher, which follows one address stream within a page, cannot see the next one coming. */
-static inline void prefetch_block(const float *p, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 3);
-}
-
 /* The sums of 8 vectors' lanes, as one vector: lane i is hsum(a[i]). */
 static inline vec reduce8(const vec a[8]) {
     vec p[4], r[2];
@@ -171,7 +165,6 @@ static int decode_range(const struct job *jb, int64_t b0, int64_t b1) {
         for (int64_t t = first; t < len;) {
             const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
             const float *kt = k + ((int64_t)table[t / bs] * bs + t % bs) * k_tok;
-            if (end < len) prefetch_block(k + (int64_t)table[end / bs] * bs * k_tok, bs * k_tok);
             for (int64_t g = 0; g < kvh; ++g) {
                 float *s = scores + (t - first);
                 if (nk == 8 && group == 2)
@@ -205,7 +198,6 @@ static int decode_range(const struct job *jb, int64_t b0, int64_t b1) {
         for (int64_t t = first; t < len;) {
             const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
             const float *vt = v + ((int64_t)table[t / bs] * bs + t % bs) * v_tok;
-            if (end < len) prefetch_block(v + (int64_t)table[end / bs] * bs * v_tok, bs * v_tok);
             for (int64_t g = 0; g < kvh; ++g) {
                 const float *s = scores + (t - first);
                 if (nvv == 8)
