@@ -126,6 +126,12 @@ class Dispatcher(ABC):
         """Mode-specific facts for comm_stats (auto: its choices and cost model)."""
         return {}
 
+    def flush(self) -> None:
+        """Wait until every message this rank sent has been taken by its peer (two_phase leaves its sends
+        pending across calls); call before this rank leaves the group, and it may leave safely. Modes that wait
+        for their sends in the call that makes them have nothing to do."""
+        return None
+
     def empty_tokens(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Zero-token inputs for ranks with nothing to send (expert ranks, idle attention ranks); made once
         (they hold nothing, so every call may share them)."""

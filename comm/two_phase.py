@@ -20,6 +20,14 @@ Every message is point-to-point (isend/irecv over the data-plane group): a block
 first row holds the row count, where the bound (the step capacity times the sources whose tokens the
 message can carry) is known to both sides, so there is no size exchange, as in `direct`. Choices cross
 nodes as a code (rank << 20 | slot). Names: T tokens, H hidden, K top-k, W world size, S sources.
+
+A hop waits only for what it receives, never for its sends: a gloo send completes only once the peer has posted
+the matching receive, and the peer may be busy (an expert rank computing the other micro-batch), so waiting
+there would hold the sender. A dispatch's sends are waited at the start of its combine, a combine's at the start
+of the next dispatch, by which time the peers have taken them in the blocking version's order. So a source that
+is not a gateway returns from start_dispatch as soon as its hop-1 messages are posted, and a source-node gateway
+once it has its node's rows and has posted hop 2: the ping-pong micro-batches overlap the expert ranks' work.
+NCCL's batched ops come back as one coalesced work, which only orders streams: it is waited at once.
 """
 from __future__ import annotations
 
@@ -53,6 +61,7 @@ class TwoPhaseHandle:
     fan_pos: torch.Tensor | None = None    # nd gateway: [R, M_n] its place in that rank's block
     from_nd_gateways: torch.Tensor | None = None  # expert: [len(nd_gateways)] rows from each nd gateway
     valid: torch.Tensor | None = None      # expert: [sum of nd_bound(g)] whether each received row place holds a row
+    sends: list = field(default_factory=list)   # the dispatch's send works not yet waited (and their blocks)
 
 
 class TwoPhaseDispatcher(Dispatcher):
@@ -85,6 +94,7 @@ class TwoPhaseDispatcher(Dispatcher):
         # node -> index in dst_nodes (-1: holds no expert ranks), to address a choice's node block
         self.node_index = torch.full((max(self.node_of) + 1,), -1, dtype=torch.int64, device=device)
         self.node_index[self.dst_nodes] = torch.arange(len(self.dst_nodes), device=device)
+        self._combine_sends: list = []     # the last combine's send works, waited at the next dispatch
 
     def gateways(self, ns: int, nd: int) -> tuple[int, int]:
         """(gateway on ns, gateway on nd) for traffic from source node ns to destination node nd."""
@@ -100,10 +110,11 @@ class TwoPhaseDispatcher(Dispatcher):
 
     # ----- messages ----------------------------------------------------------------------------------------
     def _exchange(self, sends: list[tuple[int, int, torch.Tensor]], recvs: list[tuple[int, int, int]], width: int,
-                  layer: int, phase: str) -> list[torch.Tensor]:
+                  layer: int, phase: str, pending: list) -> list[torch.Tensor]:
         """Point-to-point blocks. sends: (peer, tag, `[bound + 1, width]` uint8 block); recvs: (peer, tag, bound)
         -> the received blocks, in order, whole (row 0: the count; nobody reads it on the host). A message to
-        oneself is a reference, not a message."""
+        oneself is a reference, not a message. Waits for the receives only; the sends' works (with their blocks)
+        go to `pending`, for the caller to wait later (`_wait`)."""
         me, stats = self.rank, self.stats.phase(layer, phase)
         local, ops, blocks = {}, [], []
         for peer, tag, block in sends:
@@ -112,6 +123,7 @@ class TwoPhaseDispatcher(Dispatcher):
                 continue
             ops.append(dist.P2POp(dist.isend, block, peer, self.group, tag))
             stats.add_message(block.numel(), self.node_of[peer] != self.my_node)
+        num_sends = len(ops)
         for peer, tag, bound in recvs:
             buf = None
             if peer != me:
@@ -119,9 +131,23 @@ class TwoPhaseDispatcher(Dispatcher):
                 ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, tag))
             blocks.append(buf)
         if ops:
-            for work in dist.batch_isend_irecv(ops):
+            works = dist.batch_isend_irecv(ops)
+            if len(works) == len(ops):      # one work per op (gloo): the sends may finish later
+                pending += [(work, op.tensor) for work, op in zip(works[:num_sends], ops)]
+                works = works[num_sends:]
+            for work in works:
                 work.wait()
         return [local[tag] if buf is None else buf for (_, tag, _), buf in zip(recvs, blocks)]
+
+    def flush(self) -> None:
+        self._wait(self._combine_sends)
+
+    @staticmethod
+    def _wait(pending: list) -> None:
+        """Wait for send works `_exchange` left pending (each peer has posted its receive by then)."""
+        for work, _ in pending:
+            work.wait()
+        pending.clear()
 
     def _reply(self, rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """A combine message: rows `[bound, width]` uint8 under a count row -> `[bound + 1, width]`."""
@@ -171,6 +197,7 @@ class TwoPhaseDispatcher(Dispatcher):
         hb = self.hidden_size * self.dtype.itemsize
         if hidden.shape[0] > C:
             raise RuntimeError(f"rank {me}: {hidden.shape[0]} tokens exceed the step capacity {C}")
+        self._wait(self._combine_sends)
         handle = TwoPhaseHandle(layer, hidden.shape[0])
         # Step 1: my tokens, once per destination node, to my node's gateway for it (a block per node; a
         # choice crosses as a code, rank << SLOT_BITS | slot, -1 on the other nodes' blocks)
@@ -184,7 +211,7 @@ class TwoPhaseDispatcher(Dispatcher):
                      for i, nd in enumerate(self.dst_nodes)]
         srcs = self.node_sources
         got = self._exchange(sends, [(s, self._tag(1, nd), C) for nd in self.gateway_for for s in srcs], B, layer,
-                             "dispatch")
+                             "dispatch", handle.sends)
         # Step 2: what my node has for nd, packed into one block, to nd's gateway
         sends = []
         for i, nd in enumerate(self.gateway_for):
@@ -194,7 +221,7 @@ class TwoPhaseDispatcher(Dispatcher):
             sends.append((self.gateways(here, nd)[1], self._tag(2, here), block))
         bounds = [self._bound(ns, C) for ns in self.gateway_of]
         got = self._exchange(sends, [(self.gateways(ns, here)[0], self._tag(2, ns), n)
-                                     for ns, n in zip(self.gateway_of, bounds)], B, layer, "dispatch")
+                                     for ns, n in zip(self.gateway_of, bounds)], B, layer, "dispatch", handle.sends)
         # Step 3: each row to every expert rank of this node it names, the other ranks' choices blanked
         sends = []
         if self.gateway_of:
@@ -211,7 +238,7 @@ class TwoPhaseDispatcher(Dispatcher):
                      for j, r in enumerate(self.node_experts)]
         bounds = [self._nd_bound(g, C) for g in self.nd_gateways]
         got = self._exchange(sends, [(g, self._tag(3, 0), n) for g, n in zip(self.nd_gateways, bounds)], B, layer,
-                             "dispatch")
+                             "dispatch", handle.sends)
         rows = torch.empty(0, B, dtype=torch.uint8, device=self.device)
         handle.valid = torch.zeros(0, dtype=torch.bool, device=self.device)
         if got:
@@ -234,6 +261,8 @@ class TwoPhaseDispatcher(Dispatcher):
         t0 = self.stats.now()
         H, me, here, layer, C = self.hidden_size, self.rank, self.my_node, handle.layer, self.capacity
         width = H * self.dtype.itemsize
+        self._wait(handle.sends)
+        pending = self._combine_sends
 
         def as_bytes(x: torch.Tensor) -> torch.Tensor:
             return x.to(self.dtype).contiguous().view(torch.uint8).view(-1, width)
@@ -249,7 +278,7 @@ class TwoPhaseDispatcher(Dispatcher):
             start += n
         experts = self.node_experts if handle.fan_hit is not None else []
         n = self._nd_bound(me, C) if experts else 0
-        got = self._exchange(sends, [(r, self._tag(6, 0), n) for r in experts], width, layer, "combine")
+        got = self._exchange(sends, [(r, self._tag(6, 0), n) for r in experts], width, layer, "combine", pending)
         # Step 2 back: add up each row over this node's expert ranks, return each ns gateway its rows
         sends = []
         if experts:
@@ -261,7 +290,7 @@ class TwoPhaseDispatcher(Dispatcher):
                               self._reply(acc[start:start + n], handle.from_gateways[i])))
                 start += n
         got = self._exchange(sends, [(self.gateways(here, nd)[1], self._tag(5, here), self._bound(here, C))
-                                     for nd in self.gateway_for], width, layer, "combine")
+                                     for nd in self.gateway_for], width, layer, "combine", pending)
         # Step 1 back: hand each source its row places
         sends = []
         for nd, block in zip(self.gateway_for, got):
@@ -270,7 +299,7 @@ class TwoPhaseDispatcher(Dispatcher):
                       for i, s in enumerate(self.node_sources)]
         back = self.dst_nodes if self.is_source else []
         got = self._exchange(sends, [(self.gateways(here, nd)[0], self._tag(4, nd), C) for nd in back], width, layer,
-                             "combine")
+                             "combine", pending)
         if self.is_source:
             out = gather_rows(torch.stack([as_hidden(g[1:]) for g in got]).view(len(back), C, H), handle.hit,
                               handle.pos)
@@ -323,3 +352,7 @@ class AutoDispatcher(Dispatcher):
 
     def describe(self) -> dict:
         return {"calls": dict(self.calls), "cost_model": self.model.to_dict()}
+
+    def flush(self) -> None:
+        for d in self.modes.values():
+            d.flush()

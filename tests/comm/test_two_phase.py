@@ -60,6 +60,7 @@ def _rank_fn(rank, world, A, rpn, tokens, seed, one_rank):
             rows.hidden, rows.slots, rows.weights = rows.hidden[valid], rows.slots[valid], rows.weights[valid]
             results.append({"rows": (rows.hidden[order], rows.slots[order], rows.weights[order]),
                             "out": combined})
+        d.flush()       # two_phase's last sends may still be pending: let every peer take them before leaving
         out[mode] = {"results": results, "stats": d.stats.to_dict()}
     return out
 
@@ -103,3 +104,46 @@ def test_two_phase_matches_direct(A, E, rpn, tokens, one_rank):
             if rpn > 1 and A % rpn == 0 and E % rpn == 0 and phase == "dispatch":
                 # full nodes, attention and experts apart: direct's rpn x rpn pairs per node pair become one
                 assert inter["two_phase"] * rpn * rpn == inter["direct"], inter
+
+
+def _overlap_rank_fn(rank, world, A, rpn, tokens, signals):
+    """Sources start their dispatch, then signal (a file each); expert ranks post their receives only once every
+    source has signalled. A source whose start_dispatch waited for an expert rank to receive would never signal,
+    and the expert ranks would give up. Returns each source's combined output of both modes."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from comm.modes import make_dispatcher
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    kw = dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),
+              num_sources=A, ranks_per_node=rpn)
+    out = {}
+    for mode in ("direct", "two_phase"):
+        d = make_dispatcher(mode, **kw)
+        d.set_capacity(max(tokens))
+        if rank < A:
+            hidden, dst, slots, weights = _routing(rank, A, world - A, tokens[rank], 5, False)
+        else:
+            hidden, dst, slots, weights = d.empty_tokens()
+        if mode == "two_phase" and rank >= A:
+            deadline = time.monotonic() + 30
+            while not all(os.path.exists(os.path.join(signals, f"started{s}")) for s in range(A)):
+                assert time.monotonic() < deadline, "a source's start_dispatch waited for the expert ranks"
+                time.sleep(0.01)
+        pending = d.start_dispatch(0, hidden, dst, slots, weights)
+        if mode == "two_phase" and rank < A:
+            open(os.path.join(signals, f"started{rank}"), "w").close()
+        rows, handle = d.finish_dispatch(pending)
+        scale = (rows.slots + 1 + 10 * rank).float() * (rows.slots >= 0)
+        out[mode] = d.combine(rows.hidden * (rows.weights * scale).sum(1, keepdim=True), handle)
+        d.flush()
+    return out
+
+
+@pytest.mark.parametrize("A,E,rpn,tokens", [(2, 2, 2, [5, 7]), (1, 3, 1, [9]), (2, 3, 2, [0, 6])])
+def test_start_dispatch_does_not_wait_for_the_expert_ranks(A, E, rpn, tokens, tmp_path):
+    res = run_ranks(_overlap_rank_fn, A + E, A, rpn, tokens, str(tmp_path), timeout=90)
+    for r in range(A):
+        assert torch.equal(res[r]["direct"], res[r]["two_phase"]), r
