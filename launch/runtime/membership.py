@@ -406,7 +406,9 @@ class Membership:
                 rt.receive_requests(src)
 
     def _leave_together(self, gen: int) -> None:
-        """Every rank at once, between steps: nobody is mid-exchange, so the groups can go without a failure."""
+        """Every rank at once, between steps: nobody is mid-exchange (flush: two_phase's last sends are taken), so
+        the groups can go without a failure."""
+        self._rt.dispatcher.flush()
         self._rt.barrier()
         self._rt.leave_generation()
         self._left_generation = gen

@@ -361,5 +361,7 @@ class Runtime:
         if self.membership is not None:
             self.membership.close()
         if dist.is_initialized() and not self.left:
+            if self.dispatcher is not None:
+                self.dispatcher.flush()
             self.barrier()
             dist.destroy_process_group()

@@ -118,6 +118,7 @@ def _auto_fn(rank, world, A, rpn, favour):
             args = d.empty_tokens()
         rows, handle = d.dispatch(0, *args)
         out = d.combine(rows.hidden * (rows.slots >= 0).sum(1, keepdim=True), handle)
+        d.flush()           # two_phase's last sends may be pending: every peer takes them before this rank leaves
         outs[mode] = (out, rows.hidden.shape[0], d.describe())
     return outs
 
