@@ -6,7 +6,7 @@ import torch
 
 from comm.control import StepReport
 
-from .batch import order_for_batch, split_micro_batches
+from .batch import ForwardBatch, order_for_batch, split_micro_batches
 from .block_pool import BlockPool
 from .handover import pack_sequences, unpack_sequences
 from .input_batch import InputBatch
@@ -167,6 +167,14 @@ class AttentionWorker:
         outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq), None] for seq, _, _ in scored
                     if id(seq) not in reported]
         return self.report(outputs)
+
+    def join_exchanges(self, capacity: int, micro_batches: int = 1) -> None:
+        """Run a forward over no tokens: join every MoE layer's dispatch and combine of a step, as a rank with
+        nothing scheduled does, and change nothing. A step re-sent after the job re-formed is run by every
+        rank: one that had finished it joins its exchanges this way, so that the expert ranks and the ranks
+        that had not finished it see every source (launch/runtime/step_protocol.py)."""
+        self.moe.dispatcher.set_capacity(capacity)
+        self.model.forward([ForwardBatch.empty(self.device) for _ in range(micro_batches)], self.kv, self.moe)
 
     def report(self, outputs: list[list] | None = None) -> StepReport:
         s, pool = self.scheduler, self.block_pool

@@ -12,15 +12,22 @@ Each step the leader (attention rank 0) broadcasts a `StepHeader` (comm/control.
   next generation's plan; every rank follows it (membership.py).
 
 A lost peer makes an exchange raise; the leader re-forms the job (membership.py) and re-sends the header of
-the step in flight. An attention rank that had finished that step re-sends its report; one that had not
-re-runs the same scheduled batch: nothing of a step is committed (KV positions advanced, tokens sampled,
-generator states drawn) until its forward has passed every exchange, so a step that failed half way leaves no
-trace. A follower that loses a peer waits for the leader's plan and adopts it.
+the step in flight. Every rank runs a re-sent step's exchanges again, whatever it had done of it: expert ranks
+serve its dispatches as for any STEP header, an attention rank that had not finished it re-runs the same
+scheduled batch, and one that had finished it joins every exchange with no tokens (`join_exchanges`) and
+re-sends its report. So every expert rank hears from every source in every round, however far each rank had
+got when the peer was lost (ranks finish a step at different moments: the last combine reaches one attention
+rank before another is woken to re-form, and the experts may have served the whole step). Nothing of a step
+is committed (KV positions advanced, tokens sampled, generator states drawn) until its forward has passed
+every exchange, so a step that failed half way leaves no trace. A follower that loses a peer waits for the
+leader's plan and adopts it.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -62,10 +69,11 @@ class StepRuntime(Protocol):
 
 def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = None) -> StepReport:
     """What every attention rank does with a STEP header. Re-sent headers (the same step, after the job
-    re-formed) are idempotent: a finished step re-sends its report, an unfinished one re-runs its batch.
-    tally: the sync audit's, when on: the forward and sampling run under it; a decode step is one whose
-    own batch is (worker.is_decode_step)."""
+    re-formed) are idempotent: a finished step joins the step's exchanges with no tokens and re-sends its
+    report, an unfinished one re-runs its batch. tally: the sync audit's, when on: the forward and sampling
+    run under it; a decode step is one whose own batch is (worker.is_decode_step)."""
     if header.step == worker.done_step:
+        worker.join_exchanges(header.capacity, header.micro_batches)
         return worker.last_report
     if header.step != worker.started_step:
         worker.started_step = header.step
@@ -207,7 +215,19 @@ def _obey(rt: StepRuntime) -> str:
         _run_collective(rt, header.kind)
     elif header.kind == STEP:
         if rt.topo.is_attention:
-            rt.control.gather_reports(run_attention_step(rt.worker, header, rt.sync_tally))
+            report = run_attention_step(rt.worker, header, rt.sync_tally)
+            fault_point("before_report", rt.topo.rank, header.step)
+            rt.control.gather_reports(report)
         else:
             run_expert_step(rt.worker, header, rt.sync_tally)
     return header.kind
+
+
+def fault_point(name: str, rank: int, step: int) -> None:
+    """Fault injection for tests and chaos runs: with AFSERVE_FAULT="name:rank:step" in the environment (ranks
+    inherit it), the rank numbered `rank` SIGKILLs itself when it reaches the point `name` in that step.
+    Points: "before_report" (an attention rank that has finished its step's forward, before the report gather:
+    the other ranks have finished the step too, so a re-sent step finds them done)."""
+    spec = os.environ.get("AFSERVE_FAULT")
+    if spec and spec == f"{name}:{rank}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
