@@ -1,0 +1,135 @@
+"""Chaos soak: kill a random non-leader rank at a random moment of a generation, and check that every request
+still ends once with transformers' greedy tokens, within a watchdog.
+
+Each trial (seeded) picks a topology (2+2, 3+2, 2+3, 4+2), a transport (shm, collective), micro_batches (1, 2) and
+a moment:
+- "time": SIGKILL a random non-leader rank (attention or expert) 0.1-1.5 s after the requests are submitted;
+- "before_report": an attention rank SIGKILLs itself once every rank has finished the forward of a random step
+  (2-12), before the report gather (AFSERVE_FAULT, launch/runtime/step_protocol.py `fault_point`).
+The workload: a tiny OLMoE checkpoint (built here), 12 prompts of 2-50 tokens, 64 greedy tokens each,
+`ignore_eos`, max_num_seqs 2 per attention rank. The oracle: transformers' own greedy continuation of each prompt.
+A trial is "ok" (every row equal), "lost" (a row missing or different), "hang" (the watchdog, --watchdog s, fired)
+or "error" (generate raised). A kill that landed after the work was done re-forms nothing and is counted apart.
+Printed: a table of trials per moment with kills landed, requests, lost, hangs, errors, and the median and p99
+recovery (detect + groups + weights of the membership change). --out writes every trial as JSON.
+Run: python bench/chaos.py [--trials 20] [--seed 0] [--watchdog 60] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from launch import LLM, SamplingParams
+from models.tiny import make_tiny_checkpoint
+
+TOPOLOGIES = [(2, 2), (3, 2), (2, 3), (4, 2)]
+MAX_NEW = 64
+
+
+def greedy_oracle(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time, EOS off."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        return [model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False,
+                               pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def trial(path: str, prompts, expected, rng: random.Random, watchdog: float) -> dict:
+    A, E = rng.choice(TOPOLOGIES)
+    options = {"transport": rng.choice(["shm", "collective"]), "micro_batches": rng.choice([1, 2]),
+               "micro_batch_min_tokens": 0}
+    moment = rng.choice(["time", "before_report"])
+    info = {"topology": f"{A}+{E}", **options, "moment": moment}
+    if moment == "before_report":
+        victim, step = rng.randrange(1, A), rng.randrange(2, 13)
+        os.environ["AFSERVE_FAULT"] = f"before_report:{victim}:{step}"
+        info.update(victim=victim, step=step)
+    else:
+        victim, delay = rng.randrange(1, A + E), round(rng.uniform(0.1, 1.5), 2)
+        os.environ.pop("AFSERVE_FAULT", None)
+        info.update(victim=victim, delay_s=delay)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    killer = None
+    try:
+        with LLM(path, attention_ranks=A, expert_ranks=E, max_num_seqs=2, **options) as llm:
+            rids = [llm.submit(p, params) for p in prompts]
+            if moment == "time":
+                killer = threading.Timer(delay, os.kill, (llm.worker_pids[victim], signal.SIGKILL))
+                killer.start()
+            rows = {r: [] for r in rids}
+            ends = {r: 0 for r in rids}
+            open_rows, deadline = len(rids), time.monotonic() + watchdog
+            while open_rows:
+                msg = llm._poll(llm.outbox, deadline, "the chaos trial")
+                for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
+                    rows[row] += toks
+                    ends[row] += finish is not None
+                    open_rows -= finish is not None
+            changes = llm.stats()["membership_changes"]
+    except RuntimeError as e:
+        info.update(outcome="hang" if "timed out" in str(e) else "error", detail=str(e)[:300])
+        return info
+    finally:
+        if killer is not None:
+            killer.cancel()
+        os.environ.pop("AFSERVE_FAULT", None)
+    lost = sum(rows[r] != want or ends[r] != 1 for r, want in zip(rids, expected))
+    info.update(outcome="ok" if not lost else "lost", lost=lost, requests=len(rids), landed=bool(changes))
+    if changes:
+        c = changes[0]
+        info["recovery_s"] = round(sum(c.get(k, 0.0) for k in ("detect_s", "groups_s", "weights_s")), 3)
+        info["change"] = c
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--watchdog", type=float, default=60.0, help="seconds a trial may take before it is a hang")
+    ap.add_argument("--out", help="write every trial as JSON here")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist()
+               for n in torch.randint(2, 51, (12,), generator=g)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "olmoe")
+        make_tiny_checkpoint("olmoe", path)
+        expected = greedy_oracle(path, prompts)
+        results = []
+        for i in range(args.trials):
+            r = trial(path, prompts, expected, rng, args.watchdog)
+            results.append(r)
+            print(f"trial {i}: {json.dumps({k: v for k, v in r.items() if k != 'change'})}", flush=True)
+    print("\n| moment | trials | kills landed | requests | lost | hangs | errors | recovery median / p99 s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for moment in ("time", "before_report", "all"):
+        rs = [r for r in results if moment in ("all", r["moment"])]
+        rec = sorted(r["recovery_s"] for r in rs if "recovery_s" in r)
+        p99 = rec[min(len(rec) - 1, int(0.99 * len(rec)))] if rec else None
+        print(f"| {moment} | {len(rs)} | {sum(r.get('landed', False) for r in rs)} | "
+              f"{sum(r.get('requests', 0) for r in rs)} | {sum(r.get('lost', 0) for r in rs)} | "
+              f"{sum(r['outcome'] == 'hang' for r in rs)} | {sum(r['outcome'] == 'error' for r in rs)} | "
+              + (f"{statistics.median(rec):.2f} / {p99:.2f} |" if rec else "- |"))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"seed": args.seed, "trials": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
