@@ -36,7 +36,6 @@ class InputBatch:
         self._tables = self._host((max(rows, 1), -(-max_model_len // block_size)), fill=-1)
         self._tables_np = self._tables.numpy()
         self._row: dict[Sequence, int] = {}        # a live sequence -> its row (identity: Sequence has eq=False)
-        self._seq: list[Sequence | None] = [None] * self._tables.shape[0]
         self._written = [0] * self._tables.shape[0]      # table entries written per row
         self._version = [-1] * self._tables.shape[0]     # the sequence's block_table_version they were written at
         self._free = list(range(self._tables.shape[0] - 1, -1, -1))
@@ -145,7 +144,6 @@ class InputBatch:
         r = self._row.get(seq)
         if r is None:
             r = self._row[seq] = self._take()
-            self._seq[r] = seq
         table, written = seq.block_table, self._written[r]
         n = len(table)
         if n > self._tables_np.shape[1]:
@@ -174,7 +172,7 @@ class InputBatch:
 
     def _release(self, r: int) -> None:
         self._tables_np[r, :self._written[r]] = -1
-        self._seq[r], self._written[r], self._version[r] = None, 0, -1
+        self._written[r], self._version[r] = 0, -1
         self._free.append(r)
 
     def _grow(self, rows: int = 0, cols: int = 0) -> None:
@@ -184,7 +182,6 @@ class InputBatch:
         self._tables[:old.shape[0], :old.shape[1]] = old
         self._tables_np = self._tables.numpy()
         extra = R - old.shape[0]
-        self._seq += [None] * extra
         self._written += [0] * extra
         self._version += [-1] * extra
         self._free[:0] = range(R - 1, old.shape[0] - 1, -1)
