@@ -30,27 +30,37 @@ def _routing(rank, A, E, T, seed, one_rank):
     return hidden, A + phy // SLOTS, phy % SLOTS, weights
 
 
-def _rank_fn(rank, world, A, rpn, tokens, seed, one_rank):
+def _join(rank, world, A, rpn) -> dict:
+    """Join the gloo group -> make_dispatcher's keyword arguments for this test's shapes."""
     import torch.distributed as dist
 
-    from comm.modes import make_dispatcher
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    kw = dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),
-              num_sources=A, ranks_per_node=rpn)
+    return dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),
+                num_sources=A, ranks_per_node=rpn)
+
+
+def _inputs(d, rank, world, A, tokens, seed, one_rank):
+    """A source's routed tokens, an expert rank's empty ones."""
+    return _routing(rank, A, world - A, tokens[rank], seed, one_rank) if rank < A else d.empty_tokens()
+
+
+def _expert_ffn(rows, rank):
+    """What an expert rank returns for its rows: an integer-valued function of the row, its slots and the rank."""
+    scale = (rows.slots + 1 + 10 * rank).float() * (rows.slots >= 0)
+    return rows.hidden * (rows.weights * scale).sum(1, keepdim=True)
+
+
+def _rank_fn(rank, world, A, rpn, tokens, seed, one_rank):
+    from comm.modes import make_dispatcher
+    kw = _join(rank, world, A, rpn)
     out = {}
     for mode in ("direct", "two_phase"):
         d = make_dispatcher(mode, **kw)
         results = []
         for layer, seed_ in enumerate((seed, seed + 1)):    # two layers: buffers and tags are reused
             d.set_capacity(max(tokens))
-            if rank < A:
-                hidden, dst, slots, weights = _routing(rank, A, world - A, tokens[rank], seed_, one_rank)
-            else:
-                hidden, dst, slots, weights = d.empty_tokens()
-            rows, handle = d.dispatch(layer, hidden, dst, slots, weights)
-            scale = (rows.slots + 1 + 10 * rank).float() * (rows.slots >= 0)
-            expert_out = rows.hidden * (rows.weights * scale).sum(1, keepdim=True)
-            combined = d.combine(expert_out, handle)
+            rows, handle = d.dispatch(layer, *_inputs(d, rank, world, A, tokens, seed_, one_rank))
+            combined = d.combine(_expert_ffn(rows, rank), handle)
             # both modes keep whole fixed-size blocks: empty row places (slot -1 everywhere) hold zeros
             valid = (rows.slots >= 0).any(1)
             assert not rows.hidden[~valid].any() and not rows.weights[~valid].any()
@@ -113,31 +123,23 @@ def _overlap_rank_fn(rank, world, A, rpn, tokens, signals):
     import os
     import time
 
-    import torch.distributed as dist
-
     from comm.modes import make_dispatcher
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    kw = dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),
-              num_sources=A, ranks_per_node=rpn)
+    kw = _join(rank, world, A, rpn)
     out = {}
     for mode in ("direct", "two_phase"):
         d = make_dispatcher(mode, **kw)
         d.set_capacity(max(tokens))
-        if rank < A:
-            hidden, dst, slots, weights = _routing(rank, A, world - A, tokens[rank], 5, False)
-        else:
-            hidden, dst, slots, weights = d.empty_tokens()
+        inputs = _inputs(d, rank, world, A, tokens, 5, False)
         if mode == "two_phase" and rank >= A:
             deadline = time.monotonic() + 30
             while not all(os.path.exists(os.path.join(signals, f"started{s}")) for s in range(A)):
                 assert time.monotonic() < deadline, "a source's start_dispatch waited for the expert ranks"
                 time.sleep(0.01)
-        pending = d.start_dispatch(0, hidden, dst, slots, weights)
+        pending = d.start_dispatch(0, *inputs)
         if mode == "two_phase" and rank < A:
             open(os.path.join(signals, f"started{rank}"), "w").close()
         rows, handle = d.finish_dispatch(pending)
-        scale = (rows.slots + 1 + 10 * rank).float() * (rows.slots >= 0)
-        out[mode] = d.combine(rows.hidden * (rows.weights * scale).sum(1, keepdim=True), handle)
+        out[mode] = d.combine(_expert_ffn(rows, rank), handle)
         d.flush()
     return out
 
