@@ -142,8 +142,8 @@ static inline __attribute__((always_inline)) void run_values(const float *vt, co
     }
 }
 
-/* Sequences [b0, b1) of the job, with scratch of its own -> 0, or -1 without memory. */
-static int decode_range(const struct job *jb, int64_t b0, int64_t b1) {
+/* Sequence b of the job, with scratch `scores` of h * stride floats. */
+static void decode_one(const struct job *jb, int64_t b, float *scores) {
     const float *q = jb->q, *k = jb->k, *v = jb->v, *sinks = jb->sinks;
     const int32_t *block_tables = jb->block_tables, *context_lens = jb->context_lens;
     float *out = jb->out;
@@ -151,83 +151,90 @@ static int decode_range(const struct job *jb, int64_t b0, int64_t b1) {
     const int64_t k_head = jb->k_head, v_tok = jb->v_tok, v_head = jb->v_head, window = jb->window;
     const int64_t stride = jb->stride, group = h / kvh, nk = dk / W, nvv = dv / W;
     const float scale = jb->scale;
-    if (b0 >= b1) return 0;
-    float *scores = malloc(sizeof(float) * (size_t)(h * stride));
-    if (scores == NULL) return -1;
-    for (int64_t b = b0; b < b1; ++b) {
-        const int64_t len = context_lens[b];
-        const int64_t first = (window > 0 && len > window) ? len - window : 0;
-        const int64_t n = len - first;
-        const int32_t *table = block_tables + b * M;
-        const float *qb = q + b * h * dk;
-        float *ob = out + b * h * dv;
-        /* Scores, a block's run of tokens at a time (their slots are consecutive), a KV head's group at a time. */
-        for (int64_t t = first; t < len;) {
-            const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
-            const float *kt = k + ((int64_t)table[t / bs] * bs + t % bs) * k_tok;
-            for (int64_t g = 0; g < kvh; ++g) {
-                float *s = scores + (t - first);
-                if (nk == 8 && group == 2)
-                    run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, 2, dk, stride, scale, 8);
-                else if (nk == 8)
-                    run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, group, dk, stride, scale, 8);
-                else
-                    run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, group, dk, stride, scale, nk);
-            }
-            t = end;
+    const int64_t len = context_lens[b];
+    const int64_t first = (window > 0 && len > window) ? len - window : 0;
+    const int64_t n = len - first;
+    const int32_t *table = block_tables + b * M;
+    const float *qb = q + b * h * dk;
+    float *ob = out + b * h * dv;
+    /* Scores, a block's run of tokens at a time (their slots are consecutive), a KV head's group at a time. */
+    for (int64_t t = first; t < len;) {
+        const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
+        const float *kt = k + ((int64_t)table[t / bs] * bs + t % bs) * k_tok;
+        for (int64_t g = 0; g < kvh; ++g) {
+            float *s = scores + (t - first);
+            if (nk == 8 && group == 2)
+                run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, 2, dk, stride, scale, 8);
+            else if (nk == 8)
+                run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, group, dk, stride, scale, 8);
+            else
+                run_scores(qb, kt + g * k_head, s, end - t, k_tok, g * group, group, dk, stride, scale, nk);
         }
-        /* Softmax numerators in place, and each head's 1 / denominator. */
-        float inv[h];
-        for (int64_t j = 0; j < h; ++j) {
-            float *s = scores + j * stride;
-            float top = sinks ? sinks[j] : -INFINITY;
-            for (int64_t i = 0; i < n; ++i) top = s[i] > top ? s[i] : top;
-            /* Padding to a whole vector: exp gives exp(-87) ~ 1e-38, which cannot change a sum of at least 1 (the top). */
-            for (int64_t i = n; i < (n + W - 1) / W * W; ++i) s[i] = -INFINITY;
-            vec sum = splat(0.0f);
-            for (int64_t i = 0; i < n; i += W) {
-                vec e = exp_nonpositive(load(s + i) - splat(top));
-                store(s + i, e);
-                sum += e;
-            }
-            float total = hsum(sum) + (sinks ? expf(sinks[j] - top) : 0.0f);
-            inv[j] = total > 0.0f ? 1.0f / total : 0.0f;   /* an empty context attends to nothing */
-            memset(ob + j * dv, 0, sizeof(float) * (size_t)dv);
-        }
-        /* The weighted sum of values, again a block's run at a time. */
-        for (int64_t t = first; t < len;) {
-            const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
-            const float *vt = v + ((int64_t)table[t / bs] * bs + t % bs) * v_tok;
-            for (int64_t g = 0; g < kvh; ++g) {
-                const float *s = scores + (t - first);
-                if (nvv == 8)
-                    run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, 8);
-                else if (nvv == 16)
-                    run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, 16);
-                else
-                    run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, nvv);
-            }
-            t = end;
-        }
-        for (int64_t j = 0; j < h; ++j)
-            for (int64_t c = 0; c < nvv; ++c) store(ob + j * dv + c * W, load(ob + j * dv + c * W) * splat(inv[j]));
+        t = end;
     }
+    /* Softmax numerators in place, and each head's 1 / denominator. */
+    float inv[h];
+    for (int64_t j = 0; j < h; ++j) {
+        float *s = scores + j * stride;
+        float top = sinks ? sinks[j] : -INFINITY;
+        for (int64_t i = 0; i < n; ++i) top = s[i] > top ? s[i] : top;
+        /* Padding to a whole vector: exp gives exp(-87) ~ 1e-38, which cannot change a sum of at least 1 (the top). */
+        for (int64_t i = n; i < (n + W - 1) / W * W; ++i) s[i] = -INFINITY;
+        vec sum = splat(0.0f);
+        for (int64_t i = 0; i < n; i += W) {
+            vec e = exp_nonpositive(load(s + i) - splat(top));
+            store(s + i, e);
+            sum += e;
+        }
+        float total = hsum(sum) + (sinks ? expf(sinks[j] - top) : 0.0f);
+        inv[j] = total > 0.0f ? 1.0f / total : 0.0f;   /* an empty context attends to nothing */
+        memset(ob + j * dv, 0, sizeof(float) * (size_t)dv);
+    }
+    /* The weighted sum of values, again a block's run at a time. */
+    for (int64_t t = first; t < len;) {
+        const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
+        const float *vt = v + ((int64_t)table[t / bs] * bs + t % bs) * v_tok;
+        for (int64_t g = 0; g < kvh; ++g) {
+            const float *s = scores + (t - first);
+            if (nvv == 8)
+                run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, 8);
+            else if (nvv == 16)
+                run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, 16);
+            else
+                run_values(vt + g * v_head, s, ob, end - t, v_tok, g * group, group, dv, stride, nvv);
+        }
+        t = end;
+    }
+    for (int64_t j = 0; j < h; ++j)
+        for (int64_t c = 0; c < nvv; ++c) store(ob + j * dv + c * W, load(ob + j * dv + c * W) * splat(inv[j]));
+}
+
+/* The sequences that *cursor hands out, one at a time, until none is left (the threads of a call share the
+ * cursor, so a thread that gets less of its core, e.g. on a core an expert rank is computing on, takes fewer)
+ * -> 0, or -1 without scratch memory (then this thread takes none). */
+static int decode_shared(const struct job *jb, int64_t B, int64_t *cursor) {
+    float *scores = malloc(sizeof(float) * (size_t)(jb->h * jb->stride));
+    if (scores == NULL) return -1;
+    for (int64_t b; (b = __atomic_fetch_add(cursor, 1, __ATOMIC_RELAXED)) < B;) decode_one(jb, b, scores);
     free(scores);
     return 0;
 }
 
-/* A pool of worker threads, started on first need and kept: worker i (1..) takes part i of each call's
- * sequences, the calling thread part 0. One caller at a time (a rank's main thread). */
+/* A pool of worker threads, started on first need and kept. A call opens a round: its threads (the caller and
+ * the workers that wake while the round is open) take sequences from one shared cursor, and the call returns
+ * once the cursor is spent and every worker that joined has finished its sequence. The caller never waits for
+ * a worker to wake: one that wakes after the round closed skips it. One caller at a time (a rank's main
+ * thread). */
 #define MAX_THREADS 64
 #define SPIN_POLLS 200
 static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t pool_go = PTHREAD_COND_INITIALIZER, pool_done = PTHREAD_COND_INITIALIZER;
-static int pool_threads = 1, pool_started = 1, pool_pending = 0, pool_rc = 0;
-static int64_t pool_round = 0, pool_bounds[MAX_THREADS + 1];
+static int pool_threads = 1, pool_started = 1, pool_open = 0, pool_active = 0, pool_rc = 0;
+static int64_t pool_round = 0, pool_cursor = 0, pool_size = 0;
 static const struct job *pool_job;
 
 static void *pool_worker(void *arg) {
-    const int id = (int)(intptr_t)arg;
+    (void)arg;
     int64_t seen = 0;
     for (;;) {
         /* Poll a while before sleeping: calls come once per layer, and a wake-up through the kernel costs
@@ -236,13 +243,18 @@ static void *pool_worker(void *arg) {
         pthread_mutex_lock(&pool_lock);
         while (pool_round == seen) pthread_cond_wait(&pool_go, &pool_lock);
         seen = pool_round;
+        if (!pool_open) {          /* woke after its round closed: nothing to do */
+            pthread_mutex_unlock(&pool_lock);
+            continue;
+        }
+        ++pool_active;
         const struct job *jb = pool_job;
-        const int64_t b0 = pool_bounds[id], b1 = pool_bounds[id + 1];
+        const int64_t B = pool_size;
         pthread_mutex_unlock(&pool_lock);
-        const int rc = decode_range(jb, b0, b1);
+        const int rc = decode_shared(jb, B, &pool_cursor);
         pthread_mutex_lock(&pool_lock);
         if (rc) pool_rc = rc;
-        if (__atomic_sub_fetch(&pool_pending, 1, __ATOMIC_RELEASE) == 0) pthread_cond_signal(&pool_done);
+        if (--pool_active == 0 && !pool_open) pthread_cond_signal(&pool_done);
         pthread_mutex_unlock(&pool_lock);
     }
     return NULL;
@@ -254,7 +266,7 @@ static void pool_reset_in_child(void) {
     pthread_cond_init(&pool_go, NULL);
     pthread_cond_init(&pool_done, NULL);
     pool_started = 1;
-    pool_pending = 0;
+    pool_open = pool_active = 0;
 }
 
 /* Threads for later calls (1: the caller alone) -> the number in use (at most MAX_THREADS). */
@@ -274,40 +286,35 @@ int afserve_paged_decode_f32(const float *q, const float *k, const float *v, con
     }
     const struct job jb = {q, k, v, sinks, block_tables, context_lens, out, h, kvh, dk, dv, bs, M, k_tok, k_head,
                            v_tok, v_head, window, (longest + W - 1) / W * W, scale};
-    /* Work is memory-bound and proportional to context: split it into parts of about equal total length. A
-     * call too small to pay for waking threads runs on the caller alone. */
-    const int64_t parts = total < 2048 || B < 2 ? 1 : (pool_threads < B ? pool_threads : B);
-    if (parts == 1) return decode_range(&jb, 0, B);
+    /* A call too small to pay for waking threads runs on the caller alone. */
+    if (total < 2048 || B < 2 || pool_threads < 2) {
+        int64_t cursor = 0;
+        return decode_shared(&jb, B, &cursor);
+    }
     pthread_mutex_lock(&pool_lock);
-    if (pool_started == 1 && parts > 1) {
+    if (pool_started == 1) {
         static int registered = 0;
         if (!registered) registered = pthread_atfork(NULL, NULL, pool_reset_in_child) == 0;
     }
-    while (pool_started < parts) {
+    while (pool_started < pool_threads) {
         pthread_t t;
-        if (pthread_create(&t, NULL, pool_worker, (void *)(intptr_t)pool_started) != 0) break;
+        if (pthread_create(&t, NULL, pool_worker, NULL) != 0) break;
         pthread_detach(t);
         ++pool_started;
     }
-    const int64_t used = parts < pool_started ? parts : pool_started;
-    int64_t b = 0, acc = 0;
-    pool_bounds[0] = 0;
-    for (int64_t i = 1; i < pool_started; ++i) {     /* part i ends once i / used of the length is covered */
-        while (i < used && b < B && acc * used < total * i) acc += context_lens[b++];
-        pool_bounds[i] = i < used ? b : B;
-    }
-    pool_bounds[pool_started] = B;
     pool_job = &jb;
+    pool_size = B;
     pool_rc = 0;
-    /* Atomic stores: the spinning threads read both outside the lock (every decision is then made under it). */
-    __atomic_store_n(&pool_pending, pool_started - 1, __ATOMIC_RELAXED);
+    pool_open = 1;
+    /* Atomic stores: the spinning workers read the round and all threads the cursor outside the lock. */
+    __atomic_store_n(&pool_cursor, 0, __ATOMIC_RELAXED);
     __atomic_add_fetch(&pool_round, 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool_go);
     pthread_mutex_unlock(&pool_lock);
-    int rc = decode_range(&jb, 0, pool_bounds[1]);
-    for (int i = 0; i < SPIN_POLLS && __atomic_load_n(&pool_pending, __ATOMIC_ACQUIRE) > 0; ++i) sched_yield();
+    int rc = decode_shared(&jb, B, &pool_cursor);
     pthread_mutex_lock(&pool_lock);
-    while (pool_pending > 0) pthread_cond_wait(&pool_done, &pool_lock);
+    pool_open = 0;             /* from here no worker joins; wait for those inside (each on its last sequence) */
+    while (pool_active > 0) pthread_cond_wait(&pool_done, &pool_lock);
     if (pool_rc) rc = pool_rc;
     pthread_mutex_unlock(&pool_lock);
     return rc;
