@@ -37,7 +37,7 @@ class DispatchHandle:
 
     layer: int
     num_tokens: int
-    row2token: torch.Tensor
+    row2token: torch.Tensor | None    # None: the rows are the tokens in order (shm, one expert rank)
     send_counts: list[int]
     recv_counts: list[int]
     round: int = 0          # the call's sequence number (same on every rank); the shm transport keys slots by it
@@ -147,6 +147,15 @@ def pack_rows(hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) 
     """One uint8 row per token: hidden bytes, then K int32 slots, then K fp32 weights -> one message per peer."""
     return torch.cat([hidden.contiguous().view(torch.uint8), slots.to(torch.int32).view(torch.uint8),
                       weights.to(torch.float32).view(torch.uint8)], dim=1)
+
+
+def pack_rows_into(rows: torch.Tensor, hidden: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> None:
+    """`pack_rows` written into rows `[T, bytes]` uint8 (e.g. a peer's inbox slot), a column band at a time: no
+    packed copy in between."""
+    hb, K = hidden.shape[1] * hidden.element_size(), slots.shape[1]
+    rows[:, :hb].view(hidden.dtype).copy_(hidden)
+    rows[:, hb:hb + 4 * K].view(torch.int32).copy_(slots)
+    rows[:, hb + 4 * K:].view(torch.float32).copy_(weights)
 
 
 def unpack_rows(buf: torch.Tensor, hidden_size: int, top_k: int, dtype: torch.dtype) -> ReceivedRows:
@@ -354,11 +363,22 @@ class ShmDispatcher(Dispatcher):
         if not self.is_source:   # an expert rank sends nothing in a dispatch: only its round moves on
             handle = DispatchHandle(layer, 0, self._no_rows, [0] * W, [0] * W, self.round)
             return PendingDispatch(None, self._no_rows, None, handle, t0)
+        n = hidden.shape[0]
+        if n > self.max_tokens:
+            raise RuntimeError(f"rank {self.rank}: {n} tokens exceed the shm slots' {self.max_tokens}")
+        if W - S == 1:
+            # One expert rank: every token goes there, once, with all its choices: the rows are the tokens in
+            # order, packed straight into the inbox slot (no plan, no gather, no packed copy).
+            B = self._row_bytes()
+            pack_rows_into(self.outlets[0].slot(self.round)[:n * B].view(n, B), hidden, slots, weights)
+            self.buffers.publish()
+            self.outlets[0].post(self.round, n)
+            handle = DispatchHandle(layer, n, None, [0] * S + [n], [0] * W, self.round)
+            self.stats.phase(layer, "dispatch").add(n * B, 1, self.stats.now() - t0)
+            return PendingDispatch(None, self._no_rows, None, handle, t0)
         row2token, row_dst, row_slots, row_weights = plan_rows(dst_ranks, slots, weights, W)
         send_counts = torch.bincount(row_dst, minlength=W).tolist()
-        handle = DispatchHandle(layer, hidden.shape[0], row2token, send_counts, [0] * W, self.round)
-        if hidden.shape[0] > self.max_tokens:
-            raise RuntimeError(f"rank {self.rank}: {hidden.shape[0]} tokens exceed the shm slots' {self.max_tokens}")
+        handle = DispatchHandle(layer, n, row2token, send_counts, [0] * W, self.round)
         packed = pack_rows(hidden[row2token], row_slots, row_weights)
         self._send(self.round, packed, send_counts[S:])   # to expert ranks S..W-1
         self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), self.stats.now() - t0)
@@ -380,17 +400,20 @@ class ShmDispatcher(Dispatcher):
     def combine(self, expert_out, handle):
         t0 = self.stats.now()
         H, S = self.hidden_size, self.num_sources
-        out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         if not self.is_source:
             rows = expert_out.to(self.dtype).contiguous()
             self._send(handle.round, rows.view(torch.uint8), handle.recv_counts[:S])   # to sources 0..S-1
             self.stats.phase(handle.layer, "combine").add(rows.numel() * rows.element_size(), S,
                                                           self.stats.now() - t0)
-            return out
+            return torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
-        back = torch.cat([slot[:n * H * self.dtype.itemsize].view(self.dtype).view(n, H) for n, slot in slots])
-        out.index_add_(0, handle.row2token, back)
+        back = [slot[:n * H * self.dtype.itemsize].view(self.dtype).view(n, H) for n, slot in slots]
+        if handle.row2token is None:    # one expert rank, one row per token in order: copied out of the slot
+            out = back[0].clone()
+        else:
+            out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
+            out.index_add_(0, handle.row2token, torch.cat(back))
         self.stats.phase(handle.layer, "combine").add(0, 0, self.stats.now() - t0)
         return out
 

@@ -262,7 +262,12 @@ class Outlet:
         """The payload into this sender's slot for round rnd, not yet visible: buffers.publish, then post."""
         if payload.numel() > self.slot_bytes:
             raise RuntimeError(f"message of {payload.numel()} bytes exceeds the {self.slot_bytes}-byte slot")
-        _slot(self.data, self.sender_index, rnd, self.depth, self.slot_bytes)[:payload.numel()].copy_(payload)
+        self.slot(rnd)[:payload.numel()].copy_(payload)
+
+    def slot(self, rnd: int) -> torch.Tensor:
+        """This sender's slot for round rnd in the peer's inbox, `[slot_bytes]` uint8, for a sender that packs
+        its message in place (then buffers.publish, then post)."""
+        return _slot(self.data, self.sender_index, rnd, self.depth, self.slot_bytes)
 
     def post(self, rnd: int, count: int) -> None:
         """Publish round rnd's count and round word (the payload written and published) and wake the peer."""
