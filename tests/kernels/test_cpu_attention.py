@@ -84,7 +84,9 @@ def test_long_contexts_and_far_apart_scores():
 @pytest.mark.parametrize("threads", [2, 3, 8])
 def test_threads_split_the_sequences(threads):
     """Over 2048 context tokens in all, so the call splits: every sequence equals dense attention and is
-    bit-for-bit what the calling thread alone computes (more threads than sequences leaves some idle)."""
+    bit-for-bit what the calling thread alone computes (more threads than sequences leaves some idle). Calls
+    back to back: a worker that wakes after a call closed must skip it, not take the next call's sequences
+    with the old call's arguments."""
     lens = [700, 3, 650, 1, 400, 333, 90]
     kc, vc, tables, keys, vals = setup(lens, N=200, bs=16, d=64, seed=4)
     q = torch.randn(len(lens), 4, 64)
@@ -92,8 +94,12 @@ def test_threads_split_the_sequences(threads):
     try:
         cpu_attention.set_threads(1)
         alone = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)
+        alone_2q = cpu_attention.paged_decode_attention(2 * q, kc, vc, tables, lens_t, 0.125)
         assert cpu_attention.set_threads(threads) == threads
         split = cpu_attention.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)
+        for i in range(100):     # alternating queries: a stale job would show as the other query's output
+            got = cpu_attention.paged_decode_attention((1 + i % 2) * q, kc, vc, tables, lens_t, 0.125)
+            assert torch.equal(got, alone_2q if i % 2 else alone), f"call {i}"
     finally:
         cpu_attention.set_threads(1)
     assert torch.equal(split, alone)
