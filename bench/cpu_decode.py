@@ -1,8 +1,10 @@
 """The C paged decode (kernel_backend "cpu") against the sdpa backend and the machine's copy bandwidth, same run.
 
 Shapes: the shipped model's attention (4 query heads, 2 KV heads, head dim 64, fp32, 16-token blocks) at 4 sequences
-(the K/V fits in the core's cache) and 64 sequences (the engine's batch, ~20 MB, from DRAM), contexts 100-500 tokens,
-blocks scattered over an 8192-block cache as the block pool leaves them, on 1 and 2 threads.
+(the K/V fits in the core's cache), 64 sequences (the engine's batch, ~20 MB: it fits this VM's 32 MB L3, so calls
+after the first read it from there), and "64 seqs x10": 64 sequences over 10 caches of their own (one per layer,
+as in the engine), a call per cache in turn, so each call reads its K/V from DRAM. Contexts 100-500 tokens, blocks
+scattered over the cache as the block pool leaves them, on 1 and 2 threads.
 Printed per case: median ns per context token and GB/s of K/V read (20th-80th percentile), the sdpa backend's time
 (gather + scaled_dot_product_attention, one torch thread) and the ratio sdpa / C, and the GB/s of a torch copy of
 as many bytes (the machine's limit for reading them once, measured here). Calls alternate between the kernels so
@@ -29,6 +31,7 @@ from kernels import cpu_attention, sdpa_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16
 CACHE_BLOCKS = 8192
+LAYERS = 10        # caches cycled in the DRAM case: 10 x ~20 MB, far over the L3
 
 
 def case(batch: int, gen: torch.Generator):
@@ -49,6 +52,27 @@ def call_with(lib, inputs) -> torch.Tensor:
         return cpu_attention.paged_decode_attention(*inputs)
     finally:
         cpu_attention.library = keep
+
+
+class Cycle:
+    """Calls fn on each of several inputs in turn (one per layer's cache): each call finds its K/V out of cache."""
+
+    def __init__(self, fn, inputs: list):
+        self.fn, self.inputs, self.i = fn, inputs, 0
+
+    def __call__(self):
+        self.i = (self.i + 1) % len(self.inputs)
+        return self.fn(self.inputs[self.i])
+
+
+def layer_caches(q, k, v, tables, lens, scale, layers: int, gen: torch.Generator) -> list[tuple]:
+    """`layers` copies of a case's inputs, each with K/V caches of its own holding just the case's blocks."""
+    used = tables.flatten()
+    remap = torch.empty(k.shape[0], dtype=torch.int32)
+    remap[used.long()] = torch.arange(used.numel(), dtype=torch.int32)
+    small = remap[tables.long()]
+    return [(q, torch.randn(used.numel(), *k.shape[1:], generator=gen),
+             torch.randn(used.numel(), *v.shape[1:], generator=gen), small, lens, scale) for _ in range(layers)]
 
 
 def timed(fn, repeats: int, warmup: int) -> list[float]:
@@ -85,8 +109,9 @@ def main() -> None:
     scale = HEAD_DIM ** -0.5
     print(f"{'case':<22}{'C ns/tok':>10}{'C GB/s (p20-p80)':>22}{'sdpa ns/tok':>13}{'sdpa/C':>8}{'copy GB/s':>11}"
           + (f"{'base ns/tok':>13}{'base/C':>8}" if args.baseline else ""))
-    for batch in (4, 64):
+    for batch, layers in ((4, 1), (64, 1), (64, LAYERS)):
         q, k, v, tables, lens = case(batch, gen)
+        per_layer = layer_caches(q, k, v, tables, lens, scale, layers, gen) if layers > 1 else None
         tokens = int(lens.sum())
         nbytes = tokens * KV_HEADS * HEAD_DIM * 4 * 2
         ref = sdpa_attention.paged_decode_attention(q, k, v, tables, lens, scale)
@@ -97,12 +122,15 @@ def main() -> None:
                 lib.afserve_set_threads(threads)
             out = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale)
             err = (out - ref).abs().max().item()
+            if per_layer:
+                out = cpu_attention.paged_decode_attention(*per_layer[1])
+                err = max(err, (out - sdpa_attention.paged_decode_attention(*per_layer[1])).abs().max().item())
             if err > 1e-4:
                 raise SystemExit(f"C decode differs from sdpa by {err} at batch {batch}")
-            inputs = (q, k, v, tables, lens, scale)
-            c_call = partial(call_with, libraries["C"], inputs)
-            base_call = partial(call_with, libraries.get("base"), inputs)
-            sdpa_call = partial(sdpa_attention.paged_decode_attention, *inputs)
+            cases = per_layer or [(q, k, v, tables, lens, scale)]
+            c_call = Cycle(partial(call_with, libraries["C"]), cases)
+            base_call = Cycle(partial(call_with, libraries.get("base")), cases)
+            sdpa_call = Cycle(lambda inputs: sdpa_attention.paged_decode_attention(*inputs), cases)
             copy_call = partial(dst.copy_, src)
             c, s, cp, base = [], [], [], []
             for _ in range(4):      # alternate, in rounds
@@ -113,7 +141,8 @@ def main() -> None:
                 cp += timed(copy_call, args.repeats // 4, 2)
             mc, ms = statistics.median(c), statistics.median(s)
             spread = f"{nbytes / mc / 1e9:.1f} ({nbytes / pct(c, 0.8) / 1e9:.1f}-{nbytes / pct(c, 0.2) / 1e9:.1f})"
-            print(f"{f'{batch} seqs, {threads} thr':<22}{mc / tokens * 1e9:>10.1f}{spread:>22}"
+            name = f"{batch} seqs{f' x{layers}' if layers > 1 else ''}, {threads} thr"
+            print(f"{name:<22}{mc / tokens * 1e9:>10.1f}{spread:>22}"
                   f"{ms / tokens * 1e9:>13.1f}{ms / mc:>8.2f}{nbytes / statistics.median(cp) / 1e9:>11.1f}"
                   + (f"{statistics.median(base) / tokens * 1e9:>13.1f}{statistics.median(base) / mc:>8.2f}"
                      if base else ""))

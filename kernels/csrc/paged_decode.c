@@ -76,6 +76,14 @@ static inline float dot(const float *a, const float *b, int64_t nv) {
     return hsum(acc);
 }
 
+/* Ask for a cache block's `floats` floats (whole 64-byte lines) ahead of use, into L2 and beyond (prefetcht2):
+ * blocks lie anywhere in the cache, so the hardware prefetchers lose the stream at every block. One block ahead
+ * measured 1.2-1.3x faster on DRAM-resident K/V (bench/cpu_decode.py; 84-91 -> 70-73 ns per context token timed
+ * in the engine at 1+1); prefetching into L1 (prefetcht0) or two blocks ahead gained less. */
+static inline void prefetch_block(const float *p, int64_t floats) {
+    for (int64_t o = 0; o < floats; o += 64 / sizeof(float)) __builtin_prefetch(p + o, 0, 1);
+}
+
 /* One call's arguments, shared by the threads that split its sequences. */
 struct job {
     const float *q, *k, *v, *sinks;
@@ -153,7 +161,7 @@ static void decode_one(const struct job *jb, int64_t b, float *scores) {
     const float scale = jb->scale;
     const int64_t len = context_lens[b];
     const int64_t first = (window > 0 && len > window) ? len - window : 0;
-    const int64_t n = len - first;
+    const int64_t n = len - first, blocks = (len + bs - 1) / bs;
     const int32_t *table = block_tables + b * M;
     const float *qb = q + b * h * dk;
     float *ob = out + b * h * dv;
@@ -161,6 +169,8 @@ static void decode_one(const struct job *jb, int64_t b, float *scores) {
     for (int64_t t = first; t < len;) {
         const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
         const float *kt = k + ((int64_t)table[t / bs] * bs + t % bs) * k_tok;
+        if (t / bs + 1 < blocks) prefetch_block(k + (int64_t)table[t / bs + 1] * bs * k_tok, bs * k_tok);
+        else prefetch_block(v + (int64_t)table[first / bs] * bs * v_tok, bs * v_tok);   /* the values' first */
         for (int64_t g = 0; g < kvh; ++g) {
             float *s = scores + (t - first);
             if (nk == 8 && group == 2)
@@ -194,6 +204,7 @@ static void decode_one(const struct job *jb, int64_t b, float *scores) {
     for (int64_t t = first; t < len;) {
         const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
         const float *vt = v + ((int64_t)table[t / bs] * bs + t % bs) * v_tok;
+        if (t / bs + 1 < blocks) prefetch_block(v + (int64_t)table[t / bs + 1] * bs * v_tok, bs * v_tok);
         for (int64_t g = 0; g < kvh; ++g) {
             const float *s = scores + (t - first);
             if (nvv == 8)
