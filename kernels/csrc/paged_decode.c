@@ -79,7 +79,7 @@ static inline float dot(const float *a, const float *b, int64_t nv) {
 /* Ask for a cache block's `floats` floats (whole 64-byte lines) ahead of use, into L2 and beyond (prefetcht2):
  * blocks lie anywhere in the cache, so the hardware prefetchers lose the stream at every block. One block ahead
  * measured 1.2-1.3x faster on DRAM-resident K/V (bench/cpu_decode.py; 84-91 -> 70-73 ns per context token timed
- * in the engine at 1+1); prefetching into L1 (prefetcht0) or two blocks ahead gained less. */
+ * in the engine at 1+1); prefetcht0/prefetcht1, or two blocks ahead, gained less. */
 static inline void prefetch_block(const float *p, int64_t floats) {
     for (int64_t o = 0; o < floats; o += 64 / sizeof(float)) __builtin_prefetch(p + o, 0, 1);
 }
