@@ -21,18 +21,25 @@ HEARTBEAT_INTERVAL_S = 0.2
 logger = logging.getLogger("afserve")
 
 
+BREAK_S = 1.0      # a rank still in a generation this long after a peer left it has its connections broken
+
+
 class Heartbeat:
     """A daemon thread that bumps "afserve/hb/{member}" every HEARTBEAT_INTERVAL_S on its own store client, and
     watches for a rank wedged in its generation: once some member has left generation g to re-form the job,
-    this rank's main thread has wedge_s to leave it too. A gloo point-to-point wait on a peer that has left
-    (not died) can block until the collective timeout, because gloo does not always close a departed rank's
-    connections (seen with two_phase); such a rank exits instead, and the job re-forms without it (or, for
-    the leader, ends at once rather than after the timeout). generations() -> (the generation this rank is
-    in, the last one it has left)."""
+    this rank's main thread should leave it too. A gloo point-to-point wait on a peer that has left (not died)
+    can block until the collective timeout, because gloo does not always close a departed rank's connections
+    (seen with two_phase: a source waiting for its node gateway's rows, after the gateway left). So after
+    BREAK_S this thread shuts down the process's data-plane connections (`break_connections`; every TCP
+    connection but the store's: the whole generation is being abandoned), which makes the wait raise a lost
+    peer, and the rank re-forms like any other. If it is still in the generation after wedge_s, it exits, and
+    the job re-forms without it (or, for the leader, ends at once rather than after the timeout).
+    generations() -> (the generation this rank is in, the last one it has left)."""
 
     def __init__(self, host: str, port: int, member: int, generations: Callable[[], tuple[int, int]],
                  timeout_s: float, wedge_s: float):
         self.key = f"{PREFIX}/hb/{member}"
+        self.store_port = port
         self.member, self.generations, self.wedge_s = member, generations, wedge_s
         self.stop = threading.Event()
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -40,7 +47,7 @@ class Heartbeat:
         self.thread.start()
 
     def _run(self) -> None:
-        since: tuple[int, float] | None = None       # (generation, when its re-forming was first seen)
+        since: tuple[int, float, bool] | None = None   # (generation, when its re-forming was seen, broken yet)
         while not self.stop.wait(HEARTBEAT_INTERVAL_S):
             try:
                 self.store.add(self.key, 1)
@@ -51,7 +58,13 @@ class Heartbeat:
             except Exception:      # the store's host (the leader) is gone: nothing left to tell
                 return
             if since is None or since[0] != gen:
-                since = (gen, time.monotonic())
+                since = (gen, time.monotonic(), False)
+            elif not since[2] and time.monotonic() - since[1] > BREAK_S:
+                since = (gen, since[1], True)
+                if self.generations() == (gen, left):     # still in it (leaving takes far longer than this)
+                    n = break_connections(self.store_port)
+                    logger.warning("member %d: still in generation %d %.1fs after a peer left it; shut down %d "
+                                   "data-plane connections so its waits end", self.member, gen, BREAK_S, n)
             elif time.monotonic() - since[1] > self.wedge_s:
                 logger.error("member %d: still in generation %d %.0fs after a peer left it (wedged in an exchange "
                              "with a departed rank); exiting so the job re-forms without this rank",
@@ -116,3 +129,47 @@ class Peers:
             if len(alive) + len(lost) == len(members):
                 return alive, lost
             time.sleep(0.02)
+
+
+def break_connections(store_port: int) -> int:
+    """Shut down (both directions, without closing the descriptors) every established TCP connection of this
+    process but the store's (local or remote port store_port) -> how many. The peers' ends and this process's
+    waits on them then fail as a lost peer does. Linux only (/proc); elsewhere it does nothing."""
+    import socket
+
+    inodes = {}
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
+            ports = {int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)}
+            if state == "01" and store_port not in ports:      # 01: ESTABLISHED
+                inodes[inode] = True
+    count = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            try:
+                sock = socket.socket(fileno=os.dup(int(fd)))
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+            except OSError:
+                pass
+            finally:
+                sock.close()       # the duplicate only: the connection's own descriptor stays gloo's
+    return count

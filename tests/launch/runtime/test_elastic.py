@@ -132,6 +132,27 @@ def test_attention_rank_killed_mid_generation(tiny_checkpoint, options):
     assert len(stats["kv_blocks"]) == 2
 
 
+def test_expert_rank_killed_under_two_phase_does_not_wedge_a_source(tiny_checkpoint):
+    """2+2 ranks in two emulated nodes (ranks_per_node 2: sources 0, 1; experts 2, 3), comm two_phase: expert
+    rank 2 dies mid-generation. Rank 3 and then source 1 (node 0's gateway, whose combine waits on rank 3) see
+    the loss and leave, but gloo does not close source 1's connection to rank 0, which waits for its rows from
+    its gateway; until the heartbeat shut its data-plane connections down the leader sat there and exited
+    after wedge_s, ending the job (bench/chaos.py's two_phase trials found it). Every row must end with
+    transformers' tokens, after one membership change that lost rank 2."""
+    path = tiny_checkpoint("olmoe")
+    prompts = make_prompts(8, 256, 5, 30, seed=7)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(path, attention_ranks=2, expert_ranks=2, comm="two_phase", transport="collective",
+             ranks_per_node=2) as llm:
+        victim = llm.worker_pids[2]
+        assert _stream(llm, prompts, params, victim, after_tokens=24) == expected
+        changes = llm.stats()["membership_changes"]
+    assert not alive(victim)
+    assert len(changes) == 1 and changes[0]["lost"] == [2], changes
+    assert (changes[0]["attention_ranks"], changes[0]["expert_ranks"]) == (2, 1)
+
+
 @pytest.mark.parametrize("micro_batches", [1, wider(2)])
 def test_attention_rank_killed_after_the_others_finished_the_step(tiny_checkpoint, monkeypatch, micro_batches):
     """Issue 28: 3+2 ranks, two sequences per attention rank; attention rank 2 dies once every rank has finished
