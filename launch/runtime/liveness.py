@@ -30,16 +30,17 @@ class Heartbeat:
     this rank's main thread should leave it too. A gloo point-to-point wait on a peer that has left (not died)
     can block until the collective timeout, because gloo does not always close a departed rank's connections
     (seen with two_phase: a source waiting for its node gateway's rows, after the gateway left). So after
-    BREAK_S this thread shuts down the process's data-plane connections (`break_connections`; every TCP
-    connection but the store's: the whole generation is being abandoned), which makes the wait raise a lost
-    peer, and the rank re-forms like any other. If it is still in the generation after wedge_s, it exits, and
-    the job re-forms without it (or, for the leader, ends at once rather than after the timeout).
-    generations() -> (the generation this rank is in, the last one it has left)."""
+    BREAK_S this thread shuts down the generation's data-plane connections (`break_connections` on the sockets
+    that forming its groups opened: the whole generation is being abandoned; nothing else of the process is
+    touched), which makes the wait raise a lost peer, and the rank re-forms like any other. If it is still in
+    the generation after wedge_s, it exits, and the job re-forms without it (or, for the leader, ends at once
+    rather than after the timeout). generations() -> (the generation this rank is in, the last one it has
+    left); sockets() -> the socket inodes of the generation it is in."""
 
     def __init__(self, host: str, port: int, member: int, generations: Callable[[], tuple[int, int]],
-                 timeout_s: float, wedge_s: float):
+                 sockets: Callable[[], set[str]], timeout_s: float, wedge_s: float):
         self.key = f"{PREFIX}/hb/{member}"
-        self.store_port = port
+        self.store_port, self.sockets = port, sockets
         self.member, self.generations, self.wedge_s = member, generations, wedge_s
         self.stop = threading.Event()
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -62,7 +63,7 @@ class Heartbeat:
             elif not since[2] and time.monotonic() - since[1] > BREAK_S:
                 since = (gen, since[1], True)
                 if self.generations() == (gen, left):     # still in it (leaving takes far longer than this)
-                    n = break_connections(self.store_port)
+                    n = break_connections(self.sockets(), self.store_port)
                     logger.warning("member %d: still in generation %d %.1fs after a peer left it; shut down %d "
                                    "data-plane connections so its waits end", self.member, gen, BREAK_S, n)
             elif time.monotonic() - since[1] > self.wedge_s:
@@ -131,13 +132,31 @@ class Peers:
             time.sleep(0.02)
 
 
-def break_connections(store_port: int) -> int:
-    """Shut down (both directions, without closing the descriptors) every established TCP connection of this
-    process but the store's (local or remote port store_port) -> how many. The peers' ends and this process's
-    waits on them then fail as a lost peer does. Linux only (/proc); elsewhere it does nothing."""
+def socket_inodes() -> set[str]:
+    """The inodes of this process's open sockets (Linux /proc; empty elsewhere). Taken before and after a
+    generation forms its groups, the difference is that generation's data-plane connections."""
+    found = set()
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found.add(link[8:-1])
+    return found
+
+
+def break_connections(inodes: set[str], store_port: int) -> int:
+    """Shut down (both directions, without closing the descriptors) this process's established TCP connections
+    among `inodes` (a generation's, from socket_inodes), never the store's (local or remote port store_port) ->
+    how many. The peers' ends and this process's waits on them then fail as a lost peer does. Linux only."""
     import socket
 
-    inodes = {}
+    established = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as f:
@@ -148,8 +167,8 @@ def break_connections(store_port: int) -> int:
             cols = row.split()
             local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
             ports = {int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)}
-            if state == "01" and store_port not in ports:      # 01: ESTABLISHED
-                inodes[inode] = True
+            if state == "01" and store_port not in ports and inode in inodes:      # 01: ESTABLISHED
+                established.add(inode)
     count = 0
     try:
         fds = os.listdir("/proc/self/fd")
@@ -160,16 +179,17 @@ def break_connections(store_port: int) -> int:
             link = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if link.startswith("socket:[") and link[8:-1] in inodes:
-            try:
-                sock = socket.socket(fileno=os.dup(int(fd)))
-            except OSError:
-                continue
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-                count += 1
-            except OSError:
-                pass
-            finally:
-                sock.close()       # the duplicate only: the connection's own descriptor stays gloo's
+        if not (link.startswith("socket:[") and link[8:-1] in established):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()       # the duplicate only: the connection's own descriptor stays gloo's
     return count

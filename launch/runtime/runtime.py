@@ -31,7 +31,7 @@ from models.checkpoint import Checkpoint
 from ..config import EngineConfig
 from . import collectives, memory, planning, step_protocol
 from .dataplane import make_data_plane
-from .liveness import PREFIX
+from .liveness import PREFIX, socket_inodes
 from .membership import Membership, MembershipSettings
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
 from .startup import build_attention_worker, leads_pool, load_attention_model, open_store
@@ -60,6 +60,7 @@ class Runtime:
         self.leader: Leader | None = None
         self.experts = planning.PlacementState()
         self.left = False
+        self.data_sockets: set[str] = set()   # the socket inodes this generation's groups opened
         self._stats = None      # the data plane's stats, carried from one generation to the next
         self.sync_tally = SyncTally() if config.sync_audit else None   # this rank's host syncs per decode step
         self.ckpt = Checkpoint(config.model)
@@ -224,9 +225,11 @@ class Runtime:
         store = dist.PrefixStore(f"{PREFIX}/g{self.generation}/pg", self.store)
         # NCCL: eager init on this rank's GPU (device_id), so the first point-to-point needs no lazy communicator
         eager = self.dev.device if self.dev.backend == "nccl" else None
+        before = socket_inodes()
         dist.init_process_group(self.dev.backend, store=store, rank=self.topo.rank, world_size=self.topo.world_size,
                                 timeout=timedelta(seconds=self.config.collective_timeout_s), device_id=eager)
         self.groups = ProcessGroups.create(self.topo)
+        self.data_sockets = socket_inodes() - before   # what the heartbeat shuts down if this rank wedges
         self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
                                     self.topo.num_attention_ranks)
 
