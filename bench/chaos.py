@@ -1,8 +1,9 @@
 """Chaos soak: kill a random non-leader rank at a random moment of a generation, and check that every request
 still ends once with transformers' greedy tokens, within a watchdog.
 
-Each trial (seeded) picks a topology (2+2, 3+2, 2+3, 4+2), a transport (shm, collective), micro_batches (1, 2) and
-a moment:
+Each trial (seeded) picks a topology (2+2, 3+2, 2+3, 4+2), a data plane (direct over shm; direct over gloo
+collectives; two_phase over gloo with two ranks per emulated node, `ranks_per_node=2`), a balancer (static, or
+least_loaded with 2 redundant expert slots), micro_batches (1, 2) and a moment:
 - "time": SIGKILL a random non-leader rank (attention or expert) 0.1-1.5 s after the requests are submitted;
 - "before_report": an attention rank SIGKILLs itself once every rank has finished the forward of a random step
   (2-12), before the report gather (AFSERVE_FAULT, launch/runtime/step_protocol.py `fault_point`).
@@ -10,8 +11,9 @@ The workload: a tiny OLMoE checkpoint (built here), 12 prompts of 2-50 tokens, 6
 `ignore_eos`, max_num_seqs 2 per attention rank. The oracle: transformers' own greedy continuation of each prompt.
 A trial is "ok" (every row equal), "lost" (a row missing or different), "hang" (the watchdog, --watchdog s, fired)
 or "error" (generate raised). A kill that landed after the work was done re-forms nothing and is counted apart.
-Printed: a table of trials per moment with kills landed, requests, lost, hangs, errors, and the median and p99
-recovery (detect + groups + weights of the membership change). --out writes every trial as JSON.
+Printed: a table of trials per moment, per data plane and per balancer, and of all, with kills landed,
+requests, lost, hangs, errors, and the median and p99 recovery (detect + groups + weights of the membership
+change). --out writes every trial as JSON.
 Run: python bench/chaos.py [--trials 20] [--seed 0] [--watchdog 60] [--out FILE]
 """
 from __future__ import annotations
@@ -35,7 +37,15 @@ from launch import LLM, SamplingParams
 from models.tiny import make_tiny_checkpoint
 
 TOPOLOGIES = [(2, 2), (3, 2), (2, 3), (4, 2)]
+DATA_PLANES = [{"comm": "direct", "transport": "shm"}, {"comm": "direct", "transport": "collective"},
+               {"comm": "two_phase", "transport": "collective", "ranks_per_node": 2}]
+BALANCERS = [{"balancer": "static"}, {"balancer": "least_loaded", "redundant_experts": 2}]
 MAX_NEW = 64
+
+
+def plane_name(options: dict) -> str:
+    """"direct/shm", "direct/collective" or "two_phase/collective": a trial's (or DATA_PLANES entry's) data plane."""
+    return f"{options['comm']}/{options['transport']}"
 
 
 def greedy_oracle(path: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -50,7 +60,7 @@ def greedy_oracle(path: str, prompts: list[list[int]]) -> list[list[int]]:
 
 def trial(path: str, prompts, expected, rng: random.Random, watchdog: float) -> dict:
     A, E = rng.choice(TOPOLOGIES)
-    options = {"transport": rng.choice(["shm", "collective"]), "micro_batches": rng.choice([1, 2]),
+    options = {**rng.choice(DATA_PLANES), **rng.choice(BALANCERS), "micro_batches": rng.choice([1, 2]),
                "micro_batch_min_tokens": 0}
     moment = rng.choice(["time", "before_report"])
     info = {"topology": f"{A}+{E}", **options, "moment": moment}
@@ -116,13 +126,16 @@ def main() -> None:
             r = trial(path, prompts, expected, rng, args.watchdog)
             results.append(r)
             print(f"trial {i}: {json.dumps({k: v for k, v in r.items() if k != 'change'})}", flush=True)
-    print("\n| moment | trials | kills landed | requests | lost | hangs | errors | recovery median / p99 s |")
+    print("\n| trials of | trials | kills landed | requests | lost | hangs | errors | recovery median / p99 s |")
     print("|---|---|---|---|---|---|---|---|")
-    for moment in ("time", "before_report", "all"):
-        rs = [r for r in results if moment in ("all", r["moment"])]
+    groups = [(m, lambda r, m=m: r["moment"] == m) for m in ("time", "before_report")]
+    groups += [(plane_name(p), lambda r, p=p: plane_name(r) == plane_name(p)) for p in DATA_PLANES]
+    groups += [(b["balancer"], lambda r, b=b: r["balancer"] == b["balancer"]) for b in BALANCERS]
+    for label, pick in groups + [("all", lambda r: True)]:
+        rs = [r for r in results if pick(r)]
         rec = sorted(r["recovery_s"] for r in rs if "recovery_s" in r)
         p99 = rec[min(len(rec) - 1, int(0.99 * len(rec)))] if rec else None
-        print(f"| {moment} | {len(rs)} | {sum(r.get('landed', False) for r in rs)} | "
+        print(f"| {label} | {len(rs)} | {sum(r.get('landed', False) for r in rs)} | "
               f"{sum(r.get('requests', 0) for r in rs)} | {sum(r.get('lost', 0) for r in rs)} | "
               f"{sum(r['outcome'] == 'hang' for r in rs)} | {sum(r['outcome'] == 'error' for r in rs)} | "
               + (f"{statistics.median(rec):.2f} / {p99:.2f} |" if rec else "- |"))
