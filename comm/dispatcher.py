@@ -103,6 +103,11 @@ class Dispatcher(ABC):
         here, aborting the process group does it)."""
         return None
 
+    def interrupt(self) -> None:
+        """From another thread: end this rank's own waits on its peers (the generation is being abandoned).
+        Collective transports need nothing here: shutting down the generation's connections does it."""
+        return None
+
     @abstractmethod
     def start_dispatch(self, layer: int, hidden: torch.Tensor, dst_ranks: torch.Tensor, slots: torch.Tensor,
                        weights: torch.Tensor) -> PendingDispatch:
@@ -338,6 +343,9 @@ class ShmDispatcher(Dispatcher):
     def abort(self) -> None:
         for outlet in self.outlets:
             outlet.abort()
+
+    def interrupt(self) -> None:
+        self.inbox.interrupt()
 
     def _send(self, rnd: int, rows: torch.Tensor, counts: list[int]) -> None:
         """rows `[N, bytes]` uint8, counts[i] of them (in order) to outlet i: every payload written, one wait

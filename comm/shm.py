@@ -182,6 +182,12 @@ class Inbox:
     def slot(self, sender: int, rnd: int) -> torch.Tensor:
         return _slot(self.data, sender, rnd, self.depth, self.slot_bytes)
 
+    def interrupt(self) -> None:
+        """From another thread of this rank: end its waits as a peer's abort does (they raise PeerLost)."""
+        self.flags[ABORT] = 1
+        with contextlib.suppress(OSError):
+            os.write(self.fifo, b"\x01")
+
     def _flag(self, sender: int, rnd: int, word: int) -> int:
         return self.flags[_flag(sender, rnd, self.depth) + word]
 

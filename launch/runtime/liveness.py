@@ -30,17 +30,24 @@ class Heartbeat:
     this rank's main thread should leave it too. A gloo point-to-point wait on a peer that has left (not died)
     can block until the collective timeout, because gloo does not always close a departed rank's connections
     (seen with two_phase: a source waiting for its node gateway's rows, after the gateway left). So after
-    BREAK_S this thread shuts down the generation's data-plane connections (`break_connections` on the sockets
-    that forming its groups opened: the whole generation is being abandoned; nothing else of the process is
-    touched), which makes the wait raise a lost peer, and the rank re-forms like any other. If it is still in
-    the generation after wedge_s, it exits, and the job re-forms without it (or, for the leader, ends at once
-    rather than after the timeout). generations() -> (the generation this rank is in, the last one it has
-    left); sockets() -> the socket inodes of the generation it is in."""
+    BREAK_S this thread calls interrupt(), which ends the rank's waits on its data plane (the generation's own
+    connections shut down, its shm inbox marked aborted: the whole generation is being abandoned; nothing else
+    of the process is touched); the wait raises a lost peer, and the rank re-forms like any other. If it is
+    still in the generation after wedge_s, it exits, and the job re-forms without it (or, for the leader, ends
+    at once rather than after the timeout). generations() -> (the generation this rank is in, the last one it
+    has left).
+
+    A rank that stops without dying (SIGSTOP, a hung host) keeps its process and its connections, so nothing
+    above sees it. The leader's heartbeat therefore also watches the members of its generation (watch() -> their
+    ids; empty on other ranks): one whose heartbeat count has not moved for failure_s is declared gone by
+    marking the generation as being left, which sets the breaking above going on every rank; the re-forming's
+    survey then finds it silent and leaves it out."""
 
     def __init__(self, host: str, port: int, member: int, generations: Callable[[], tuple[int, int]],
-                 sockets: Callable[[], set[str]], timeout_s: float, wedge_s: float):
+                 interrupt: Callable[[], int], watch: Callable[[], list[int]], failure_s: float, timeout_s: float,
+                 wedge_s: float):
         self.key = f"{PREFIX}/hb/{member}"
-        self.store_port, self.sockets = port, sockets
+        self.interrupt, self.watch, self.failure_s = interrupt, watch, failure_s
         self.member, self.generations, self.wedge_s = member, generations, wedge_s
         self.stop = threading.Event()
         self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -49,10 +56,13 @@ class Heartbeat:
 
     def _run(self) -> None:
         since: tuple[int, float, bool] | None = None   # (generation, when its re-forming was seen, broken yet)
+        beats: dict[int, tuple[int, int, float]] = {}   # member -> (generation, its count, when it last moved)
         while not self.stop.wait(HEARTBEAT_INTERVAL_S):
             try:
                 self.store.add(self.key, 1)
                 gen, left = self.generations()
+                if left < gen:
+                    self._watch_members(gen, beats)
                 if left >= gen or not self.store.check([f"{PREFIX}/g{gen}/leaving"]):
                     since = None
                     continue
@@ -63,14 +73,29 @@ class Heartbeat:
             elif not since[2] and time.monotonic() - since[1] > BREAK_S:
                 since = (gen, since[1], True)
                 if self.generations() == (gen, left):     # still in it (leaving takes far longer than this)
-                    n = break_connections(self.sockets(), self.store_port)
-                    logger.warning("member %d: still in generation %d %.1fs after a peer left it; shut down %d "
-                                   "data-plane connections so its waits end", self.member, gen, BREAK_S, n)
+                    n = self.interrupt()
+                    logger.warning("member %d: still in generation %d %.1fs after a peer left it; interrupted its "
+                                   "data plane (%d connections shut down) so its waits end", self.member, gen,
+                                   BREAK_S, n)
             elif time.monotonic() - since[1] > self.wedge_s:
                 logger.error("member %d: still in generation %d %.0fs after a peer left it (wedged in an exchange "
                              "with a departed rank); exiting so the job re-forms without this rank",
                              self.member, gen, self.wedge_s)
                 os._exit(70)
+
+    def _watch_members(self, gen: int, beats: dict[int, tuple[int, int, float]]) -> None:
+        """Leader: declare a member of generation gen gone once its heartbeat count has stood still for failure_s
+        (marks the generation as being left; every rank's breaker then ends its waits)."""
+        now = time.monotonic()
+        for m in self.watch():
+            count = self.store.add(f"{PREFIX}/hb/{m}", 0)
+            last = beats.get(m)
+            if last is None or last[0] != gen or last[1] != count:
+                beats[m] = (gen, count, now)
+            elif now - last[2] > self.failure_s and not self.store.check([f"{PREFIX}/g{gen}/leaving"]):
+                logger.warning("member %d: heartbeat silent for %.1fs (stopped or hung, not dead); re-forming the "
+                               "job without it", m, now - last[2])
+                self.store.set(f"{PREFIX}/g{gen}/leaving", b"1")
 
 
 class Peers:

@@ -139,8 +139,8 @@ class Membership:
         self._waiting: list[tuple[int, dict]] = []   # leader: registered joiners not admitted yet
         self._last_poll = 0.0
         self._heartbeat = Heartbeat(host, port, self.member, lambda: (runtime.generation, self._left_generation),
-                                    lambda: runtime.data_sockets, settings.startup_timeout_s,
-                                    max(10.0, 3 * settings.failure_s))
+                                    lambda: runtime.interrupt_generation(port), runtime.watched_members,
+                                    settings.failure_s, settings.startup_timeout_s, max(10.0, 3 * settings.failure_s))
 
     @property
     def has_joiners(self) -> bool:

@@ -31,7 +31,7 @@ from models.checkpoint import Checkpoint
 from ..config import EngineConfig
 from . import collectives, memory, planning, step_protocol
 from .dataplane import make_data_plane
-from .liveness import PREFIX, socket_inodes
+from .liveness import PREFIX, break_connections, socket_inodes
 from .membership import Membership, MembershipSettings
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
 from .startup import build_attention_worker, leads_pool, load_attention_model, open_store
@@ -242,6 +242,21 @@ class Runtime:
         return MoEContext(self.dispatcher, make_policy(self.config.parallel.balancer, placement, self.dev.device),
                           self.topo.num_attention_ranks, placement.num_slots, spec.num_experts, self.groups.attention,
                           self.topo.rank)
+
+    def interrupt_generation(self, store_port: int) -> int:
+        """From the heartbeat thread, when a peer has left the generation this rank is still in: end this rank's
+        waits on its data plane (shut down the generation's connections, interrupt its shm inbox) -> how many
+        connections were shut down."""
+        dispatcher = self.dispatcher
+        if dispatcher is not None:
+            dispatcher.interrupt()
+        return break_connections(self.data_sockets, store_port)
+
+    def watched_members(self) -> list[int]:
+        """The members whose heartbeats this rank watches for silence: the leader's peers in its generation."""
+        if self.leader is None or self.left:
+            return []
+        return [m for m in self.members if m != self.member]
 
     def leave_generation(self) -> None:
         """A peer was lost: wake this rank's shm peers and abort every process group of the generation, then

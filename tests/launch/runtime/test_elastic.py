@@ -153,6 +153,42 @@ def test_expert_rank_killed_under_two_phase_does_not_wedge_a_source(tiny_checkpo
     assert (changes[0]["attention_ranks"], changes[0]["expert_ranks"]) == (2, 1)
 
 
+@pytest.mark.parametrize("victim,options", [
+    (3, {}),                                                        # an expert rank, shm transport
+    wider(1, {"transport": "collective"}),                          # an attention rank, gloo collectives
+])
+def test_a_stopped_rank_is_left_out_like_a_dead_one(tiny_checkpoint, victim, options):
+    """2+2 ranks; one rank is SIGSTOPped mid-generation: its process lives and keeps its connections, so no
+    exchange fails. The leader's heartbeat finds its count silent for rank_failure_s, marks the generation as
+    being left, and every rank's heartbeat then interrupts its data plane (connections shut down, shm inbox
+    aborted); the job re-forms without the stopped rank. Every row must end with transformers' tokens (without
+    the watch, the survivors wait for the stopped rank until the collective timeout and this test's 240 s
+    deadline fails it)."""
+    path = tiny_checkpoint("olmoe")
+    prompts = make_prompts(8, 256, 5, 30, seed=8)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(path, attention_ranks=2, expert_ranks=2, rank_failure_s=2.0, **options) as llm:
+        pid = llm.worker_pids[victim]
+        try:
+            rids = [llm.submit(p, params) for p in prompts]
+            rows: dict[str, list[int]] = {r: [] for r in rids}
+            stopped, open_rows, deadline = False, len(rids), time.monotonic() + 240
+            while open_rows:
+                msg = llm._poll(llm.outbox, deadline, "the stopped-rank test")
+                for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
+                    rows[row] += toks
+                    open_rows -= finish is not None
+                if not stopped and sum(map(len, rows.values())) >= 24:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped = True
+            changes = llm.stats()["membership_changes"]
+        finally:
+            os.kill(pid, signal.SIGKILL)
+    assert [rows[r] for r in rids] == expected
+    assert len(changes) == 1 and changes[0]["lost"] == [victim], changes
+
+
 @pytest.mark.parametrize("micro_batches", [1, wider(2)])
 def test_attention_rank_killed_after_the_others_finished_the_step(tiny_checkpoint, monkeypatch, micro_batches):
     """Issue 28: 3+2 ranks, two sequences per attention rank; attention rank 2 dies once every rank has finished
