@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 from comm.calibration import shared_model
-from comm.dispatcher import Dispatcher, ShmDispatcher
+from comm.dispatcher import Dispatcher
 from comm.modes import make_dispatcher
 from comm.shm import host_identity, shm_supported
+from comm.shm_dispatcher import ShmDispatcher
 from comm.stats import CommStats
 from comm.topology import ProcessGroups, Topology
 from models.spec import ModelSpec

@@ -27,7 +27,8 @@ def _routing(rank, A, E, T, seed):
 def _rank_fn(rank, world, A, tokens_per_rank, seed, transport="collective"):
     import torch.distributed as dist
 
-    from comm.dispatcher import DirectDispatcher, ShmDispatcher
+    from comm.dispatcher import DirectDispatcher
+    from comm.shm_dispatcher import ShmDispatcher
     dist.init_process_group("gloo", rank=rank, world_size=world)
     E = world - A
     kw = dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),

@@ -85,8 +85,8 @@ def test_a_fan_out_waits_for_its_copies_once_before_any_round_word(tmp_path):
     dispatch or combine, not one per peer), then the round words."""
     from types import SimpleNamespace
 
-    from comm.dispatcher import ShmDispatcher
     from comm.shm import HostShmBuffers
+    from comm.shm_dispatcher import ShmDispatcher
 
     seen = []
 

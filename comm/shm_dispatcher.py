@@ -1,0 +1,136 @@
+"""`direct` dispatch and combine over the same-host inboxes of comm/shm.py (transport shm on CPU, cuda_ipc on
+GPUs): one message per (attention rank, expert rank) pair and direction, exact sizes, no collective."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from .dispatcher import Dispatcher, DispatchHandle, PendingDispatch, pack_rows, pack_rows_into, plan_rows, unpack_rows
+from .shm import Inbox, Outlet, _StoreFence, make_shared_dir, slot_buffers
+
+
+class ShmDispatcher(Dispatcher):
+    """`direct` semantics over the same-host inboxes of comm/shm.py: one message per (attention rank, expert
+    rank) pair and direction, exact sizes, no collective. The payloads live in host shared memory on CPU
+    (transport shm) and in device memory shared through CUDA IPC on a GPU (transport cuda_ipc). `control`
+    (gloo) is used once, to set up. max_tokens bounds any source's tokens per call (the token budget)."""
+
+    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
+                 control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0):
+        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node)
+        W, S = self.world_size, num_sources
+        self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
+        self.round = 0
+        self._no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.buffers = buffers = slot_buffers(self.device)
+        # Slot sizes: expert inboxes hold dispatched rows, source inboxes hold combined rows.
+        expert_slot = max_tokens * self._row_bytes()
+        source_slot = max_tokens * hidden_size * dtype.itemsize
+        directory = make_shared_dir(control, self.rank)
+        pids = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
+        dist.all_gather(pids, torch.tensor([os.getpid()]), group=control)
+        peers = list(range(S, W)) if self.is_source else list(range(S))
+        self.peer_pids = [int(pids[p]) for p in peers]
+        self.peer_names = [f"rank {p}" for p in peers]
+        if self.is_source:  # receives combined rows from the experts, sends them tokens as sender `rank`
+            self.inbox = Inbox(directory, self.rank, W - S, depth, source_slot, buffers)
+            index, peer_slot = self.rank, expert_slot
+        else:               # receives tokens from the sources, returns rows as sender `rank - S`
+            self.inbox = Inbox(directory, self.rank, S, depth, expert_slot, buffers)
+            index, peer_slot = self.rank - S, source_slot
+        exports = [None] * W      # CUDA IPC handles of the inboxes' payloads (None in host shared memory)
+        dist.all_gather_object(exports, self.inbox.export, group=control)
+        fence = _StoreFence()
+        self.outlets = [Outlet(directory, p, fence, index, depth, peer_slot, buffers, exports[p]) for p in peers]
+        dist.barrier(group=control)
+        if self.rank == 0:  # every rank has mapped and opened what it needs: leave nothing behind
+            shutil.rmtree(directory)
+
+    def abort(self) -> None:
+        for outlet in self.outlets:
+            outlet.abort()
+
+    def interrupt(self) -> None:
+        self.inbox.interrupt()
+
+    def _send(self, rnd: int, rows: torch.Tensor, counts: list[int]) -> None:
+        """rows `[N, bytes]` uint8, counts[i] of them (in order) to outlet i: every payload written, one wait
+        for the copies (cuda_ipc: a stream synchronize for all of them), then every round word."""
+        start = 0
+        for outlet, n in zip(self.outlets, counts):
+            outlet.write(rnd, rows[start:start + n].view(-1))
+            start += n
+        self.buffers.publish()
+        for outlet, n in zip(self.outlets, counts):
+            outlet.post(rnd, n)
+
+    def set_capacity(self, capacity: int) -> None:
+        if capacity > self.max_tokens:
+            raise RuntimeError(f"rank {self.rank}: step capacity {capacity} exceeds the shm slots' "
+                               f"{self.max_tokens} tokens")
+        super().set_capacity(capacity)
+
+    def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
+        t0 = self.stats.now()
+        W, S = self.world_size, self.num_sources
+        self.round += 1
+        if not self.is_source:   # an expert rank sends nothing in a dispatch: only its round moves on
+            handle = DispatchHandle(layer, 0, self._no_rows, [0] * W, [0] * W, self.round)
+            return PendingDispatch(None, self._no_rows, None, handle, t0)
+        n = hidden.shape[0]
+        if n > self.max_tokens:
+            raise RuntimeError(f"rank {self.rank}: {n} tokens exceed the shm slots' {self.max_tokens}")
+        if W - S == 1:
+            # One expert rank: every token goes there, once, with all its choices: the rows are the tokens in
+            # order, packed straight into the inbox slot (no plan, no gather, no packed copy).
+            B = self._row_bytes()
+            pack_rows_into(self.outlets[0].slot(self.round)[:n * B].view(n, B), hidden, slots, weights)
+            self.buffers.publish()
+            self.outlets[0].post(self.round, n)
+            handle = DispatchHandle(layer, n, None, [0] * S + [n], [0] * W, self.round)
+            self.stats.phase(layer, "dispatch").add(n * B, 1, self.stats.now() - t0)
+            return PendingDispatch(None, self._no_rows, None, handle, t0)
+        row2token, row_dst, row_slots, row_weights = plan_rows(dst_ranks, slots, weights, W)
+        send_counts = torch.bincount(row_dst, minlength=W).tolist()
+        handle = DispatchHandle(layer, n, row2token, send_counts, [0] * W, self.round)
+        packed = pack_rows(hidden[row2token], row_slots, row_weights)
+        self._send(self.round, packed, send_counts[S:])   # to expert ranks S..W-1
+        self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), self.stats.now() - t0)
+        return PendingDispatch(None, self._no_rows, None, handle, t0)
+
+    def finish_dispatch(self, pending):
+        handle, B = pending.handle, self._row_bytes()
+        if self.is_source:
+            return unpack_rows(torch.empty(0, B, dtype=torch.uint8), self.hidden_size, self.top_k,
+                               self.dtype), handle
+        slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} dispatch (layer {handle.layer})",
+                                self.peer_pids, self.peer_names)
+        counts = [n for n, _ in slots]
+        valid = torch.cat([slot[:n * B].view(n, B) for n, slot in slots])
+        handle.recv_counts = counts + [0] * (self.world_size - len(counts))
+        self.stats.phase(handle.layer, "dispatch").add(0, 0, self.stats.now() - pending.t0)
+        return unpack_rows(valid, self.hidden_size, self.top_k, self.dtype), handle
+
+    def combine(self, expert_out, handle):
+        t0 = self.stats.now()
+        H, S = self.hidden_size, self.num_sources
+        if not self.is_source:
+            rows = expert_out.to(self.dtype).contiguous()
+            self._send(handle.round, rows.view(torch.uint8), handle.recv_counts[:S])   # to sources 0..S-1
+            self.stats.phase(handle.layer, "combine").add(rows.numel() * rows.element_size(), S,
+                                                          self.stats.now() - t0)
+            return torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
+        slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})",
+                                self.peer_pids, self.peer_names)
+        back = [slot[:n * H * self.dtype.itemsize].view(self.dtype).view(n, H) for n, slot in slots]
+        if handle.row2token is None:    # one expert rank, one row per token in order: copied out of the slot
+            out = back[0].clone()
+        else:
+            out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
+            out.index_add_(0, handle.row2token, torch.cat(back))
+        self.stats.phase(handle.layer, "combine").add(0, 0, self.stats.now() - t0)
+        return out
+
