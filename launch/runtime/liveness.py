@@ -157,10 +157,9 @@ class Peers:
             time.sleep(0.02)
 
 
-def socket_inodes() -> set[str]:
-    """The inodes of this process's open sockets (Linux /proc; empty elsewhere). Taken before and after a
-    generation forms its groups, the difference is that generation's data-plane connections."""
-    found = set()
+def _socket_fds() -> dict[str, int]:
+    """This process's open sockets: inode -> a descriptor of it (Linux /proc; empty elsewhere)."""
+    found: dict[str, int] = {}
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
@@ -171,8 +170,14 @@ def socket_inodes() -> set[str]:
         except OSError:
             continue
         if link.startswith("socket:["):
-            found.add(link[8:-1])
+            found[link[8:-1]] = int(fd)
     return found
+
+
+def socket_inodes() -> set[str]:
+    """The inodes of this process's open sockets (Linux /proc; empty elsewhere). Taken before and after a
+    generation forms its groups, the difference is that generation's data-plane connections."""
+    return set(_socket_fds())
 
 
 def break_connections(inodes: set[str], store_port: int) -> int:
@@ -195,19 +200,11 @@ def break_connections(inodes: set[str], store_port: int) -> int:
             if state == "01" and store_port not in ports and inode in inodes:      # 01: ESTABLISHED
                 established.add(inode)
     count = 0
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return 0
-    for fd in fds:
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if not (link.startswith("socket:[") and link[8:-1] in established):
+    for inode, fd in _socket_fds().items():
+        if inode not in established:
             continue
         try:
-            sock = socket.socket(fileno=os.dup(int(fd)))
+            sock = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
         try:
