@@ -111,14 +111,26 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
 
 
 def split_micro_batches(scheduled: list[ScheduledSeq], num: int) -> list[list[ScheduledSeq]]:
-    """Cut the (ordered) schedule into `num` contiguous parts of about equal token counts; parts may be empty."""
+    """Cut the (ordered) schedule into `num` contiguous parts of equal token counts; parts may be empty. A prompt
+    chunk that straddles a boundary is cut in two there: the first piece ends its part (it samples nothing), the
+    second opens the next. That is exact because micro-batch j runs each layer's attention, writing its KV, before
+    micro-batch j + 1 runs that layer's, so the second piece reads the first's KV from the cache. Without the cut a
+    step of decodes and one long prompt chunk would put the chunk alone in one micro-batch, and the expert ranks'
+    work on it could not overlap the attention rank's. Single-token rows are never cut; one that straddles goes to
+    the part holding its token."""
     total = sum(s.num_new_tokens for s in scheduled)
     parts: list[list[ScheduledSeq]] = [[] for _ in range(num)]
-    done = 0
+    done = part = 0
     for s in scheduled:
-        part = min(num - 1, (2 * done + s.num_new_tokens) * num // max(2 * total, 1))  # by chunk midpoint
-        parts[part].append(s)
-        done += s.num_new_tokens
+        start, left = s.start, s.num_new_tokens
+        while left:
+            while part < num - 1 and done >= total * (part + 1) // num:
+                part += 1
+            room = total * (part + 1) // num - done
+            take = left if left == 1 or part == num - 1 or room >= left else room
+            parts[part].append(s if take == s.num_new_tokens else
+                               ScheduledSeq(s.seq, take, start, s.is_fork))
+            start, left, done = start + take, left - take, done + take
     return parts
 
 
