@@ -1,94 +1,27 @@
 """Paged decode attention in C for the CPU: reads each sequence's K/V blocks where they lie in the cache, where the
 sdpa backend gathers a copy of them first (decode attention is memory-bound, so the copy costs about as much as
-the attention). The source is kernels/csrc/paged_decode.c; it is compiled with the system C compiler on first use
-(about a second) into a cache directory and loaded with ctypes. Only fp32 caches on the CPU take it; anything
-else, and prefill, go to the sdpa backend. A call can split its sequences over a few threads of the library's
-own (`set_threads`): on a CPU, attention ranks are busy while the expert ranks wait, so the cores the experts
-leave idle can read the cache (the engine's `decode_threads`).
-
-The build is keyed by the source, the flags, the compiler and the CPU's feature flags (it uses -march=native), so
-a cache directory shared by different machines keeps one library per machine kind. Ranks starting together may
-compile at once: each writes its own temporary file and renames it into place.
+the attention). The source is kernels/csrc/paged_decode.c, built and loaded by kernels/cpu_build.py. Only fp32
+caches on the CPU take it; anything else, and prefill, go to the sdpa backend. A call can split its sequences over
+a few threads of the library's own (`set_threads`): on a CPU, attention ranks are busy while the expert ranks
+wait, so the cores the experts leave idle can read the cache (the engine's `decode_threads`).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shlex
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ("-O3", "-march=native", "-std=gnu11", "-shared", "-fPIC")
+from .cpu_build import CSRC, FLAGS, BuildError, build
+
+SOURCE = CSRC / "paged_decode.c"
 SYMBOL = "afserve_paged_decode_f32"
-
-
-class BuildError(RuntimeError):
-    """The C kernels could not be compiled or loaded; the message says why and what to do."""
-
-
-def cache_dir() -> Path:
-    """Where built libraries go: $AFSERVE_CACHE_DIR, else $XDG_CACHE_HOME/afserve, else ~/.cache/afserve."""
-    if os.environ.get("AFSERVE_CACHE_DIR"):
-        return Path(os.environ["AFSERVE_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "afserve"
-
-
-def _compiler() -> list[str]:
-    """The compiler command: $CC (split like a shell word list, e.g. "ccache gcc"), else cc, gcc or clang."""
-    if os.environ.get("CC"):
-        return shlex.split(os.environ["CC"])
-    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        raise BuildError("kernel backend 'cpu' needs a C compiler (cc, gcc or clang on PATH, or $CC); install one "
-                         "or use kernel_backend='sdpa'")
-    return [cc]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return ""
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
     """The built library (compiled once per machine kind and source). Raises BuildError naming the cause."""
-    cc = _compiler()
-    try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise BuildError(f"kernel backend 'cpu': the C compiler {' '.join(cc)!r} does not run ({e}); set $CC or "
-                         f"use kernel_backend='sdpa'") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"paged_decode-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            try:
-                done = subprocess.run([*cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm", "-lpthread"], capture_output=True,
-                                      text=True, timeout=300)
-            except (OSError, subprocess.SubprocessError) as e:
-                raise BuildError(f"kernel backend 'cpu': compiling {SOURCE} failed ({e}); use kernel_backend='sdpa' "
-                                 f"instead") from e
-            if done.returncode != 0:
-                raise BuildError(f"kernel backend 'cpu': compiling {SOURCE} with {' '.join(cc)} failed:\n"
-                                 f"{done.stderr[-2000:]}\nuse kernel_backend='sdpa' instead")
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(path))
+    lib = build(SOURCE, FLAGS)
     fn = getattr(lib, SYMBOL)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int64]
