@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from balancer.policy import ReplicaPolicy
 from comm.dispatcher import Dispatcher, PendingDispatch
-from kernels import ops
+from kernels import cpu_ops, ops
 from models.spec import ModelSpec
 
 from .batch import ForwardBatch
@@ -99,6 +99,12 @@ class AttentionModel:
             else "lm_head.weight"
         self.lm_head = weights[lm]
         self.fused = _fuse_projections(weights)
+        # kernel backend "cpu" on fp32: the residual adds, norms, q/k norms, rotary embedding and KV writes go to
+        # the fused C ops (kernels/cpu_ops.py) instead of a dozen small torch ops per layer.
+        self.c_norms = (kernel_backend == "cpu" and torch.device(device).type == "cpu"
+                        and self.lm_head.dtype == torch.float32 and cpu_ops.available())
+        self.c_qkv = self.c_norms and not spec.mla and spec.qk_norm in ("none", "per_head") \
+            and spec.clip_qkv is None and spec.head_dim % 2 == 0
 
     def _absorb(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """MLA layer i's kv_b_proj split for the weight-absorbed form: (W_UK `[h, nope, c]`, which folds into
@@ -127,6 +133,13 @@ class AttentionModel:
                    batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         s, p = self.spec, f"model.layers.{i}.self_attn"
         T = x.shape[0]
+        k_cache, v_cache = kv.layer(i)
+        if self.c_qkv and cpu_ops.supports_cache(k_cache, v_cache, s.head_dim):
+            weight, bias, _ = self.fused[f"{p}.qkv_proj"]
+            norms = [self._get(f"{p}.{n}_norm.weight") if s.qk_norm == "per_head" else None for n in "qk"]
+            q = cpu_ops.qkv_rope_write(F.linear(x, weight, bias), s.num_heads, s.num_kv_heads, s.head_dim, *norms,
+                                       s.rms_norm_eps, cos, sin, batch.slot_mapping, k_cache, v_cache)
+            return self._attend(i, q, batch, k_cache, v_cache)
         q, k, v = self._fused(x, f"{p}.qkv_proj")
         if s.qk_norm == "full":
             q = rms_norm(q, self.w[f"{p}.q_norm.weight"], s.rms_norm_eps)
@@ -140,12 +153,18 @@ class AttentionModel:
             q = rms_norm(q, self.w[f"{p}.q_norm.weight"], s.rms_norm_eps)
             k = rms_norm(k, self.w[f"{p}.k_norm.weight"], s.rms_norm_eps)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        k_cache, v_cache = kv.layer(i)
         ops.write_kv(k_cache, v_cache, k, v, batch.slot_mapping, self.kernel_backend, may_skip=False)
+        return self._attend(i, q, batch, k_cache, v_cache)
+
+    def _attend(self, i: int, q: torch.Tensor, batch: ForwardBatch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention of the rotated queries `[T, h, d]` over the paged cache (this step's keys and values
+        written), then o_proj -> `[T, H]`."""
+        s, p = self.spec, f"model.layers.{i}.self_attn"
         sinks, window = self._get(f"{p}.sinks"), s.window(i)
         out = self._paged(q, batch, partial(ops.paged_decode_attention, sinks=sinks, window=window),
                           partial(ops.paged_prefill_attention, sinks=sinks, window=window), k_cache, v_cache)
-        return self._linear(out.reshape(T, s.num_heads * s.head_dim), f"{p}.o_proj")
+        return self._linear(out.reshape(q.shape[0], s.num_heads * s.head_dim), f"{p}.o_proj")
 
     def _mla_attention(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
@@ -217,13 +236,13 @@ class AttentionModel:
         cos, sin = self._rope_tables(h, batch.positions)
         attention = self._mla_attention if s.mla else self._attention
         moe_layer = 0
+        delta = None      # what the residual stream h still has to add: each sublayer's output joins its next norm
         for i in range(s.num_layers):
             p = f"model.layers.{i}"
-            h = h + attention(i, rms_norm(h, self.w[f"{p}.input_layernorm.weight"], s.rms_norm_eps),
-                              cos, sin, batch, kv)
-            x = rms_norm(h, self.w[f"{p}.post_attention_layernorm.weight"], s.rms_norm_eps)
+            h, x = self._add_norm(h, delta, f"{p}.input_layernorm.weight")
+            h, x = self._add_norm(h, attention(i, x, cos, sin, batch, kv), f"{p}.post_attention_layernorm.weight")
             if not s.moe_layers[i]:
-                h = h + self._mlp(x, f"{p}.mlp")
+                delta = self._mlp(x, f"{p}.mlp")
                 continue
             m = s.moe_prefix(i)
             r = f"{m}.{s.router_module}"
@@ -236,10 +255,24 @@ class AttentionModel:
                 if s.shared_expert_gate:
                     shared = torch.sigmoid(F.linear(x, self.w[f"{m}.shared_expert_gate.weight"])) * shared
             out = yield None
-            h = h + (out if shared is None else out + shared)
+            delta = out if shared is None else out + shared
             moe_layer += 1
-        h = rms_norm(h[batch.logit_rows], self.w["model.norm.weight"], s.rms_norm_eps)
+        rows = batch.logit_rows
+        _, h = self._add_norm(h[rows], None if delta is None else delta[rows], "model.norm.weight")
         return F.linear(h, self.lm_head).float()
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and the RMSNorm after it: (h + delta, or h when delta is None; its norm). In C the add
+        is done in h's storage."""
+        w, eps = self.w[weight], self.spec.rms_norm_eps
+        if self.c_norms:
+            if delta is not None and delta.stride(-1) != 1:
+                delta = delta.contiguous()
+            return h, cpu_ops.add_rms_norm(h, delta, w, eps)
+        if delta is not None:
+            h = h + delta
+        return h, rms_norm(h, w, eps)
 
     @torch.inference_mode()
     def forward(self, batches: list[ForwardBatch], kv: KVCache, moe: MoEContext) -> torch.Tensor:

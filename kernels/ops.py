@@ -1,6 +1,7 @@
 """The one entry point to the kernels. Every op takes `backend`: "triton" (CUDA tensors, or any tensors under
 Triton's CPU interpreter, `TRITON_INTERPRET=1`), "cpu" (fp32 paged decode in C reading the cache in place,
-kernels/cpu_attention.py; everything else as "sdpa"), "sdpa" (attention on torch's fused
+kernels/cpu_attention.py, and the attention side's norms, rotary embedding and KV writes fused in C,
+kernels/cpu_ops.py; everything else as "sdpa"), "sdpa" (attention on torch's fused
 scaled_dot_product_attention, kernels/sdpa_attention.py; everything else as "torch"), "torch" (the references
 beside each kernel), or "auto": Triton on CUDA; on the CPU "cpu" where its C kernel builds, else sdpa. The Triton
 modules are imported only when first used.
@@ -17,7 +18,7 @@ import os
 
 import torch
 
-from . import cpu_attention, sdpa_attention
+from . import cpu_attention, cpu_ops, sdpa_attention
 from .moe import SILU, ExpertAct, fused_moe_ref
 from .paged_attention import (
     DecodeGroup,
@@ -46,12 +47,13 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     if backend == "auto":
         if is_cuda and triton_available():
             return "triton"
-        return "cpu" if kind == "cpu" and cpu_attention.available() else "sdpa"
+        return "cpu" if kind == "cpu" and cpu_attention.available() and cpu_ops.available() else "sdpa"
     if backend == "cpu":
         if kind != "cpu":
             raise ValueError(f"kernel backend 'cpu' runs on the CPU only, not on {kind}; use 'auto'")
         try:
             cpu_attention.library()
+            cpu_ops.library()
         except (cpu_attention.BuildError, OSError) as e:
             raise ValueError(str(e)) from e
     if backend == "triton":

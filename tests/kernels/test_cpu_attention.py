@@ -1,11 +1,12 @@
-"""The C paged decode (kernels/cpu_attention.py): how it is built, chosen and refused. Its results against dense
-attention are in test_paged_attention.py, test_sinks_window.py and test_mla.py (backend "cpu")."""
+"""The C paged decode (kernels/cpu_attention.py) and the fused ops (kernels/cpu_ops.py): how they are built, chosen
+and refused. The decode's results against dense attention are in test_paged_attention.py, test_sinks_window.py and
+test_mla.py (backend "cpu"); the fused ops' in test_cpu_ops.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels import cpu_attention, ops
+from kernels import cpu_attention, cpu_ops, ops
 from tests.kernels.test_paged_attention import dense, setup
 
 needs_cc = pytest.mark.skipif(not cpu_attention.available(), reason="no C compiler runs here")
@@ -15,11 +16,12 @@ needs_cc = pytest.mark.skipif(not cpu_attention.available(), reason="no C compil
 def fresh_build(monkeypatch, tmp_path):
     """An empty cache directory and no library loaded yet in this process; the normal one is restored after."""
     monkeypatch.setenv("AFSERVE_CACHE_DIR", str(tmp_path))
-    cpu_attention.library.cache_clear()
-    cpu_attention.available.cache_clear()
+    caches = [cpu_attention.library, cpu_attention.available, cpu_ops.library, cpu_ops.available]
+    for c in caches:
+        c.cache_clear()
     yield tmp_path
-    cpu_attention.library.cache_clear()
-    cpu_attention.available.cache_clear()
+    for c in caches:
+        c.cache_clear()
 
 
 @needs_cc
@@ -32,6 +34,8 @@ def test_builds_once_into_the_cache_dir(fresh_build):
     cpu_attention.library()                     # a second process finds it: no rebuild, no temporary left
     assert sorted(p.name for p in fresh_build.iterdir()) == built
     assert (fresh_build / built[0]).stat().st_mtime_ns == mtime
+    cpu_ops.library()                           # the fused ops: a library of their own, other flags
+    assert [p.name.split("-")[0] for p in sorted(fresh_build.iterdir())] == ["cpu_ops", "paged_decode"]
 
 
 @pytest.mark.parametrize("cc", ["{dir}/no-such-cc", "ccache-like {dir}/no-such-cc"])
@@ -40,7 +44,7 @@ def test_a_missing_compiler_is_named(fresh_build, monkeypatch, cc):
     monkeypatch.setenv("CC", cc.format(dir=fresh_build))
     with pytest.raises(ValueError, match="no-such-cc.*kernel_backend='sdpa'"):
         ops.resolve_backend("cpu", "cpu")
-    assert not cpu_attention.available()
+    assert not cpu_attention.available() and not cpu_ops.available()
     assert ops.resolve_backend("auto", "cpu") == "sdpa"      # auto falls back rather than failing
     assert not list(fresh_build.iterdir())
 
