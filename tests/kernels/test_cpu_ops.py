@@ -122,3 +122,52 @@ def test_qkv_rope_write_checks_its_shapes():
     assert not cpu_ops.supports_cache(cache, cache, 16)
     assert not cpu_ops.supports_cache(cache.to(torch.bfloat16), cache, 8)
     assert not cpu_ops.supports_cache(torch.zeros(4, 2, 4, 8).transpose(1, 2), cache, 8)
+
+
+def random_batch(lengths: list[int], first_block: int, vocab: int, seed: int):
+    """Prompt chunks of random tokens (so attention weights matter) with their own blocks -> ForwardBatch."""
+    from attention_nodes.batch import ForwardBatch
+    from attention_nodes.sampling_params import SamplingParams
+    from attention_nodes.scheduler import ScheduledSeq
+    from attention_nodes.sequence import Sequence
+
+    g = torch.Generator().manual_seed(seed)
+    scheduled, block = [], first_block
+    for i, n in enumerate(lengths):
+        seq = Sequence.from_request(f"r{seed}-{i}", torch.randint(3, vocab, (n,), generator=g).tolist(),
+                                    SamplingParams(max_tokens=1), i)
+        seq.block_table = list(range(block, block + -(-n // 16)))
+        block += len(seq.block_table)
+        scheduled.append(ScheduledSeq.from_seq(seq, n))
+    return ForwardBatch.from_scheduled(scheduled, 16, torch.device("cpu"), "torch"), block
+
+
+@pytest.mark.parametrize("arch,fused_qkv", [("qwen3_moe", True), ("olmoe", False), ("deepseek_v3", False)])
+def test_the_model_takes_them_and_keeps_its_logits(tiny_checkpoint, monkeypatch, arch, fused_qkv):
+    """AttentionModel on backend "cpu" calls the fused ops (Qwen3's per-head q/k norms included; OLMoE's norm over
+    all heads and DeepSeek's MLA keep the torch q/k path but take the fused add + norm) and its logits equal the
+    "torch" backend's to fp32 rounding, over prompt chunks of random tokens in two micro-batches."""
+    from attention_nodes.kv_cache import KVCache
+    from attention_nodes.model import AttentionModel
+    from launch.runtime.memory import NoExperts
+    from models.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(tiny_checkpoint(arch))
+    spec, cpu = ckpt.spec, torch.device("cpu")
+    calls = {"add_rms_norm": 0, "qkv_rope_write": 0}
+    for name in calls:
+        fn = getattr(cpu_ops, name)
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _fn=fn, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _fn(*a))
+    first, blocks = random_batch([3, 9, 20], 0, spec.vocab_size, seed=1)
+    second, blocks = random_batch([33, 1], blocks, spec.vocab_size, seed=2)
+    logits = {}
+    for backend in ("cpu", "torch"):
+        model = AttentionModel(spec, ckpt.read(ckpt.attention_tensor_names(), torch.float32, cpu), cpu, backend)
+        kv = KVCache(spec.num_layers, blocks, 16, spec.kv_entry, torch.float32, cpu)
+        logits[backend] = model.forward([first, second], kv, NoExperts())
+        if backend == "cpu":
+            assert calls["add_rms_norm"] == 2 * (2 * spec.num_layers + 1)
+            assert calls["qkv_rope_write"] == (2 * spec.num_layers if fused_qkv else 0)
+    assert calls["add_rms_norm"] == 2 * (2 * spec.num_layers + 1)     # the torch backend called none
+    assert logits["cpu"].shape == (5, spec.vocab_size)
+    torch.testing.assert_close(logits["cpu"], logits["torch"], rtol=1e-4, atol=1e-4)
