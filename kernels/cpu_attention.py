@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .cpu_build import CSRC, FLAGS, BuildError, build
+from .cpu_build import CSRC, FLAGS, build, loads
 
 SOURCE = CSRC / "paged_decode.c"
 SYMBOL = "afserve_paged_decode_f32"
@@ -42,11 +42,7 @@ def set_threads(n: int) -> int:
 @functools.cache
 def available() -> bool:
     """Whether the C kernels build and load here (asked once per process)."""
-    try:
-        library()
-    except (BuildError, OSError):
-        return False
-    return True
+    return loads(library)
 
 
 VECTOR = 8   # floats per vector in the C source (W): the head dims must be multiples of it

@@ -52,15 +52,17 @@ def _cpu_flags() -> str:
 
 
 def build(source: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
-    """source compiled with flags (once per machine kind, source and flags) and loaded. Raises BuildError naming
-    the cause."""
+    """source compiled with flags (once per machine kind, source, the shared headers of kernels/csrc and flags)
+    and loaded. Raises BuildError naming the cause."""
     cc = _compiler()
     try:
         version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise BuildError(f"kernel backend 'cpu': the C compiler {' '.join(cc)!r} does not run ({e}); set $CC or "
                          f"use kernel_backend='sdpa'") from e
-    key = hashlib.sha256("\0".join([source.read_text(), *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, version, _cpu_flags()]).encode()
+                         ).hexdigest()[:16]
     path = cache_dir() / f"{source.stem}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,8 +70,8 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
         os.close(fd)
         try:
             try:
-                done = subprocess.run([*cc, *flags, "-o", tmp, str(source), "-lm", "-lpthread"], capture_output=True,
-                                      text=True, timeout=300)
+                done = subprocess.run([*cc, *flags, f"-I{CSRC}", "-o", tmp, str(source), "-lm", "-lpthread"],
+                                      capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.SubprocessError) as e:
                 raise BuildError(f"kernel backend 'cpu': compiling {source} failed ({e}); use kernel_backend='sdpa' "
                                  f"instead") from e
@@ -81,3 +83,12 @@ def build(source: Path, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     return ctypes.CDLL(str(path))
+
+
+def loads(library) -> bool:
+    """Whether library() (a module's cached build and load) succeeds here."""
+    try:
+        library()
+    except (BuildError, OSError):
+        return False
+    return True

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from .cpu_build import CSRC, FLAGS, BuildError, build
+from .cpu_build import CSRC, FLAGS, build, loads
 
 SOURCE = CSRC / "cpu_ops.c"
 # Every product and sum rounded on its own, as torch's separate ops round them.
@@ -35,11 +35,7 @@ def library() -> ctypes.CDLL:
 @functools.cache
 def available() -> bool:
     """Whether the library builds and loads here (asked once per process)."""
-    try:
-        library()
-    except (BuildError, OSError):
-        return False
-    return True
+    return loads(library)
 
 
 def _rows(t: torch.Tensor, name: str) -> None:

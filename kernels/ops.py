@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from . import cpu_attention, cpu_ops, sdpa_attention
+from . import cpu_attention, cpu_build, cpu_ops, sdpa_attention
 from .moe import SILU, ExpertAct, fused_moe_ref
 from .paged_attention import (
     DecodeGroup,
@@ -54,7 +54,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         try:
             cpu_attention.library()
             cpu_ops.library()
-        except (cpu_attention.BuildError, OSError) as e:
+        except (cpu_build.BuildError, OSError) as e:
             raise ValueError(str(e)) from e
     if backend == "triton":
         if not triton_available():

@@ -21,19 +21,9 @@
 #include <stdint.h>
 #include <string.h>
 
-#define W 8
-typedef float vec __attribute__((vector_size(W * sizeof(float))));
+#include "vec.h"
+
 typedef double dvec __attribute__((vector_size(W * sizeof(double))));
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x}; }
 
 /* 1 / sqrt(mean(x^2) + eps) over n floats. Four accumulators: one would wait on its own adds. */
 static inline float inv_rms(const float *x, int64_t n, float eps) {

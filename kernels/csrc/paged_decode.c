@@ -19,19 +19,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define W 8
-typedef float vec __attribute__((vector_size(W * sizeof(float))));
+#include "vec.h"
+
 typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
-
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
-
-static inline vec splat(float x) { return (vec){x, x, x, x, x, x, x, x}; }
 
 static inline vec vmax(vec a, vec b) {
     ivec keep = a > b, ai, bi;
