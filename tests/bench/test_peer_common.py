@@ -18,8 +18,10 @@ from bench.peer_common import (  # noqa: E402
     parse_pid_stat,
     tree_ticks,
 )
-from bench.peers import parse_splits  # noqa: E402
+from bench.peers import parse_splits, timed_workloads  # noqa: E402
+from bench.throughput import workload  # noqa: E402
 from bench.vllm_peer import PEER_ENV, peer_env, peer_python  # noqa: E402
+from models import SHIPPED_MODEL  # noqa: E402
 
 
 def write_proc(root, cpu_line: str, procs: dict[int, tuple[str, int, int, int]]) -> str:
@@ -107,6 +109,20 @@ def test_parse_splits():
     for bad in ("1+0", "3+1", "12", "a+b"):
         with pytest.raises(ValueError, match="--splits"):
             parse_splits(bad)
+
+
+def test_fresh_timed_workloads_share_no_prompt_start_with_each_other_or_the_check():
+    """--prompts fresh exists to take the cross-run prefix-cache hits away: a timed run begins hardly any prompt
+    with the first block (16 tokens) of a prompt that the check, the warm-up or another run sent (random passages
+    of the play coincide now and then: at most 1 in 64 here)."""
+    prompts, olens = workload(64)
+    assert timed_workloads("repeat", 64, 3, SHIPPED_MODEL, prompts, olens) == [(prompts, olens)] * 3
+    runs = timed_workloads("fresh", 64, 3, SHIPPED_MODEL, prompts, olens)
+    assert len(runs) == 3 and all(len(p) == len(o) == 64 for p, o in runs)
+    firsts = [{tuple(p[:16]) for p in ps} for ps, _ in [(prompts, olens), *runs]]
+    for i in range(len(firsts)):
+        for j in range(i):
+            assert len(firsts[i] & firsts[j]) <= 1, (i, j)
 
 
 def test_peer_venv_missing_says_how_to_build_it(tmp_path):
