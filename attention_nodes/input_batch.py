@@ -8,6 +8,10 @@ admission, preemption), which `Sequence.block_table_version` tells. Positions, s
 step are computed from those rows with a few vectorised array ops, staged into one int32 buffer (pinned on CUDA) and
 moved to the device in one non-blocking copy; the int64 fields are widened there.
 
+Each row also holds its sequence's sampling parameters (temperature, top_k, top_p), written once when the row is
+handed out (on CUDA, copied to a device table then); a step that samples at random gathers its rows from that table
+by row number (`sampling_columns`), staged like the inputs, instead of building the columns from the requests.
+
 Rows are handed out on first sight of a sequence and taken back lazily: when none is free, rows whose sequence has
 finished go back; if none has, the array doubles. `clear` drops every row (the rank handed its sequences over).
 The staging buffer is reused from step to step (`begin_step`): a batch's tensors, views of it on the CPU, are only
@@ -21,8 +25,11 @@ import torch
 from kernels.ops import plan_decode_attention
 
 from .batch import DecodeMeta, ForwardBatch, PrefillMeta
+from .sampler import SamplingColumns
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
+
+_TOP_K_CAP = 2**24     # top_k is kept as a float32 column: larger values (all act as the vocabulary) are capped
 
 
 class InputBatch:
@@ -39,6 +46,7 @@ class InputBatch:
         self._written = [0] * self._tables.shape[0]      # table entries written per row
         self._version = [-1] * self._tables.shape[0]     # the sequence's block_table_version they were written at
         self._free = list(range(self._tables.shape[0] - 1, -1, -1))
+        self._sampling, self._sampling_np, self._sampling_dev = self._sampling_table(self._tables.shape[0])
         self._stage = self._host((4096,))
         self._stage_np = self._stage.numpy()
         self._used = 0
@@ -46,6 +54,13 @@ class InputBatch:
 
     def _host(self, shape: tuple[int, ...], fill: int = 0) -> torch.Tensor:
         return torch.full(shape, fill, dtype=torch.int32, pin_memory=self._pin)
+
+    def _sampling_table(self, rows: int) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        """`[rows, 3]` float32 (temperature, top_k, top_p) on the host, its numpy view, and its device copy (the
+        host table itself on the CPU)."""
+        host = torch.zeros((rows, 3), dtype=torch.float32, pin_memory=self._pin)
+        dev = host if self.device.type == "cpu" else host.to(self.device)
+        return host, host.numpy(), dev
 
     @property
     def num_rows(self) -> int:
@@ -129,6 +144,20 @@ class InputBatch:
             prefill = PrefillMeta(v_ptab.view(npre, pre_w), v_cu, v_plens, cu.tolist(), ends[nd:].tolist())
         return ForwardBatch(v_ids.long(), v_pos.long(), v_slots.long(), nd, decode, prefill, v_logits.long())
 
+    def sampling_columns(self, seqs: list[Sequence]) -> SamplingColumns | None:
+        """The sampling parameters of seqs (one per logit row of the step's draw) gathered from their rows on the
+        device, or None when every one is greedy (the sampler then draws nothing). A sequence without a row yet
+        (a sample forked this step) gets one. Call after this step's `prepare`s: the row numbers are staged after
+        theirs and go to the device in one non-blocking copy."""
+        if all(seq.params.is_greedy for seq in seqs):
+            return None
+        rows = [self._sync(seq) for seq in seqs]
+        first = self._staged(len(rows))
+        self._stage_np[first:first + len(rows)] = rows
+        index = self._stage[first:first + len(rows)].to(self.device, non_blocking=True)
+        picked = self._sampling_dev.index_select(0, index)
+        return SamplingColumns(picked[:, 0], picked[:, 1].long(), picked[:, 2])
+
     def _staged(self, n: int) -> int:
         """Where the next n entries of the staging buffer start (grown, never shrunk, when a step needs more)."""
         if self._used + n > self._stage.numel():
@@ -144,6 +173,12 @@ class InputBatch:
         r = self._row.get(seq)
         if r is None:
             r = self._row[seq] = self._take()
+            p = seq.params
+            self._sampling_np[r] = (p.temperature, min(p.top_k, _TOP_K_CAP), p.top_p)
+            if self._sampling_dev is not self._sampling:
+                # Stream-ordered before any draw that reads it; the host row is rewritten only once the row is free
+                # again, after a later step's sampled ids were read back (so after this copy ran).
+                self._sampling_dev[r].copy_(self._sampling[r], non_blocking=True)
         table, written = seq.block_table, self._written[r]
         n = len(table)
         if n > self._tables_np.shape[1]:
@@ -182,6 +217,11 @@ class InputBatch:
         self._tables[:old.shape[0], :old.shape[1]] = old
         self._tables_np = self._tables.numpy()
         extra = R - old.shape[0]
+        old_host = self._sampling
+        self._sampling, self._sampling_np, self._sampling_dev = self._sampling_table(R)
+        self._sampling[:old.shape[0]] = old_host
+        if self._sampling_dev is not self._sampling:
+            self._sampling_dev.copy_(self._sampling)
         self._written += [0] * extra
         self._version += [-1] * extra
         self._free[:0] = range(R - 1, old.shape[0] - 1, -1)

@@ -4,6 +4,8 @@ B = batch rows (one per running request), V = vocabulary size.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from attention_nodes.sampling_params import SamplingParams
@@ -65,15 +67,17 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        columns: SamplingColumns | None = None,
     ) -> list[int]:
         """draw()'s token ids as Python ints: the batch's one host read."""
-        return host_read(self.draw(logits, params, generators))   # the one read back of a decode step
+        return host_read(self.draw(logits, params, generators, columns))   # the one read back of a decode step
 
     def draw(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        columns: SamplingColumns | None = None,
     ) -> torch.Tensor:
         """Return `[B]` int64 token ids, on logits' device; nothing is read back to the host.
 
@@ -83,6 +87,8 @@ class Sampler:
         generators: B generators, one per seeded request; None draws from torch's global RNG.
             A seeded row's q comes from its own generator only (V draws per step), so a seeded request's
             tokens do not depend on which other rows share the batch or their order.
+        columns: params' temperature, top_k and top_p as device tensors, as the engine keeps them across steps
+            (InputBatch.sampling_columns); None builds them from params.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -95,21 +101,15 @@ class Sampler:
         greedy = logits.argmax(dim=-1)
         if all(p.is_greedy for p in params):
             return greedy
-        device = logits.device
+        if columns is None:
+            columns = SamplingColumns.of(params, logits.device)
         # Step 1: temperature (1 on greedy rows, whose draw is discarded in step 4).
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        is_greedy = temp == 0
-        scaled = logits / torch.where(is_greedy, 1.0, temp).unsqueeze(1)
-        # Step 2: top-k and top-p, sorting only the random rows that ask for them.
-        filtered = [i for i, p in enumerate(params) if not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0)]
-        if filtered:
-            top_k = torch.tensor([params[i].top_k for i in filtered], dtype=torch.int64, device=device)
-            top_p = torch.tensor([params[i].top_p for i in filtered], dtype=torch.float32, device=device)
-            if len(filtered) == num_rows:
-                scaled = apply_top_k_top_p(scaled, top_k, top_p)
-            else:
-                rows = torch.tensor(filtered, dtype=torch.int64, device=device)
-                scaled.index_copy_(0, rows, apply_top_k_top_p(scaled.index_select(0, rows), top_k, top_p))
+        is_greedy = columns.temperature == 0
+        scaled = logits / torch.where(is_greedy, 1.0, columns.temperature).unsqueeze(1)
+        # Step 2: top-k and top-p over the whole batch when a random row asks for either (rows that ask for
+        # neither have k = 0 and p = 1, which keep every token).
+        if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params):
+            scaled = apply_top_k_top_p(scaled, columns.top_k, columns.top_p)
         probs = scaled.softmax(dim=-1)
         # Step 3: q ~ Exp(1). Unseeded rows share one batched draw; each seeded row overwrites its row from its
         # own generator (a loop over seeded rows only, with no host reads). Greedy rows' q is never used.
@@ -121,3 +121,19 @@ class Sampler:
                 fill_exponential(q[i], g)
         # Step 4: the race, then greedy rows keep their argmax.
         return torch.where(is_greedy, greedy, probs.div_(q).argmax(dim=-1))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingColumns:
+    """A batch's sampling parameters as `[B]` device tensors: temperature float32 (0 = greedy), top_k int64
+    (0 = off), top_p float32 (1 = off)."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], device: torch.device) -> SamplingColumns:
+        """Built from the params' Python values (one small copy to the device per column)."""
+        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))

@@ -144,7 +144,7 @@ class AttentionWorker:
             logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
         seqs = [s.seq for s in to_sample]
         tokens = self.sampler.sample(shape_logits(logits.float(), seqs, self.eos), [q.params for q in seqs],
-                                     [q.generator for q in seqs]) if seqs else []
+                                     [q.generator for q in seqs], self.inputs.sampling_columns(seqs)) if seqs else []
         token_lps = {}     # id(seq) -> the logprobs entry of its sampled token
         # best_of ranks samples by the sum of their tokens' logprobs, which the front adds up.
         wants = [i for i, q in enumerate(seqs) if q.params.logprobs is not None or q.params.num_samples > q.params.n]

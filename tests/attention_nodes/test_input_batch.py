@@ -64,7 +64,9 @@ def run(num_blocks: int, prefix_caching: bool, seed: int, micro_batches: int, ro
             prompt = (shared if rng.random() < 0.5 else []) + own
             n = rng.choice([1, 1, 3])
             params = SamplingParams(max_tokens=rng.randrange(1, 30), n=n, ignore_eos=True,
-                                    prompt_logprobs=rng.choice([None, None, 1]))
+                                    prompt_logprobs=rng.choice([None, None, 1]),
+                                    temperature=rng.choice([0.0, 0.0, 0.7, 1.5]), top_k=rng.choice([0, 5, 10**9]),
+                                    top_p=rng.choice([1.0, 0.9]))
             sched.add(Sequence.from_request(f"r{arrivals}", prompt, params, arrivals))
         if not sched.has_work:
             continue
@@ -85,10 +87,25 @@ def run(num_blocks: int, prefix_caching: bool, seed: int, micro_batches: int, ro
         for s in [s for s in to_sample if s.seq.needs_fork]:
             children = sched.fork(s, [None] * (s.seq.params.num_samples - 1))
             out.scheduled += children
+            to_sample += children
+        check_sampling_columns(inputs, [s.seq for s in to_sample])
         sampled = [rng.randrange(1, 50) if s.needs_sample else None for s in out.scheduled]
         sched.update(out, sampled, EOS, MAX_LEN)
     assert arrivals == 24 and not sched.has_work, "the run should finish every request"
     return preemptions, copies
+
+
+def check_sampling_columns(inputs: InputBatch, seqs: list[Sequence]) -> None:
+    """The columns gathered from the rows hold each sequence's own parameters (forked samples included, which
+    get their row here); None exactly when all are greedy."""
+    columns = inputs.sampling_columns(seqs)
+    if all(s.params.temperature == 0 for s in seqs):
+        assert columns is None
+        return
+    assert columns.temperature.tolist() == [torch.tensor(s.params.temperature).item() for s in seqs]
+    assert columns.top_k.tolist() == [min(s.params.top_k, 2**24) for s in seqs]
+    assert columns.top_k.dtype == torch.int64
+    assert columns.top_p.tolist() == [torch.tensor(s.params.top_p).item() for s in seqs]
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
