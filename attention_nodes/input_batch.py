@@ -217,11 +217,12 @@ class InputBatch:
         self._tables[:old.shape[0], :old.shape[1]] = old
         self._tables_np = self._tables.numpy()
         extra = R - old.shape[0]
-        old_host = self._sampling
-        self._sampling, self._sampling_np, self._sampling_dev = self._sampling_table(R)
-        self._sampling[:old.shape[0]] = old_host
-        if self._sampling_dev is not self._sampling:
-            self._sampling_dev.copy_(self._sampling)
+        if extra:
+            old_host = self._sampling
+            self._sampling, self._sampling_np, self._sampling_dev = self._sampling_table(R)
+            self._sampling[:old.shape[0]] = old_host
+            if self._sampling_dev is not self._sampling:
+                self._sampling_dev.copy_(self._sampling)
         self._written += [0] * extra
         self._version += [-1] * extra
         self._free[:0] = range(R - 1, old.shape[0] - 1, -1)
