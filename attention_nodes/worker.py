@@ -2,6 +2,8 @@
 dispatch/combine), sample, and report progress to the leader."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from comm.control import StepReport
@@ -42,6 +44,7 @@ class AttentionWorker:
         self.last_report: StepReport | None = None
         self._inflight = None
         self.is_decode_step = False   # the last step run computed only one-token decodes (or nothing)
+        self.forward_s = 0.0          # the last step's forward (wall seconds): the rest of a step is host work
 
     def adopt(self, moe: MoEContext) -> None:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
@@ -116,7 +119,9 @@ class AttentionWorker:
         self.inputs.begin_step()
         batches = [self.inputs.prepare(part, self.model.kernel_backend)
                    for part in split_micro_batches(out.scheduled, micro_batches)]
+        t0 = time.perf_counter()
         logits = self.model.forward(batches, self.kv, self.moe)
+        self.forward_s = time.perf_counter() - t0
         self._inflight = None
         # The logit rows hold, per scheduled sequence in order, its prompt-logprob rows, then its sampled row.
         to_sample, sample_rows, scored, row = [], [], [], 0

@@ -52,6 +52,7 @@ class CommStats:
         self.sync = None      # called before each clock read (now()): the device's synchronize, when timing_sync
         self.layers: dict[int, dict[str, PhaseStats]] = {}
         self.compute: dict[int, list] = {}          # layer -> [calls, seconds] of this rank's own compute
+        self.steps = [0, 0.0, 0.0]                  # attention ranks: [steps, seconds, of which in the forward]
         self.events: collections.deque = collections.deque(maxlen=max_events)
 
     def now(self) -> float:
@@ -69,6 +70,18 @@ class CommStats:
         c[0] += 1
         c[1] += end - start
         self.events.append((layer, "compute", start, end))
+
+    def add_step(self, start: float, end: float, forward_s: float) -> None:
+        """An attention rank ran one step from start to end (perf_counter), forward_s of it in the model's forward:
+        on the leader from choosing the step's work to handing its outputs over, elsewhere from the header's
+        arrival to the report gather. The rest is the step's host work (scheduling, batch metadata, sampling,
+        the header and reports)."""
+        self.steps[0] += 1
+        self.steps[1] += end - start
+        self.steps[2] += forward_s
+
+    def steps_dict(self) -> dict:
+        return {"calls": self.steps[0], "time_s": self.steps[1], "forward_s": self.steps[2]}
 
     def compute_dict(self) -> dict:
         return {str(layer): {"calls": c, "time_s": t} for layer, (c, t) in sorted(self.compute.items())}

@@ -60,7 +60,9 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
             "host_syncs": None if sync_tally is None else sync_tally.to_dict()}
     if events:
         mine["events"] = stats.events_list()
-    if not topo.is_attention:
+    if topo.is_attention:
+        mine["steps"] = stats.steps_dict()
+    else:
         mine["step_loads"] = worker.load.step_loads().tolist()
         mine["slots_moved"] = state.num_slots_moved
     every = control.gather_objects(mine)
@@ -76,8 +78,8 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
             "balancer": par.balancer, "redundant_experts": par.redundant_experts,
             "replacements": state.num_replacements,
             "slots_moved": sum(r.get("slots_moved", 0) for r in every),
-            "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "kernel_backend", "layers", "compute", "events",
-                                                         "host_syncs") if k in r}
+            "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "kernel_backend", "layers", "compute", "steps",
+                                                         "events", "host_syncs") if k in r}
                       for r in every},
             "expert_load": {"steps": steps, "layers": {str(layer): {
                 "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}

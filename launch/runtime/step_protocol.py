@@ -72,6 +72,7 @@ def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = Non
     re-formed) are idempotent: a finished step joins the step's exchanges with no tokens and re-sends its
     report, an unfinished one re-runs its batch. tally: the sync audit's, when on: the forward and sampling
     run under it; a decode step is one whose own batch is (worker.is_decode_step)."""
+    worker.forward_s = 0.0
     if header.step == worker.done_step:
         worker.join_exchanges(header.capacity, header.micro_batches)
         return worker.last_report
@@ -138,9 +139,11 @@ def lead(rt: StepRuntime, inbox, outbox, heartbeat_s: float, stop_when_idle: boo
             if stop_when_idle:
                 return PAUSE
             continue
+        t0 = time.perf_counter()
         leader.inflight = StepHeader(STEP, *leader.next_step(aborts))
         reports = guard(lambda: _step(rt))
         leader.collect(reports, outbox)
+        _timed_step(rt, t0)
         if leader.rebalance_interval and leader.step_id % leader.rebalance_interval == 0:
             guard(lambda: collective(rt, REBALANCE))
 
@@ -215,12 +218,22 @@ def _obey(rt: StepRuntime) -> str:
         _run_collective(rt, header.kind)
     elif header.kind == STEP:
         if rt.topo.is_attention:
+            t0 = time.perf_counter()
             report = run_attention_step(rt.worker, header, rt.sync_tally)
             fault_point("before_report", rt.topo.rank, header.step)
             rt.control.gather_reports(report)
+            _timed_step(rt, t0)
         else:
             run_expert_step(rt.worker, header, rt.sync_tally)
     return header.kind
+
+
+def _timed_step(rt: StepRuntime, t0: float) -> None:
+    """Count an attention rank's step that began at t0 in its comm stats (unless it has just left the data
+    plane: a rank handing its work over holds none)."""
+    moe = getattr(rt.worker, "moe", None)
+    if moe is not None:
+        moe.dispatcher.stats.add_step(t0, time.perf_counter(), rt.worker.forward_s)
 
 
 def fault_point(name: str, rank: int, step: int) -> None:

@@ -90,3 +90,17 @@ def test_comm_stats_carries_events_only_when_asked(tiny_checkpoint):
     for r in full["ranks"].values():
         assert r["events"] and all(start <= end for _, _, start, end in r["events"])
         assert r["compute"]                           # both roles time their own compute per layer
+
+
+def test_attention_ranks_time_their_steps_and_the_forward_within_them(tiny_checkpoint):
+    """comm_stats' "steps" on attention ranks: one per step the engine counted (llm.stats()["steps"], the leader's
+    own counter), the forward inside each, and at least the forward's timed compute; expert ranks have none."""
+    with LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=2, expert_ranks=1) as llm:
+        llm.generate([[3, 4, 5], [6, 7, 8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+        stats, steps = llm.comm_stats(), llm.stats()["steps"]
+    for r in ("0", "1"):
+        s, rank = stats["ranks"][r]["steps"], stats["ranks"][r]
+        assert s["calls"] == steps > 0
+        compute = sum(c["time_s"] for c in rank["compute"].values())
+        assert 0 < compute <= s["forward_s"] < s["time_s"]
+    assert "steps" not in stats["ranks"]["2"]
