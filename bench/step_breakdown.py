@@ -6,9 +6,18 @@ The attention rank's wall time splits into
 - attention-side compute: embeddings, norms, QKV/O projections, paged attention, router, LM head;
 - dispatch and combine: sending tokens to the experts and waiting for their results (this includes the expert
   ranks' FFN time, which the attention rank waits through);
-- the rest: scheduling, building the batch metadata, sampling, the step header and reports, Python overhead.
+- forward, untimed: the model's forward time (comm_stats' "steps" forward_s) that the three timers above do not
+  cover (the balancer's replica choice, switching between micro-batches);
+- host work in steps: the rest of the rank's step time (comm_stats' "steps": on the leader from choosing a step's
+  work to handing its outputs over) outside the forward: scheduling, the batch metadata, sampling, the step
+  header and reports;
+- outside steps: the rest of the wall time (taking requests in, start and end of the generate call).
 The expert ranks' lines show how much of the same wall time each spent in its grouped FFN.
 Prints the median of --repeats runs after a warm-up.
+
+--decode-batch N (e.g. 64) replaces the workload with N requests of 16 prompt tokens and 256 output tokens, all in
+flight at once: after two prefill steps every step decodes N sequences, so "host work in steps" is that of an
+N-sequence decode step.
 """
 from __future__ import annotations
 
@@ -28,7 +37,9 @@ def _totals(stats: dict) -> dict[str, dict[str, float]]:
     """rank -> {"compute", "dispatch", "combine"} seconds summed over layers."""
     out = {}
     for r, rank in stats["ranks"].items():
-        out[r] = {"role": rank["role"], "compute": sum(c["time_s"] for c in rank["compute"].values()),
+        steps = rank.get("steps", {})
+        out[r] = {"role": rank["role"], "steps": steps.get("time_s", 0.0), "forward": steps.get("forward_s", 0.0),
+                  "compute": sum(c["time_s"] for c in rank["compute"].values()),
                   "dispatch": sum(layer["dispatch"]["time_s"] for layer in rank["layers"].values()),
                   "combine": sum(layer["combine"]["time_s"] for layer in rank["layers"].values())}
     return out
@@ -42,7 +53,7 @@ def measure(llm: LLM, prompts, olens) -> dict:
     wall = time.perf_counter() - t0
     after, steps1 = _totals(llm.comm_stats()), llm.stats()["steps"]
     n = sum(len(o.token_ids) for o in outs)
-    per_rank = {r: {k: after[r][k] - before[r][k] for k in ("compute", "dispatch", "combine")} | {
+    per_rank = {r: {k: after[r][k] - before[r][k] for k in ("steps", "forward", "compute", "dispatch", "combine")} | {
         "role": after[r]["role"]} for r in after}
     return {"wall_s": wall, "steps": steps1 - steps0, "tokens": n, "ranks": per_rank}
 
@@ -56,9 +67,15 @@ def main() -> None:
     ap.add_argument("--threads-per-rank", type=int, default=None)
     ap.add_argument("--attention-ranks", type=int, default=1)
     ap.add_argument("--expert-ranks", type=int, default=2)
-    ap.add_argument("--kernel-backend", default="auto", help="auto (sdpa on CPU), sdpa or torch (the references)")
+    ap.add_argument("--kernel-backend", default="auto", help="auto (cpu where it builds, else sdpa), sdpa or torch")
+    ap.add_argument("--decode-batch", type=int, default=0,
+                    help="N > 0: N requests of 16 prompt and 256 output tokens in place of the workload")
     args = ap.parse_args()
     prompts, olens = workload(args.requests, model=args.model)
+    if args.decode_batch > 0:
+        if args.decode_batch > min(64, len(prompts)):
+            ap.error(f"--decode-batch {args.decode_batch}: at most {min(64, len(prompts))} (64 in flight)")
+        prompts, olens = [p[:16] for p in prompts[:args.decode_batch]], [256] * args.decode_batch
     A = args.attention_ranks
     with LLM(args.model, attention_ranks=A, expert_ranks=args.expert_ranks, max_num_seqs=64 // A,
              max_num_batched_tokens=512, micro_batches=args.micro_batches, threads_per_rank=args.threads_per_rank,
@@ -68,15 +85,20 @@ def main() -> None:
     run = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # the median run, whole
     wall, steps = run["wall_s"], run["steps"]
     att = run["ranks"]["0"]
-    rest = wall - att["compute"] - att["dispatch"] - att["combine"]
+    host = att["steps"] - att["forward"]
+    glue = att["forward"] - att["compute"] - att["dispatch"] - att["combine"]
+    outside = wall - att["steps"]
     rates = ", ".join(f"{r['tokens'] / r['wall_s']:.0f}" for r in runs)
     print(f"{run['tokens']} output tokens in {wall:.2f} s ({run['tokens'] / wall:.0f} tok/s; runs: {rates}), "
           f"{steps} steps, {1e3 * wall / steps:.2f} ms/step")
-    print(f"{'attention rank 0':<44} {'s':>7} {'share':>6} {'ms/step':>8}")
+    print(f"{'attention rank 0':<50} {'s':>7} {'share':>6} {'ms/step':>8}")
     for name, t in [("attention-side compute (attn, router, head)", att["compute"]),
                     ("dispatch (send + wait)", att["dispatch"]), ("combine (wait + receive)", att["combine"]),
-                    ("scheduler, batch, sampling, control, Python", rest)]:
-        print(f"  {name:<42} {t:7.2f} {100 * t / wall:5.1f}% {1e3 * t / steps:8.2f}")
+                    ("forward, untimed (balancer, micro-batch switch)", glue),
+                    ("host work in steps: scheduler, batch, sampling", host), ("outside steps", outside)]:
+        print(f"  {name:<48} {t:7.2f} {100 * t / wall:5.1f}% {1e3 * t / steps:8.2f}")
+    print(f"  host work per step: {1e3 * host / steps:.2f} ms of a {1e3 * att['steps'] / steps:.2f} ms step "
+          f"({100 * host / att['steps']:.1f}%; header, reports and Python included)")
     for r, rank in sorted(run["ranks"].items(), key=lambda kv: int(kv[0])):
         if rank["role"] == "expert":
             print(f"  expert rank {r}: grouped FFN {rank['compute']:.2f} s ({100 * rank['compute'] / wall:.1f}% of "
