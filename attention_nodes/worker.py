@@ -119,9 +119,7 @@ class AttentionWorker:
         self.inputs.begin_step()
         batches = [self.inputs.prepare(part, self.model.kernel_backend)
                    for part in split_micro_batches(out.scheduled, micro_batches)]
-        t0 = time.perf_counter()
-        logits = self.model.forward(batches, self.kv, self.moe)
-        self.forward_s = time.perf_counter() - t0
+        logits = self._forward(batches)
         self._inflight = None
         # The logit rows hold, per scheduled sequence in order, its prompt-logprob rows, then its sampled row.
         to_sample, sample_rows, scored, row = [], [], [], 0
@@ -179,7 +177,14 @@ class AttentionWorker:
         rank: one that had finished it joins its exchanges this way, so that the expert ranks and the ranks
         that had not finished it see every source (launch/runtime/step_protocol.py)."""
         self.moe.dispatcher.set_capacity(capacity)
-        self.model.forward([ForwardBatch.empty(self.device) for _ in range(micro_batches)], self.kv, self.moe)
+        self._forward([ForwardBatch.empty(self.device) for _ in range(micro_batches)])
+
+    def _forward(self, batches: list[ForwardBatch]) -> torch.Tensor:
+        """The model's forward over the micro-batches, its wall time kept in forward_s."""
+        t0 = time.perf_counter()
+        logits = self.model.forward(batches, self.kv, self.moe)
+        self.forward_s = time.perf_counter() - t0
+        return logits
 
     def report(self, outputs: list[list] | None = None) -> StepReport:
         s, pool = self.scheduler, self.block_pool

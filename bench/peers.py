@@ -165,7 +165,7 @@ def main() -> None:
         peer = run_offline(args.peer_venv, args.model, prompts, olens, args.repeats, args.num_check,
                            expect=ours_check["check_tokens"], max_num_seqs=IN_FLIGHT,
                            max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                           timed=None if args.prompts == "repeat" else timed, kv_space_gib=args.kv_space_gib)
+                           timed=timed, kv_space_gib=args.kv_space_gib)
     except TokenMismatch as e:
         sys.exit(f"peers: vLLM's greedy tokens differ from afserve {ours_check['split']}'s: {e}; no ratio is printed")
     peer.update(summarise(peer["runs"]))

@@ -72,7 +72,6 @@ def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = Non
     re-formed) are idempotent: a finished step joins the step's exchanges with no tokens and re-sends its
     report, an unfinished one re-runs its batch. tally: the sync audit's, when on: the forward and sampling
     run under it; a decode step is one whose own batch is (worker.is_decode_step)."""
-    worker.forward_s = 0.0
     if header.step == worker.done_step:
         worker.join_exchanges(header.capacity, header.micro_batches)
         return worker.last_report
