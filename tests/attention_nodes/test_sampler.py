@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attention_nodes.sampler import Sampler, apply_top_k_top_p
+from attention_nodes.sampler import Sampler, apply_top_k_top_p, argmax_rows
 from attention_nodes.sampling_params import SamplingParams
 
 
@@ -207,3 +207,18 @@ def test_sampled_frequencies_match_the_distribution(kwargs, want, seeded):
     assert sum(want) == pytest.approx(1.0)
     assert (freq - torch.tensor(want, dtype=torch.float64)).abs().max() < 0.015, freq.tolist()
     assert all(freq[t] == 0 for t in range(4) if want[t] == 0)     # filtered tokens are never drawn
+
+
+@pytest.mark.parametrize("shape", [(64, 2048), (3, 7), (1, 1), (0, 5)])
+def test_argmax_rows_matches_torch_argmax_with_ties_infinities_and_nan(shape):
+    x = make_logits(*shape, seed=41)
+    if shape[0] >= 3 and shape[1] >= 7:
+        x[0, 2] = x[0, 5] = x[0].max() + 1.0          # tie: the first index wins
+        x[1] = float("-inf")                           # a fully masked row: index 0
+        x[2, 3], x[2, 6] = float("nan"), float("inf")  # NaN counts as the maximum
+    want = x.argmax(dim=-1)
+    for t in (x, x.t().contiguous().t(), x.to(torch.bfloat16)):   # numpy path, then non-contiguous and bf16
+        got = argmax_rows(t)
+        assert got.dtype == torch.int64 and got.shape == (shape[0],)
+        assert got.tolist() == t.argmax(dim=-1).tolist()
+    assert argmax_rows(x).tolist() == want.tolist()
