@@ -13,7 +13,7 @@ from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
-from .procs import free_port, rank_main
+from .procs import Outbox, free_port, rank_main
 from .samples import Sample, chosen, split_id
 
 logger = logging.getLogger("afserve")
@@ -86,7 +86,7 @@ class LLM:
         world = self.config.parallel.world_size
         self._port = port = free_port()
         self.pools = [self.config.parallel.attention_ranks, self.config.parallel.expert_ranks]
-        self._inbox, self._outbox, self._status = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self._inbox, self._outbox, self._status = ctx.Queue(), Outbox(ctx), ctx.Queue()
         for rank in range(world):
             p = ctx.Process(target=rank_main, name=f"afserve-rank{rank}", daemon=True,
                             args=(rank, world, port, self.config, self._inbox, self._outbox, self._status))

@@ -22,7 +22,7 @@ import threading
 import time
 
 from ..llm import LLM
-from ..procs import die_with_parent
+from ..procs import Outbox, die_with_parent
 
 START_TIMEOUT_S = 60.0
 
@@ -97,9 +97,8 @@ class FrontProcess:
         """Spawn the front and return once it listens (SystemExit naming host:port when it cannot). llm_kwargs:
         the leader's LLM arguments after the model (the front checks requests against the same config)."""
         ctx = mp.get_context("spawn")
-        self.inbox, self.outbox, self._control, status = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-        # Exiting never waits to flush progress or words the front no longer reads (it may be gone).
-        self.outbox.cancel_join_thread()
+        self.inbox, self.outbox, self._control, status = ctx.Queue(), Outbox(ctx), ctx.Queue(), ctx.Queue()
+        # Exiting never waits to flush words the front no longer reads (it may be gone).
         self._control.cancel_join_thread()
         self._stopping = False
         self._exited = threading.Event()   # set by the watch thread, the only one that joins the process
@@ -109,6 +108,7 @@ class FrontProcess:
                                 args=(host, port, api_key, model_name, model, llm_kwargs, self.inbox, self.outbox,
                                       self._control, status, os.getpid()))
         self.proc.start()
+        self.outbox.close_reader()   # the front holds it now: progress for a front that is gone is dropped
         # Before multiprocessing's own exit handler, which would SIGTERM the front (ignored) and join it forever.
         atexit.register(self.kill)
         try:
