@@ -98,12 +98,18 @@ class ControlPlane:
                  num_attention_ranks: int):
         self.control, self.attention = control, attention
         self.rank, self.num_attention_ranks = rank, num_attention_ranks
+        self._sending = None    # the leader's header broadcast still in flight (settle_later)
 
-    def broadcast_header(self, header: StepHeader | None) -> StepHeader:
+    def broadcast_header(self, header: StepHeader | None, settle_later: bool = False) -> StepHeader:
         """Leader passes the header; everyone else passes None and gets it, with only its own new requests
         (`StepHeader.thin` crosses to every rank; then the leader sends each rank named in its request_ranks
-        that rank's requests, in rank order, over the control group). The leader gets its header back whole."""
-        thin = self._broadcast(None if header is None else header.thin())
+        that rank's requests, in rank order, over the control group). The leader gets its header back whole.
+        settle_later (leader): return while the broadcast is still going out (the gloo send on its own thread:
+        ~0.1 ms of a step's host work on the 2-core dev VM); the next call on this control plane waits for it
+        first (`settle`), and raises then if it failed. Only when the header fits one buffer and no rank gets
+        requests; otherwise the broadcast completes before the call returns."""
+        self.settle()
+        thin = self._broadcast(None if header is None else header.thin(), settle_later)
         if self.rank == 0:
             for r in thin.request_ranks:
                 if r != 0:
@@ -113,7 +119,13 @@ class ControlPlane:
             thin.new_requests = {str(self.rank): self.recv_object(0)}
         return thin
 
-    def _broadcast(self, header: StepHeader | None) -> StepHeader:
+    def settle(self) -> None:
+        """Wait for the leader's header broadcast still in flight, if any (raises if it failed)."""
+        if self._sending is not None:
+            sending, self._sending = self._sending, None
+            sending.wait()
+
+    def _broadcast(self, header: StepHeader | None, settle_later: bool = False) -> StepHeader:
         """One broadcast of a fixed-size buffer (8-byte length, then msgpack); a header that does not fit sends
         its tail in a second one."""
         buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
@@ -122,6 +134,9 @@ class ControlPlane:
             n = payload.numel()
             buf[:8] = torch.tensor([n], dtype=torch.int64).view(torch.uint8)
             buf[8:8 + min(n, HEADER_BYTES - 8)] = payload[:HEADER_BYTES - 8]
+            if settle_later and n <= HEADER_BYTES - 8 and not header.request_ranks:
+                self._sending = dist.broadcast(buf, src=0, group=self.control, async_op=True)
+                return header
         dist.broadcast(buf, src=0, group=self.control)
         n = int(buf[:8].view(torch.int64))
         if n > HEADER_BYTES - 8:
@@ -134,6 +149,7 @@ class ControlPlane:
 
     def gather_reports(self, report: StepReport) -> list[StepReport] | None:
         """Attention ranks only. Returns every rank's report on the leader, None elsewhere."""
+        self.settle()
         if self.num_attention_ranks == 1:
             return [report]
         every = self._gather(pack(report), self.attention, self.num_attention_ranks)
@@ -142,16 +158,19 @@ class ControlPlane:
     def gather_objects(self, obj) -> list | None:
         """Every rank of the control group sends a msgpack-able object -> the list (rank order) on rank 0,
         None elsewhere."""
+        self.settle()
         return self._gather(pack(obj), self.control, dist.get_world_size(self.control))
 
     def send_object(self, obj, dst: int) -> None:
         """A msgpack-able object to one rank of the control group (its length, then the bytes)."""
+        self.settle()
         payload = pack(obj)
         dist.send(torch.tensor([payload.numel()]), dst, group=self.control)
         dist.send(payload, dst, group=self.control)
 
     def recv_object(self, src: int):
         """What send_object sent from src."""
+        self.settle()
         size = torch.zeros(1, dtype=torch.int64)
         dist.recv(size, src, group=self.control)
         payload = torch.empty(int(size), dtype=torch.uint8)

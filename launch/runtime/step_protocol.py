@@ -155,7 +155,7 @@ def announce(rt: StepRuntime, kind: str) -> None:
 def _step(rt: StepRuntime) -> list[StepReport]:
     """The step in flight (re-sent as the leader rewrote it when the job re-formed)."""
     header = rt.leader.inflight
-    rt.control.broadcast_header(header)
+    rt.control.broadcast_header(header, settle_later=True)   # gather_reports settles it (and raises if it failed)
     return rt.control.gather_reports(run_attention_step(rt.worker, header, rt.sync_tally))
 
 

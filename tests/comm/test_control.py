@@ -101,3 +101,45 @@ def _gather_fn(rank, world, big):
         for name, f in real.items():
             setattr(dist, name, f)
     return {"reports": reports, "collectives": len(calls)}
+
+
+def test_headers_sent_to_settle_later_arrive_in_order_among_other_exchanges():
+    """The leader's step headers with settle_later (the broadcast still going out when the call returns) reach
+    every rank in order, interleaved with a header carrying requests (sent at once, with its requests), one
+    too large for a buffer (two broadcasts), report gathers and an object gather."""
+    from tests.dist_utils import run_ranks
+    got = run_ranks(_settle_later_fn, 3)
+    leader, one, two = got
+    headers = _settle_later_headers()
+    assert leader["headers"] == headers
+    for rank, g in ((1, one), (2, two)):
+        assert [h.step for h in g["headers"]] == [h.step for h in headers]
+        assert [h.aborts for h in g["headers"]] == [h.aborts for h in headers]
+        assert [h.requests_for(rank) for h in g["headers"]] == [h.requests_for(rank) for h in headers]
+    assert leader["reports"] == [[StepReport(r, s, 0, 0) for r in range(2)] for s in (1, 2, 4)]
+    assert leader["objects"] == [[0, 10, 20]]
+
+
+def _settle_later_headers() -> list[StepHeader]:
+    big = {"2": [f"request-{i:06d}" for i in range(400)]}
+    new = {"1": [{"id": "a", "prompt": [5] * 40, "params": {}}]}
+    return [StepHeader("step", 1, 64), StepHeader("step", 2, 512, new), StepHeader("step", 3, 64, {}, big),
+            StepHeader("step", 4, 64)]
+
+
+def _settle_later_fn(rank, world):
+    import torch.distributed as dist
+
+    from comm.control import ControlPlane
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    attention = dist.new_group([0, 1])
+    cp = ControlPlane(dist.group.WORLD, attention if rank < 2 else None, rank, 2)
+    out = {"headers": [], "reports": [], "objects": []}
+    for h in _settle_later_headers():
+        got = cp.broadcast_header(h if rank == 0 else None, settle_later=rank == 0)
+        out["headers"].append(got)
+        if h.step != 3 and rank < 2:
+            out["reports"].append(cp.gather_reports(StepReport(rank, h.step, 0, 0)))
+    out["objects"].append(cp.gather_objects(10 * rank))
+    out["reports"] = [r for r in out["reports"] if r is not None]
+    return out
