@@ -30,18 +30,16 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int  # seq.num_computed_tokens when scheduled
     is_fork: bool = False  # a sample forked from another entry of this step: shares its forward, computes nothing
+    # This chunk reaches the last known token, so its last forward row is sampled. Fixed when scheduled (the step
+    # reads it several times per sequence; `Scheduler.update` then appends the sampled token to the seq).
+    needs_sample: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.needs_sample = self.start + self.num_new_tokens == len(self.seq.token_ids)
 
     @classmethod
     def from_seq(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        return cls(seq=seq, num_new_tokens=num_new_tokens, start=seq.num_computed_tokens)
-
-    @property
-    def needs_sample(self) -> bool:
-        """True if this chunk reaches the last known token, so its last forward row is sampled.
-
-        Read it before `Scheduler.update`, which appends the sampled token to the seq.
-        """
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        return cls(seq, num_new_tokens, seq.num_computed_tokens)
 
 
 @dataclass(slots=True)
@@ -171,18 +169,21 @@ class Scheduler:
             seq = self._running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             assert num_new > 0, f"running request {seq.request_id!r} has no token to compute"
-            num_missing = self._num_missing_blocks(seq, num_new) + self._is_shared_tail(seq)
+            shared_tail = self._is_shared_tail(seq)   # again after each preemption: a preempted sample held it
+            num_missing = self._num_missing_blocks(seq, num_new) + shared_tail
             while not pool.can_allocate(num_missing) and self._running[-1] is not seq:
                 out.preempted.append(self._preempt_newest())
-                num_missing = self._num_missing_blocks(seq, num_new) + self._is_shared_tail(seq)
+                shared_tail = self._is_shared_tail(seq)
+                num_missing = self._num_missing_blocks(seq, num_new) + shared_tail
             if not pool.can_allocate(num_missing):
                 out.preempted.append(self._preempt_newest())  # the seq itself: its blocks go to older ones
                 break
-            if self._is_shared_tail(seq):   # copy on write: this step writes into a block other samples hold
+            if shared_tail:   # copy on write: this step writes into a block other samples hold
                 tail = seq.num_computed_tokens // pool.block_size
                 seq.replace_block(tail, pool.copy_block(seq.block_table[tail]))
                 num_missing -= 1
-            seq.block_table.extend(pool.allocate(num_missing))
+            if num_missing:
+                seq.block_table.extend(pool.allocate(num_missing))
             out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
             budget -= num_new
             i += 1
@@ -312,7 +313,7 @@ class Scheduler:
         return i < len(seq.block_table) and self.block_pool.refcount(seq.block_table[i]) > 1
 
     def _num_missing_blocks(self, seq: Sequence, num_new: int) -> int:
-        needed = self.block_pool.blocks_needed(seq.num_computed_tokens + num_new)
+        needed = -(-(seq.num_computed_tokens + num_new) // self.block_pool.block_size)
         if needed > self.block_pool.num_blocks:
             raise RuntimeError(f"request {seq.request_id!r} needs {needed} KV blocks but the pool has "
                                f"{self.block_pool.num_blocks}: raise num_blocks or lower max_model_len")
