@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from attention_nodes.sampling_params import SamplingParams
-from comm.sync_audit import host_read
+from comm.sync_audit import cpu_numpy, host_read
 
 # Cumulative sums that land within this of top_p count as reaching it, so that
 # float32 rounding of e.g. 0.5 + 0.3 does not decide whether a third token is kept.
@@ -49,10 +49,11 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax `[B]` int64 (the first maximum on ties; a NaN counts as the maximum), as
     x.argmax(dim=-1). A contiguous float32 CPU tensor goes through numpy's argmax: torch's CPU argmax over
     [64, 2048] took ~115-145 us on one thread of the 2-core dev VM, numpy's ~11 us (about as long as x.amax),
-    and on a 64-sequence decode step the greedy pick was half of sampling's host time."""
+    and on a 64-sequence decode step the greedy pick was half of sampling's host time. That path runs only on the
+    CPU, so the sync audit does not count it (comm/sync_audit.py cpu_numpy); on a GPU this is torch's argmax."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() \
             and not x.requires_grad:
-        return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64, copy=False))
+        return torch.from_numpy(np.argmax(cpu_numpy(x), axis=-1).astype(np.int64, copy=False))
     return x.argmax(dim=-1)
 
 

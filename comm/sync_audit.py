@@ -51,6 +51,15 @@ def host_read(t: torch.Tensor) -> list:
     return t.tolist()
 
 
+def cpu_numpy(t: torch.Tensor):
+    """A CPU tensor's own memory as a numpy array, for CPU-only fast paths: no device is involved, so the audit
+    does not count it (it calls the tensor's C method, under the audit's wrapper of `Tensor.numpy`). Raises for a
+    tensor on any other device: read that through `host_read`, which is counted."""
+    if t.device.type != "cpu":
+        raise ValueError(f"cpu_numpy takes a CPU tensor, got one on {t.device}; use host_read for device data")
+    return torch._C.TensorBase.numpy(t)
+
+
 def _has_mask(indices) -> bool:
     return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
 

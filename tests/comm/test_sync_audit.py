@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from comm.sync_audit import ROOT, SyncAudit, SyncTally, host_read
+from comm.sync_audit import ROOT, SyncAudit, SyncTally, cpu_numpy, host_read
 
 HERE = os.path.relpath(os.path.abspath(__file__), ROOT)
 
@@ -53,6 +53,7 @@ PLAIN = {
     "where3": lambda x, m: torch.where(m, x, -x),
     "argmax_sort_topk": lambda x, m: (x.argmax(), x.sort(), x.topk(2)),
     "to_dtype": lambda x, m: x.to(torch.float64),
+    "cpu_numpy": lambda x, m: cpu_numpy(x),        # a CPU-only fast path's view of its own memory
 }
 
 
@@ -71,6 +72,15 @@ def test_plain_ops_do_not_count(name):
     with SyncAudit() as audit:
         PLAIN[name](x, m)
     assert audit.num_syncs == 0, audit.sites
+
+
+def test_cpu_numpy_is_the_tensors_memory_and_refuses_other_devices():
+    x, _ = make_inputs()
+    view = cpu_numpy(x)
+    view[0] = 42.0
+    assert x[0] == 42.0
+    with pytest.raises(ValueError, match="use host_read"):
+        cpu_numpy(x.to("meta"))
 
 
 def test_methods_are_restored_and_other_threads_not_counted():
