@@ -30,14 +30,18 @@ class ReceivedRows:
 @dataclass(slots=True)
 class DispatchHandle:
     """What combine needs to route results back: row2token `[N_sent]` int64 source token of each sent
-    row; send_counts / recv_counts `[W]` python lists: valid rows sent to / received from each rank."""
+    row; send_counts / recv_counts `[W]` python lists: valid rows sent to / received from each rank (the
+    block sizes with the shm transport's in-band counts, whose hit/pos `[T, E]` say where each token went, as
+    comm/blocks.py place_rows gives them)."""
 
     layer: int
     num_tokens: int
-    row2token: torch.Tensor | None    # None: the rows are the tokens in order (shm, one expert rank)
+    row2token: torch.Tensor | None    # None: the rows are the tokens in order (shm, one expert rank), or hit/pos
     send_counts: list[int]
     recv_counts: list[int]
     round: int = 0          # the call's sequence number (same on every rank); the shm transport keys slots by it
+    hit: torch.Tensor | None = None
+    pos: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

@@ -1,5 +1,13 @@
 """`direct` dispatch and combine over the same-host inboxes of comm/shm.py (transport shm on CPU, cuda_ipc on
-GPUs): one message per (attention rank, expert rank) pair and direction, exact sizes, no collective."""
+GPUs): one message per (attention rank, expert rank) pair and direction, no collective.
+
+A message's row count travels on the host, in its slot's flags, so a receiver slices its rows without reading
+the device. With one expert rank a source sends its tokens in order (the count is the batch's size). With two or
+more, which tokens go where is data: counted on the host (exact sizes: bincount, then `.tolist()`) or, with
+in-band counts, placed on the device into a block of capacity + 1 rows per expert rank whose row 0 holds the
+count (comm/blocks.py, as the collective `direct` dispatcher does), so the host posts only the known block size.
+Reading counts back is a stream synchronize per MoE layer and micro-batch on a GPU, and on the CPU it is free
+while exact sizes copy and compute less: in-band counts are the default on CUDA (cuda_ipc) only."""
 from __future__ import annotations
 
 import os
@@ -8,6 +16,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from .blocks import count_of, gather_rows, place_rows, valid_places
 from .dispatcher import Dispatcher, DispatchHandle, PendingDispatch, pack_rows, pack_rows_into, plan_rows, unpack_rows
 from .shm import Inbox, Outlet, _StoreFence, make_shared_dir, slot_buffers
 
@@ -16,24 +25,30 @@ class ShmDispatcher(Dispatcher):
     """`direct` semantics over the same-host inboxes of comm/shm.py: one message per (attention rank, expert
     rank) pair and direction, exact sizes, no collective. The payloads live in host shared memory on CPU
     (transport shm) and in device memory shared through CUDA IPC on a GPU (transport cuda_ipc). `control`
-    (gloo) is used once, to set up. max_tokens bounds any source's tokens per call (the token budget)."""
+    (gloo) is used once, to set up. max_tokens bounds any source's tokens per call (the token budget).
+    in_band: with two or more expert ranks, counts travel in-band (the module's docstring); None: on CUDA.
+    Every rank must agree: the ranks' choices are gathered at set-up and in-band counts are used only if all
+    chose them."""
 
     def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
-                 control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0):
+                 control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0, in_band: bool | None = None):
         super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node)
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
         self.round = 0
         self._no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
         self.buffers = buffers = slot_buffers(self.device)
-        # Slot sizes: expert inboxes hold dispatched rows, source inboxes hold combined rows.
-        expert_slot = max_tokens * self._row_bytes()
+        # Slot sizes: expert inboxes hold dispatched rows (with in-band counts a block: the count row and
+        # max_tokens places), source inboxes hold combined rows.
+        expert_slot = (max_tokens + 1) * self._row_bytes()
         source_slot = max_tokens * hidden_size * dtype.itemsize
         directory = make_shared_dir(control, self.rank)
-        pids = [torch.zeros(1, dtype=torch.int64) for _ in range(W)]
-        dist.all_gather(pids, torch.tensor([os.getpid()]), group=control)
+        mine = self.device.type == "cuda" if in_band is None else in_band
+        every = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
+        dist.all_gather(every, torch.tensor([os.getpid(), int(mine)]), group=control)
+        self.in_band = W - S > 1 and all(int(e[1]) for e in every)
         peers = list(range(S, W)) if self.is_source else list(range(S))
-        self.peer_pids = [int(pids[p]) for p in peers]
+        self.peer_pids = [int(every[p][0]) for p in peers]
         self.peer_names = [f"rank {p}" for p in peers]
         if self.is_source:  # receives combined rows from the experts, sends them tokens as sender `rank`
             self.inbox = Inbox(directory, self.rank, W - S, depth, source_slot, buffers)
@@ -93,6 +108,16 @@ class ShmDispatcher(Dispatcher):
             handle = DispatchHandle(layer, n, None, [0] * S + [n], [0] * W, self.round)
             self.stats.phase(layer, "dispatch").add(n * B, 1, self.stats.now() - t0)
             return PendingDispatch(None, self._no_rows, None, handle, t0)
+        if self.in_band:
+            # Blocks of capacity + 1 rows per expert rank, placed on the device, the count in row 0: the host posts
+            # the block size, which it knows (combine gathers each token's results back through hit/pos).
+            C, B = self.capacity, self._row_bytes()
+            blocks, hit, pos = place_rows(hidden.contiguous().view(torch.uint8), dst_ranks - S, slots, weights,
+                                          W - S, C)
+            self._send(self.round, blocks[:(W - S) * (C + 1)], [C + 1] * (W - S))
+            handle = DispatchHandle(layer, n, None, [0] * S + [C + 1] * (W - S), [0] * W, self.round, hit, pos)
+            self.stats.phase(layer, "dispatch").add((W - S) * (C + 1) * B, W - S, self.stats.now() - t0)
+            return PendingDispatch(None, self._no_rows, None, handle, t0)
         row2token, row_dst, row_slots, row_weights = plan_rows(dst_ranks, slots, weights, W)
         send_counts = torch.bincount(row_dst, minlength=W).tolist()
         handle = DispatchHandle(layer, n, row2token, send_counts, [0] * W, self.round)
@@ -108,6 +133,16 @@ class ShmDispatcher(Dispatcher):
                                self.dtype), handle
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} dispatch (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
+        if self.in_band:
+            # Every source's block: its count row, then capacity places; places past the count get slot -1.
+            C = self.capacity
+            assert all(n == C + 1 for n, _ in slots), ([n for n, _ in slots], C)
+            blocks = torch.stack([slot[:(C + 1) * B].view(C + 1, B) for _, slot in slots])   # [S, C + 1, B]
+            rows = unpack_rows(blocks[:, 1:].reshape(-1, B), self.hidden_size, self.top_k, self.dtype)
+            rows.slots = torch.where(valid_places(count_of(blocks), C).reshape(-1, 1), rows.slots, -1)
+            handle.recv_counts = [C] * len(slots) + [0] * (self.world_size - len(slots))
+            self.stats.phase(handle.layer, "dispatch").add(0, 0, self.stats.now() - pending.t0)
+            return rows, handle
         counts = [n for n, _ in slots]
         valid = torch.cat([slot[:n * B].view(n, B) for n, slot in slots])
         handle.recv_counts = counts + [0] * (self.world_size - len(counts))
@@ -126,7 +161,9 @@ class ShmDispatcher(Dispatcher):
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
         back = [slot[:n * H * self.dtype.itemsize].view(self.dtype).view(n, H) for n, slot in slots]
-        if handle.row2token is None:    # one expert rank, one row per token in order: copied out of the slot
+        if handle.hit is not None:      # in-band counts: each expert rank's capacity rows, by where they went
+            out = gather_rows(torch.stack(back), handle.hit, handle.pos)
+        elif handle.row2token is None:  # one expert rank, one row per token in order: copied out of the slot
             out = back[0].clone()
         else:
             out = torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)

@@ -18,6 +18,7 @@ from models import SHIPPED_MODEL
 COMM_MODES = ("direct", "two_phase", "auto")
 BALANCERS = ("static", "round_robin", "random", "least_loaded")
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "collective")
+IN_BAND_COUNTS = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ROLES = ("attention", "expert")
@@ -55,6 +56,12 @@ class ParallelConfig:
                                     "(cuda_ipc; lets ranks share a GPU), gloo/NCCL collectives (collective), "
                                     "or auto (shm or cuda_ipc when they can, else collective)",
                             choices=TRANSPORTS)
+    in_band_counts: str = option("auto", "the same-host transports with two or more expert ranks: each source's "
+                                         "row count travels in its message (a fixed block of capacity + 1 rows "
+                                         "placed on the device), not read back to the host per layer (on), or "
+                                         "exact-size messages counted on the host (off); auto: on with CUDA "
+                                         "(cuda_ipc), off on CPU (shm), where the host read is free",
+                                 choices=IN_BAND_COUNTS)
     redundant_experts: int = option(0, "extra expert slots in all, for replicas of the busiest experts")
     rebalance_interval: int = option(0, "recompute the expert placement from observed load every N steps "
                                         "(0: never)")
@@ -78,6 +85,8 @@ class ParallelConfig:
             raise ValueError(f"comm={self.comm!r} is invalid: choose one of {COMM_MODES}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is invalid: choose one of {TRANSPORTS}")
+        if self.in_band_counts not in IN_BAND_COUNTS:
+            raise ValueError(f"in_band_counts={self.in_band_counts!r} is invalid: choose one of {IN_BAND_COUNTS}")
         if self.balancer not in BALANCERS:
             raise ValueError(f"balancer={self.balancer!r} is invalid: choose one of {BALANCERS}")
 

@@ -1,7 +1,8 @@
 """The direct dispatcher on real gloo ranks: dedup per (token, destination), exact routing (payloads
 encode the sender), weighted sums done on the expert side, zero-token ranks included. The collective transport
 hands an expert rank fixed-shape rows (every source's capacity rows; places past a source's count hold zeros and
-slot -1), the shm transport exactly the routed rows."""
+slot -1), and so does the shm transport with in-band counts and two or more expert ranks; otherwise the shm transport
+hands over exactly the routed rows."""
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,10 @@ def _rank_fn(rank, world, A, tokens_per_rank, seed, transport="collective"):
     E = world - A
     kw = dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),
               num_sources=A)
-    if transport == "shm":
-        d = ShmDispatcher(**kw, control=dist.group.WORLD, max_tokens=16, timeout_s=30)
+    if transport.startswith("shm"):
+        d = ShmDispatcher(**kw, control=dist.group.WORLD, max_tokens=16, timeout_s=30,
+                          in_band=transport == "shm_in_band")
+        assert d.in_band == (transport == "shm_in_band" and world - A > 1)
     else:
         d = DirectDispatcher(**kw)
     d.set_capacity(max(tokens_per_rank))
@@ -50,9 +53,10 @@ def _rank_fn(rank, world, A, tokens_per_rank, seed, transport="collective"):
     return {"out": out, "rows": rows, "stats": d.stats.to_dict(), "inputs": (hidden, dst, slots, weights)}
 
 
-@pytest.mark.parametrize("transport", ["collective", "shm"])
+@pytest.mark.parametrize("transport", ["collective", "shm", "shm_in_band"])
 @pytest.mark.parametrize("A,E,tokens", [(2, 2, [5, 7]), (1, 3, [9]), (2, 3, [0, 6]), (3, 1, [4, 0, 2])])
 def test_direct_dispatch_combine(A, E, tokens, transport):
+    blocks = transport == "collective" or transport == "shm_in_band" and E > 1   # fixed-shape blocks, counts in-band
     res = run_ranks(_rank_fn, A + E, A, tokens, 1, transport)
     for r in range(A):
         hidden, dst, slots, weights = res[r]["inputs"]
@@ -64,7 +68,7 @@ def test_direct_dispatch_combine(A, E, tokens, transport):
     for e in range(A, A + E):
         rows = res[e]["rows"]
         valid = (rows.slots >= 0).any(1)
-        if transport == "collective":
+        if blocks:
             assert rows.hidden.shape[0] == A * capacity
             assert not rows.hidden[~valid].any() and not rows.weights[~valid].any()
         rows.hidden, rows.slots = rows.hidden[valid], rows.slots[valid]
@@ -85,7 +89,7 @@ def test_direct_dispatch_combine(A, E, tokens, transport):
     for r in range(A):
         st = res[r]["stats"]["0"]["dispatch"]
         routed = sum(int((res[r]["inputs"][1] == e).any(1).sum()) for e in range(A, A + E))
-        want = E * (capacity + 1) * row_bytes if transport == "collective" else routed * row_bytes
+        want = E * (capacity + 1) * row_bytes if blocks else routed * row_bytes
         assert (st["bytes_sent"], st["messages_sent"]) == (want, E)
     for e in range(A, A + E):
         assert res[e]["stats"]["0"]["dispatch"]["messages_sent"] == 0

@@ -92,6 +92,18 @@ def test_gloo_transport_matches_transformers(tiny_checkpoint, arch, transport, a
     assert [o.token_ids for o in outs] == expected
 
 
+@pytest.mark.parametrize("arch,attention_ranks", [("qwen3_moe", 1), ("olmoe", 2)])
+def test_shm_in_band_counts_match_transformers(tiny_checkpoint, arch, attention_ranks):
+    """The same-host transport with each source's row count in its message (what cuda_ipc does on a GPU), forced on
+    the CPU: fixed blocks placed on the device, results gathered back by position."""
+    path = tiny_checkpoint(arch)
+    prompts = make_prompts(5, 256, 2, 30, seed=7)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    with LLM(path, attention_ranks=attention_ranks, expert_ranks=2, transport="shm", in_band_counts="on") as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == expected
+
+
 @pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), wider(4, 4, 2), wider(4, 4, 4)])
 def test_two_phase_matches_transformers(tiny_checkpoint, attention_ranks, expert_ranks, ranks_per_node):
     """comm='two_phase' over emulated nodes: tokens gathered per node, one message per node pair."""

@@ -78,3 +78,21 @@ def test_decode_steps_wait_on_the_host_once_on_attention_ranks_and_never_on_expe
         assert ranks[str(r)]["host_syncs"]["decode_steps"] >= 1 if A > 1 else \
             ranks[str(r)]["host_syncs"]["decode_steps"] == ranks["0"]["host_syncs"]["decode_steps"]
         assert ranks[str(r)]["host_syncs"]["max_per_decode_step"] == 0, ranks[str(r)]["host_syncs"]
+
+
+def test_the_same_host_transport_with_in_band_counts_reads_nothing_back_per_layer():
+    """transport='shm' with two expert ranks carries each source's row count in its message (in_band_counts='on',
+    the default with cuda_ipc on a GPU): a decode step reads back only the sampled ids on the attention rank and
+    nothing on expert ranks, as with the collective transport."""
+    prompts = ["ROMEO.\n", "Hamlet.\nTo be, or not to be,", "Enter", "KING."]
+    with LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=2, sync_audit=True, transport="shm",
+             in_band_counts="on", balancer="least_loaded", redundant_experts=1) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        ranks = llm.comm_stats()["ranks"]
+    (site,) = host_read_sites()
+    attention = ranks["0"]["host_syncs"]
+    assert attention["decode_steps"] >= 1
+    assert attention["max_per_decode_step"] == 1 and set(attention["sites"]) == {site}, attention
+    for r in (1, 2):
+        assert ranks[str(r)]["host_syncs"]["decode_steps"] == attention["decode_steps"]
+        assert ranks[str(r)]["host_syncs"]["max_per_decode_step"] == 0, ranks[str(r)]["host_syncs"]

@@ -20,7 +20,7 @@ from models import SHIPPED_MODEL
 VALUES = {
     "model": "/checkpoints/other", "attention_ranks": 3, "expert_ranks": 5, "ranks_per_node": 4,
     "comm": "two_phase", "balancer": "least_loaded", "micro_batches": 3, "micro_batch_min_tokens": 4,
-    "transport": "shm",
+    "transport": "shm", "in_band_counts": "on",
     "redundant_experts": 4, "rebalance_interval": 16, "comm_calibration": "/tmp/calibration.json",
     "expert_memory": 1 << 30, "block_size": 32, "kv_cache_memory": 1 << 28,
     "gpu_memory_utilization": 0.75, "num_kv_blocks": 100,
