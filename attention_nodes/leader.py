@@ -10,9 +10,14 @@ pushes per-request progress to an outbox queue. Inbox commands: ("add", request 
 ("shutdown",).
 Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
 prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
-("comm_stats", dict). Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which
-every rank joins between steps. The loop that drives all this, and the header kinds, are in
-launch/runtime/step_protocol.py; this class is the leader's request state.
+("comm_stats", dict). A request added with "stream": False (`LLM.generate`, which returns only whole outputs)
+has its progress held back for up to HOLD_STEPS steps, or until a step in which some request finishes, a streamed
+request makes progress or the leader runs out of work; the held outputs then go out, in order, in one message (one
+pickle and one pipe write for several steps instead of one per step, and the reading process wakes as rarely; the
+bound keeps what the reader has left to take in when the last request ends small).
+Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which every rank joins between
+steps. The loop that drives all this, and the header kinds, are in launch/runtime/step_protocol.py; this class
+is the leader's request state.
 """
 from __future__ import annotations
 
@@ -23,6 +28,8 @@ from comm.control import StepReport
 from .block_pool import chain_hashes
 from .sequence import request_of, sample_ids, split_sample_id
 from .worker import AttentionWorker
+
+HOLD_STEPS = 8     # at most this many steps' outputs of requests added with "stream": False are held back
 
 
 def micro_batches_for(tokens: int, configured: int, min_tokens: int) -> int:
@@ -57,6 +64,9 @@ class Leader:
         self.streamed: dict[str, dict[int, list[int]]] = {}
         self.finished: dict[str, set[int]] = {}
         self.prompt_logprobs_sent: dict[str, int] = {}
+        self.final_only: set[str] = set()    # requests added with "stream": False (see the module docstring)
+        self.held: list[list] = []           # their outputs not yet put on the outbox, in order
+        self.held_steps = 0                  # steps whose outputs are in held
         self.inflight = None             # the header of the step in flight (re-sent after a membership change)
         self.outbox = None               # set by the loop (launch/runtime/step_protocol.py); regroup ends aborted
                                          # moves here
@@ -114,7 +124,10 @@ class Leader:
         """Apply one inbox command; returns False on shutdown."""
         kind = cmd[0]
         if kind == "add":
-            self.pending.append(cmd[1])
+            req = cmd[1]
+            if not req.pop("stream", True):
+                self.final_only.add(req["id"])
+            self.pending.append(req)
         elif kind == "abort":     # a request's id, or one sample's (f"{request id}#{index}")
             rid = cmd[1]
             base = request_of(rid)
@@ -124,12 +137,12 @@ class Leader:
                 req = dropped[0]
                 done = self.finished.get(req["id"], set())
                 ids = sample_ids(req["id"], _num_samples(req))
-                outbox.put(("out", [[i, [], "abort", None, None] for n, i in enumerate(ids) if n not in done]))
+                self.put(outbox, ("out", [[i, [], "abort", None, None] for n, i in enumerate(ids) if n not in done]))
                 self._forget(req["id"])
             elif base in self.req2rank:
                 aborts.setdefault(str(self.req2rank[base]), []).append(rid)
         elif kind == "stats":
-            outbox.put(("stats", self.stats()))
+            self.put(outbox, ("stats", self.stats()))
         elif kind == "scale":           # ("scale", request): a membership change, run by the loop
             self.scales.append(dict(cmd[1]))
         elif kind == "comm_stats":      # ("comm_stats", events: bool = False): a collective, run by the loop
@@ -198,8 +211,10 @@ class Leader:
             cached.difference_update(rep.cache_evicted)   # within a step, blocks are evicted (schedule) first
             cached.update(rep.cache_added)
         outputs = [out for rep in reports for out in rep.outputs]
+        send = False
         for row_id, toks, finish, prompt_lps, _ in outputs:
             base, index = split_sample_id(row_id)
+            send = send or finish is not None or base not in self.final_only
             if base not in self.assigned:
                 continue
             if toks:
@@ -215,12 +230,27 @@ class Leader:
             else:
                 self._forget(base)
         if outputs:
-            outbox.put(("out", outputs))
+            self.held += outputs
+            self.held_steps += 1
+        if send or self.held_steps >= HOLD_STEPS or not self.has_work:
+            self.flush(outbox)
+
+    def put(self, outbox, msg: tuple) -> None:
+        """msg on the outbox after the outputs held back (so a request's messages keep their order)."""
+        self.flush(outbox)
+        outbox.put(msg)
+
+    def flush(self, outbox) -> None:
+        """Put the outputs held back on the outbox, if any."""
+        if self.held:
+            held, self.held, self.held_steps = self.held, [], 0
+            outbox.put(("out", held))
 
     def _forget(self, rid: str) -> None:
         for table in (self.open_samples, self.req2rank, self.assigned, self.streamed, self.finished,
                       self.prompt_logprobs_sent):
             table.pop(rid, None)
+        self.final_only.discard(rid)
 
     def regroup(self, keep: list[int], kv_blocks: list[int] = (), handover: dict[int, int] | None = None) -> None:
         """The attention pool is now keep (keep[i]: the old rank of new rank i, -1 for a rank that joined; rank
@@ -259,7 +289,7 @@ class Leader:
             open_ids = [i for i in range(_num_samples(req)) if i not in self.finished[rid]]
             if rid in aborted:
                 ids = sample_ids(rid, _num_samples(req))
-                self.outbox.put(("out", [[ids[i], [], "abort", None, None] for i in open_ids]))
+                self.put(self.outbox, ("out", [[ids[i], [], "abort", None, None] for i in open_ids]))
                 self._forget(rid)
                 continue
             streamed = self.streamed[rid]

@@ -1,6 +1,7 @@
 """The Python API: `LLM(model=DIR, attention_ranks=A, expert_ranks=E, **options).generate(prompts, params)`."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -180,10 +181,12 @@ class LLM:
         self.check_fits(ids, params)
         return self.enqueue(ids, params)
 
-    def enqueue(self, ids: list[int], params: SamplingParams) -> str:
-        """Queue token ids already checked by prompt_ids and check_fits; returns the request id."""
+    def enqueue(self, ids: list[int], params: SamplingParams, stream: bool = True) -> str:
+        """Queue token ids already checked by prompt_ids and check_fits; returns the request id. stream=False:
+        the leader may hold its progress back to send it in fewer messages (attention_nodes/leader.py)."""
         rid = f"req-{next(self._ids)}"
-        self._inbox.put(("add", {"id": rid, "prompt": ids, "params": params.to_dict()}))
+        req = {"id": rid, "prompt": ids, "params": params.to_dict()}
+        self._inbox.put(("add", req if stream else dict(req, stream=False)))
         return rid
 
     @property
@@ -193,8 +196,7 @@ class LLM:
 
     @property
     def outbox(self):
-        """Progress from the leader: ("out", [[request_id, [new token ids], finish_reason or None,
-        new prompt logprobs or None, new token logprobs or None], ...])."""
+        """Progress from the leader, as `submit` describes it."""
         return self._outbox
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -219,7 +221,7 @@ class LLM:
         if not self.is_leader:
             self._follow()
             return []
-        rids = [self.enqueue(i, p) for i, p in zip(ids, params)]
+        rids = [self.enqueue(i, p, stream=False) for i, p in zip(ids, params)]
         if self.runtime is not None:
             self._lead(stop_when_idle=True)
         samples = {rid: {} for rid in rids}
@@ -413,8 +415,6 @@ class LLM:
         self.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             if self._procs and not self._closed:
                 self._kill()
-        except Exception:
-            pass
