@@ -1,5 +1,5 @@
 """Membership: how the job re-forms when ranks die, join, retire or are drained, and how a leaving attention
-rank's requests are handed over. This rank's runtime is reached through `MemberRuntime` alone.
+rank's requests are handed over. This rank's runtime is reached through `MemberRuntime` (changes.py) alone.
 
 Membership generations. The job's process groups belong to a generation g: they are formed from the keys
 under "afserve/g{g}/" of one TCP store, hosted by the leader's process. When a rank dies, the survivors'
@@ -34,15 +34,12 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Protocol
 
 import msgpack
 import torch.distributed as dist
 
-from comm.topology import Topology
-
+from .changes import MemberRuntime, MembershipChange, MembershipSettings
 from .liveness import PREFIX, Heartbeat, Peers
 from .planning import MembershipError
 
@@ -50,78 +47,6 @@ JOINS = f"{PREFIX}/joins"    # the store queue that ranks wanting to join regist
 JOIN_POLL_S = 0.2    # how often the leader looks for ranks registering to join
 
 logger = logging.getLogger("afserve")
-
-
-class MemberRuntime(Protocol):
-    """What membership needs of this rank's runtime (launch/runtime/runtime.py implements it). generation:
-    the one this rank is in (-1 before its first); members: member ids by rank; topo: None before the first."""
-
-    member: int
-    generation: int
-    members: list[int]
-    topo: Topology | None
-
-    def member_info(self) -> dict:
-        """What this rank tells the leader when it checks in after a failure: its role (and expert budget)."""
-
-    def plan_generation(self, generation: int, infos: dict[int, dict], lost: list[int],
-                        joined: list[tuple[int, dict]] = (), retiring: bool = False) -> dict:
-        """Leader: the next generation's plan (launch/runtime/planning.py); MembershipError if impossible."""
-
-    def regroup(self, plan: dict) -> dict:
-        """Form the plan's generation and adopt its placement -> {"groups_s", "weights_s"}."""
-
-    def leave_generation(self) -> None:
-        """Abort and drop this generation's process groups and data plane."""
-
-    def barrier(self) -> None:
-        """Every rank of the current generation, between steps."""
-
-    def start_reshape(self) -> None:
-        """Leader, between steps: tell every rank the next generation's plan is published (RESHAPE)."""
-
-    def attention_blocks(self) -> list[tuple[int, int]]:
-        """Leader: (free, total) KV blocks of each attention rank, as it last reported."""
-
-    def send_requests(self, dst: int) -> None:
-        """A retiring attention rank: hand its live requests and their KV blocks to attention rank dst."""
-
-    def receive_requests(self, src: int) -> None:
-        """Take over what attention rank src hands over."""
-
-    def stage_experts(self, staged: list[list[int]]) -> None:
-        """An expert rank: send or receive the plan's staged experts, kept for the next generation."""
-
-
-@dataclass(slots=True, frozen=True)
-class MembershipSettings:
-    failure_s: float               # a member whose heartbeat is silent this long counts as dead
-    collective_timeout_s: float    # the longest wait for a plan or for every member to check in
-    startup_timeout_s: float       # the longest wait of a joiner for its admission
-    expert_memory: int | None      # bytes of expert weights one expert rank may hold (None: no limit)
-
-
-@dataclass(slots=True)
-class MembershipChange:
-    """One re-forming of the job, as the leader saw it (timings in seconds)."""
-
-    generation: int
-    lost: list[int]                # ranks of the old generation that were lost (or retired by a scale-in)
-    cause: str
-    lost_members: list[int] = field(default_factory=list)   # the same as members (their first ranks)
-    joined_members: list[int] = field(default_factory=list)  # members that joined
-    attention_ranks: int = 0       # the new generation's pools
-    expert_ranks: int = 0
-    detect_s: float = 0.0          # from the first failed exchange to every member accounted for (a planned
-                                   # change: from publishing the plan to every rank out of the old generation)
-    groups_s: float = 0.0          # forming the new generation's process groups and data plane
-    weights_s: float = 0.0         # expert weights copied between ranks and read from the checkpoint
-    slots_from_peers: int = 0
-    slots_from_checkpoint: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-    def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "started"}
 
 
 class Membership:

@@ -30,9 +30,10 @@ from models.checkpoint import Checkpoint
 
 from ..config import EngineConfig
 from . import collectives, memory, planning, step_protocol
+from .changes import MembershipSettings
 from .dataplane import make_data_plane
 from .liveness import PREFIX, break_connections, socket_inodes
-from .membership import Membership, MembershipSettings
+from .membership import Membership
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
 from .startup import build_attention_worker, leads_pool, load_attention_model, open_store
 
@@ -312,7 +313,7 @@ class Runtime:
         logger.info("rank %d (member %d): generation %d formed", self.topo.rank, self.member, self.generation)
         return {"groups_s": t1 - t0, "weights_s": t2 - t1}
 
-    # ----- what membership asks of this rank (membership.MemberRuntime) -------------------------------------
+    # ----- what membership asks of this rank (changes.MemberRuntime) -------------------------------------
     def member_info(self, role: str | None = None) -> dict:
         """What this rank tells the leader when it checks in after a failure or joins: its role, and for an
         expert rank the bytes it may hold in expert weights (expert_memory, else what it holds plus what is
