@@ -6,7 +6,10 @@ collectives; two_phase over gloo with two ranks per emulated node, `ranks_per_no
 least_loaded with 2 redundant expert slots), micro_batches (1, 2) and a moment:
 - "time": SIGKILL a random non-leader rank (attention or expert) 0.1-1.5 s after the requests are submitted;
 - "before_report": an attention rank SIGKILLs itself once every rank has finished the forward of a random step
-  (2-12), before the report gather (AFSERVE_FAULT, launch/runtime/step_protocol.py `fault_point`).
+  (2-12), before the report gather (AFSERVE_FAULT, launch/runtime/step_protocol.py `fault_point`);
+- "second": as "time", and a second non-leader rank (never the last expert rank) SIGKILLs itself during the
+  re-forming that follows, once it has checked in alive and before the new generation forms (fault point
+  "checked_in"): the leader has planned the generation with a rank that is gone.
 The workload: a tiny OLMoE checkpoint (built here), 12 prompts of 2-50 tokens, 64 greedy tokens each,
 `ignore_eos`, max_num_seqs 2 per attention rank. The oracle: transformers' own greedy continuation of each prompt.
 A trial is "ok" (every row equal), "lost" (a row missing or different), "hang" (the watchdog, --watchdog s, fired)
@@ -37,6 +40,7 @@ from launch import LLM, SamplingParams
 from models.tiny import make_tiny_checkpoint
 
 TOPOLOGIES = [(2, 2), (3, 2), (2, 3), (4, 2)]
+MOMENTS = ["time", "before_report", "second"]
 DATA_PLANES = [{"comm": "direct", "transport": "shm"}, {"comm": "direct", "transport": "collective"},
                {"comm": "two_phase", "transport": "collective", "ranks_per_node": 2}]
 BALANCERS = [{"balancer": "static"}, {"balancer": "least_loaded", "redundant_experts": 2}]
@@ -62,7 +66,7 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float) -> 
     A, E = rng.choice(TOPOLOGIES)
     options = {**rng.choice(DATA_PLANES), **rng.choice(BALANCERS), "micro_batches": rng.choice([1, 2]),
                "micro_batch_min_tokens": 0}
-    moment = rng.choice(["time", "before_report"])
+    moment = rng.choice(MOMENTS)
     info = {"topology": f"{A}+{E}", **options, "moment": moment}
     if moment == "before_report":
         victim, step = rng.randrange(1, A), rng.randrange(2, 13)
@@ -72,12 +76,16 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float) -> 
         victim, delay = rng.randrange(1, A + E), round(rng.uniform(0.1, 1.5), 2)
         os.environ.pop("AFSERVE_FAULT", None)
         info.update(victim=victim, delay_s=delay)
+        if moment == "second":   # any other non-leader rank that leaves an expert rank standing
+            second = rng.choice([r for r in range(1, A + E) if r != victim and (E > 2 or r < A or victim < A)])
+            os.environ["AFSERVE_FAULT"] = f"checked_in:{second}:1"
+            info.update(second=second)
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     killer = None
     try:
         with LLM(path, attention_ranks=A, expert_ranks=E, max_num_seqs=2, **options) as llm:
             rids = [llm.submit(p, params) for p in prompts]
-            if moment == "time":
+            if moment != "before_report":
                 killer = threading.Timer(delay, os.kill, (llm.worker_pids[victim], signal.SIGKILL))
                 killer.start()
             rows = {r: [] for r in rids}
@@ -98,7 +106,8 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float) -> 
             killer.cancel()
         os.environ.pop("AFSERVE_FAULT", None)
     lost = sum(rows[r] != want or ends[r] != 1 for r, want in zip(rids, expected))
-    info.update(outcome="ok" if not lost else "lost", lost=lost, requests=len(rids), landed=bool(changes))
+    info.update(outcome="ok" if not lost else "lost", lost=lost, requests=len(rids), landed=bool(changes),
+                ranks_lost=sum(len(c.get("lost", [])) for c in changes))
     if changes:
         c = changes[0]
         info["recovery_s"] = round(sum(c.get(k, 0.0) for k in ("detect_s", "groups_s", "weights_s")), 3)
@@ -128,7 +137,7 @@ def main() -> None:
             print(f"trial {i}: {json.dumps({k: v for k, v in r.items() if k != 'change'})}", flush=True)
     print("\n| trials of | trials | kills landed | requests | lost | hangs | errors | recovery median / p99 s |")
     print("|---|---|---|---|---|---|---|---|")
-    groups = [(m, lambda r, m=m: r["moment"] == m) for m in ("time", "before_report")]
+    groups = [(m, lambda r, m=m: r["moment"] == m) for m in MOMENTS]
     groups += [(plane_name(p), lambda r, p=p: plane_name(r) == plane_name(p)) for p in DATA_PLANES]
     groups += [(b["balancer"], lambda r, b=b: r["balancer"] == b["balancer"]) for b in BALANCERS]
     for label, pick in groups + [("all", lambda r: True)]:

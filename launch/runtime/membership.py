@@ -11,8 +11,9 @@ its process is gone (members on the leader's host) or it has stopped heartbeatin
 It then makes the plan of generation g + 1 (members, roles, the new expert placement and the weight copies
 that realise it: launch/runtime/planning.py) and publishes it under "afserve/g{g+1}/plan"; every member of
 g + 1 forms the new groups and adopts the placement, and the leader re-sends the header of the step that was
-in flight (launch/runtime/step_protocol.py). The leader's own death ends the job: it holds the store and the
-request state.
+in flight (launch/runtime/step_protocol.py). A member of the plan lost before g + 1 forms (every member first
+waits for all to be "ready"): the others check in again and the leader plans g + 2 without it. The leader's
+own death ends the job: it holds the store and the request state.
 
 Joining. A rank that is not a member (spawned by LLM.scale, or launched against the job's pool address:
 serve.py --role ... --pool-addr) reads the leader's settings from "afserve/config", loads what its role holds
@@ -42,11 +43,16 @@ import torch.distributed as dist
 from .changes import MemberRuntime, MembershipChange, MembershipSettings
 from .liveness import PREFIX, Heartbeat, Peers
 from .planning import MembershipError
+from .step_protocol import fault_point
 
 JOINS = f"{PREFIX}/joins"    # the store queue that ranks wanting to join register on
 JOIN_POLL_S = 0.2    # how often the leader looks for ranks registering to join
 
 logger = logging.getLogger("afserve")
+
+
+class FormingFailed(RuntimeError):
+    """A member of a planned generation was lost before the generation formed (nothing of it was formed)."""
 
 
 class Membership:
@@ -100,28 +106,46 @@ class Membership:
         self.store.set(self._key(gen, "leaving"), b"1")     # wedged members notice it (Heartbeat)
         rt.leave_generation()
         self._left_generation = gen
-        self.store.set(self._key(gen, f"alive/{self.member}"), msgpack.packb(rt.member_info()))
+        self._check_in(gen)
         gc.collect()       # after checking in (it takes ~0.1 s): the old groups' last references go, gloo closes them
         return gen
 
     def rejoin(self, cause: str) -> bool:
-        """A follower after a lost peer: wait for the leader's plan of the next generation and adopt it.
-        False: this rank is not part of it (or the job ended), leave."""
-        gen = self._leave(cause)
-        key = self._key(gen + 1, "plan")
+        """A follower after a lost peer: wait for the leader's plan of the next generation and adopt it (a plan
+        that fails to form: check in again, under its number, for the next). False: not in it, or no job; leave."""
+        gen = self._leave(cause) + 1
         rank = self._rt.topo.rank
-        try:
-            self.store.wait([key], timedelta(seconds=self.settings.collective_timeout_s))
-            plan = self._read_plan(gen + 1)
-        except Exception as e:       # the leader (and its store) is gone: the job is over
-            logger.error("rank %d (member %d): no plan for generation %d (%s); leaving", rank, self.member, gen + 1, e)
-            return False
-        if "error" in plan or self.member not in plan["members"]:
-            logger.error("rank %d (member %d): not in generation %d: %s", rank, self.member, gen + 1,
-                         plan.get("error", "left out"))
-            return False
-        self._rt.regroup(plan)
-        return True
+        fault_point("checked_in", rank, gen)   # counted alive for the next generation, gone before it forms
+        for _ in range(len(self._rt.members)):         # each failed forming loses at least one member
+            try:
+                self.store.wait([self._key(gen, "plan")], timedelta(seconds=self.settings.collective_timeout_s))
+                plan = self._read_plan(gen)
+            except Exception as e:       # the leader (and its store) is gone: the job is over
+                logger.error("rank %d (member %d): no plan for generation %d (%s); leaving", rank, self.member, gen, e)
+                return False
+            if "error" in plan or self.member not in plan["members"]:
+                logger.error("rank %d (member %d): not in generation %d: %s", rank, self.member, gen,
+                             plan.get("error", "left out"))
+                return False
+            try:
+                self._form(plan)
+                return True
+            except FormingFailed as e:
+                logger.warning("rank %d (member %d): %s; checking in again", rank, self.member, e)
+                self._check_in(gen)
+                gen += 1
+        return False
+
+    def _form(self, plan: dict) -> dict:
+        """Form the plan's generation once all its members are "ready" to (none then waits in the groups' rendezvous
+        on a dead one); FormingFailed, nothing changed here, when one's process is gone or its heartbeat stops."""
+        gen = plan["gen"]
+        self.store.set(self._key(gen, f"ready/{self.member}"), b"1")
+        _, lost = self._peers.survey(plan["members"], lambda m: {} if self.store.check([self._key(gen, f"ready/{m}")])
+                                     else None, self.settings.failure_s, self.settings.collective_timeout_s)
+        if lost:
+            raise FormingFailed(f"members {sorted(lost)} were lost before generation {gen} formed")
+        return self._rt.regroup(plan)
 
     def reform_as_leader(self, cause: str) -> None:
         """The leader after a lost peer: account for every member, plan the next generation, publish it and
@@ -129,20 +153,35 @@ class Membership:
         t0 = time.monotonic()
         gen = self._leave(cause)
         members = self._rt.members
-        alive, lost = self._peers.survey(members, lambda m: self._checked_in(gen, m), self.settings.failure_s,
-                                         self.settings.collective_timeout_s)
-        change = MembershipChange(gen + 1, [members.index(m) for m in lost], cause, sorted(lost),
-                                  detect_s=time.monotonic() - t0, started=t0)
-        try:
-            plan = self._rt.plan_generation(gen + 1, alive, lost)
-        except MembershipError as e:
-            self._publish_plan(gen + 1, {"error": str(e)})
-            raise
-        self._publish_plan(gen + 1, plan)
-        self._adopt(plan, change)
+        survey, lost = members, []
+        for _ in range(len(members)):   # a member lost before the planned generation forms: survey the rest again
+            alive, newly = self._peers.survey(survey, lambda m, g=gen: self._checked_in(g, m),
+                                              self.settings.failure_s, self.settings.collective_timeout_s)
+            lost = sorted(lost + newly)
+            change = MembershipChange(gen + 1, [members.index(m) for m in lost], cause, lost,
+                                      detect_s=time.monotonic() - t0, started=t0)
+            try:
+                plan = self._rt.plan_generation(gen + 1, alive, lost)
+            except MembershipError as e:
+                self._publish_plan(gen + 1, {"error": str(e)})
+                raise
+            self._publish_plan(gen + 1, plan)
+            try:
+                self._adopt(plan, change)
+                break
+            except FormingFailed as e:
+                logger.warning("generation %d did not form: %s; re-forming again", gen + 1, e)
+                survey, gen = list(alive), gen + 1   # everyone checks in again under the failed plan's number
+                self._check_in(gen)
+        else:
+            self._publish_plan(gen + 1, {"error": "the job kept losing members while forming; giving up"})
+            raise MembershipError("the job kept losing members while forming a new generation; giving up")
         logger.warning("generation %d: lost ranks %s; %d + %d ranks; detect %.2fs, groups %.2fs, weights %.2fs",
                        gen + 1, change.lost, change.attention_ranks, change.expert_ranks, change.detect_s,
                        change.groups_s, change.weights_s)
+
+    def _check_in(self, gen: int) -> None:
+        self.store.set(self._key(gen, f"alive/{self.member}"), msgpack.packb(self._rt.member_info()))
 
     def _checked_in(self, gen: int, member: int) -> dict | None:
         """The info a member checked in with after leaving generation gen (None: not yet)."""
@@ -151,7 +190,7 @@ class Membership:
 
     def _adopt(self, plan: dict, change: MembershipChange) -> None:
         """Leader: form the plan's generation and record the change."""
-        timings = self._rt.regroup(plan)
+        timings = self._form(plan)
         change.groups_s, change.weights_s = timings["groups_s"], timings["weights_s"]
         change.slots_from_peers, change.slots_from_checkpoint = plan["from_peers"], plan["from_checkpoint"]
         change.attention_ranks = plan["attention_ranks"]
@@ -287,7 +326,7 @@ class Membership:
         answer = self.store.get(key).decode()
         if not answer.isdigit():
             raise MembershipError(f"member {self.member} ({role}) was refused: {answer}")
-        self._rt.regroup(self._read_plan(int(answer)))
+        self._form(self._read_plan(int(answer)))
 
     def reshape(self) -> bool:
         """A follower got RESHAPE: hand over its requests if it is a leaving attention rank (or take them over),
@@ -300,7 +339,7 @@ class Membership:
         if self.member not in plan["members"]:
             logger.info("member %d: retired by a scale-in (generation %d)", self.member, gen + 1)
             return False
-        self._rt.regroup(plan)
+        self._form(plan)
         return True
 
     def _plan_handover(self, retire: list[int]) -> dict[str, int]:

@@ -237,9 +237,12 @@ def _timed_step(rt: StepRuntime, t0: float) -> None:
 
 def fault_point(name: str, rank: int, step: int) -> None:
     """Fault injection for tests and chaos runs: with AFSERVE_FAULT="name:rank:step" in the environment (ranks
-    inherit it), the rank numbered `rank` SIGKILLs itself when it reaches the point `name` in that step.
+    inherit it; several, comma-separated), the rank numbered `rank` SIGKILLs itself when it reaches the point
+    `name` in that step.
     Points: "before_report" (an attention rank that has finished its step's forward, before the report gather:
-    the other ranks have finished the step too, so a re-sent step finds them done)."""
+    the other ranks have finished the step too, so a re-sent step finds them done); "checked_in" (a follower
+    re-forming after a lost peer, once it has checked in alive for the next generation and before it forms it;
+    `step` is that generation's number: the leader plans it with this rank in it)."""
     spec = os.environ.get("AFSERVE_FAULT")
-    if spec and spec == f"{name}:{rank}:{step}":
+    if spec and f"{name}:{rank}:{step}" in spec.split(","):
         os.kill(os.getpid(), signal.SIGKILL)

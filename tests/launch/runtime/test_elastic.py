@@ -220,6 +220,37 @@ def test_attention_rank_killed_after_the_others_finished_the_step(tiny_checkpoin
     assert [rows[r] for r in rids] == expected
 
 
+@pytest.mark.parametrize("second,left", [(3, (2, 1)), wider(1, (1, 2))])
+def test_a_second_rank_lost_while_the_job_re_forms(tiny_checkpoint, monkeypatch, second, left):
+    """3+2 ranks; attention rank 2 dies before step 6's report gather, and while the job re-forms a second rank
+    (expert rank 3, or attention rank 1) dies once it has checked in alive: the leader has planned generation 1
+    with it (AFSERVE_FAULT "checked_in"). Every member first waits for all of the plan's members to be ready to
+    form it, so nobody waits in the groups' rendezvous for the dead one (that wait lasted until the collective
+    timeout): they check in again and the leader plans generation 2 without it. Every row must end, within a
+    watchdog, with transformers' tokens."""
+    path = tiny_checkpoint("olmoe")
+    prompts = make_prompts(12, 256, 2, 50, seed=1)
+    expected = hf_greedy(path, prompts, 64)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    monkeypatch.setenv("AFSERVE_FAULT", f"before_report:2:6,checked_in:{second}:1")
+    with LLM(path, attention_ranks=3, expert_ranks=2, max_num_seqs=2) as llm:
+        pids = [llm.worker_pids[2], llm.worker_pids[second]]
+        rids = [llm.submit(p, params) for p in prompts]
+        rows: dict[str, list[int]] = {r: [] for r in rids}
+        open_rows, deadline = len(rids), time.monotonic() + 90
+        while open_rows:      # _poll raises at the deadline: a hang fails here, after 90 s
+            msg = llm._poll(llm.outbox, deadline, "the second-loss test")
+            for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
+                rows[row] += toks
+                open_rows -= finish is not None
+        stats = llm.stats()
+    assert not any(alive(p) for p in pids)
+    change, = stats["membership_changes"]
+    assert change["generation"] == 2 and change["lost"] == sorted([2, second]), change
+    assert (change["attention_ranks"], change["expert_ranks"]) == left
+    assert [rows[r] for r in rids] == expected
+
+
 def test_scale_out_and_in_under_a_steady_stream(tiny_checkpoint):
     """1+2 -> 2+4 -> 1+2 while a steady stream of requests runs (about four in flight): the joining ranks take
     experts from their peers, the leaving attention rank hands its requests over with their KV blocks, the
