@@ -115,7 +115,7 @@ class Membership:
         that fails to form: check in again, under its number, for the next). False: not in it, or no job; leave."""
         gen = self._leave(cause) + 1
         rank = self._rt.topo.rank
-        fault_point("checked_in", rank, gen)   # counted alive for the next generation, gone before it forms
+        fault_point("checked_in", self.member, gen)   # counted alive for the next generation, gone before it forms
         for _ in range(len(self._rt.members)):         # each failed forming loses at least one member
             try:
                 self.store.wait([self._key(gen, "plan")], timedelta(seconds=self.settings.collective_timeout_s))

@@ -55,6 +55,7 @@ class StepRuntime(Protocol):
     sync_tally only with the sync_audit option."""
 
     config: EngineConfig
+    member: int             # this rank's number in the job's first generation (kept when ranks are renumbered)
     topo: Topology
     control: ControlPlane
     worker: object          # AttentionWorker or ExpertWorker
@@ -219,7 +220,7 @@ def _obey(rt: StepRuntime) -> str:
         if rt.topo.is_attention:
             t0 = time.perf_counter()
             report = run_attention_step(rt.worker, header, rt.sync_tally)
-            fault_point("before_report", rt.topo.rank, header.step)
+            fault_point("before_report", rt.member, header.step)
             rt.control.gather_reports(report)
             _timed_step(rt, t0)
         else:
@@ -235,14 +236,15 @@ def _timed_step(rt: StepRuntime, t0: float) -> None:
         moe.dispatcher.stats.add_step(t0, time.perf_counter(), rt.worker.forward_s)
 
 
-def fault_point(name: str, rank: int, step: int) -> None:
-    """Fault injection for tests and chaos runs: with AFSERVE_FAULT="name:rank:step" in the environment (ranks
-    inherit it; several, comma-separated), the rank numbered `rank` SIGKILLs itself when it reaches the point
-    `name` in that step.
+def fault_point(name: str, member: int, step: int) -> None:
+    """Fault injection for tests and chaos runs: with AFSERVE_FAULT="name:member:step" in the environment (ranks
+    inherit it; several, comma-separated), the rank of that member (its rank number in the job's first
+    generation, kept when a re-forming renumbers the ranks, so a re-sent step does not kill the rank that took the
+    number over) SIGKILLs itself when it reaches the point `name` in that step.
     Points: "before_report" (an attention rank that has finished its step's forward, before the report gather:
     the other ranks have finished the step too, so a re-sent step finds them done); "checked_in" (a follower
     re-forming after a lost peer, once it has checked in alive for the next generation and before it forms it;
     `step` is that generation's number: the leader plans it with this rank in it)."""
     spec = os.environ.get("AFSERVE_FAULT")
-    if spec and f"{name}:{rank}:{step}" in spec.split(","):
+    if spec and f"{name}:{member}:{step}" in spec.split(","):
         os.kill(os.getpid(), signal.SIGKILL)
