@@ -9,7 +9,10 @@ least_loaded with 2 redundant expert slots), micro_batches (1, 2) and a moment:
   (2-12), before the report gather (AFSERVE_FAULT, launch/runtime/step_protocol.py `fault_point`);
 - "second": as "time", and a second non-leader rank (never the last expert rank) SIGKILLs itself during the
   re-forming that follows, once it has checked in alive and before the new generation forms (fault point
-  "checked_in"): the leader has planned the generation with a rank that is gone.
+  "checked_in"): the leader has planned the generation with a rank that is gone;
+- "stop": SIGSTOP a random non-leader rank 0.1-1.5 s in (it lives and keeps its connections, so no exchange
+  fails: the leader's heartbeat watch must find it silent for rank_failure_s); SIGKILLed when the trial ends.
+--moments draws from a subset (the draws of the others stay as they were with the same list).
 The workload: a tiny OLMoE checkpoint (built here), 12 prompts of 2-50 tokens, 64 greedy tokens each,
 `ignore_eos`, max_num_seqs 2 per attention rank. The oracle: transformers' own greedy continuation of each prompt.
 A trial is "ok" (every row equal), "lost" (a row missing or different), "hang" (the watchdog, --watchdog s, fired)
@@ -17,11 +20,12 @@ or "error" (generate raised). A kill that landed after the work was done re-form
 Printed: a table of trials per moment, per data plane and per balancer, and of all, with kills landed,
 requests, lost, hangs, errors, and the median and p99 recovery (detect + groups + weights of the membership
 change). --out writes every trial as JSON.
-Run: python bench/chaos.py [--trials 20] [--seed 0] [--watchdog 60] [--out FILE]
+Run: python bench/chaos.py [--trials 20] [--seed 0] [--watchdog 60] [--moments time,second] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -40,7 +44,7 @@ from launch import LLM, SamplingParams
 from models.tiny import make_tiny_checkpoint
 
 TOPOLOGIES = [(2, 2), (3, 2), (2, 3), (4, 2)]
-MOMENTS = ["time", "before_report", "second"]
+MOMENTS = ["time", "before_report", "second", "stop"]
 DATA_PLANES = [{"comm": "direct", "transport": "shm"}, {"comm": "direct", "transport": "collective"},
                {"comm": "two_phase", "transport": "collective", "ranks_per_node": 2}]
 BALANCERS = [{"balancer": "static"}, {"balancer": "least_loaded", "redundant_experts": 2}]
@@ -62,11 +66,11 @@ def greedy_oracle(path: str, prompts: list[list[int]]) -> list[list[int]]:
                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
 
 
-def trial(path: str, prompts, expected, rng: random.Random, watchdog: float) -> dict:
+def trial(path: str, prompts, expected, rng: random.Random, watchdog: float, moments: list[str]) -> dict:
     A, E = rng.choice(TOPOLOGIES)
     options = {**rng.choice(DATA_PLANES), **rng.choice(BALANCERS), "micro_batches": rng.choice([1, 2]),
                "micro_batch_min_tokens": 0}
-    moment = rng.choice(MOMENTS)
+    moment = rng.choice(moments)
     info = {"topology": f"{A}+{E}", **options, "moment": moment}
     if moment == "before_report":
         victim, step = rng.randrange(1, A), rng.randrange(2, 13)
@@ -85,19 +89,27 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float) -> 
     try:
         with LLM(path, attention_ranks=A, expert_ranks=E, max_num_seqs=2, **options) as llm:
             rids = [llm.submit(p, params) for p in prompts]
+            pid = llm.worker_pids[victim]
             if moment != "before_report":
-                killer = threading.Timer(delay, os.kill, (llm.worker_pids[victim], signal.SIGKILL))
+                sig = signal.SIGSTOP if moment == "stop" else signal.SIGKILL
+                killer = threading.Timer(delay, os.kill, (pid, sig))
                 killer.start()
             rows = {r: [] for r in rids}
             ends = {r: 0 for r in rids}
             open_rows, deadline = len(rids), time.monotonic() + watchdog
-            while open_rows:
-                msg = llm._poll(llm.outbox, deadline, "the chaos trial")
-                for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
-                    rows[row] += toks
-                    ends[row] += finish is not None
-                    open_rows -= finish is not None
-            changes = llm.stats()["membership_changes"]
+            try:
+                while open_rows:
+                    msg = llm._poll(llm.outbox, deadline, "the chaos trial")
+                    for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
+                        rows[row] += toks
+                        ends[row] += finish is not None
+                        open_rows -= finish is not None
+                changes = llm.stats()["membership_changes"]
+            finally:
+                if moment == "stop":   # before the LLM shuts down (it would wait for the stopped process)
+                    killer.cancel()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
     except RuntimeError as e:
         info.update(outcome="hang" if "timed out" in str(e) else "error", detail=str(e)[:300])
         return info
@@ -120,8 +132,12 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--watchdog", type=float, default=60.0, help="seconds a trial may take before it is a hang")
+    ap.add_argument("--moments", default=",".join(MOMENTS), help=f"comma-separated, from {','.join(MOMENTS)}")
     ap.add_argument("--out", help="write every trial as JSON here")
     args = ap.parse_args()
+    moments = args.moments.split(",")
+    if not moments or any(m not in MOMENTS for m in moments):
+        ap.error(f"--moments {args.moments!r}: pick from {','.join(MOMENTS)}")
     rng = random.Random(args.seed)
     g = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist()
@@ -132,12 +148,12 @@ def main() -> None:
         expected = greedy_oracle(path, prompts)
         results = []
         for i in range(args.trials):
-            r = trial(path, prompts, expected, rng, args.watchdog)
+            r = trial(path, prompts, expected, rng, args.watchdog, moments)
             results.append(r)
             print(f"trial {i}: {json.dumps({k: v for k, v in r.items() if k != 'change'})}", flush=True)
     print("\n| trials of | trials | kills landed | requests | lost | hangs | errors | recovery median / p99 s |")
     print("|---|---|---|---|---|---|---|---|")
-    groups = [(m, lambda r, m=m: r["moment"] == m) for m in MOMENTS]
+    groups = [(m, lambda r, m=m: r["moment"] == m) for m in moments]
     groups += [(plane_name(p), lambda r, p=p: plane_name(r) == plane_name(p)) for p in DATA_PLANES]
     groups += [(b["balancer"], lambda r, b=b: r["balancer"] == b["balancer"]) for b in BALANCERS]
     for label, pick in groups + [("all", lambda r: True)]:

@@ -17,8 +17,9 @@ def test_two_seeded_trials_lose_nothing(tmp_path):
     # once it has checked in for generation 1 ("second"); 2+2 direct over shm, least_loaded with 2 redundant slots,
     # 2 micro-batches, attention rank 1 SIGKILLed 0.19 s in ("time"). Both kills land early, well before the work
     # is done on a loaded machine too.
-    done = subprocess.run([sys.executable, SCRIPT, "--trials", "2", "--seed", "207", "--watchdog", "90", "--out",
-                           str(out)], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, SCRIPT, "--trials", "2", "--seed", "207", "--watchdog", "90",
+                           "--moments", "time,before_report,second", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     trials = json.loads(out.read_text())["trials"]
     assert sorted(t["moment"] for t in trials) == ["second", "time"], trials
