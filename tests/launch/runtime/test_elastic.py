@@ -19,20 +19,22 @@ from tests.dist_utils import alive
 MAX_NEW = 24
 
 
-def _stream(llm: LLM, prompts, params, kill_pid: int | None, after_tokens: int) -> list[list[int]]:
-    """Submit prompts, SIGKILL kill_pid once after_tokens tokens have streamed in, collect every output."""
-    rids, rows = _stream_rows(llm, prompts, [params] * len(prompts), kill_pid, after_tokens)
+def _stream(llm: LLM, prompts, params, kill_pid: int | None, after_tokens: int, deadline_s: float = 240
+            ) -> list[list[int]]:
+    """Submit prompts, SIGKILL kill_pid once after_tokens tokens have streamed in, collect every output (a hang
+    fails after deadline_s)."""
+    rids, rows = _stream_rows(llm, prompts, [params] * len(prompts), kill_pid, after_tokens, deadline_s)
     return [rows[r]["tokens"] for r in rids]
 
 
-def _stream_rows(llm: LLM, prompts, params, kill_pid: int | None, after_tokens: int
+def _stream_rows(llm: LLM, prompts, params, kill_pid: int | None, after_tokens: int, deadline_s: float = 240
                  ) -> tuple[list[str], dict[str, dict]]:
     """Like _stream -> (request ids, per reported row id: its tokens, finish reason and prompt-logprob entries;
     a sample of an n > 1 request reports as f"{id}#{index}"). A row that reports after it finished fails."""
     rids = [llm.submit(p, q) for p, q in zip(prompts, params)]
     open_rows = sum(q.num_samples for q in params)
     rows: dict[str, dict] = {}
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + deadline_s
     while open_rows:
         msg = llm._poll(llm.outbox, deadline, "the elastic test")
         if msg[0] != "out":
@@ -208,19 +210,12 @@ def test_attention_rank_killed_after_the_others_finished_the_step(tiny_checkpoin
     with LLM(path, attention_ranks=3, expert_ranks=2, max_num_seqs=2, micro_batches=micro_batches,
              micro_batch_min_tokens=0) as llm:
         pid = llm.worker_pids[victim]
-        rids = [llm.submit(p, params) for p in prompts]
-        rows: dict[str, list[int]] = {r: [] for r in rids}
-        open_rows, deadline = len(rids), time.monotonic() + 90
-        while open_rows:      # _poll raises at the deadline: a hang fails here, after 90 s
-            msg = llm._poll(llm.outbox, deadline, "the re-sent step test")
-            for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
-                rows[row] += toks
-                open_rows -= finish is not None
+        got = _stream(llm, prompts, params, None, 0, deadline_s=90)   # a hang fails here, after 90 s
         stats = llm.stats()
     assert not alive(pid)
     change, = stats["membership_changes"]
     assert change["lost"] == [victim] and (change["attention_ranks"], change["expert_ranks"]) == (2, 2)
-    assert [rows[r] for r in rids] == expected
+    assert got == expected
 
 
 @pytest.mark.parametrize("second,left", [(3, (2, 1)), wider(1, (1, 2))])
@@ -238,20 +233,13 @@ def test_a_second_rank_lost_while_the_job_re_forms(tiny_checkpoint, monkeypatch,
     monkeypatch.setenv("AFSERVE_FAULT", f"before_report:2:6,checked_in:{second}:1")
     with LLM(path, attention_ranks=3, expert_ranks=2, max_num_seqs=2) as llm:
         pids = [llm.worker_pids[2], llm.worker_pids[second]]
-        rids = [llm.submit(p, params) for p in prompts]
-        rows: dict[str, list[int]] = {r: [] for r in rids}
-        open_rows, deadline = len(rids), time.monotonic() + 90
-        while open_rows:      # _poll raises at the deadline: a hang fails here, after 90 s
-            msg = llm._poll(llm.outbox, deadline, "the second-loss test")
-            for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
-                rows[row] += toks
-                open_rows -= finish is not None
+        got = _stream(llm, prompts, params, None, 0, deadline_s=90)   # a hang fails here, after 90 s
         stats = llm.stats()
     assert not any(alive(p) for p in pids)
     change, = stats["membership_changes"]
     assert change["generation"] == 2 and change["lost"] == sorted([2, second]), change
     assert (change["attention_ranks"], change["expert_ranks"]) == left
-    assert [rows[r] for r in rids] == expected
+    assert got == expected
 
 
 def test_scale_out_and_in_under_a_steady_stream(tiny_checkpoint):
