@@ -252,15 +252,24 @@ class Leader:
             table.pop(rid, None)
         self.final_only.discard(rid)
 
-    def regroup(self, keep: list[int], kv_blocks: list[int] = (), handover: dict[int, int] | None = None) -> None:
+    def regroup(self, keep: list[int], kv_blocks: list[int] = (), handover: dict[int, int] | None = None,
+                held: dict[int, list[str]] | None = None) -> None:
         """The attention pool is now keep (keep[i]: the old rank of new rank i, -1 for a rank that joined; rank
         0 stays); kv_blocks: the KV pool size of each joining rank, in order. handover: old rank -> the old
         rank that took over its requests (a graceful scale-in: they stay there). Requests of the other ranks
         that left (lost) go back to the front of the queue, resumed from the tokens they have streamed (the
         step in flight never reported its tokens, so they are computed again); the in-flight header and every
-        per-rank table move to the new rank numbers. Aborts for a moved request end it here."""
+        per-rank table move to the new rank numbers. Aborts for a moved request end it here. held: old rank -> the
+        requests it holds, as the ranks said after a planned change failed between steps (a handover may have
+        moved some, or dropped them on the way): each request is where a rank holds it, and one that no rank
+        holds goes back to the queue like a lost rank's."""
         new_rank = {old: new for new, old in enumerate(keep) if old >= 0}
         handover = handover or {}
+        if held is not None:
+            assert self.inflight is None, "held requests are reconciled between steps only"
+            where = {rid: r for r, ids in held.items() for rid in ids}
+            for rid in self.req2rank:
+                self.req2rank[rid] = where.get(rid, -1)
         for rid, rank in self.req2rank.items():
             if rank in handover:
                 self.req2rank[rid] = handover[rank]

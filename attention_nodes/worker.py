@@ -63,10 +63,19 @@ class AttentionWorker:
         return self._arrivals
 
     def hand_over(self) -> tuple[dict, torch.Tensor]:
-        """This rank leaves: its live sequences and their KV blocks, for the rank that takes them over."""
+        """This rank leaves: its live sequences and their KV blocks (copied out), for the rank that takes them
+        over. They are dropped here at once (no output), so that if the change fails before the other rank has
+        taken them, no rank holds them and the leader resumes them elsewhere (held_requests)."""
         packed = pack_sequences(self)
+        for rid in self.held_requests():
+            self.scheduler.abort(rid)
         self.inputs.clear()
         return packed
+
+    def held_requests(self) -> list[str]:
+        """The ids of the requests this rank holds (running or waiting; a request's, not its samples')."""
+        seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return sorted({s.group_id or s.request_id for s in seqs})
 
     def take_over(self, meta: dict, kv: torch.Tensor) -> None:
         """Take the sequences a leaving rank handed over (with their KV blocks where they fit)."""

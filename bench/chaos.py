@@ -12,6 +12,15 @@ least_loaded with 2 redundant expert slots), micro_batches (1, 2) and a moment:
   "checked_in"): the leader has planned the generation with a rank that is gone;
 - "stop": SIGSTOP a random non-leader rank 0.1-1.5 s in (it lives and keeps its connections, so no exchange
   fails: the leader's heartbeat watch must find it silent for rank_failure_s); SIGKILLed when the trial ends.
+- "handover": once 30-400 tokens have streamed, a scale-in retires a random non-leader attention rank, which hands
+  its requests and KV blocks over; a rank SIGKILLs itself during the change: the retiring one after sending the
+  requests' list and before their KV ("mid_handover"), or it or another non-leader rank on the RESHAPE header
+  ("reshape") or after the handover, before the ranks leave the old generation together ("handed_over");
+- "scale": as "handover", a scale-out by one attention or expert rank, or a scale-in by one expert rank; the
+  spawned joiner SIGKILLs itself once admitted, before the new generation forms ("admitted"), or a non-leader
+  member at "reshape" or "handed_over". The change is given up and the job re-forms from the survivors; the
+  scale request is asked again, and refused (saying a rank was lost) when it now lacks a joiner: that counts as
+  a correct answer, any other refusal as an error.
 --moments draws from a subset (the draws of the others stay as they were with the same list).
 The workload: a tiny OLMoE checkpoint (built here), 12 prompts of 2-50 tokens, 64 greedy tokens each,
 `ignore_eos`, max_num_seqs 2 per attention rank. The oracle: transformers' own greedy continuation of each prompt.
@@ -44,7 +53,8 @@ from launch import LLM, SamplingParams
 from models.tiny import make_tiny_checkpoint
 
 TOPOLOGIES = [(2, 2), (3, 2), (2, 3), (4, 2)]
-MOMENTS = ["time", "before_report", "second", "stop"]
+MOMENTS = ["time", "before_report", "second", "stop", "handover", "scale"]
+CHANGE_MOMENTS = ("handover", "scale")
 DATA_PLANES = [{"comm": "direct", "transport": "shm"}, {"comm": "direct", "transport": "collective"},
                {"comm": "two_phase", "transport": "collective", "ranks_per_node": 2}]
 BALANCERS = [{"balancer": "static"}, {"balancer": "least_loaded", "redundant_experts": 2}]
@@ -84,26 +94,37 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float, mom
             second = rng.choice([r for r in range(1, A + E) if r != victim and (E > 2 or r < A or victim < A)])
             os.environ["AFSERVE_FAULT"] = f"checked_in:{second}:1"
             info.update(second=second)
+        if moment in CHANGE_MOMENTS:
+            scale, point, victim = draw_change(rng, moment, A, E)
+            os.environ["AFSERVE_FAULT"] = f"{point}:{victim}:1"
+            info.update(scale=scale, point=point, victim=victim, after_tokens=rng.randrange(30, 400))
+            info.pop("delay_s")
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     killer = None
     try:
         with LLM(path, attention_ranks=A, expert_ranks=E, max_num_seqs=2, **options) as llm:
             rids = [llm.submit(p, params) for p in prompts]
-            pid = llm.worker_pids[victim]
-            if moment != "before_report":
+            pid = llm.worker_pids[victim] if victim < A + E else None   # a joiner is spawned later
+            if moment not in ("before_report",) + CHANGE_MOMENTS:
                 sig = signal.SIGSTOP if moment == "stop" else signal.SIGKILL
                 killer = threading.Timer(delay, os.kill, (pid, sig))
                 killer.start()
             rows = {r: [] for r in rids}
             ends = {r: 0 for r in rids}
             open_rows, deadline = len(rids), time.monotonic() + watchdog
+            asked, answer = moment not in CHANGE_MOMENTS, None
             try:
-                while open_rows:
+                while open_rows or (asked and moment in CHANGE_MOMENTS and answer is None):
                     msg = llm._poll(llm.outbox, deadline, "the chaos trial")
+                    if msg[0] == "scale":
+                        answer = msg[1]
                     for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
                         rows[row] += toks
                         ends[row] += finish is not None
                         open_rows -= finish is not None
+                    if not asked and sum(map(len, rows.values())) >= info["after_tokens"]:
+                        llm.request_scale(**info["scale"])
+                        asked = True
                 changes = llm.stats()["membership_changes"]
             finally:
                 if moment == "stop":   # before the LLM shuts down (it would wait for the stopped process)
@@ -118,13 +139,41 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float, mom
             killer.cancel()
         os.environ.pop("AFSERVE_FAULT", None)
     lost = sum(rows[r] != want or ends[r] != 1 for r, want in zip(rids, expected))
-    info.update(outcome="ok" if not lost else "lost", lost=lost, requests=len(rids), landed=bool(changes),
-                ranks_lost=sum(len(c.get("lost", [])) for c in changes))
-    if changes:
-        c = changes[0]
+    failures = [c for c in changes if c["cause"] != "scale"]   # a planned change's own record is not a failure's
+    outcome = "ok" if not lost else "lost"
+    if answer is not None:
+        info["answer"] = answer.get("error", "done")
+        if "error" in answer and "a rank was lost while the job changed" not in answer["error"]:
+            outcome = "error"
+    info.update(outcome=outcome, lost=lost, requests=len(rids), landed=bool(failures),
+                ranks_lost=sum(len(c.get("lost", [])) for c in failures))
+    if failures:
+        c = failures[0]
         info["recovery_s"] = round(sum(c.get(k, 0.0) for k in ("detect_s", "groups_s", "weights_s")), 3)
         info["change"] = c
     return info
+
+
+def draw_change(rng: random.Random, moment: str, A: int, E: int) -> tuple[dict, str, int]:
+    """A "handover" or "scale" trial's scale request (request_scale's arguments), its fault point and the member
+    that dies there (never the leader, never the last expert rank; the first joiner spawned is member A + E)."""
+    if moment == "handover":
+        kind, retiring = "retire", rng.randrange(1, A)
+        scale = {"retire": [retiring]}
+    else:
+        kind = rng.choice(["attention+1", "expert+1"] + (["expert-1"] if E > 2 else []))
+        retiring = A + E - 1 if kind == "expert-1" else None
+        scale = {"attention_ranks": A + 1} if kind == "attention+1" else \
+            {"expert_ranks": E + (1 if "+" in kind else -1)}
+    staying_experts = E - (retiring is not None and retiring >= A)
+    members = [r for r in range(1, A + E) if r < A or staying_experts > 1 or r == retiring]
+    points = [("reshape", r) for r in members] + [("handed_over", r) for r in members]
+    if moment == "handover":
+        points += [("mid_handover", retiring)] * len(members)   # as likely as the rest together
+    elif "+" in kind:
+        points += [("admitted", A + E)] * len(members)
+    point, victim = rng.choice(points)
+    return scale, point, victim
 
 
 def main() -> None:

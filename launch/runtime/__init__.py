@@ -7,7 +7,8 @@
 - planning.py: the placement and plan of a generation (pure functions over the job's state)
 - collectives.py: the between-step collectives (live re-placement, stats gathering)
 - step_protocol.py: the steady-state step loops of the leader and every other rank
-- membership.py: re-forming after a loss, joining, scaling, draining and the handover's orchestration
+- generations.py: forming a generation, re-forming after a loss
+- membership.py: joining, scaling, draining, the handover's orchestration, a failure during one of them
 - liveness.py: heartbeats, and where each member's process runs
 """
 from .runtime import RankInfo, Runtime

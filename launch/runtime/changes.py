@@ -48,6 +48,7 @@ class MemberRuntime(Protocol):
     generation: int
     members: list[int]
     topo: Topology | None
+    left: bool              # this rank has left its generation (and not formed the next yet)
 
     def member_info(self) -> dict:
         """What this rank tells the leader when it checks in after a failure: its role (and expert budget)."""
@@ -79,3 +80,6 @@ class MemberRuntime(Protocol):
 
     def stage_experts(self, staged: list[list[int]]) -> None:
         """An expert rank: send or receive the plan's staged experts, kept for the next generation."""
+
+    def abandon_change(self) -> None:
+        """A planned change failed before its generation formed: drop what was staged for it."""

@@ -1,19 +1,6 @@
-"""Membership: how the job re-forms when ranks die, join, retire or are drained, and how a leaving attention
-rank's requests are handed over. This rank's runtime is reached through `MemberRuntime` (changes.py) alone.
-
-Membership generations. The job's process groups belong to a generation g: they are formed from the keys
-under "afserve/g{g}/" of one TCP store, hosted by the leader's process. When a rank dies, the survivors'
-next exchange with it fails (gloo raises from its TCP pairs; the shm transport sees the process gone), and
-each survivor leaves generation g: it wakes its shm peers, aborts its process groups (which in turn breaks
-the exchanges of ranks still waiting on it, so every survivor leaves within moments), and checks in under
-"afserve/g{g}/alive/{member}". The leader waits until every member of g has checked in or is known dead:
-its process is gone (members on the leader's host) or it has stopped heartbeating (launch/runtime/liveness.py).
-It then makes the plan of generation g + 1 (members, roles, the new expert placement and the weight copies
-that realise it: launch/runtime/planning.py) and publishes it under "afserve/g{g+1}/plan"; every member of
-g + 1 forms the new groups and adopts the placement, and the leader re-sends the header of the step that was
-in flight (launch/runtime/step_protocol.py). A member of the plan lost before g + 1 forms (every member first
-waits for all to be "ready"): the others check in again and the leader plans g + 2 without it. The leader's
-own death ends the job: it holds the store and the request state.
+"""Membership changes that nobody failed: ranks joining, scaling and draining, and how a leaving attention rank's
+requests are handed over; built on generations.py (forming a generation, re-forming after a failure). This
+rank's runtime is reached through `MemberRuntime` (changes.py) alone.
 
 Joining. A rank that is not a member (spawned by LLM.scale, or launched against the job's pool address:
 serve.py --role ... --pool-addr) reads the leader's settings from "afserve/config", loads what its role holds
@@ -28,6 +15,11 @@ Planned changes (scaling, draining). On RESHAPE every rank reads the published p
 rank hands its requests and KV blocks to the rank the plan names, retiring expert ranks send the experts only
 they hold to the staying ranks that take them, every rank leaves the current generation together, and the
 members of the next one form it (the retired ones exit).
+A failure during a planned change (a rank lost in the old generation's exchanges, or before the new one forms)
+gives the new generation up and re-forms from the old one's survivors (retiring ranks too); the requests stay
+where the attention ranks say they hold them (a retiring rank drops what it hands over, so one lost on the way
+resumes elsewhere), the joiners register again, and the leader asks the scale request again: it is carried out
+if it still can be, else refused, saying a rank was lost.
 """
 from __future__ import annotations
 
@@ -41,162 +33,38 @@ import msgpack
 import torch.distributed as dist
 
 from .changes import MemberRuntime, MembershipChange, MembershipSettings
-from .liveness import PREFIX, Heartbeat, Peers
+from .generations import FormingFailed, Generations, failure_of
+from .liveness import PREFIX
 from .planning import MembershipError
 from .step_protocol import fault_point
 
 JOINS = f"{PREFIX}/joins"    # the store queue that ranks wanting to join register on
 JOIN_POLL_S = 0.2    # how often the leader looks for ranks registering to join
+REJOIN_GRACE_S = 5.0   # after a planned change failed, how long its retry waits for the joiners to register again
 
 logger = logging.getLogger("afserve")
 
 
-class FormingFailed(RuntimeError):
-    """A member of a planned generation was lost before the generation formed (nothing of it was formed)."""
-
-
-class Membership:
-    """This rank's side of membership changes. `changes`: the leader's record of them."""
+class Membership(Generations):
+    """This rank's side of membership changes: failures (Generations) and planned changes."""
 
     poll_s = JOIN_POLL_S
 
     def __init__(self, runtime: MemberRuntime, store: dist.Store, host: str, port: int,
                  settings: MembershipSettings):
-        self._rt, self.store, self.member = runtime, store, runtime.member
-        self.settings = settings
-        self.changes: list[MembershipChange] = []
-        self._left_generation = -1       # the last generation this rank has left
-        self._peers = Peers(store, self.member)
+        super().__init__(runtime, store, host, port, settings)
         self._waiting: list[tuple[int, dict]] = []   # leader: registered joiners not admitted yet
         self._last_poll = 0.0
-        self._heartbeat = Heartbeat(host, port, self.member, lambda: (runtime.generation, self._left_generation),
-                                    lambda: runtime.interrupt_generation(port), runtime.watched_members,
-                                    settings.failure_s, settings.startup_timeout_s, max(10.0, 3 * settings.failure_s))
 
     @property
     def has_joiners(self) -> bool:
         """Leader: ranks have registered to join and wait for admission."""
         return bool(self._waiting)
 
-    def close(self) -> None:
-        self._heartbeat.stop.set()
-
-    # ----- the store ----------------------------------------------------------------------------------------
-    def _key(self, generation: int, name: str) -> str:
-        return f"{PREFIX}/g{generation}/{name}"
-
-    def _publish_plan(self, generation: int, plan: dict) -> None:
-        self.store.set(self._key(generation, "plan"), msgpack.packb(plan))
-
-    def _read_plan(self, generation: int) -> dict:
-        return msgpack.unpackb(self.store.get(self._key(generation, "plan")), strict_map_key=False)
-
     def _admit(self, members, answer: str) -> None:
         """Answer ranks waiting to join: the generation that admits them, or why they are refused."""
         for m in members:
             self.store.set(f"{PREFIX}/admit/{m}", answer)
-
-    # ----- failures -----------------------------------------------------------------------------------------
-    def _leave(self, cause: str) -> int:
-        """Leave the current generation: wake shm peers, abort the process groups, check in as alive."""
-        rt = self._rt
-        gen = rt.generation
-        logger.warning("rank %d (member %d): lost a peer in generation %d (%s); re-forming", rt.topo.rank,
-                       self.member, gen, cause)
-        self.store.set(self._key(gen, "leaving"), b"1")     # wedged members notice it (Heartbeat)
-        rt.leave_generation()
-        self._left_generation = gen
-        self._check_in(gen)
-        gc.collect()       # after checking in (it takes ~0.1 s): the old groups' last references go, gloo closes them
-        return gen
-
-    def rejoin(self, cause: str) -> bool:
-        """A follower after a lost peer: wait for the leader's plan of the next generation and adopt it (a plan
-        that fails to form: check in again, under its number, for the next). False: not in it, or no job; leave."""
-        gen = self._leave(cause) + 1
-        rank = self._rt.topo.rank
-        fault_point("checked_in", self.member, gen)   # counted alive for the next generation, gone before it forms
-        for _ in range(len(self._rt.members)):         # each failed forming loses at least one member
-            try:
-                self.store.wait([self._key(gen, "plan")], timedelta(seconds=self.settings.collective_timeout_s))
-                plan = self._read_plan(gen)
-            except Exception as e:       # the leader (and its store) is gone: the job is over
-                logger.error("rank %d (member %d): no plan for generation %d (%s); leaving", rank, self.member, gen, e)
-                return False
-            if "error" in plan or self.member not in plan["members"]:
-                logger.error("rank %d (member %d): not in generation %d: %s", rank, self.member, gen,
-                             plan.get("error", "left out"))
-                return False
-            try:
-                self._form(plan)
-                return True
-            except FormingFailed as e:
-                logger.warning("rank %d (member %d): %s; checking in again", rank, self.member, e)
-                self._check_in(gen)
-                gen += 1
-        return False
-
-    def _form(self, plan: dict) -> dict:
-        """Form the plan's generation once all its members are "ready" to (none then waits in the groups' rendezvous
-        on a dead one); FormingFailed, nothing changed here, when one's process is gone or its heartbeat stops."""
-        gen = plan["gen"]
-        self.store.set(self._key(gen, f"ready/{self.member}"), b"1")
-        _, lost = self._peers.survey(plan["members"], lambda m: {} if self.store.check([self._key(gen, f"ready/{m}")])
-                                     else None, self.settings.failure_s, self.settings.collective_timeout_s)
-        if lost:
-            raise FormingFailed(f"members {sorted(lost)} were lost before generation {gen} formed")
-        return self._rt.regroup(plan)
-
-    def reform_as_leader(self, cause: str) -> None:
-        """The leader after a lost peer: account for every member, plan the next generation, publish it and
-        adopt it. Raises MembershipError (after telling the others) when the job cannot go on."""
-        t0 = time.monotonic()
-        gen = self._leave(cause)
-        members = self._rt.members
-        survey, lost = members, []
-        for _ in range(len(members)):   # a member lost before the planned generation forms: survey the rest again
-            alive, newly = self._peers.survey(survey, lambda m, g=gen: self._checked_in(g, m),
-                                              self.settings.failure_s, self.settings.collective_timeout_s)
-            lost = sorted(lost + newly)
-            change = MembershipChange(gen + 1, [members.index(m) for m in lost], cause, lost,
-                                      detect_s=time.monotonic() - t0, started=t0)
-            try:
-                plan = self._rt.plan_generation(gen + 1, alive, lost)
-            except MembershipError as e:
-                self._publish_plan(gen + 1, {"error": str(e)})
-                raise
-            self._publish_plan(gen + 1, plan)
-            try:
-                self._adopt(plan, change)
-                break
-            except FormingFailed as e:
-                logger.warning("generation %d did not form: %s; re-forming again", gen + 1, e)
-                survey, gen = list(alive), gen + 1   # everyone checks in again under the failed plan's number
-                self._check_in(gen)
-        else:
-            self._publish_plan(gen + 1, {"error": "the job kept losing members while forming; giving up"})
-            raise MembershipError("the job kept losing members while forming a new generation; giving up")
-        logger.warning("generation %d: lost ranks %s; %d + %d ranks; detect %.2fs, groups %.2fs, weights %.2fs",
-                       gen + 1, change.lost, change.attention_ranks, change.expert_ranks, change.detect_s,
-                       change.groups_s, change.weights_s)
-
-    def _check_in(self, gen: int) -> None:
-        self.store.set(self._key(gen, f"alive/{self.member}"), msgpack.packb(self._rt.member_info()))
-
-    def _checked_in(self, gen: int, member: int) -> dict | None:
-        """The info a member checked in with after leaving generation gen (None: not yet)."""
-        key = self._key(gen, f"alive/{member}")
-        return msgpack.unpackb(self.store.get(key), strict_map_key=False) if self.store.check([key]) else None
-
-    def _adopt(self, plan: dict, change: MembershipChange) -> None:
-        """Leader: form the plan's generation and record the change."""
-        timings = self._form(plan)
-        change.groups_s, change.weights_s = timings["groups_s"], timings["weights_s"]
-        change.slots_from_peers, change.slots_from_checkpoint = plan["from_peers"], plan["from_checkpoint"]
-        change.attention_ranks = plan["attention_ranks"]
-        change.expert_ranks = len(plan["members"]) - plan["attention_ranks"]
-        self.changes.append(change)
-
     # ----- planned changes: scaling, joining, draining ------------------------------------------------------
     def between_steps(self, scales: list[dict], outbox, guard: Callable) -> bool:
         """Leader, between steps: carry out the scale requests whose joiners are here (answering ("scale",
@@ -216,7 +84,7 @@ class Membership:
             joiners = self.joiners()
             if joiners:
                 record = guard(lambda: self.change_as_leader([], joiners, "join"))
-                if "error" in record:   # tell them, so they exit instead of waiting
+                if record is not None and "error" in record:   # tell them, so they exit instead of waiting
                     logger.error("ranks %s cannot join: %s", [m for m, _ in joiners], record["error"])
                     self._admit([m for m, _ in joiners], record["error"])
                     self._waiting = []
@@ -240,17 +108,20 @@ class Membership:
         past the deadline the request fails)."""
         rt = self._rt
         A, W = rt.topo.num_attention_ranks, rt.topo.world_size
-        retire = list(request.get("retire") or [])
-        hosts = request.get("retire_hosts") or []
-        if hosts:
-            on = self.ranks_on(hosts)
-            if not on:
-                return {"error": f"no rank of the job runs on host(s) {hosts}"}
-            retire += on
-        bad = [r for r in retire if isinstance(r, bool) or not isinstance(r, int) or not 0 < r < W]
-        if bad:
-            return {"error": f"cannot retire rank {bad[0]}: ranks 1..{W - 1} can be retired (rank 0 leads the "
-                             f"job and holds its requests)"}
+        if "retire_members" not in request:   # ranks are renumbered if the job re-forms before the request is done
+            retire = list(request.get("retire") or [])
+            hosts = request.get("retire_hosts") or []
+            if hosts:
+                on = self.ranks_on(hosts)
+                if not on:
+                    return {"error": f"no rank of the job runs on host(s) {hosts}"}
+                retire += on
+            bad = [r for r in retire if isinstance(r, bool) or not isinstance(r, int) or not 0 < r < W]
+            if bad:
+                return {"error": f"cannot retire rank {bad[0]}: ranks 1..{W - 1} can be retired (rank 0 leads the "
+                                 f"job and holds its requests)"}
+            request["retire_members"] = [rt.members[r] for r in retire]
+        retire = [r for r, m in enumerate(rt.members) if m in request["retire_members"]]
         attention = [r for r in range(1, A) if r not in retire]
         experts = [r for r in range(A, W) if r not in retire]
         want_a = request.get("attention_ranks") or len(attention) + 1
@@ -265,13 +136,21 @@ class Membership:
         if len(join) < need_a + need_e:
             if time.monotonic() < request["deadline"]:
                 return None
+            if request.get("interrupted"):
+                return {"error": f"a rank was lost while the job changed (it went on with {A} + {W - A} ranks): "
+                                 f"scaling to {want_a} attention + {want_e} expert ranks now needs {need_a} "
+                                 f"attention and {need_e} expert rank(s) to join, but {len(join)} registered; "
+                                 f"scale again"}
             return {"error": f"scaling to {want_a} attention + {want_e} expert ranks needs {need_a} attention and "
                              f"{need_e} expert rank(s) to join, but {len(join)} registered in time; launch them "
                              f"against the job's pool address (serve.py --role ... --pool-addr)"}
         if not retire and not join:
             return {"unchanged": True, "attention_ranks": A, "expert_ranks": W - A}
-        return self.change_as_leader([rt.members[r] for r in sorted(set(retire))], join,
-                                     request.get("cause", "scale"))
+        record = self.change_as_leader([rt.members[r] for r in sorted(set(retire))], join,
+                                       request.get("cause", "scale"))
+        if record is None:   # it failed and the job re-formed: ask again once the joiners have registered again
+            request.update(interrupted=True, deadline=min(request["deadline"], time.monotonic() + REJOIN_GRACE_S))
+        return record
 
     def ranks_on(self, hosts: list[str]) -> list[int]:
         """The ranks whose process runs on one of hosts (hostnames, as the process's host sees its own)."""
@@ -283,26 +162,28 @@ class Membership:
         rank (RESHAPE), leave together, form it. Returns the change's record, or {"error": why} when the plan
         is refused (nothing changes then)."""
         rt, gen = self._rt, self._rt.generation
+        nxt = max(gen, self._given_up) + 1     # separate pool launches: one that failed to form is not reused
         budget = self.settings.expert_memory or 2**62
         infos = {m: {"expert_budget": budget} for m in rt.members}
         try:
-            plan = rt.plan_generation(gen + 1, infos, retire, join, retiring=True)
+            plan = rt.plan_generation(nxt, infos, retire, join, retiring=True)
         except MembershipError as e:
             return {"error": str(e)}
         plan["handover"] = self._plan_handover(retire)
         t0 = time.monotonic()
-        self._publish_plan(gen + 1, plan)
-        self._admit(plan["joined"], str(gen + 1))
+        self._publish_plan(nxt, plan)
+        self._admit(plan["joined"], str(nxt))
         self._waiting = [j for j in self._waiting if j[0] not in plan["joined"]]
-        change = MembershipChange(gen + 1, [rt.members.index(m) for m in retire], cause, sorted(retire),
+        change = MembershipChange(nxt, [rt.members.index(m) for m in retire], cause, sorted(retire),
                                   joined_members=list(plan["joined"]), started=t0)
-        if gen >= 0:
-            rt.start_reshape()
-            self._hand_over(plan)
-            self._leave_together(gen)
+        failed = None if gen < 0 else failure_of(lambda: (rt.start_reshape(), self._hand_over(plan),
+                                                        self._leave_together(gen)))
         change.detect_s = time.monotonic() - t0
-        self._adopt(plan, change)
-        logger.warning("generation %d: retired %s, joined %s; %d + %d ranks; groups %.2fs, weights %.2fs", gen + 1,
+        if failed is None:
+            failed = failure_of(lambda: self._adopt(plan, change), forming_only=True)
+        if failed is not None:
+            return self._recover_change(plan, failed, t0)
+        logger.warning("generation %d: retired %s, joined %s; %d + %d ranks; groups %.2fs, weights %.2fs", nxt,
                        change.lost_members, change.joined_members, change.attention_ranks, change.expert_ranks,
                        change.groups_s, change.weights_s)
         return change.to_dict()
@@ -317,30 +198,73 @@ class Membership:
         if "error" in record:
             raise MembershipError(record["error"])
 
+    def _recover_change(self, plan: dict, cause: str, t0: float) -> dict | None:
+        """Leader: a planned change to plan's generation g failed (a peer lost in the old generation's exchanges,
+        or before g formed). Nobody formed g (every member waits until all are ready, and one that fails never
+        is). Give g up, leave the old generation if still in it, check in under g, and re-form as after a
+        failure: g + 1 is the old members that live (retiring ones too; those already gone count as lost), the
+        joiners register again, and the requests stay where the attention ranks say they are (a handover may
+        have moved them; those nobody holds resume elsewhere). -> None: the caller asks again."""
+        rt, g = self._rt, plan["gen"]
+        self._give_up(g)
+        logger.warning("generation %d (a planned change) did not form: %s; re-forming without the lost", g, cause)
+        rt.abandon_change()
+        if rt.generation < 0:   # separate pool launches starting: no old generation; the joiners register again
+            return None
+        if rt.left:
+            self._check_in(g)
+        else:
+            self._leave(cause, check_in=g)
+        self._reform(g, f"{cause} (during a planned change)", t0, held=True)
+        return None
+
     def join(self, role: str, info: dict) -> None:
         """A rank that is not a member yet: register (role and info) and wait until a generation admits it, then
-        form that generation."""
-        self.store.queue_push(JOINS, msgpack.packb([self.member, {**info, "role": role}]))
+        form that generation (one that fails to form: register again, within startup_timeout_s)."""
         key = f"{PREFIX}/admit/{self.member}"
-        self.store.wait([key], timedelta(seconds=self.settings.startup_timeout_s))
-        answer = self.store.get(key).decode()
-        if not answer.isdigit():
-            raise MembershipError(f"member {self.member} ({role}) was refused: {answer}")
-        self._form(self._read_plan(int(answer)))
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        while True:
+            self.store.queue_push(JOINS, msgpack.packb([self.member, {**info, "role": role}]))
+            self.store.wait([key], timedelta(seconds=max(1.0, deadline - time.monotonic())))
+            answer = self.store.get(key).decode()
+            if not answer.isdigit():
+                raise MembershipError(f"member {self.member} ({role}) was refused: {answer}")
+            fault_point("admitted", self.member, int(answer))
+            try:
+                self._form(self._read_plan(int(answer)))
+                return
+            except FormingFailed as e:
+                logger.warning("member %d (%s): %s; registering again", self.member, role, e)
+            self.store.delete_key(key)
 
     def reshape(self) -> bool:
         """A follower got RESHAPE: hand over its requests if it is a leaving attention rank (or take them over),
         leave the generation with everyone, then join the next one if it is a member (False: retired, leave
         the job)."""
-        gen = self._rt.generation
+        rt, gen = self._rt, self._rt.generation
         plan = self._read_plan(gen + 1)
-        self._hand_over(plan)
-        self._leave_together(gen)
-        if self.member not in plan["members"]:
+        fault_point("reshape", self.member, gen + 1)
+        failed = failure_of(lambda: (self._hand_over(plan), fault_point("handed_over", self.member, gen + 1),
+                                   self._leave_together(gen)))
+        member = self.member in plan["members"]
+        if failed is None and not member:
             logger.info("member %d: retired by a scale-in (generation %d)", self.member, gen + 1)
             return False
-        self._form(plan)
-        return True
+        if failed is None:
+            failed = failure_of(lambda: self._form(plan), forming_only=True)
+            if failed is None:
+                return True
+        # The change failed (see _recover_change): re-form as after a failure, under the failed plan's number.
+        logger.warning("rank %d (member %d): generation %d did not form (%s); re-forming", rt.topo.rank,
+                       self.member, gen + 1, failed)
+        if member and not self._ready(gen + 1):
+            self._give_up(gen + 1)
+        rt.abandon_change()
+        if rt.left:
+            self._check_in(gen + 1)
+        else:
+            self._leave(failed, check_in=gen + 1)
+        return self._follow_plans(gen + 2)
 
     def _plan_handover(self, retire: list[int]) -> dict[str, int]:
         """Leader: for each attention rank that retires, the staying one that takes over its requests and KV

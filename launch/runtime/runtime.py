@@ -296,7 +296,8 @@ class Runtime:
             self.worker.adopt(self._moe_context())
             if self.leader is not None:
                 handover = {int(src): dst for src, dst in plan.get("handover", {}).items()}
-                self.leader.regroup(plan["attention_keep"], plan["kv_blocks"], handover)
+                held = {int(r): ids for r, ids in plan["held"].items()} if "held" in plan else None
+                self.leader.regroup(plan["attention_keep"], plan["kv_blocks"], handover, held)
                 self.leader.num_expert_ranks = self.topo.num_expert_ranks
         else:
             assert plan["keep"][self.topo.expert_index] == was_expert_index
@@ -319,6 +320,8 @@ class Runtime:
         expert rank the bytes it may hold in expert weights (expert_memory, else what it holds plus what is
         free)."""
         info = {"role": role or self.topo.role}
+        if info["role"] == "attention" and self.topo is not None:   # where requests are, after a failed change
+            info["requests"] = self.worker.held_requests()
         if info["role"] == "expert":
             info["expert_budget"] = expert_budget(self.config.parallel.expert_memory, self.worker.slots,
                                                   self.dev.device)
@@ -348,6 +351,7 @@ class Runtime:
     def send_requests(self, dst: int) -> None:
         meta, kv = self.worker.hand_over()
         self.control.send_object(meta, dst)
+        step_protocol.fault_point("mid_handover", self.member, self.generation + 1)
         if meta["num_blocks"]:
             p2p.send(kv, dst, self.groups.world)
 
@@ -357,6 +361,11 @@ class Runtime:
         if meta["num_blocks"]:
             p2p.recv(kv, src, self.groups.world)
         self.worker.take_over(meta, kv)
+
+    def abandon_change(self) -> None:
+        """A planned change failed before its generation formed: drop the experts staged for it (the next plan
+        is another)."""
+        self.experts.staged = {}
 
     def stage_experts(self, staged: list[list[int]]) -> None:
         """([layer, staying rank, its new slot, retiring rank, its slot], expert indices of this generation);

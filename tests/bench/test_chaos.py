@@ -28,3 +28,25 @@ def test_two_seeded_trials_lose_nothing(tmp_path):
         assert t["outcome"] == "ok" and t["lost"] == 0 and t["landed"], t
         assert t["change"]["lost"] == sorted([t["victim"]] + ([t["second"]] if "second" in t else [])), t
     assert "| all | 2 | 2 | 24 | 0 | 0 | 0 |" in done.stdout, done.stdout[-2000:]
+
+
+def test_kills_during_a_handover_and_a_scale_out_lose_nothing(tmp_path):
+    """Seed 2 of the moments "handover" and "scale": 2+2 over shm, attention rank 1 retired (it hands its
+    requests over) and expert rank 2 SIGKILLed after the handover, before the ranks leave generation 0 together;
+    3+2 two_phase in two emulated nodes scaling out to 3 expert ranks, the joiner SIGKILLed once admitted. Each
+    change is given up, the job re-forms from the survivors and every request ends once with transformers'
+    tokens; the scale-out is refused for want of its joiner, the scale-in carried out on the retry."""
+    out = tmp_path / "chaos.json"
+    done = subprocess.run([sys.executable, SCRIPT, "--trials", "2", "--seed", "2", "--watchdog", "90",
+                           "--moments", "handover,scale", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    handover, scale = json.loads(out.read_text())["trials"]
+    assert (handover["moment"], handover["point"], handover["victim"]) == ("handover", "handed_over", 2), handover
+    assert (scale["moment"], scale["point"], scale["victim"]) == ("scale", "admitted", 5), scale
+    for t in (handover, scale):
+        assert t["outcome"] == "ok" and t["lost"] == 0 and t["landed"], t
+        assert "during a planned change" in t["change"]["cause"] or "given up" in t["change"]["cause"], t
+    assert handover["change"]["lost"] == [2] and handover["answer"] == "done", handover
+    assert scale["change"]["lost"] == [] and "a rank was lost while the job changed" in scale["answer"], scale
+    assert "| all | 2 | 2 | 24 | 0 | 0 | 0 |" in done.stdout, done.stdout[-2000:]

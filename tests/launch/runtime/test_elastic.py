@@ -242,6 +242,71 @@ def test_a_second_rank_lost_while_the_job_re_forms(tiny_checkpoint, monkeypatch,
     assert got == expected
 
 
+def _stream_scaling(llm: LLM, prompts, params, scale: dict, after_tokens: int, deadline_s: float = 90
+                    ) -> tuple[list[list[int]], dict]:
+    """Submit prompts, ask for scale (llm.request_scale's arguments) once after_tokens tokens have streamed in,
+    collect every output and the scale request's answer (a hang fails after deadline_s)."""
+    rids = [llm.submit(p, params) for p in prompts]
+    rows: dict[str, list[int]] = {r: [] for r in rids}
+    done: set[str] = set()
+    asked, answer = False, None
+    deadline = time.monotonic() + deadline_s
+    while len(done) < len(rids) or answer is None:
+        msg = llm._poll(llm.outbox, deadline, "the change-failure test")
+        if msg[0] == "scale":
+            answer = msg[1]
+            continue
+        for row, toks, finish, *_ in msg[1] if msg[0] == "out" else []:
+            assert row not in done, f"{row} reported after it finished"
+            rows[row] += toks
+            if finish is not None:
+                assert finish == "length", (row, finish)
+                done.add(row)
+        if not asked and sum(map(len, rows.values())) >= after_tokens:
+            llm.request_scale(**scale)
+            asked = True
+    return [rows[r] for r in rids], answer
+
+
+@pytest.mark.parametrize("case", [
+    "retiring rank dies mid-handover", "joiner dies once admitted",
+    wider("taking rank dies at reshape"), wider("expert rank dies at reshape of a scale-out")])
+def test_a_rank_lost_during_a_planned_change(tiny_checkpoint, monkeypatch, case):
+    """Issue 28: a rank lost while the job carries out a scale request. 3+2 -> 2+2 (attention rank 2 retires and
+    hands its requests over): it dies after sending their list, before their KV blocks; or the rank taking them
+    over (1) dies on the RESHAPE header. 2+2 -> 2+3: the joining expert rank (member 4) dies once admitted, before
+    the new generation forms; or expert rank 2 dies on the RESHAPE header. The change is given up (nobody formed
+    it), the job re-forms from the old generation's survivors with every request where a rank holds it (those
+    nobody holds resume elsewhere), and the request is asked again: done if it still can be, else refused
+    saying a rank was lost. Every row ends, within a watchdog, with transformers' tokens (before, the followers
+    died in their RESHAPE handling and the job ended)."""
+    A, E, fault, scale, lost, pools = {
+        "retiring rank dies mid-handover": (3, 2, "mid_handover:2:1", {"attention_ranks": 2}, [2], (2, 2)),
+        "taking rank dies at reshape": (3, 2, "reshape:1:1", {"attention_ranks": 2}, [1], (2, 2)),
+        "joiner dies once admitted": (2, 2, "admitted:4:1", {"expert_ranks": 3}, [], (2, 2)),
+        "expert rank dies at reshape of a scale-out": (2, 2, "reshape:2:1", {"expert_ranks": 3}, [2], (2, 1)),
+    }[case]
+    path = tiny_checkpoint("olmoe")
+    prompts = make_prompts(12, 256, 2, 50, seed=1)
+    expected = hf_greedy(path, prompts, 64)
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    monkeypatch.setenv("AFSERVE_FAULT", fault)
+    with LLM(path, attention_ranks=A, expert_ranks=E, max_num_seqs=2) as llm:
+        got, answer = _stream_scaling(llm, prompts, params, scale, after_tokens=100)
+        stats = llm.stats()
+    recovered = stats["membership_changes"][0]
+    assert recovered["generation"] == 2 and recovered["lost"] == lost, recovered   # generation 1 never formed
+    assert "during a planned change" in recovered["cause"] or "given up" in recovered["cause"], recovered
+    assert (recovered["attention_ranks"], recovered["expert_ranks"]) == pools
+    if scale.get("expert_ranks"):    # it needs a joiner it no longer has
+        assert "a rank was lost while the job changed" in answer["error"], answer
+    else:                            # the retiring rank is gone or retires on the retry: 2 + 2 either way
+        assert "error" not in answer and (answer["attention_ranks"], answer["expert_ranks"]) == (2, 2), answer
+    if case == "retiring rank dies mid-handover":   # its requests were dropped on the way: resumed elsewhere
+        assert stats["num_moved_requests"] >= 1
+    assert got == expected
+
+
 def test_scale_out_and_in_under_a_steady_stream(tiny_checkpoint):
     """1+2 -> 2+4 -> 1+2 while a steady stream of requests runs (about four in flight): the joining ranks take
     experts from their peers, the leaving attention rank hands its requests over with their KV blocks, the
