@@ -94,11 +94,14 @@ class Generations:
         that fails to form: check in again, under its number, for the next). False: not in it, or no job; leave."""
         gen = self._leave(cause) + 1
         fault_point("checked_in", self.member, gen)   # counted alive for the next generation, gone before it forms
-        return self._follow_plans(gen)
+        return self._follow_plans(gen, after_failure=True)
 
-    def _follow_plans(self, gen: int) -> bool:
+    def _follow_plans(self, gen: int, after_failure: bool = False) -> bool:
         """A follower checked in for generation gen: wait for its plan and form it (a plan that fails to form:
-        check in again, under its number, for the next). False: not in it, or no job; leave."""
+        check in again, under its number, for the next). after_failure: this rank lost a peer between steps or in
+        a step, so a planned change's plan of gen (it has "handover") cannot form: this rank never reached the
+        old generation's last barrier; it is given up here, as by the change's other ranks. False: not in it, or
+        no job; leave."""
         rank = self._rt.topo.rank
         for _ in range(len(self._rt.members) + 1):     # each failed forming loses at least one member
             try:
@@ -107,7 +110,11 @@ class Generations:
             except Exception as e:       # the leader (and its store) is gone: the job is over
                 logger.error("rank %d (member %d): no plan for generation %d (%s); leaving", rank, self.member, gen, e)
                 return False
-            if "error" not in plan and self.store.check([self._key(gen, "failed")]):   # given up: the next one
+            planned = after_failure and "handover" in plan
+            after_failure = False
+            if planned and self.member in plan["members"]:
+                self._give_up(gen)
+            if "error" not in plan and (planned or self.store.check([self._key(gen, "failed")])):   # the next one
                 self._check_in(gen)
                 gen += 1
                 continue
@@ -126,7 +133,10 @@ class Generations:
 
     def _form(self, plan: dict) -> dict:
         """Form the plan's generation once all its members are "ready" to (none then waits in the groups' rendezvous
-        on a dead one); FormingFailed, nothing changed here, when one's process is gone or its heartbeat stops."""
+        on a member that died before it was ready); FormingFailed, nothing changed here, when one's process is gone
+        or its heartbeat stops first (or it stays silent past collective_timeout_s), or when a member gave the
+        generation up. A member that dies after it was ready still leaves the others in the rendezvous until
+        collective_timeout_s, and the job ends (a lost peer while the groups form is not recovered)."""
         gen = plan["gen"]
         self.store.set(self._key(gen, f"ready/{self.member}"), b"1")
 
@@ -164,6 +174,9 @@ class Generations:
         for _ in range(len(members)):   # a member lost before the planned generation forms: survey the rest again
             alive, newly = self._peers.survey(survey, lambda m, g=gen: self._checked_in(g, m),
                                               self.settings.failure_s, self.settings.collective_timeout_s)
+            retired = [m for m, i in alive.items() if i.get("retired")]   # left by a change that then failed
+            alive = {m: i for m, i in alive.items() if m not in retired}
+            newly += retired
             lost = sorted(lost + newly)
             change = MembershipChange(gen + 1, [members.index(m) for m in lost], cause, lost,
                                       detect_s=time.monotonic() - t0, started=t0)

@@ -130,7 +130,8 @@ class Peers:
                timeout_s: float) -> tuple[dict[int, dict], list[int]]:
         """Wait until each of members has checked in (checked_in(m) -> its info, None while it has not:
         alive) or is known dead: its process is gone, or it has not heartbeaten for failure_s (lost); after
-        timeout_s the silent ones count as lost. Returns (alive: member -> info, lost)."""
+        timeout_s the silent ones count as lost. One found dead is asked once more whether it checked in (it may
+        have just before it died, and others may have seen that). Returns (alive: member -> info, lost)."""
         alive: dict[int, dict] = {}
         lost: list[int] = []
         seen: dict[int, tuple[int, float]] = {}
@@ -144,14 +145,15 @@ class Peers:
                 if info is not None:
                     alive[m] = info
                     continue
-                if self.process_gone(m):
-                    lost.append(m)
-                    continue
-                beat = self.beats(m)
-                if m not in seen or seen[m][0] != beat:
+                beat = None if self.process_gone(m) else self.beats(m)
+                if beat is not None and (m not in seen or seen[m][0] != beat):
                     seen[m] = (beat, now)
-                elif now - seen[m][1] > failure_s or now > deadline:
-                    lost.append(m)
+                elif beat is None or now - seen[m][1] > failure_s or now > deadline:
+                    info = checked_in(m)
+                    if info is None:
+                        lost.append(m)
+                    else:
+                        alive[m] = info
             if len(alive) + len(lost) == len(members):
                 return alive, lost
             time.sleep(0.02)

@@ -148,7 +148,7 @@ class Membership(Generations):
             return {"unchanged": True, "attention_ranks": A, "expert_ranks": W - A}
         record = self.change_as_leader([rt.members[r] for r in sorted(set(retire))], join,
                                        request.get("cause", "scale"))
-        if record is None:   # it failed and the job re-formed: ask again once the joiners have registered again
+        if record is None and rt.generation >= 0:   # the job re-formed: ask again once the joiners are back
             request.update(interrupted=True, deadline=min(request["deadline"], time.monotonic() + REJOIN_GRACE_S))
         return record
 
@@ -156,11 +156,12 @@ class Membership(Generations):
         """The ranks whose process runs on one of hosts (hostnames, as the process's host sees its own)."""
         return [r for r, m in enumerate(self._rt.members) if self._peers.hostname(m) in hosts]
 
-    def change_as_leader(self, retire: list[int], join: list[tuple[int, dict]], cause: str) -> dict:
+    def change_as_leader(self, retire: list[int], join: list[tuple[int, dict]], cause: str) -> dict | None:
         """Leader, between steps: a planned change (nobody failed): the members in retire leave (they exit),
         the joiners (member, info) join. Plan and publish the next generation, admit the joiners, tell every
-        rank (RESHAPE), leave together, form it. Returns the change's record, or {"error": why} when the plan
-        is refused (nothing changes then)."""
+        rank (RESHAPE), leave together, form it. Returns the change's record, {"error": why} when the plan
+        is refused (nothing changes then), or None when a rank was lost on the way and the job re-formed without
+        it (_recover_change): the caller asks again."""
         rt, gen = self._rt, self._rt.generation
         nxt = max(gen, self._given_up) + 1     # separate pool launches: one that failed to form is not reused
         budget = self.settings.expert_memory or 2**62
@@ -249,6 +250,7 @@ class Membership(Generations):
         member = self.member in plan["members"]
         if failed is None and not member:
             logger.info("member %d: retired by a scale-in (generation %d)", self.member, gen + 1)
+            self.store.set(self._key(gen + 1, f"alive/{self.member}"), msgpack.packb({"retired": True}))
             return False
         if failed is None:
             failed = failure_of(lambda: self._form(plan), forming_only=True)
