@@ -10,6 +10,8 @@ least_loaded with 2 redundant expert slots), micro_batches (1, 2) and a moment:
 - "second": as "time", and a second non-leader rank (never the last expert rank) SIGKILLs itself during the
   re-forming that follows, once it has checked in alive and before the new generation forms (fault point
   "checked_in"): the leader has planned the generation with a rank that is gone;
+- "rendezvous": as "second", but the second rank dies once it has marked itself ready to form the new
+  generation (fault point "ready"): the others wait for it in the groups' rendezvous, a wait bounded at 10 s;
 - "stop": SIGSTOP a random non-leader rank 0.1-1.5 s in (it lives and keeps its connections, so no exchange
   fails: the leader's heartbeat watch must find it silent for rank_failure_s); SIGKILLed when the trial ends.
 - "handover": once 30-400 tokens have streamed, a scale-in retires a random non-leader attention rank, which hands
@@ -53,7 +55,7 @@ from launch import LLM, SamplingParams
 from models.tiny import make_tiny_checkpoint
 
 TOPOLOGIES = [(2, 2), (3, 2), (2, 3), (4, 2)]
-MOMENTS = ["time", "before_report", "second", "stop", "handover", "scale"]
+MOMENTS = ["time", "before_report", "second", "stop", "handover", "scale", "rendezvous"]
 CHANGE_MOMENTS = ("handover", "scale")
 DATA_PLANES = [{"comm": "direct", "transport": "shm"}, {"comm": "direct", "transport": "collective"},
                {"comm": "two_phase", "transport": "collective", "ranks_per_node": 2}]
@@ -90,9 +92,9 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float, mom
         victim, delay = rng.randrange(1, A + E), round(rng.uniform(0.1, 1.5), 2)
         os.environ.pop("AFSERVE_FAULT", None)
         info.update(victim=victim, delay_s=delay)
-        if moment == "second":   # any other non-leader rank that leaves an expert rank standing
+        if moment in ("second", "rendezvous"):   # any other non-leader rank that leaves an expert rank standing
             second = rng.choice([r for r in range(1, A + E) if r != victim and (E > 2 or r < A or victim < A)])
-            os.environ["AFSERVE_FAULT"] = f"checked_in:{second}:1"
+            os.environ["AFSERVE_FAULT"] = f"{'checked_in' if moment == 'second' else 'ready'}:{second}:1"
             info.update(second=second)
         if moment in CHANGE_MOMENTS:
             scale, point, victim = draw_change(rng, moment, A, E)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -92,19 +93,20 @@ class ProcessGroups:
     local: dist.ProcessGroup | None
 
     @classmethod
-    def create(cls, topo: Topology) -> ProcessGroups:
+    def create(cls, topo: Topology, timeout: timedelta | None = None) -> ProcessGroups:
+        """timeout: each group's rendezvous and collectives (None: torch's default for the backend)."""
         # Every rank must call new_group for every group, in the same order.
         W = topo.world_size
-        control = dist.new_group(list(range(W)), backend="gloo")
+        control = dist.new_group(list(range(W)), backend="gloo", timeout=timeout)
         attn_ranks = list(range(topo.num_attention_ranks))
-        attention = dist.new_group(attn_ranks, backend="gloo")
+        attention = dist.new_group(attn_ranks, backend="gloo", timeout=timeout)
         node = local = None
         for n in range(topo.num_nodes):
-            g = dist.new_group([r for r in range(W) if topo.node_of(r) == n])
+            g = dist.new_group([r for r in range(W) if topo.node_of(r) == n], timeout=timeout)
             if topo.node_of(topo.rank) == n:
                 node = g
         for i in range(min(topo.ranks_per_node, W)):   # a node may be missing ranks (a shrunk job)
-            g = dist.new_group([r for r in range(W) if topo.local_index(r) == i])
+            g = dist.new_group([r for r in range(W) if topo.local_index(r) == i], timeout=timeout)
             if topo.local_index(topo.rank) == i:
                 local = g
         return cls(dist.group.WORLD, control, attention if topo.is_attention else None, node, local)

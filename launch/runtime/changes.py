@@ -9,6 +9,12 @@ from typing import Protocol
 from comm.topology import Topology
 
 
+class FormingFailed(RuntimeError):
+    """A generation did not form and nothing of it was formed: a member of its plan was lost before all were
+    ready, a member gave it up, or its process groups' rendezvous did not complete (a member died after it was
+    ready). The rank is as it was before (out of any generation)."""
+
+
 @dataclass(slots=True, frozen=True)
 class MembershipSettings:
     failure_s: float               # a member whose heartbeat is silent this long counts as dead

@@ -33,16 +33,12 @@ import torch.distributed as dist
 
 from comm.failures import is_peer_failure
 
-from .changes import MemberRuntime, MembershipChange, MembershipSettings
+from .changes import FormingFailed, MemberRuntime, MembershipChange, MembershipSettings
 from .liveness import PREFIX, Heartbeat, Peers
 from .planning import MembershipError
 from .step_protocol import fault_point
 
 logger = logging.getLogger("afserve")
-
-
-class FormingFailed(RuntimeError):
-    """A member of a planned generation was lost before the generation formed (nothing of it was formed)."""
 
 
 class Generations:
@@ -135,10 +131,12 @@ class Generations:
         """Form the plan's generation once all its members are "ready" to (none then waits in the groups' rendezvous
         on a member that died before it was ready); FormingFailed, nothing changed here, when one's process is gone
         or its heartbeat stops first (or it stays silent past collective_timeout_s), or when a member gave the
-        generation up. A member that dies after it was ready still leaves the others in the rendezvous until
-        collective_timeout_s, and the job ends (a lost peer while the groups form is not recovered)."""
+        generation up; also when one dies after it was ready, inside the groups' rendezvous (Runtime.regroup
+        bounds that wait). A peer lost once the groups have formed (while expert weights move) still ends the
+        job."""
         gen = plan["gen"]
         self.store.set(self._key(gen, f"ready/{self.member}"), b"1")
+        fault_point("ready", self.member, gen)   # ready, so the others go on into the groups' rendezvous
 
         def ready(m: int) -> dict | None:
             if self.store.check([self._key(gen, "failed")]):

@@ -32,8 +32,8 @@ from datetime import timedelta
 import msgpack
 import torch.distributed as dist
 
-from .changes import MemberRuntime, MembershipChange, MembershipSettings
-from .generations import FormingFailed, Generations, failure_of
+from .changes import FormingFailed, MemberRuntime, MembershipChange, MembershipSettings
+from .generations import Generations, failure_of
 from .liveness import PREFIX
 from .planning import MembershipError
 from .step_protocol import fault_point

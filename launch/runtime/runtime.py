@@ -30,7 +30,7 @@ from models.checkpoint import Checkpoint
 
 from ..config import EngineConfig
 from . import collectives, memory, planning, step_protocol
-from .changes import MembershipSettings
+from .changes import FormingFailed, MembershipSettings
 from .dataplane import make_data_plane
 from .liveness import PREFIX, break_connections, socket_inodes
 from .membership import Membership
@@ -38,6 +38,7 @@ from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu
 from .startup import build_attention_worker, leads_pool, load_attention_model, open_store
 
 logger = logging.getLogger("afserve")
+RENDEZVOUS_S = 10.0   # the longest a generation's groups wait in their rendezvous (at least 3 x rank_failure_s)
 
 
 @dataclass(slots=True)
@@ -90,7 +91,7 @@ class Runtime:
             # Under torchrun its agent serves the store at MASTER_PORT; spawned ranks: rank 0 serves it.
             serve = self.topo.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
             self.store = open_store(host, port, serve, config.startup_timeout_s)
-            self._form_groups()
+            self._form_groups(0, self.topo, config.collective_timeout_s)
             self.membership = self._membership(host, port)
         self.experts.capacity = slot_capacities(spec.num_experts, par.redundant_experts, par.expert_ranks)
         self.experts.rank_node = self._expert_nodes()
@@ -221,18 +222,28 @@ class Runtime:
         return ExpertSlots.bytes_per_slot(self.ckpt, self.dev.dtype)
 
     # ----- groups and generations ---------------------------------------------------------------------------
-    def _form_groups(self) -> None:
-        """This generation's process groups, from the store keys under its prefix."""
-        store = dist.PrefixStore(f"{PREFIX}/g{self.generation}/pg", self.store)
+    def _form_groups(self, generation: int, topo: Topology, rendezvous_s: float) -> None:
+        """The process groups of a generation (this rank placed by topo), from the store keys under its prefix.
+        Their rendezvous waits at most rendezvous_s, then raises with nothing formed (a member that died once
+        it was ready never arrives); then the default group's collectives wait collective_timeout_s, the others'
+        torch's default for their backend (as before the bound)."""
+        store = dist.PrefixStore(f"{PREFIX}/g{generation}/pg", self.store)
         # NCCL: eager init on this rank's GPU (device_id), so the first point-to-point needs no lazy communicator
         eager = self.dev.device if self.dev.backend == "nccl" else None
         before = socket_inodes()
-        dist.init_process_group(self.dev.backend, store=store, rank=self.topo.rank, world_size=self.topo.world_size,
-                                timeout=timedelta(seconds=self.config.collective_timeout_s), device_id=eager)
-        self.groups = ProcessGroups.create(self.topo)
+        bound = timedelta(seconds=rendezvous_s)
+        dist.init_process_group(self.dev.backend, store=store, rank=topo.rank, world_size=topo.world_size,
+                                timeout=bound, device_id=eager)
+        groups = ProcessGroups.create(topo, timeout=bound)
+        c10d = dist.distributed_c10d
+        c10d._set_pg_timeout(timedelta(seconds=self.config.collective_timeout_s), groups.world)
+        for g, backend in ((groups.control, "gloo"), (groups.attention, "gloo"), (groups.node, self.dev.backend),
+                           (groups.local, self.dev.backend)):
+            if g is not None:
+                c10d._set_pg_timeout(c10d._get_default_timeout(backend), g)
+        self.groups = groups
         self.data_sockets = socket_inodes() - before   # what the heartbeat shuts down if this rank wedges
-        self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
-                                    self.topo.num_attention_ranks)
+        self.control = ControlPlane(groups.control, groups.attention, topo.rank, topo.num_attention_ranks)
 
     def _expert_nodes(self) -> list[int]:
         A = self.topo.num_attention_ranks
@@ -280,10 +291,20 @@ class Runtime:
         spec, par, state = self.ckpt.spec, self.config.parallel, self.experts
         old = self.topo
         was_expert_index = old.expert_index if old is not None and not old.forming and not old.is_attention else -1
-        self.generation, self.members = plan["gen"], list(plan["members"])
-        A = plan["attention_ranks"]
-        self.topo = Topology(self.members.index(self.member), len(self.members), A, plan["ranks_per_node"])
-        self._form_groups()
+        A, members = plan["attention_ranks"], list(plan["members"])
+        topo = Topology(members.index(self.member), len(members), A, plan["ranks_per_node"])
+        bound = min(self.config.collective_timeout_s, max(RENDEZVOUS_S, 3 * self.config.rank_failure_s))
+        failed = None
+        try:
+            self._form_groups(plan["gen"], topo, bound)
+        except RuntimeError as e:    # gloo's connection errors and the store's wait timeout alike
+            failed = str(e).splitlines()[0][:200]
+        if failed is not None:       # outside the except block: see leave_generation
+            if dist.is_initialized():
+                dist.distributed_c10d._abort_process_group()
+            raise FormingFailed(f"the process groups of generation {plan['gen']} did not form within {bound:.0f} s "
+                                f"(a member died once it was ready?): {failed}")
+        self.generation, self.members, self.topo = plan["gen"], members, topo
         self.left = False
         new = torch.tensor(plan["slot2expert"], dtype=torch.int64)
         state.placement = Placement(new, spec.num_experts, None if state.placement is None else state.placement.load)

@@ -244,7 +244,9 @@ def fault_point(name: str, member: int, step: int) -> None:
     Points: "before_report" (an attention rank that has finished its step's forward, before the report gather:
     the other ranks have finished the step too, so a re-sent step finds them done); "checked_in" (a follower
     re-forming after a lost peer, once it has checked in alive for the next generation and before it forms it;
-    `step` is that generation's number: the leader plans it with this rank in it). In a planned change (scale,
+    `step` is that generation's number: the leader plans it with this rank in it); "ready" (a member of a plan,
+    once it has marked itself ready to form it: the others go on into the groups' rendezvous; `step` is the
+    plan's generation). In a planned change (scale,
     drain), `step` is the planned generation's number: "reshape" (a follower that got the RESHAPE header, before
     any handover), "mid_handover" (a retiring attention rank that has sent its requests' list, before their KV
     blocks), "handed_over" (a follower past the handover, before the ranks leave the old generation together),

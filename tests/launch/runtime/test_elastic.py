@@ -218,19 +218,22 @@ def test_attention_rank_killed_after_the_others_finished_the_step(tiny_checkpoin
     assert got == expected
 
 
-@pytest.mark.parametrize("second,left", [(3, (2, 1)), wider(1, (1, 2))])
-def test_a_second_rank_lost_while_the_job_re_forms(tiny_checkpoint, monkeypatch, second, left):
+@pytest.mark.parametrize("second,left,point", [(3, (2, 1), "checked_in"), wider(1, (1, 2), "checked_in"),
+                                               (3, (2, 1), "ready")])
+def test_a_second_rank_lost_while_the_job_re_forms(tiny_checkpoint, monkeypatch, second, left, point):
     """3+2 ranks; attention rank 2 dies before step 6's report gather, and while the job re-forms a second rank
-    (expert rank 3, or attention rank 1) dies once it has checked in alive: the leader has planned generation 1
-    with it (AFSERVE_FAULT "checked_in"). Every member first waits for all of the plan's members to be ready to
-    form it, so nobody waits in the groups' rendezvous for the dead one (that wait lasted until the collective
-    timeout): they check in again and the leader plans generation 2 without it. Every row must end, within a
-    watchdog, with transformers' tokens."""
+    (expert rank 3, or attention rank 1) dies. At "checked_in": once it has checked in alive, so the leader has
+    planned generation 1 with it; every member first waits for all of the plan's members to be ready to form it,
+    so nobody waits in the groups' rendezvous for the dead one (that wait lasted until the collective timeout):
+    they check in again and the leader plans generation 2 without it. At "ready": once it has marked itself ready,
+    so the others go on into the groups' rendezvous and wait there for it; that wait is bounded (10 s here, not
+    the 600 s collective timeout), nothing of generation 1 forms, and they re-form as before. Every row must end,
+    within a watchdog, with transformers' tokens."""
     path = tiny_checkpoint("olmoe")
     prompts = make_prompts(12, 256, 2, 50, seed=1)
     expected = hf_greedy(path, prompts, 64)
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    monkeypatch.setenv("AFSERVE_FAULT", f"before_report:2:6,checked_in:{second}:1")
+    monkeypatch.setenv("AFSERVE_FAULT", f"before_report:2:6,{point}:{second}:1")
     with LLM(path, attention_ranks=3, expert_ranks=2, max_num_seqs=2) as llm:
         pids = [llm.worker_pids[2], llm.worker_pids[second]]
         got = _stream(llm, prompts, params, None, 0, deadline_s=90)   # a hang fails here, after 90 s
