@@ -32,6 +32,7 @@ from datetime import timedelta
 import msgpack
 import torch.distributed as dist
 
+from . import planning
 from .changes import FormingFailed, MemberRuntime, MembershipChange, MembershipSettings
 from .generations import Generations, failure_of
 from .liveness import PREFIX
@@ -269,18 +270,9 @@ class Membership(Generations):
         return self._follow_plans(gen + 2)
 
     def _plan_handover(self, retire: list[int]) -> dict[str, int]:
-        """Leader: for each attention rank that retires, the staying one that takes over its requests and KV
-        blocks (the most free blocks, charged for what it takes) -> {str(leaving rank): taking rank}."""
-        members, blocks = self._rt.members, self._rt.attention_blocks()
-        staying = [r for r in range(len(blocks)) if members[r] not in retire]
-        free = {r: blocks[r][0] for r in staying}
-        out = {}
-        for r, (num_free, num_blocks) in enumerate(blocks):
-            if members[r] in retire:
-                dst = max(staying, key=lambda k: (free[k], -k))
-                free[dst] -= num_blocks - num_free
-                out[str(r)] = dst
-        return out
+        members = self._rt.members
+        return planning.plan_handover(self._rt.attention_blocks(),
+                                      [r for r in range(len(members)) if members[r] in retire])
 
     def _hand_over(self, plan: dict) -> None:
         """Between steps, in the old generation: each retiring attention rank sends its live requests and their

@@ -119,6 +119,24 @@ def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: lis
             "from_checkpoint": replan.num_from_checkpoint - len(staged)}
 
 
+def plan_handover(blocks: list[tuple[int, int]], retiring: list[int]) -> dict[str, int]:
+    """For each retiring attention rank, the staying one that takes over its requests and KV blocks ->
+    {str(leaving rank): taking rank}. blocks: (free, total) KV blocks of each attention rank, as last reported.
+    The taker's pool must be at least as large as the leaving rank's, so every sequence that fitted there fits
+    (one needing more blocks than a pool holds would wait there for good); among those the most free blocks,
+    charged for what it takes. With no pool that large, the largest."""
+    staying = [r for r in range(len(blocks)) if r not in retiring]
+    free = {r: blocks[r][0] for r in staying}
+    out = {}
+    for r in retiring:
+        num_free, num_blocks = blocks[r]
+        large = [k for k in staying if blocks[k][1] >= num_blocks]
+        dst = max(large, key=lambda k: (free[k], -k)) if large else max(staying, key=lambda k: (blocks[k][1], -k))
+        free[dst] -= num_blocks - num_free
+        out[str(r)] = dst
+    return out
+
+
 def _replan(job: Job, keep: list[int], num_old_experts: int, rank_node: list[int]) -> Replan:
     """The new placement for the kept (and joining, -1) expert ranks, and the weight moves that realise it."""
     try:

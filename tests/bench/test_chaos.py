@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from tests.conftest import FULL
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "chaos.py")
 
 
@@ -50,3 +52,18 @@ def test_kills_during_a_handover_and_a_scale_out_lose_nothing(tmp_path):
     assert handover["change"]["lost"] == [2] and handover["answer"] == "done", handover
     assert scale["change"]["lost"] == [] and "a rank was lost while the job changed" in scale["answer"], scale
     assert "| all | 2 | 2 | 24 | 0 | 0 | 0 |" in done.stdout, done.stdout[-2000:]
+
+
+@FULL
+def test_a_seeded_soak_of_every_moment_loses_nothing(tmp_path):
+    """make test-full: eight trials of seed 12 over every moment (time, before_report, second, stop, handover,
+    scale, rendezvous): every request ends once with transformers' tokens, no trial hangs or errs."""
+    out = tmp_path / "chaos.json"
+    done = subprocess.run([sys.executable, SCRIPT, "--trials", "8", "--seed", "12", "--watchdog", "120",
+                           "--out", str(out)], capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trials = json.loads(out.read_text())["trials"]
+    assert len(trials) == 8
+    for t in trials:
+        assert t["outcome"] == "ok" and t["lost"] == 0, t
+    assert "| all | 8 |" in done.stdout and "| 96 | 0 | 0 | 0 |" in done.stdout, done.stdout[-2000:]

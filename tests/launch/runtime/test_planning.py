@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from balancer.placement import Placement
-from launch.runtime.planning import Job, MembershipError, grown_ranks_per_node, plan_generation
+from launch.runtime.planning import Job, MembershipError, grown_ranks_per_node, plan_generation, plan_handover
 
 L, E = 2, 8
 BIG = {"expert_budget": 2**40}
@@ -78,3 +78,17 @@ def test_a_one_node_job_stays_one_node_as_it_grows():
     assert grown_ranks_per_node(3, False, 1, 2) == 3
     assert grown_ranks_per_node(2, True, 1, 4) == 2       # ranks_per_node=2 asked for: emulated nodes of 2
     assert grown_ranks_per_node(4, False, 2, 12) == 4     # torchrun on two nodes of 4
+
+
+def test_a_retiring_attention_ranks_requests_go_to_a_pool_that_can_hold_them():
+    """The handover's taker, worked by hand. Rank 1 (pool 100, 60 free) retires; rank 2 has the most free blocks
+    (80) but a pool of 80, smaller than rank 1's: a sequence of 90 blocks that ran on rank 1 could never run
+    there. Rank 0 (pool 200, 50 free) and rank 3 (pool 100, 30 free) can hold anything rank 1 held: rank 0,
+    the one with more free. With rank 3 retiring too, rank 0 is charged rank 1's 40 used blocks (10 free left)
+    and still takes rank 3's: rank 2's pool is smaller than rank 3's. With every staying pool smaller than the
+    leaving one's, the largest takes them; among equal pools, the most free."""
+    blocks = [(50, 200), (60, 100), (80, 80), (30, 100)]
+    assert plan_handover(blocks, [1]) == {"1": 0}
+    assert plan_handover(blocks, [1, 3]) == {"1": 0, "3": 0}
+    assert plan_handover([(10, 50), (5, 100), (40, 60)], [1]) == {"1": 2}
+    assert plan_handover([(90, 100), (5, 100), (40, 100)], [1]) == {"1": 0}   # equal pools: most free
