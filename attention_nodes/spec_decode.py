@@ -1,0 +1,78 @@
+"""Speculative decoding's two pure pieces (issue 30): proposing draft tokens by prompt lookup, and verifying a
+step's drafts against the target model's probabilities so that the emitted tokens follow the target's
+distribution exactly (Leviathan et al. 2023; Chen et al. 2023). Not wired into the engine yet: the step that
+runs k + 1 positions per request through attention and the expert hop, and rolls back rejected KV slots, is
+the next piece.
+
+Verification, per request with d <= k drafts x_1..x_d, target probabilities p_1..p_{d+1} at the d + 1 positions
+(p_i: the distribution of position i given the prompt and x_1..x_{i-1}) and draft probabilities q_1..q_d: x_i is
+accepted with probability min(1, p_i(x_i) / q_i(x_i)), in order, until the first rejection; at a rejected position
+i the emitted token is drawn from the residual norm(max(0, p_i - q_i)), and when all d are accepted a bonus token
+is drawn from p_{d+1}. A prompt-lookup draft is deterministic: q_i is one-hot at x_i. Greedy requests pass
+one-hot targets (at each argmax), which accepts exactly the drafts that greedy decoding would have produced and
+emits the argmax at the first mismatch: the tokens without speculation.
+
+Shapes: B requests, k draft slots, V vocabulary. The random draws come in from the caller (per-request seeded
+generators fill their rows, as the sampler does), and nothing reads the device on the host.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """Prompt lookup: the longest n in [min_n, max_n] whose last n tokens occurred earlier in `tokens` (prompt
+    plus output so far), and up to k tokens that followed its latest earlier occurrence. Empty when none does.
+    tokens: 1-D int array."""
+    if k < 1 or not 1 <= min_n <= max_n:
+        raise ValueError(f"ngram_propose: k={k}, min_n={min_n}, max_n={max_n}: need k >= 1 and 1 <= min_n <= max_n")
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        # windows that end before the last token, so at least one token follows each (the suffix itself is not one)
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+        hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return tokens[:0]
+
+
+def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
+           draft_probs: torch.Tensor | None, uniform: torch.Tensor, exponential: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify each request's drafts -> (tokens `[B, k + 1]` int64: the accepted drafts, then the residual or bonus
+    token, then -1; num_emitted `[B]` int64, 1..num_drafts + 1).
+
+    target_probs: `[B, k + 1, V]` float32 (rows beyond a request's num_drafts + 1 are not read).
+    draft_tokens: `[B, k]` int64 (slots beyond num_drafts are ignored).
+    num_drafts: `[B]` int64 in 0..k.
+    draft_probs: `[B, k, V]`, or None for deterministic drafts (one-hot: prompt lookup).
+    uniform: `[B, k]` in [0, 1), the acceptance draws; exponential: `[B, V]` Exp(1) draws for the emitted token
+    (the exponential race: argmax(probs / E) is a draw from probs)."""
+    B, k = draft_tokens.shape
+    if k < 1:
+        raise ValueError(f"verify: draft_tokens has {k} slots; pass at least one (num_drafts may be 0)")
+    slots = torch.arange(k, device=draft_tokens.device)
+    valid = slots < num_drafts.unsqueeze(1)
+    safe = torch.where(valid, draft_tokens, torch.zeros_like(draft_tokens))
+    p = target_probs[:, :k].gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    accepted = (uniform * q < p) & valid
+    # the first slot not accepted (num_drafts when every draft is): where the emitted token is drawn
+    first = torch.where(accepted, k, slots).amin(dim=1).clamp(max=num_drafts)
+    at = first.view(B, 1, 1).expand(B, 1, target_probs.shape[-1])
+    probs = target_probs.gather(1, at).squeeze(1)
+    # where a draft was rejected the token comes from the residual max(0, p - q) (the race needs no normalising)
+    last = first.clamp(max=k - 1)
+    if draft_probs is None:
+        q_rows = torch.zeros_like(probs).scatter_(1, safe.gather(1, last.unsqueeze(1)), 1.0)
+    else:
+        q_rows = draft_probs.gather(1, last.view(B, 1, 1).expand_as(at)).squeeze(1)
+    rejected = (first < num_drafts).unsqueeze(1)
+    probs = torch.where(rejected, (probs - q_rows).clamp(min=0), probs)
+    emitted = (probs / exponential).argmax(dim=-1)
+    tokens = torch.where(slots < first.unsqueeze(1), draft_tokens, torch.full_like(draft_tokens, -1))
+    tokens = torch.cat([tokens, torch.full_like(tokens[:, :1], -1)], dim=1)
+    tokens.scatter_(1, first.unsqueeze(1), emitted.unsqueeze(1))
+    return tokens, first + 1
