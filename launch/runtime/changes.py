@@ -3,6 +3,7 @@ the leader's account of each re-forming of the job, and what it needs of this ra
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -10,9 +11,10 @@ from comm.topology import Topology
 
 
 class FormingFailed(RuntimeError):
-    """A generation did not form and nothing of it was formed: a member of its plan was lost before all were
-    ready, a member gave it up, or its process groups' rendezvous did not complete (a member died after it was
-    ready). The rank is as it was before (out of any generation)."""
+    """A generation did not form and no member adopted it: a member of its plan was lost before all were ready,
+    a member gave it up, its process groups' rendezvous did not complete (a member died after it was ready), or
+    a member was lost while its data plane formed and expert weights moved. The rank is as it was before (out of
+    any generation)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,8 +65,10 @@ class MemberRuntime(Protocol):
                         joined: list[tuple[int, dict]] = (), retiring: bool = False) -> dict:
         """Leader: the next generation's plan (launch/runtime/planning.py); MembershipError if impossible."""
 
-    def regroup(self, plan: dict) -> dict:
-        """Form the plan's generation and adopt its placement -> {"groups_s", "weights_s"}."""
+    def regroup(self, plan: dict, agree: Callable[[bool], bool]) -> dict:
+        """Form the plan's generation and gather its weights; adopt it (placement, slots, requests) only if
+        agree(True) says every member has done the same -> {"groups_s", "weights_s"}; else agree(False) and
+        FormingFailed, nothing adopted."""
 
     def leave_generation(self) -> None:
         """Abort and drop this generation's process groups and data plane."""

@@ -13,7 +13,8 @@ It then makes the plan of generation g + 1 (members, roles, the new expert place
 that realise it: launch/runtime/planning.py) and publishes it under "afserve/g{g+1}/plan"; every member of
 g + 1 forms the new groups and adopts the placement, and the leader re-sends the header of the step that was
 in flight (launch/runtime/step_protocol.py). A member of the plan lost before g + 1 forms (every member first
-waits for all to be "ready"): the others check in again and the leader plans g + 2 without it. The leader's
+waits for all to be "ready"; none adopts g + 1 until all have formed its groups and data plane and have their
+expert weights, decided once in the store): the others check in again and the leader plans g + 2 without it. The leader's
 own death ends the job: it holds the store and the request state.
 
 A planned change (membership.py) that fails before its generation forms is given up ("afserve/g{g}/failed":
@@ -52,8 +53,10 @@ class Generations:
         self.changes: list[MembershipChange] = []
         self._left_generation = -1       # the last generation this rank has left
         self._given_up = -1              # the last generation this rank gave up forming (see _give_up)
+        self._forming = -1               # the generation this rank is forming past the ready wait (-1: none)
         self._peers = Peers(store, self.member)
-        self._heartbeat = Heartbeat(host, port, self.member, lambda: (runtime.generation, self._left_generation),
+        self._heartbeat = Heartbeat(host, port, self.member,
+                                    lambda: (max(runtime.generation, self._forming), self._left_generation),
                                     lambda: runtime.interrupt_generation(port), runtime.watched_members,
                                     settings.failure_s, settings.startup_timeout_s, max(10.0, 3 * settings.failure_s))
 
@@ -131,9 +134,9 @@ class Generations:
         """Form the plan's generation once all its members are "ready" to (none then waits in the groups' rendezvous
         on a member that died before it was ready); FormingFailed, nothing changed here, when one's process is gone
         or its heartbeat stops first (or it stays silent past collective_timeout_s), or when a member gave the
-        generation up; also when one dies after it was ready, inside the groups' rendezvous (Runtime.regroup
-        bounds that wait). A peer lost once the groups have formed (while expert weights move) still ends the
-        job."""
+        generation up; also when one is lost after it was ready: inside the groups' rendezvous (Runtime.regroup
+        bounds that wait), or while the data plane forms and expert weights move. No member adopts the
+        generation until every member has its weights (_agree), so either all of them take it on or none does."""
         gen = plan["gen"]
         self.store.set(self._key(gen, f"ready/{self.member}"), b"1")
         fault_point("ready", self.member, gen)   # ready, so the others go on into the groups' rendezvous
@@ -147,7 +150,31 @@ class Generations:
         if lost:
             self._give_up(gen)
             raise FormingFailed(f"members {sorted(lost)} were lost before generation {gen} formed")
-        return self._rt.regroup(plan)
+        self._forming = gen
+        try:
+            return self._rt.regroup(plan, lambda ok: self._agree(gen, plan["members"], ok))
+        finally:
+            self._forming = -1
+
+    def _agree(self, gen: int, members: list[int], ok: bool) -> bool:
+        """Whether generation gen formed, decided once for all its members through the store: "formed" when all of
+        them report they have their weights (ok), else "failed", set by the first member that failed (not ok) or
+        that found one lost while waiting (process gone, heartbeat silent). Whichever is written first stands
+        (compare_set), so no member adopts a generation that another gives up. A member that fails also marks the
+        generation as being left: a member still waiting in one of its exchanges has its connections broken
+        (Heartbeat) instead of waiting out a timeout."""
+        outcome = self._key(gen, "outcome")
+        if not ok:
+            self.store.set(self._key(gen, "leaving"), b"1")
+            return self.store.compare_set(outcome, "", "failed") == b"formed"
+        if self.store.add(self._key(gen, "formed"), 1) == len(members):
+            self.store.compare_set(outcome, "", "formed")
+        _, lost = self._peers.survey([m for m in members if m != self.member],
+                                     lambda m: {} if self.store.check([outcome]) else None,
+                                     self.settings.failure_s, self.settings.collective_timeout_s, first_loss=True)
+        if lost:
+            self.store.compare_set(outcome, "", "failed")
+        return self.store.get(outcome) == b"formed"
 
     def _give_up(self, gen: int) -> None:
         """Mark generation gen as not forming: its members still waiting for the others to be ready stop at once.

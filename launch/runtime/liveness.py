@@ -127,11 +127,12 @@ class Peers:
         return self.store.add(f"{PREFIX}/hb/{member}", 0)
 
     def survey(self, members: list[int], checked_in: Callable[[int], dict | None], failure_s: float,
-               timeout_s: float) -> tuple[dict[int, dict], list[int]]:
+               timeout_s: float, first_loss: bool = False) -> tuple[dict[int, dict], list[int]]:
         """Wait until each of members has checked in (checked_in(m) -> its info, None while it has not:
         alive) or is known dead: its process is gone, or it has not heartbeaten for failure_s (lost); after
         timeout_s the silent ones count as lost. One found dead is asked once more whether it checked in (it may
-        have just before it died, and others may have seen that). Returns (alive: member -> info, lost)."""
+        have just before it died, and others may have seen that). first_loss: return as soon as one is lost.
+        Returns (alive: member -> info, lost)."""
         alive: dict[int, dict] = {}
         lost: list[int] = []
         seen: dict[int, tuple[int, float]] = {}
@@ -154,7 +155,7 @@ class Peers:
                         lost.append(m)
                     else:
                         alive[m] = info
-            if len(alive) + len(lost) == len(members):
+            if len(alive) + len(lost) == len(members) or (first_loss and lost):
                 return alive, lost
             time.sleep(0.02)
 

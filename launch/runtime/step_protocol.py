@@ -246,7 +246,9 @@ def fault_point(name: str, member: int, step: int) -> None:
     re-forming after a lost peer, once it has checked in alive for the next generation and before it forms it;
     `step` is that generation's number: the leader plans it with this rank in it); "ready" (a member of a plan,
     once it has marked itself ready to form it: the others go on into the groups' rendezvous; `step` is the
-    plan's generation). In a planned change (scale,
+    plan's generation); "groups" (a member once the plan's process groups formed, before its data plane and
+    expert weights) and "weights" (once it has its weights, before every member has agreed the generation
+    formed). In a planned change (scale,
     drain), `step` is the planned generation's number: "reshape" (a follower that got the RESHAPE header, before
     any handover), "mid_handover" (a retiring attention rank that has sent its requests' list, before their KV
     blocks), "handed_over" (a follower past the handover, before the ranks leave the old generation together),

@@ -219,7 +219,8 @@ def test_attention_rank_killed_after_the_others_finished_the_step(tiny_checkpoin
 
 
 @pytest.mark.parametrize("second,left,point", [(3, (2, 1), "checked_in"), wider(1, (1, 2), "checked_in"),
-                                               (3, (2, 1), "ready")])
+                                               wider(3, (2, 1), "ready"), (3, (2, 1), "groups"),
+                                               wider(1, (1, 2), "weights")])
 def test_a_second_rank_lost_while_the_job_re_forms(tiny_checkpoint, monkeypatch, second, left, point):
     """3+2 ranks; attention rank 2 dies before step 6's report gather, and while the job re-forms a second rank
     (expert rank 3, or attention rank 1) dies. At "checked_in": once it has checked in alive, so the leader has
@@ -228,7 +229,10 @@ def test_a_second_rank_lost_while_the_job_re_forms(tiny_checkpoint, monkeypatch,
     they check in again and the leader plans generation 2 without it. At "ready": once it has marked itself ready,
     so the others go on into the groups' rendezvous and wait there for it; that wait is bounded (10 s here, not
     the 600 s collective timeout), nothing of generation 1 forms, and they re-form as before. Every row must end,
-    within a watchdog, with transformers' tokens."""
+    within a watchdog, with transformers' tokens. At "groups" (the groups formed, before the data plane and the
+    expert weights) and "weights" (it has its weights): the others adopt generation 1 only once every member has
+    its weights, so none serves a generation that lost a member while forming (before, a loss there ended the
+    job): they give it up, check in again and re-form."""
     path = tiny_checkpoint("olmoe")
     prompts = make_prompts(12, 256, 2, 50, seed=1)
     expected = hf_greedy(path, prompts, 64)
@@ -272,13 +276,14 @@ def _stream_scaling(llm: LLM, prompts, params, scale: dict, after_tokens: int, d
 
 
 @pytest.mark.parametrize("case", [
-    "retiring rank dies mid-handover", "joiner dies once admitted",
+    "retiring rank dies mid-handover", "joiner dies once admitted", "joiner dies while the weights move",
     wider("taking rank dies at reshape"), wider("expert rank dies at reshape of a scale-out")])
 def test_a_rank_lost_during_a_planned_change(tiny_checkpoint, monkeypatch, case):
     """Issue 28: a rank lost while the job carries out a scale request. 3+2 -> 2+2 (attention rank 2 retires and
     hands its requests over): it dies after sending their list, before their KV blocks; or the rank taking them
     over (1) dies on the RESHAPE header. 2+2 -> 2+3: the joining expert rank (member 4) dies once admitted, before
-    the new generation forms; or expert rank 2 dies on the RESHAPE header. The change is given up (nobody formed
+    the new generation forms, or once its groups formed, before it has the experts its peers send it; or expert
+    rank 2 dies on the RESHAPE header. The change is given up (nobody formed
     it), the job re-forms from the old generation's survivors with every request where a rank holds it (those
     nobody holds resume elsewhere), and the request is asked again: done if it still can be, else refused
     saying a rank was lost. Every row ends, within a watchdog, with transformers' tokens (before, the followers
@@ -287,6 +292,7 @@ def test_a_rank_lost_during_a_planned_change(tiny_checkpoint, monkeypatch, case)
         "retiring rank dies mid-handover": (3, 2, "mid_handover:2:1", {"attention_ranks": 2}, [2], (2, 2)),
         "taking rank dies at reshape": (3, 2, "reshape:1:1", {"attention_ranks": 2}, [1], (2, 2)),
         "joiner dies once admitted": (2, 2, "admitted:4:1", {"expert_ranks": 3}, [], (2, 2)),
+        "joiner dies while the weights move": (2, 2, "groups:4:1", {"expert_ranks": 3}, [], (2, 2)),
         "expert rank dies at reshape of a scale-out": (2, 2, "reshape:2:1", {"expert_ranks": 3}, [2], (2, 1)),
     }[case]
     path = tiny_checkpoint("olmoe")

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import msgpack
 import torch.distributed as dist
 
 from comm.shm import host_identity
+from launch.runtime.changes import MembershipSettings
+from launch.runtime.generations import Generations
 from launch.runtime.liveness import PREFIX, Peers
 
 
@@ -42,3 +45,58 @@ def test_a_member_found_dead_that_checked_in_just_before_counts_as_alive():
     assert alive == {1: {"role": "attention"}, 3: {"role": "expert"}}
     assert lost == [2]
     assert looks == {1: 2, 2: 2}
+
+
+def _generations(store: dist.Store, member: int):
+    """A member's Generations on the test's store, without a runtime or a heartbeat thread (_agree needs neither)."""
+    gens = Generations.__new__(Generations)
+    gens.store, gens.member = store, member
+    gens.settings = MembershipSettings(failure_s=2.0, collective_timeout_s=60.0, startup_timeout_s=60.0,
+                                       expert_memory=None)
+    gens._peers = Peers(store, member)
+    return gens
+
+
+def _votes(store: dist.Store, votes: dict[int, bool], members: list[int]) -> dict[int, bool]:
+    """Each member of votes calls _agree(5, members, its vote) in a thread of its own, while a heartbeat thread
+    keeps every voter alive -> what each was told (a vote still waiting after 10 s fails the test)."""
+    told: dict[int, bool] = {}
+    gens = {m: _generations(store, m) for m in votes}
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(0.1):
+            for m in votes:
+                store.add(f"{PREFIX}/hb/{m}", 1)
+    threads = [threading.Thread(target=lambda m=m: told.__setitem__(m, gens[m]._agree(5, members, votes[m])),
+                                daemon=True) for m in votes]
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    done.set()
+    assert not any(t.is_alive() for t in threads), f"votes {votes} of members {members} still waiting"
+    return told
+
+
+def test_a_generation_forms_for_every_member_or_for_none():
+    """Generations._agree, the decision that a generation formed once its groups and weights are in: all members
+    that have their weights -> formed for all; a member whose process is gone before it reported -> failed for
+    the others at once (found by the survey, while the live ones still wait for a decision); one member that
+    failed -> failed for all, and a member reporting its weights after that is told failed too, never formed."""
+    store = dist.HashStore()
+    assert _votes(store, {0: True, 1: True, 2: True}, [0, 1, 2]) == {0: True, 1: True, 2: True}
+
+    store = dist.HashStore()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    _register(store, 2, gone.pid)
+    assert _votes(store, {0: True, 1: True}, [0, 1, 2]) == {0: False, 1: False}
+    assert store.get(f"{PREFIX}/g5/outcome") == b"failed"
+
+    store = dist.HashStore()
+    assert _votes(store, {1: False}, [0, 1]) == {1: False}
+    assert store.get(f"{PREFIX}/g5/leaving") == b"1"     # members still in an exchange get interrupted
+    assert _votes(store, {0: True}, [0, 1]) == {0: False}
