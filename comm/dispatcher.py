@@ -71,14 +71,20 @@ class Dispatcher(ABC):
 
     def __init__(self, group: dist.ProcessGroup | Layout, hidden_size: int, top_k: int, dtype: torch.dtype,
                  device: torch.device, num_sources: int, stats: CommStats | None = None,
-                 ranks_per_node: int | None = None):
+                 ranks_per_node: int | None = None, nodes: list[int] | None = None):
         self.group = group
         if isinstance(group, Layout):
             self.world_size, self.rank = group.world_size, group.rank
         else:
             self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        self.ranks_per_node = ranks_per_node or self.world_size      # nodes: consecutive blocks of ranks
-        self.node_of = [r // self.ranks_per_node for r in range(self.world_size)]
+        if nodes is not None:    # the node of each rank (a job re-formed after losing ranks keeps its nodes)
+            if len(nodes) != self.world_size:
+                raise ValueError(f"nodes names {len(nodes)} ranks' nodes for a world of {self.world_size}")
+            self.node_of = list(nodes)
+            self.ranks_per_node = max(self.node_of.count(n) for n in set(self.node_of))   # the fullest node's
+        else:                    # nodes: consecutive blocks of ranks
+            self.ranks_per_node = ranks_per_node or self.world_size
+            self.node_of = [r // self.ranks_per_node for r in range(self.world_size)]
         self.my_node = self.node_of[self.rank]
         self.num_sources = num_sources
         self.hidden_size, self.top_k = hidden_size, top_k

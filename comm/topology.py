@@ -1,7 +1,8 @@
 """Roles and nodes of every rank, and the process groups built on them.
 
 World size W = A + E: ranks 0..A-1 are attention ranks, A..W-1 expert ranks.
-Nodes come from torchrun (LOCAL_WORLD_SIZE) unless `ranks_per_node` overrides it.
+Nodes come from torchrun (LOCAL_WORLD_SIZE) unless `ranks_per_node` overrides it: consecutive blocks of ranks at
+start-up. A job that re-forms keeps each member on its node, so its ranks then name their nodes (`nodes`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Topology:
     num_attention_ranks: int
     ranks_per_node: int
     forming: bool = False    # the leader of separate pool launches alone, before the first generation forms
+    nodes: list[int] | None = None   # the node of each rank (None: consecutive blocks of ranks_per_node ranks)
 
     def __post_init__(self) -> None:
         A, W = self.num_attention_ranks, self.world_size
@@ -33,6 +35,8 @@ class Topology:
             raise ValueError(f"rank {self.rank} is outside world size {W}")
         if self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node={self.ranks_per_node} must be >= 1")
+        if self.nodes is not None and len(self.nodes) != W:
+            raise ValueError(f"nodes names the nodes of {len(self.nodes)} ranks in a world of {W}")
 
     @classmethod
     def from_env(cls, num_attention_ranks: int, ranks_per_node: int | None = None,
@@ -68,13 +72,25 @@ class Topology:
 
     @property
     def num_nodes(self) -> int:
-        return -(-self.world_size // self.ranks_per_node)
+        return len(self.node_ids)
+
+    @property
+    def node_ids(self) -> list[int]:
+        """The nodes that hold ranks of this job, in order (after a re-forming, not always 0..num_nodes-1)."""
+        return sorted({self.node_of(r) for r in range(self.world_size)})
 
     def node_of(self, rank: int) -> int:
-        return rank // self.ranks_per_node
+        return self.nodes[rank] if self.nodes is not None else rank // self.ranks_per_node
 
     def local_index(self, rank: int) -> int:
-        return rank % self.ranks_per_node
+        """The rank's place among its node's ranks (by rank)."""
+        if self.nodes is None:
+            return rank % self.ranks_per_node
+        return self.nodes[:rank].count(self.nodes[rank])
+
+    def rank_nodes(self) -> list[int]:
+        """The node of every rank."""
+        return [self.node_of(r) for r in range(self.world_size)]
 
     @property
     def role(self) -> str:
@@ -101,11 +117,11 @@ class ProcessGroups:
         attn_ranks = list(range(topo.num_attention_ranks))
         attention = dist.new_group(attn_ranks, backend="gloo", timeout=timeout)
         node = local = None
-        for n in range(topo.num_nodes):
+        for n in topo.node_ids:
             g = dist.new_group([r for r in range(W) if topo.node_of(r) == n], timeout=timeout)
             if topo.node_of(topo.rank) == n:
                 node = g
-        for i in range(min(topo.ranks_per_node, W)):   # a node may be missing ranks (a shrunk job)
+        for i in range(max(topo.local_index(r) for r in range(W)) + 1):   # a node may be missing ranks
             g = dist.new_group([r for r in range(W) if topo.local_index(r) == i], timeout=timeout)
             if topo.local_index(topo.rank) == i:
                 local = g

@@ -65,8 +65,9 @@ class TwoPhaseHandle:
 
 
 class TwoPhaseDispatcher(Dispatcher):
-    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None):
-        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node)
+    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None,
+                 nodes=None):
+        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node, nodes)
         W, S = self.world_size, num_sources
         if W > MAX_RANKS:
             raise ValueError(f"two_phase addresses at most {MAX_RANKS} ranks; this job has {W}")
@@ -94,6 +95,7 @@ class TwoPhaseDispatcher(Dispatcher):
         # node -> index in dst_nodes (-1: holds no expert ranks), to address a choice's node block
         self.node_index = torch.full((max(self.node_of) + 1,), -1, dtype=torch.int64, device=device)
         self.node_index[self.dst_nodes] = torch.arange(len(self.dst_nodes), device=device)
+        self.rank_node_index = self.node_index[torch.tensor(self.node_of, device=device)]   # rank -> the same
         self._combine_sends: list = []     # the last combine's send works, waited at the next dispatch
 
     def gateways(self, ns: int, nd: int) -> tuple[int, int]:
@@ -205,7 +207,7 @@ class TwoPhaseDispatcher(Dispatcher):
         if self.is_source:
             code = torch.where(slots >= 0, (dst_ranks << SLOT_BITS) | slots, -1)
             blocks, handle.hit, handle.pos = place_rows(hidden.contiguous().view(torch.uint8),
-                                                        self.node_index[dst_ranks // self.ranks_per_node], code,
+                                                        self.rank_node_index[dst_ranks], code,
                                                         weights, len(self.dst_nodes), C)
             sends = [(self.gateways(here, nd)[0], self._tag(1, nd), blocks[i * (C + 1):(i + 1) * (C + 1)])
                      for i, nd in enumerate(self.dst_nodes)]
@@ -313,10 +315,10 @@ class AutoDispatcher(Dispatcher):
     """Per call, `direct` or `two_phase`, whichever the cost model predicts faster for the step's capacity and
     this topology (every rank holds the same model and capacity, so every rank makes the same choice)."""
 
-    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
-                 model: CostModel):
-        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node)
-        args = (group, hidden_size, top_k, dtype, device, num_sources, self.stats, ranks_per_node)
+    def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None,
+                 nodes=None, *, model: CostModel):
+        super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node, nodes)
+        args = (group, hidden_size, top_k, dtype, device, num_sources, self.stats, ranks_per_node, nodes)
         self.modes: dict[str, Dispatcher] = {"direct": DirectDispatcher(*args), "two_phase": TwoPhaseDispatcher(*args)}
         self.model = model
         self.choice = "direct"

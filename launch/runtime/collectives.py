@@ -55,7 +55,7 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
     """Every rank's comm stats and load history (and with `events` its recent calls), and its sync audit
     (host_syncs: None when off) to the leader -> the merged dict there, None elsewhere."""
     stats = dispatcher.stats
-    mine = {"rank": topo.rank, "role": topo.role, "kernel_backend": kernel_backend,
+    mine = {"rank": topo.rank, "role": topo.role, "node": topo.node_of(topo.rank), "kernel_backend": kernel_backend,
             "layers": stats.to_dict(), "compute": stats.compute_dict(),
             "host_syncs": None if sync_tally is None else sync_tally.to_dict()}
     if events:
@@ -78,8 +78,8 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
             "balancer": par.balancer, "redundant_experts": par.redundant_experts,
             "replacements": state.num_replacements,
             "slots_moved": sum(r.get("slots_moved", 0) for r in every),
-            "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "kernel_backend", "layers", "compute", "steps",
-                                                         "events", "host_syncs") if k in r}
+            "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "node", "kernel_backend", "layers", "compute",
+                                                         "steps", "events", "host_syncs") if k in r}
                       for r in every},
             "expert_load": {"steps": steps, "layers": {str(layer): {
                 "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}

@@ -27,7 +27,8 @@ def make_data_plane(config: EngineConfig, topo: Topology, groups: ProcessGroups,
     else the comm mode over the world group.
     stats: the previous generation's, carried on (None: fresh)."""
     kw = dict(group=groups.world, hidden_size=spec.hidden_size, top_k=spec.top_k, dtype=dev.dtype,
-              device=dev.device, num_sources=topo.num_attention_ranks, ranks_per_node=topo.ranks_per_node)
+              device=dev.device, num_sources=topo.num_attention_ranks, ranks_per_node=topo.ranks_per_node,
+              nodes=topo.nodes)
     if stats is not None:
         kw["stats"] = stats
     dispatcher = _dispatcher(config, topo, groups, dev, kw)

@@ -29,6 +29,7 @@ class Job:
     num_moe_layers: int
     redundant_experts: int
     bytes_per_slot: int      # one expert's weights in this job's dtype
+    nodes: list[int] | None = None   # the node of each rank (None: consecutive blocks of ranks_per_node)
 
 
 def grown_ranks_per_node(ranks_per_node: int, configured: bool, num_nodes: int, new_world: int) -> int:
@@ -93,7 +94,10 @@ def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: lis
         raise MembershipError(f"{len(keep)} expert ranks exceed the model's {job.num_experts} experts; "
                               f"use at most {job.num_experts}")
     A2 = len(attention_keep)
-    new_topo = Topology(0, A2 + len(keep), A2, job.ranks_per_node)
+    old_nodes = job.nodes or [r // job.ranks_per_node for r in range(len(members))]
+    nodes = keep_nodes([old_nodes[r] if r >= 0 else -1 for r in attention_keep] +
+                       [old_nodes[A + k] if k >= 0 else -1 for k in keep], job.ranks_per_node)
+    new_topo = Topology(0, A2 + len(keep), A2, job.ranks_per_node, nodes=nodes)
     rank_node = [new_topo.node_of(A2 + i) for i in range(len(keep))]
     replan = _replan(job, keep, len(experts), rank_node)
     S = replan.placement.num_slots
@@ -113,10 +117,24 @@ def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: lis
     return {"gen": generation, "members": new_members, "attention_ranks": A2, "attention_keep": attention_keep,
             "keep": keep, "staged": staged, "joined": [m for m, _ in joined],
             "kv_blocks": [info.get("kv_blocks", 0) for m, info in joined if info["role"] == "attention"],
-            "ranks_per_node": job.ranks_per_node,
+            "ranks_per_node": job.ranks_per_node, "nodes": nodes,
             "slot2expert": replan.placement.slot2expert.tolist(),
             "moves": [list(m) for m in replan.moves], "from_peers": replan.num_from_peers + len(staged),
             "from_checkpoint": replan.num_from_checkpoint - len(staged)}
+
+
+def keep_nodes(nodes: list[int], ranks_per_node: int) -> list[int] | None:
+    """The node of each rank of the next generation. nodes: each new rank's node where it is a member that stays
+    (it stays on its node: ranks are renumbered when others leave, nodes are not), -1 for one that joins, which
+    takes the lowest node with fewer than ranks_per_node ranks, else a node of its own. None when that is the
+    consecutive blocks of ranks_per_node ranks that a job starts with."""
+    out = list(nodes)
+    for i, n in enumerate(out):
+        if n < 0:
+            count = {m: out.count(m) for m in out if m >= 0}
+            room = [m for m in sorted(count) if count[m] < ranks_per_node]
+            out[i] = room[0] if room else max(count, default=-1) + 1
+    return None if out == [r // ranks_per_node for r in range(len(out))] else out
 
 
 def plan_handover(blocks: list[tuple[int, int]], retiring: list[int]) -> dict[str, int]:

@@ -298,7 +298,7 @@ class Runtime:
         was (out of any generation). Returns timings in seconds."""
         t0 = time.perf_counter()
         gen, A, members = plan["gen"], plan["attention_ranks"], list(plan["members"])
-        topo = Topology(members.index(self.member), len(members), A, plan["ranks_per_node"])
+        topo = Topology(members.index(self.member), len(members), A, plan["ranks_per_node"], nodes=plan["nodes"])
         bound = min(self.config.collective_timeout_s, max(RENDEZVOUS_S, 3 * self.config.rank_failure_s))
         failed, prepared = None, None
         try:
@@ -399,7 +399,7 @@ class Runtime:
                                             self.topo.num_nodes, new_world)
         job = planning.Job(self.members, self.topo.num_attention_ranks, rpn, state.placement,
                            state.load_ema, spec.num_experts, spec.num_moe_layers, par.redundant_experts,
-                           self._bytes_per_slot())
+                           self._bytes_per_slot(), self.topo.rank_nodes())
         return planning.plan_generation(job, generation, infos, lost, joined, retiring)
 
     def barrier(self) -> None:

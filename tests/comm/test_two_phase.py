@@ -31,12 +31,14 @@ def _routing(rank, A, E, T, seed, one_rank):
 
 
 def _join(rank, world, A, rpn) -> dict:
-    """Join the gloo group -> make_dispatcher's keyword arguments for this test's shapes."""
+    """Join the gloo group -> make_dispatcher's keyword arguments for this test's shapes. rpn: ranks per node
+    (nodes are consecutive blocks of ranks), or the node of each rank (a job re-formed after losing ranks)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    nodes = {"nodes": rpn} if isinstance(rpn, list) else {"ranks_per_node": rpn}
     return dict(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32, device=torch.device("cpu"),
-                num_sources=A, ranks_per_node=rpn)
+                num_sources=A, **nodes)
 
 
 def _inputs(d, rank, world, A, tokens, seed, one_rank):
@@ -84,6 +86,10 @@ CASES = [
     wider(3, 2, 2, [4, 0, 7], False),  # A != E, mixed node
     (1, 3, 1, [9], False),             # one rank per node: every hop crosses nodes
     (2, 4, 3, [7, 5], True),           # every token to the first expert rank
+    # nodes named per rank, as after a re-forming: 3+3 in nodes of two lost attention rank 1, the others kept
+    # their nodes (0 | 1, 1 | 2, 2); and labels out of order, nodes mixing attention and expert ranks
+    (2, 3, [0, 1, 1, 2, 2], [6, 4], False),
+    wider(2, 3, [3, 1, 1, 3, 5], [5, 8], False),
 ]
 
 
@@ -97,13 +103,13 @@ def test_two_phase_matches_direct(A, E, rpn, tokens, one_rank):
             for a, b in zip(d["rows"], t["rows"]):
                 assert torch.equal(a, b), (r, layer)
             assert torch.equal(d["out"], t["out"]), (r, layer)
-    nodes = lambda ranks: {x // rpn for x in ranks}          # noqa: E731
-    src_nodes, dst_nodes = nodes(range(A)), nodes(range(A, W))
+    node = (lambda x: rpn[x]) if isinstance(rpn, list) else (lambda x: x // rpn)   # noqa: E731
+    src_nodes, dst_nodes = {node(x) for x in range(A)}, {node(x) for x in range(A, W)}
     for layer in ("0", "1"):
         for phase in ("dispatch", "combine"):
             inter = {m: sum(res[r][m]["stats"][layer][phase]["inter_node_messages"] for r in range(W))
                      for m in ("direct", "two_phase")}
-            pairs = sum(1 for s in range(A) for e in range(A, W) if s // rpn != e // rpn)
+            pairs = sum(1 for s in range(A) for e in range(A, W) if node(s) != node(e))
             # two_phase: one per node pair that crosses nodes; its intra-node hops never count
             assert inter["two_phase"] == sum(1 for a in src_nodes for b in dst_nodes if a != b), (phase, inter)
             if phase == "dispatch":      # direct: every source sends every expert rank its block
@@ -111,7 +117,7 @@ def test_two_phase_matches_direct(A, E, rpn, tokens, one_rank):
             else:                        # combine: as gathers/all_to_all, every expert rank answers each source
                 assert inter["direct"] <= pairs
             assert inter["two_phase"] <= len(src_nodes) * len(dst_nodes)
-            if rpn > 1 and A % rpn == 0 and E % rpn == 0 and phase == "dispatch":
+            if isinstance(rpn, int) and rpn > 1 and A % rpn == 0 and E % rpn == 0 and phase == "dispatch":
                 # full nodes, attention and experts apart: direct's rpn x rpn pairs per node pair become one
                 assert inter["two_phase"] * rpn * rpn == inter["direct"], inter
 

@@ -155,6 +155,26 @@ def test_expert_rank_killed_under_two_phase_does_not_wedge_a_source(tiny_checkpo
     assert (changes[0]["attention_ranks"], changes[0]["expert_ranks"]) == (2, 1)
 
 
+def test_ranks_stay_on_their_nodes_after_a_re_forming(tiny_checkpoint):
+    """3+2 ranks in emulated nodes of 2 (ranks 0 1 | 2 3 | 4; 0-2 attention), comm two_phase: attention rank 1
+    dies mid-generation. The survivors are renumbered 0 1 2 3 but stay on their nodes, 0 | 1 1 | 2 (consecutive
+    blocks, as before, put old rank 2 with the leader on node 0 and split old rank 3 from it), and two_phase
+    routes by those nodes: every row still ends with transformers' tokens."""
+    path = tiny_checkpoint("olmoe")
+    prompts = make_prompts(8, 256, 5, 30, seed=7)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(path, attention_ranks=3, expert_ranks=2, comm="two_phase", transport="collective",
+             ranks_per_node=2) as llm:
+        before = [llm.comm_stats()["ranks"][str(r)]["node"] for r in range(5)]
+        assert _stream(llm, prompts, params, llm.worker_pids[1], after_tokens=24) == expected
+        stats, comm = llm.stats(), llm.comm_stats()
+    assert before == [0, 0, 1, 1, 2]
+    change, = stats["membership_changes"]
+    assert change["lost"] == [1] and (change["attention_ranks"], change["expert_ranks"]) == (2, 2)
+    assert [comm["ranks"][str(r)]["node"] for r in range(4)] == [0, 1, 1, 2]
+
+
 @pytest.mark.parametrize("victim,options", [
     (3, {}),                                                        # an expert rank, shm transport
     wider(1, {"transport": "collective"}),                          # an attention rank, gloo collectives

@@ -15,8 +15,9 @@ BIG = {"expert_budget": 2**40}
 def make_job(num_attention: int = 1, num_expert: int = 3, **kw) -> Job:
     members = list(range(num_attention + num_expert))
     placement = Placement.identity(L, E, num_expert)
-    return Job(members, num_attention, ranks_per_node=len(members), placement=placement, load_ema=None,
-               num_experts=E, num_moe_layers=L, redundant_experts=0, bytes_per_slot=kw.get("bytes_per_slot", 1))
+    return Job(members, num_attention, ranks_per_node=kw.get("ranks_per_node", len(members)), placement=placement,
+               load_ema=None, num_experts=E, num_moe_layers=L, redundant_experts=0,
+               bytes_per_slot=kw.get("bytes_per_slot", 1), nodes=kw.get("nodes"))
 
 
 def held(job: Job, expert_index: int) -> set[int]:
@@ -55,6 +56,24 @@ def test_joiners_come_after_the_kept_ranks_of_their_role():
     assert plan["members"] == [0, 1, 11, 2, 3, 10]
     assert plan["attention_keep"] == [0, 1, -1] and plan["keep"] == [0, 1, -1]
     assert plan["kv_blocks"] == [7] and plan["joined"] == [10, 11]
+
+
+def test_members_stay_on_their_nodes_when_the_job_re_forms():
+    """3 + 3 ranks in nodes of 2 (0 1 | 2 3 | 4 5; ranks 0-2 attention). Attention rank 1 dies: the ranks after it
+    are renumbered but stay on their nodes, 0 | 1 2 | 3 4 (consecutive blocks would have put old rank 2, on node
+    1, with rank 0 on node 0, and old rank 4 with old rank 3). An attention rank then joins: node 0 has room.
+    Losing the last rank leaves consecutive blocks, said as None; a joiner with no room opens a node."""
+    job = make_job(num_attention=3, num_expert=3, ranks_per_node=2)
+    plan = plan_generation(job, 1, {m: BIG for m in job.members}, [1])
+    assert plan["members"] == [0, 2, 3, 4, 5] and plan["nodes"] == [0, 1, 1, 2, 2]
+    after = make_job(num_attention=2, num_expert=3, ranks_per_node=2, nodes=plan["nodes"])
+    after.members = plan["members"]
+    plan = plan_generation(after, 2, {m: BIG for m in after.members}, [], [(9, {"role": "attention"})])
+    assert plan["members"] == [0, 2, 9, 3, 4, 5] and plan["nodes"] == [0, 1, 0, 1, 2, 2]
+    assert plan_generation(job, 1, {m: BIG for m in job.members}, [5])["nodes"] is None
+    full = make_job(num_attention=2, num_expert=2, ranks_per_node=2)
+    grown = plan_generation(full, 1, {m: BIG for m in full.members}, [], [(9, {"role": "attention"})])
+    assert grown["members"] == [0, 1, 9, 2, 3] and grown["nodes"] == [0, 0, 2, 1, 1]
 
 
 def test_too_little_expert_memory_names_the_rank_and_the_way_out():

@@ -1,0 +1,28 @@
+"""Topology's node arithmetic: consecutive blocks of ranks_per_node at start-up, or the node each rank names
+after a re-forming (which ProcessGroups.create and two_phase's gateways build on)."""
+from __future__ import annotations
+
+import pytest
+
+from comm.topology import Topology
+
+
+def test_consecutive_blocks():
+    topo = Topology(3, 5, 2, ranks_per_node=2)
+    assert topo.rank_nodes() == [0, 0, 1, 1, 2]
+    assert [topo.local_index(r) for r in range(5)] == [0, 1, 0, 1, 0]
+    assert topo.num_nodes == 3 and topo.node_ids == [0, 1, 2]
+
+
+def test_nodes_named_per_rank():
+    """5 ranks on nodes 3, 1, 1, 3, 5 (labels kept from the first generation, out of order): each rank's place
+    on its node counts the ranks before it there; a node that lost every rank is simply absent."""
+    topo = Topology(2, 5, 2, ranks_per_node=2, nodes=[3, 1, 1, 3, 5])
+    assert topo.node_of(0) == 3 and topo.node_of(4) == 5
+    assert [topo.local_index(r) for r in range(5)] == [0, 0, 1, 1, 0]
+    assert topo.num_nodes == 3 and topo.node_ids == [1, 3, 5]
+
+
+def test_a_node_list_of_the_wrong_length_is_refused():
+    with pytest.raises(ValueError, match="nodes of 4 ranks in a world of 5"):
+        Topology(0, 5, 2, ranks_per_node=2, nodes=[0, 0, 1, 1])
