@@ -25,8 +25,10 @@ from models import SHIPPED_MODEL  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--eval-venv", default=os.path.join(ROOT, ".venv-eval"), help="the venv holding guidellm")
-    ap.add_argument("--model", default=SHIPPED_MODEL)
+    # absolute at once: the tools run in another working directory (the Makefile passes --eval-venv .venv-eval)
+    ap.add_argument("--eval-venv", type=os.path.abspath, default=os.path.join(ROOT, ".venv-eval"),
+                    help="the venv holding guidellm")
+    ap.add_argument("--model", type=os.path.abspath, default=SHIPPED_MODEL)
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second (constant)")
     ap.add_argument("--seconds", type=int, default=25, help="how long guidellm sends (its whole run stays < 60 s)")
     ap.add_argument("--prompt-tokens", type=int, default=64)

@@ -58,8 +58,10 @@ def samples(out: str, task: str) -> dict[int, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--eval-venv", default=os.path.join(ROOT, ".venv-eval"), help="the venv holding lm_eval")
-    ap.add_argument("--model", default=SHIPPED_MODEL)
+    # absolute at once: the tools run in another working directory (the Makefile passes --eval-venv .venv-eval)
+    ap.add_argument("--eval-venv", type=os.path.abspath, default=os.path.join(ROOT, ".venv-eval"),
+                    help="the venv holding lm_eval")
+    ap.add_argument("--model", type=os.path.abspath, default=SHIPPED_MODEL)
     args = ap.parse_args()
     name = os.path.basename(os.path.normpath(args.model))
     with tempfile.TemporaryDirectory() as d:
