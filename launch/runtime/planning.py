@@ -142,7 +142,9 @@ def plan_handover(blocks: list[tuple[int, int]], retiring: list[int]) -> dict[st
     {str(leaving rank): taking rank}. blocks: (free, total) KV blocks of each attention rank, as last reported.
     The taker's pool must be at least as large as the leaving rank's, so every sequence that fitted there fits
     (one needing more blocks than a pool holds would wait there for good); among those the most free blocks,
-    charged for what it takes. With no pool that large, the largest."""
+    charged for what it takes. With no pool that large, the largest. retiring: the ranks that leave; expert
+    ranks among them (ranks past the attention ranks) hold no requests."""
+    retiring = [r for r in retiring if r < len(blocks)]
     staying = [r for r in range(len(blocks)) if r not in retiring]
     free = {r: blocks[r][0] for r in staying}
     out = {}

@@ -111,3 +111,5 @@ def test_a_retiring_attention_ranks_requests_go_to_a_pool_that_can_hold_them():
     assert plan_handover(blocks, [1, 3]) == {"1": 0, "3": 0}
     assert plan_handover([(10, 50), (5, 100), (40, 60)], [1]) == {"1": 2}
     assert plan_handover([(90, 100), (5, 100), (40, 100)], [1]) == {"1": 0}   # equal pools: most free
+    assert plan_handover(blocks, [1, 5]) == {"1": 0}   # rank 5, an expert rank, retires too: it hands nothing over
+    assert plan_handover(blocks, [4]) == {}
