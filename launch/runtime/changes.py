@@ -91,5 +91,11 @@ class MemberRuntime(Protocol):
     def stage_experts(self, staged: list[list[int]]) -> None:
         """An expert rank: send or receive the plan's staged experts, kept for the next generation."""
 
+    def hand_off_experts(self, plan: dict) -> None:
+        """A retiring expert rank, out of the old generation: send the joiners the experts only it held."""
+
+    def take_handoff(self, plan: dict) -> None:
+        """A joining expert rank: receive those experts before forming the plan's generation."""
+
     def abandon_change(self) -> None:
         """A planned change failed before its generation formed: drop what was staged for it."""

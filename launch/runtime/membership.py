@@ -14,7 +14,10 @@ as generation 0.
 Planned changes (scaling, draining). On RESHAPE every rank reads the published plan; a retiring attention
 rank hands its requests and KV blocks to the rank the plan names, retiring expert ranks send the experts only
 they hold to the staying ranks that take them, every rank leaves the current generation together, and the
-members of the next one form it (the retired ones exit).
+members of the next one form it (the retired ones exit). Joining expert ranks are not in the old generation's
+groups: the experts only retiring ranks hold that go to a joiner travel over a side group of the retiring ranks
+and the joiners ("handoff"), once the retiring ranks are out of the old generation and before the joiners form
+the new one; a handoff that fails leaves the joiners to read those experts from the checkpoint.
 A failure during a planned change (a rank lost in the old generation's exchanges, or before the new one forms)
 gives the new generation up and re-forms from the old one's survivors (retiring ranks too); the requests stay
 where the attention ranks say they hold them (a retiring rank drops what it hands over, so one lost on the way
@@ -232,11 +235,14 @@ class Membership(Generations):
             if not answer.isdigit():
                 raise MembershipError(f"member {self.member} ({role}) was refused: {answer}")
             fault_point("admitted", self.member, int(answer))
+            plan = self._read_plan(int(answer))
+            self._rt.take_handoff(plan)
             try:
-                self._form(self._read_plan(int(answer)))
+                self._form(plan)
                 return
             except FormingFailed as e:
                 logger.warning("member %d (%s): %s; registering again", self.member, role, e)
+                self._rt.abandon_change()
             self.store.delete_key(key)
 
     def reshape(self) -> bool:
@@ -252,6 +258,7 @@ class Membership(Generations):
         if failed is None and not member:
             logger.info("member %d: retired by a scale-in (generation %d)", self.member, gen + 1)
             self.store.set(self._key(gen + 1, f"alive/{self.member}"), msgpack.packb({"retired": True}))
+            rt.hand_off_experts(plan)    # to the joiners, which are not in the old generation
             return False
         if failed is None:
             failed = failure_of(lambda: self._form(plan), forming_only=True)

@@ -113,14 +113,16 @@ def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: lis
                 f"expert rank or give each more memory (expert_memory)")
     new_members = [members[r] for r in attention_keep if r >= 0] + new_attention + expert_members
     donors = [i for i, m in enumerate(experts) if m in lost]
-    staged = staged_moves(job.placement, replan, keep, donors) if retiring and job.placement is not None else []
+    staged, handoff = staged_moves(job.placement, replan, keep, donors) if retiring and job.placement is not None \
+        else ([], [])
     return {"gen": generation, "members": new_members, "attention_ranks": A2, "attention_keep": attention_keep,
             "keep": keep, "staged": staged, "joined": [m for m, _ in joined],
             "kv_blocks": [info.get("kv_blocks", 0) for m, info in joined if info["role"] == "attention"],
             "ranks_per_node": job.ranks_per_node, "nodes": nodes,
             "slot2expert": replan.placement.slot2expert.tolist(),
-            "moves": [list(m) for m in replan.moves], "from_peers": replan.num_from_peers + len(staged),
-            "from_checkpoint": replan.num_from_checkpoint - len(staged)}
+            "moves": [list(m) for m in replan.moves], "handoff": handoff,
+            "from_peers": replan.num_from_peers + len(staged) + len(handoff),
+            "from_checkpoint": replan.num_from_checkpoint - len(staged) - len(handoff)}
 
 
 def keep_nodes(nodes: list[int], ranks_per_node: int) -> list[int] | None:
@@ -174,18 +176,37 @@ def _replan(job: Job, keep: list[int], num_old_experts: int, rank_node: list[int
                               f"experts: {e}") from e
 
 
-def staged_moves(placement: Placement, replan: Replan, keep: list[int], donors: list[int]) -> list[list[int]]:
+def staged_moves(placement: Placement, replan: Replan, keep: list[int], donors: list[int]
+                 ) -> tuple[list[list[int]], list[list[int]]]:
     """Of replan's moves from the checkpoint, those whose expert a retiring expert rank (donors: old expert
-    indices) holds: [layer, old index of the staying destination, its new slot, donor, donor's slot]."""
+    indices) holds -> (staged: to a staying rank, in the old generation: [layer, old index of the destination,
+    its new slot, donor, donor's slot]; handoff: to a joining rank, which is not in the old generation: [layer,
+    new index of the joiner, its new slot, donor, donor's slot])."""
     old, new = placement.slot2expert, replan.placement.slot2expert
-    staged = []
+    staged, handoff = [], []
     for layer, dst, dslot, src, _ in replan.moves:
-        if src != CHECKPOINT or keep[dst] < 0:   # a joining rank is not in this generation to receive
+        if src != CHECKPOINT:
             continue
         e = int(new[layer, dst, dslot])
         for d in donors:
             row = old[layer, d].tolist()
             if e in row:
-                staged.append([layer, keep[dst], dslot, d, row.index(e)])
+                if keep[dst] >= 0:
+                    staged.append([layer, keep[dst], dslot, d, row.index(e)])
+                else:
+                    handoff.append([layer, dst, dslot, d, row.index(e)])
                 break
-    return staged
+    return staged, handoff
+
+
+def handoff_ranks(handoff: list[list[int]]) -> tuple[list[int], list[int]]:
+    """The ranks of a handoff's side group (retiring donors' old expert indices, then the joiners' new ones, each
+    sorted): donor i is side rank i, joiner j side rank len(donors) + j -> (donors, joiners)."""
+    return sorted({m[3] for m in handoff}), sorted({m[1] for m in handoff})
+
+
+def side_moves(handoff: list[list[int]]) -> list[tuple[int, int, int, int, int]]:
+    """A handoff's moves in side-group ranks: (layer, joiner's side rank, its slot, donor's side rank, its slot)."""
+    donors, joiners = handoff_ranks(handoff)
+    return [(layer, len(donors) + joiners.index(j), dslot, donors.index(d), sslot)
+            for layer, j, dslot, d, sslot in handoff]

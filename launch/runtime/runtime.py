@@ -426,6 +426,43 @@ class Runtime:
             p2p.recv(kv, src, self.groups.world)
         self.worker.take_over(meta, kv)
 
+    def hand_off_experts(self, plan: dict) -> None:
+        """A retiring expert rank, out of the old generation: send the joiners of the plan's generation the experts
+        only it held (plan "handoff"), over a side group with them; best effort (the joiners read what does not
+        arrive from the checkpoint)."""
+        donors, _ = planning.handoff_ranks(plan.get("handoff", []))
+        if self.topo is not None and not self.topo.is_attention and self.topo.expert_index in donors:
+            self._handoff(plan, donors.index(self.topo.expert_index))
+
+    def take_handoff(self, plan: dict) -> None:
+        """A joining expert rank, before it forms the plan's generation: receive from the retiring ranks the
+        experts only they held, kept for regroup like staged experts (nothing, if the handoff fails: those
+        slots are read from the checkpoint)."""
+        donors, joiners = planning.handoff_ranks(plan.get("handoff", []))
+        index = plan["members"].index(self.member) - plan["attention_ranks"]
+        if index in joiners:
+            self.experts.staged = self._handoff(plan, len(donors) + joiners.index(index))
+
+    def _handoff(self, plan: dict, side_rank: int) -> dict:
+        """This rank's part of the plan's handoff as side rank side_rank -> what landed here ((layer, slot) -> the
+        expert's tensors; empty when it failed)."""
+        donors, joiners = planning.handoff_ranks(plan["handoff"])
+        bound = max(RENDEZVOUS_S, 3 * self.config.rank_failure_s)
+        failed = None
+        try:
+            group = p2p.SideGroup(self.store, f"{PREFIX}/g{plan['gen']}/handoff", side_rank,
+                                  len(donors) + len(joiners), bound)
+            landed, received, _ = self.worker.slots.exchange(planning.side_moves(plan["handoff"]), side_rank,
+                                                            lambda r: r, group)
+            logger.info("member %d: handoff of generation %d: %d experts received", self.member, plan["gen"],
+                        received)
+            return landed
+        except RuntimeError as e:    # a side that died or never came: the checkpoint has every expert
+            failed = str(e).splitlines()[0][:200]
+        logger.warning("member %d: the expert handoff of generation %d failed (%s); the joiners read those experts "
+                       "from the checkpoint", self.member, plan["gen"], failed)
+        return {}
+
     def abandon_change(self) -> None:
         """A planned change failed before its generation formed: drop the experts staged for it (the next plan
         is another)."""

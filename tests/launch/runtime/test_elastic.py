@@ -391,3 +391,25 @@ def scale_under_stream(path: str, **engine) -> None:
     assert stats["num_moved_requests"] == 0        # handed over with their KV, nothing recomputed
     assert stats["pool_ranks"] == {"attention": 1, "expert": 2}
     assert [llm._procs[m].exitcode for m in sorted(llm.retired_ranks)] == [0, 0, 0]   # retired, not killed
+
+
+def test_replacing_an_expert_rank_hands_the_joiner_its_experts(tiny_checkpoint):
+    """1+2 -> retire expert rank 2 and add one in the same change (llm.scale(expert_ranks=2, retire=[2])): the
+    experts only the retiring rank holds go to the staying expert rank (in the old generation) and to the joiner,
+    which is not in the old generation, over a side group with the retiring rank, not from the checkpoint. Every
+    slot the plan counts from peers arrives from a peer (comm_stats' slots_moved counts the slots each expert
+    rank received), and the outputs stay transformers'."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(4, 256, 5, 30, seed=4)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    with LLM(path, attention_ranks=1, expert_ranks=2) as llm:
+        moved = llm.comm_stats()["slots_moved"]
+        record = llm.scale(expert_ranks=2, retire=[2])
+        received = llm.comm_stats()["slots_moved"] - moved
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        retired = sorted(llm.retired_ranks)
+    assert (record["attention_ranks"], record["expert_ranks"]) == (1, 2) and len(record["joined_members"]) == 1
+    assert record["slots_from_checkpoint"] == 0 and record["slots_from_peers"] > 0
+    assert received == record["slots_from_peers"], (received, record)
+    assert retired == [2] and llm._procs[2].exitcode == 0

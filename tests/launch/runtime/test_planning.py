@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from balancer.placement import Placement
-from launch.runtime.planning import Job, MembershipError, grown_ranks_per_node, plan_generation, plan_handover
+from launch.runtime.planning import (Job, MembershipError, grown_ranks_per_node, plan_generation, plan_handover,
+                                     side_moves)
 
 L, E = 2, 8
 BIG = {"expert_budget": 2**40}
@@ -47,6 +48,25 @@ def test_a_retiring_expert_rank_sends_the_experts_only_it_holds():
     for layer, dst, _, donor, donor_slot in plan["staged"]:
         assert donor == 1 and dst in (0, 2)
         assert int(job.placement.slot2expert[layer, donor, donor_slot]) in held(job, 1)
+
+
+def test_a_change_that_retires_and_adds_expert_ranks_hands_the_joiners_the_retiring_ranks_experts():
+    """1 + 3 expert ranks; expert rank 1 (member 2) retires and member 10 joins. Every expert that only the
+    retiring rank holds goes from it: to a staying rank in the old generation (staged) or to the joiner over a
+    side group (handoff, in the joiner's new index); none is read from the checkpoint."""
+    job = make_job()
+    joined = [(10, {"role": "expert", "expert_budget": 2**40})]
+    plan = plan_generation(job, 1, {m: BIG for m in job.members}, [2], joined, retiring=True)
+    assert plan["members"] == [0, 1, 3, 10] and plan["keep"] == [0, 2, -1]
+    new = torch.tensor(plan["slot2expert"])
+    assert plan["handoff"] and plan["from_checkpoint"] == 0
+    for layer, joiner, slot, donor, donor_slot in plan["handoff"]:
+        assert joiner == 2 and donor == 1                           # the joiner is new expert index 2
+        assert int(new[layer, joiner, slot]) == int(job.placement.slot2expert[layer, donor, donor_slot])
+    moved = {(m[0], int(job.placement.slot2expert[m[0], m[3], m[4]])) for m in plan["staged"] + plan["handoff"]}
+    retiring_only = {(layer, e) for layer in range(L) for e in held(job, 1)}
+    assert moved == retiring_only
+    assert side_moves(plan["handoff"]) == [(layer, 1, slot, 0, ds) for layer, _, slot, _, ds in plan["handoff"]]
 
 
 def test_joiners_come_after_the_kept_ranks_of_their_role():
