@@ -109,6 +109,26 @@ class ProcessGroups:
     local: dist.ProcessGroup | None
 
     @classmethod
+    def form(cls, store: dist.Store, topo: Topology, backend: str, device, rendezvous_s: float,
+             collective_timeout_s: float) -> ProcessGroups:
+        """Initialise the default group on `store` and create the rest: a generation's groups, this rank placed by
+        topo. Their rendezvous waits at most rendezvous_s, then raises with nothing formed (a member that died
+        once it was ready never arrives); then the default group's collectives wait collective_timeout_s, the
+        others' torch's default for their backend. NCCL: eager init on this rank's GPU (device_id), so the first
+        point-to-point needs no lazy communicator."""
+        bound = timedelta(seconds=rendezvous_s)
+        dist.init_process_group(backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=bound,
+                                device_id=device if backend == "nccl" else None)
+        groups = cls.create(topo, timeout=bound)
+        c10d = dist.distributed_c10d
+        c10d._set_pg_timeout(timedelta(seconds=collective_timeout_s), groups.world)
+        for g, kind in ((groups.control, "gloo"), (groups.attention, "gloo"), (groups.node, backend),
+                        (groups.local, backend)):
+            if g is not None:
+                c10d._set_pg_timeout(c10d._get_default_timeout(kind), g)
+        return groups
+
+    @classmethod
     def create(cls, topo: Topology, timeout: timedelta | None = None) -> ProcessGroups:
         """timeout: each group's rendezvous and collectives (None: torch's default for the backend)."""
         # Every rank must call new_group for every group, in the same order.

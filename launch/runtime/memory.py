@@ -14,9 +14,11 @@ A start that finds no room fails with the numbers and what to change.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from attention_nodes.batch import ForwardBatch
@@ -26,6 +28,8 @@ from attention_nodes.scheduler import ScheduledSeq
 from attention_nodes.sequence import Sequence
 from comm.shm import host_identity
 from comm.stats import CommStats
+
+logger = logging.getLogger("afserve")
 
 MiB = 2**20
 
@@ -165,3 +169,25 @@ def measure_share(device: torch.device, attention: bool, peak: int) -> GpuShare:
     torch's cache (torch.cuda.empty_cache, then a barrier)."""
     free, total = torch.cuda.mem_get_info(device)
     return GpuShare(gpu_name(device), attention, peak, total - free, total)
+
+
+def plan(device: torch.device, attention: bool, peak: int, group, utilization: float) -> int | None:
+    """Step 3 above, once this rank has loaded and warmed up: after a barrier of `group`'s ranks (all loaded,
+    caches emptied; None: a rank that starts alone) each reads its GPU's use, the ranks share what they read, and
+    an attention rank gets its KV bytes (an expert rank None)."""
+    torch.cuda.empty_cache()
+    if group is not None:
+        dist.barrier(group=group)
+    share = measure_share(device, attention, peak)
+    shares, me = [share], 0
+    if group is not None:
+        shares = [None] * dist.get_world_size(group)
+        dist.all_gather_object(shares, share, group=group)
+        me = dist.get_rank(group)
+    if not attention:
+        return None
+    kv = kv_cache_bytes(me, shares, utilization)
+    logger.info("GPU memory plan: %s used %.2f GiB of %.2f, warm-up peaks %s MiB; KV cache %.2f GiB",
+                share.gpu, share.used / 2**30, share.total / 2**30,
+                [s.peak >> 20 for s in shares if s.gpu == share.gpu], kv / 2**30)
+    return kv

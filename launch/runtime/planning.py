@@ -197,16 +197,3 @@ def staged_moves(placement: Placement, replan: Replan, keep: list[int], donors: 
                     handoff.append([layer, dst, dslot, d, row.index(e)])
                 break
     return staged, handoff
-
-
-def handoff_ranks(handoff: list[list[int]]) -> tuple[list[int], list[int]]:
-    """The ranks of a handoff's side group (retiring donors' old expert indices, then the joiners' new ones, each
-    sorted): donor i is side rank i, joiner j side rank len(donors) + j -> (donors, joiners)."""
-    return sorted({m[3] for m in handoff}), sorted({m[1] for m in handoff})
-
-
-def side_moves(handoff: list[list[int]]) -> list[tuple[int, int, int, int, int]]:
-    """A handoff's moves in side-group ranks: (layer, joiner's side rank, its slot, donor's side rank, its slot)."""
-    donors, joiners = handoff_ranks(handoff)
-    return [(layer, len(donors) + joiners.index(j), dslot, donors.index(d), sslot)
-            for layer, j, dslot, d, sslot in handoff]

@@ -8,10 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass
-from collections.abc import Callable
-from datetime import timedelta
 
 import msgpack
 import torch
@@ -19,11 +16,10 @@ import torch.distributed as dist
 
 from attention_nodes.leader import Leader
 from attention_nodes.model import MoEContext
-from balancer.placement import Placement, slot_capacities
+from balancer.placement import slot_capacities
 from balancer.policy import make_policy
 from comm import p2p
 from comm.control import ControlPlane
-from comm.failures import is_peer_failure
 from comm.sync_audit import SyncTally
 from comm.topology import ProcessGroups, Topology
 from expert_nodes.slots import ExpertSlots
@@ -31,16 +27,16 @@ from expert_nodes.worker import ExpertWorker
 from models.checkpoint import Checkpoint
 
 from ..config import EngineConfig
-from . import collectives, memory, planning, step_protocol
-from .changes import FormingFailed, MembershipSettings
+from . import collectives, handoff, memory, planning, step_protocol
+from .changes import MembershipSettings
 from .dataplane import make_data_plane
-from .liveness import PREFIX, break_connections, socket_inodes
+from .forming import RENDEZVOUS_S, GenerationForming
+from .liveness import PREFIX, break_connections
 from .membership import Membership
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
 from .startup import build_attention_worker, leads_pool, load_attention_model, open_store
 
 logger = logging.getLogger("afserve")
-RENDEZVOUS_S = 10.0   # the longest a generation's groups wait in their rendezvous (at least 3 x rank_failure_s)
 
 
 @dataclass(slots=True)
@@ -52,7 +48,7 @@ class RankInfo:
     max_model_len: int
 
 
-class Runtime:
+class Runtime(GenerationForming):
     """One rank of the job. `worker` is an AttentionWorker or an ExpertWorker; rank 0 also has `leader`.
     The job's generation: `generation` (-1 before the first), `members` (member ids by rank), `member` (this
     rank's), `topo`, `groups`, `control` and `dispatcher` (None after leaving it, until the next one)."""
@@ -118,7 +114,8 @@ class Runtime:
             if plans_gpu_memory(config.cache, self.dev):
                 rows = par.attention_ranks * config.scheduler.max_num_batched_tokens
                 peak = memory.expert_peak(slots, rows, spec.top_k, spec.hidden_size, self.dev.dtype, self.dev.device)
-                self._plan_gpu_memory(False, peak, self.groups.control)
+                memory.plan(self.dev.device, False, peak, self.groups.control,
+                            config.cache.gpu_memory_utilization)
             self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
@@ -189,7 +186,7 @@ class Runtime:
             peak = memory.attention_peak(model, self.ckpt.spec, sched.max_num_batched_tokens, sched.max_num_seqs,
                                          max_model_len(config, self.ckpt.spec), config.cache.block_size,
                                          self.dev.dtype)
-            kv_bytes = self._plan_gpu_memory(True, peak, group)
+            kv_bytes = memory.plan(self.dev.device, True, peak, group, config.cache.gpu_memory_utilization)
         self.worker = build_attention_worker(config, self.ckpt.spec, self.dev, model, rank, moe, kv_bytes)
         if rank == 0:
             par = self.config.parallel
@@ -202,54 +199,10 @@ class Runtime:
             if self.store is not None:   # what ranks joining later take (launch/runtime/membership.py, "Joining")
                 self.store.set(f"{PREFIX}/config", msgpack.packb(self.config.leader_settings()))
 
-    def _plan_gpu_memory(self, attention: bool, peak: int, group) -> int | None:
-        """The GPU memory plan (launch/runtime/memory.py), once this rank has loaded and warmed up: after a
-        barrier of `group`'s ranks (all loaded, caches emptied) each reads its GPU's use, the ranks share what
-        they read, and an attention rank gets its KV bytes (an expert rank None)."""
-        torch.cuda.empty_cache()
-        if group is not None:
-            dist.barrier(group=group)
-        share = memory.measure_share(self.dev.device, attention, peak)
-        shares, me = [share], 0
-        if group is not None:
-            shares = [None] * dist.get_world_size(group)
-            dist.all_gather_object(shares, share, group=group)
-            me = dist.get_rank(group)
-        if not attention:
-            return None
-        kv = memory.kv_cache_bytes(me, shares, self.config.cache.gpu_memory_utilization)
-        logger.info("GPU memory plan: %s used %.2f GiB of %.2f, warm-up peaks %s MiB; KV cache %.2f GiB",
-                    share.gpu, share.used / 2**30, share.total / 2**30,
-                    [s.peak >> 20 for s in shares if s.gpu == share.gpu], kv / 2**30)
-        return kv
-
     def _bytes_per_slot(self) -> int:
         return ExpertSlots.bytes_per_slot(self.ckpt, self.dev.dtype)
 
     # ----- groups and generations ---------------------------------------------------------------------------
-    def _form_groups(self, generation: int, topo: Topology, rendezvous_s: float) -> None:
-        """The process groups of a generation (this rank placed by topo), from the store keys under its prefix.
-        Their rendezvous waits at most rendezvous_s, then raises with nothing formed (a member that died once
-        it was ready never arrives); then the default group's collectives wait collective_timeout_s, the others'
-        torch's default for their backend (as before the bound)."""
-        store = dist.PrefixStore(f"{PREFIX}/g{generation}/pg", self.store)
-        # NCCL: eager init on this rank's GPU (device_id), so the first point-to-point needs no lazy communicator
-        eager = self.dev.device if self.dev.backend == "nccl" else None
-        before = socket_inodes()
-        bound = timedelta(seconds=rendezvous_s)
-        dist.init_process_group(self.dev.backend, store=store, rank=topo.rank, world_size=topo.world_size,
-                                timeout=bound, device_id=eager)
-        groups = ProcessGroups.create(topo, timeout=bound)
-        c10d = dist.distributed_c10d
-        c10d._set_pg_timeout(timedelta(seconds=self.config.collective_timeout_s), groups.world)
-        for g, backend in ((groups.control, "gloo"), (groups.attention, "gloo"), (groups.node, self.dev.backend),
-                           (groups.local, self.dev.backend)):
-            if g is not None:
-                c10d._set_pg_timeout(c10d._get_default_timeout(backend), g)
-        self.groups = groups
-        self.data_sockets = socket_inodes() - before   # what the heartbeat shuts down if this rank wedges
-        self.control = ControlPlane(groups.control, groups.attention, topo.rank, topo.num_attention_ranks)
-
     def _expert_nodes(self) -> list[int]:
         A = self.topo.num_attention_ranks
         return [self.topo.node_of(A + r) for r in range(self.topo.num_expert_ranks)]
@@ -287,96 +240,6 @@ class Runtime:
         self.dispatcher = self.groups = self.control = None
         self.worker.detach()
         self.left = True
-
-    def regroup(self, plan: dict, agree: Callable[[bool], bool]) -> dict:
-        """Join the plan's generation: form its groups and its data plane, and gather the weights of its expert
-        placement (expert ranks copy or read the slots they gain; a rank that joins starts with none); then
-        agree(True) waits until every member has done the same (or one was lost: False). Only then does this
-        rank adopt the generation (placement, slots, requests), a local step that no peer can interrupt. A
-        failure before that (the rendezvous did not complete, a peer was lost while the weights moved, or
-        agree said no) calls agree(False), drops what was formed and raises FormingFailed with this rank as it
-        was (out of any generation). Returns timings in seconds."""
-        t0 = time.perf_counter()
-        gen, A, members = plan["gen"], plan["attention_ranks"], list(plan["members"])
-        topo = Topology(members.index(self.member), len(members), A, plan["ranks_per_node"], nodes=plan["nodes"])
-        bound = min(self.config.collective_timeout_s, max(RENDEZVOUS_S, 3 * self.config.rank_failure_s))
-        failed, prepared = None, None
-        try:
-            self._form_groups(gen, topo, bound)
-        except RuntimeError as e:    # gloo's connection errors and the store's wait timeout alike
-            failed = (f"the process groups of generation {gen} did not form within {bound:.0f} s (a member died "
-                      f"once it was ready?): {str(e).splitlines()[0][:200]}")
-        if failed is None:
-            step_protocol.fault_point("groups", self.member, gen)   # formed the groups, no weights yet
-            try:
-                prepared = self._prepare_generation(plan, topo)
-            except Exception as e:
-                if not is_peer_failure(e):
-                    raise
-                failed = (f"a member was lost while generation {gen} set up its data plane and weights: "
-                          f"{str(e).splitlines()[0][:200]}")
-        if failed is None:
-            step_protocol.fault_point("weights", self.member, gen)   # has its weights, not yet agreed
-            if not agree(True):
-                failed = f"a member was lost before every member of generation {gen} had its weights"
-        if failed is not None:       # outside the except blocks: see leave_generation
-            agree(False)
-            self._drop_forming()
-            raise FormingFailed(failed)
-        self._adopt_generation(plan, topo, prepared)
-        logger.info("rank %d (member %d): generation %d formed", self.topo.rank, self.member, self.generation)
-        groups_s = prepared["data_plane_at"] - t0
-        return {"groups_s": groups_s, "weights_s": time.perf_counter() - t0 - groups_s}
-
-    def _prepare_generation(self, plan: dict, topo: Topology) -> dict:
-        """What forming the plan's generation exchanges with peers, none of it adopted yet: the data plane
-        (self.dispatcher, so a breaker can interrupt it) and, on an expert rank, the new slots."""
-        spec, A = self.ckpt.spec, topo.num_attention_ranks
-        self.dispatcher = make_data_plane(self.config, topo, self.groups, self.dev, spec, self._stats)
-        prepared = {"data_plane_at": time.perf_counter(), "slots": None, "received": 0}
-        if not topo.is_attention:
-            old = self.topo
-            was = old.expert_index if old is not None and not old.forming and not old.is_attention else -1
-            assert plan["keep"][topo.expert_index] == was
-            new = torch.tensor(plan["slot2expert"], dtype=torch.int64)
-            moves = [tuple(m) for m in plan["moves"]]
-            prepared["slots"], prepared["received"], _ = self.worker.slots.adopt(
-                self.ckpt, moves, new[:, topo.expert_index], topo.expert_index, lambda r: A + r, self.groups.world,
-                self.experts.staged)
-        return prepared
-
-    def _drop_forming(self) -> None:
-        """A generation that did not form: abort what of it was formed (its groups, its data plane); nothing
-        of this rank's state was changed."""
-        if self.dispatcher is not None:
-            self.dispatcher.abort()
-        if dist.is_initialized():
-            dist.distributed_c10d._abort_process_group()
-        self.dispatcher = self.groups = self.control = None
-        self.data_sockets = set()
-
-    def _adopt_generation(self, plan: dict, topo: Topology, prepared: dict) -> None:
-        """Every member has its weights: take the generation on (no exchange with peers here)."""
-        spec, par, state = self.ckpt.spec, self.config.parallel, self.experts
-        self.generation, self.members, self.topo = plan["gen"], list(plan["members"]), topo
-        self.left = False
-        new = torch.tensor(plan["slot2expert"], dtype=torch.int64)
-        state.placement = Placement(new, spec.num_experts, None if state.placement is None else state.placement.load)
-        state.capacity = slot_capacities(spec.num_experts, par.redundant_experts, topo.num_expert_ranks)
-        state.rank_node = self._expert_nodes()
-        if topo.is_attention:
-            self.worker.rank = topo.rank
-            self.worker.adopt(self._moe_context())
-            if self.leader is not None:
-                handover = {int(src): dst for src, dst in plan.get("handover", {}).items()}
-                held = {int(r): ids for r, ids in plan["held"].items()} if "held" in plan else None
-                self.leader.regroup(plan["attention_keep"], plan["kv_blocks"], handover, held)
-                self.leader.num_expert_ranks = topo.num_expert_ranks
-        else:
-            state.staged = {}
-            self.worker.rank = topo.rank
-            self.worker.adopt(prepared["slots"], self.dispatcher)
-            state.num_slots_moved += prepared["received"]
 
     # ----- what membership asks of this rank (changes.MemberRuntime) -------------------------------------
     def member_info(self, role: str | None = None) -> dict:
@@ -427,41 +290,23 @@ class Runtime:
         self.worker.take_over(meta, kv)
 
     def hand_off_experts(self, plan: dict) -> None:
-        """A retiring expert rank, out of the old generation: send the joiners of the plan's generation the experts
-        only it held (plan "handoff"), over a side group with them; best effort (the joiners read what does not
-        arrive from the checkpoint)."""
-        donors, _ = planning.handoff_ranks(plan.get("handoff", []))
-        if self.topo is not None and not self.topo.is_attention and self.topo.expert_index in donors:
-            self._handoff(plan, donors.index(self.topo.expert_index))
+        """A retiring expert rank, out of the old generation: send the joiners the experts only it held
+        (launch/runtime/handoff.py)."""
+        if self.topo is not None and not self.topo.is_attention:
+            self._handoff(plan, self.topo.expert_index, joiner=False)
 
     def take_handoff(self, plan: dict) -> None:
-        """A joining expert rank, before it forms the plan's generation: receive from the retiring ranks the
-        experts only they held, kept for regroup like staged experts (nothing, if the handoff fails: those
-        slots are read from the checkpoint)."""
-        donors, joiners = planning.handoff_ranks(plan.get("handoff", []))
-        index = plan["members"].index(self.member) - plan["attention_ranks"]
-        if index in joiners:
-            self.experts.staged = self._handoff(plan, len(donors) + joiners.index(index))
+        """A joining expert rank, before it forms the plan's generation: receive them, kept like staged experts."""
+        self.experts.staged = self._handoff(plan, plan["members"].index(self.member) - plan["attention_ranks"], True)
 
-    def _handoff(self, plan: dict, side_rank: int) -> dict:
-        """This rank's part of the plan's handoff as side rank side_rank -> what landed here ((layer, slot) -> the
-        expert's tensors; empty when it failed)."""
-        donors, joiners = planning.handoff_ranks(plan["handoff"])
-        bound = max(RENDEZVOUS_S, 3 * self.config.rank_failure_s)
-        failed = None
-        try:
-            group = p2p.SideGroup(self.store, f"{PREFIX}/g{plan['gen']}/handoff", side_rank,
-                                  len(donors) + len(joiners), bound)
-            landed, received, _ = self.worker.slots.exchange(planning.side_moves(plan["handoff"]), side_rank,
-                                                            lambda r: r, group)
-            logger.info("member %d: handoff of generation %d: %d experts received", self.member, plan["gen"],
-                        received)
-            return landed
-        except RuntimeError as e:    # a side that died or never came: the checkpoint has every expert
-            failed = str(e).splitlines()[0][:200]
-        logger.warning("member %d: the expert handoff of generation %d failed (%s); the joiners read those experts "
-                       "from the checkpoint", self.member, plan["gen"], failed)
-        return {}
+    def _handoff(self, plan: dict, index: int, joiner: bool) -> dict:
+        donors, joiners = handoff.side_ranks(plan.get("handoff", []))
+        ours = joiners if joiner else donors
+        if index not in ours:
+            return {}
+        side = ours.index(index) + (len(donors) if joiner else 0)
+        return handoff.exchange(self.store, self.worker.slots, plan, side, self.member,
+                                max(RENDEZVOUS_S, 3 * self.config.rank_failure_s))
 
     def abandon_change(self) -> None:
         """A planned change failed before its generation formed: drop the experts staged for it (the next plan

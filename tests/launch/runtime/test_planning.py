@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from balancer.placement import Placement
-from launch.runtime.planning import (Job, MembershipError, grown_ranks_per_node, plan_generation, plan_handover,
-                                     side_moves)
+from launch.runtime.handoff import side_moves
+from launch.runtime.planning import Job, MembershipError, grown_ranks_per_node, plan_generation, plan_handover
 
 L, E = 2, 8
 BIG = {"expert_budget": 2**40}
