@@ -59,11 +59,12 @@ def shm_supported() -> bool:
 
 
 def process_alive(pid: int) -> bool:
-    """Same-host process liveness (a zombie counts as dead)."""
+    """Same-host process liveness (a zombie counts as dead; so does one reaped between opening its stat file and
+    reading it, where the read raises ProcessLookupError: seen once in the chaos soak, where it ended the leader)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
 
 

@@ -101,3 +101,26 @@ def test_a_fan_out_waits_for_its_copies_once_before_any_round_word(tmp_path):
     assert seen == [[(-1, [1, 2]), (-1, [3, 4])]]       # one wait, both payloads in place, no round yet
     assert [ib.wait(1, 5, "test")[0][0] for ib in inboxes] == [1, 2]
     assert inboxes[1].slot(0, 1)[:4].tolist() == [3, 4, 5, 6]
+
+
+def test_a_process_reaped_while_its_stat_is_read_counts_as_dead(monkeypatch):
+    """process_alive opens /proc/PID/stat and reads it; a process reaped in between makes the read raise
+    ProcessLookupError (seen in the chaos soak: the leader's survey died of it). That is a dead process, not an
+    error; a live one (this process) and a zombie's stat line keep their answers."""
+    import io
+
+    from comm import shm
+
+    class Reaped(io.StringIO):
+        def read(self, *args):
+            raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr(shm, "open", lambda path: Reaped(), raising=False)
+    assert shm.process_alive(12345) is False
+    monkeypatch.setattr(shm, "open", lambda path: io.StringIO("7 (a (b) c) Z 1 2"), raising=False)
+    assert shm.process_alive(7) is False
+    monkeypatch.setattr(shm, "open", lambda path: io.StringIO("7 (python) S 1 2"), raising=False)
+    assert shm.process_alive(7) is True
+    monkeypatch.undo()
+    import os
+    assert shm.process_alive(os.getpid()) is True
