@@ -58,7 +58,8 @@ class Generations:
         self._heartbeat = Heartbeat(host, port, self.member,
                                     lambda: (max(runtime.generation, self._forming), self._left_generation),
                                     lambda: runtime.interrupt_generation(port), runtime.watched_members,
-                                    settings.failure_s, settings.startup_timeout_s, max(10.0, 3 * settings.failure_s))
+                                    settings.failure_s, settings.startup_timeout_s, max(10.0, 3 * settings.failure_s),
+                                    lambda: self._forming >= 0)
 
     def close(self) -> None:
         self._heartbeat.stop.set()

@@ -41,11 +41,16 @@ class Heartbeat:
     above sees it. The leader's heartbeat therefore also watches the members of its generation (watch() -> their
     ids; empty on other ranks): one whose heartbeat count has not moved for failure_s is declared gone by
     marking the generation as being left, which sets the breaking above going on every rank; the re-forming's
-    survey then finds it silent and leaves it out."""
+    survey then finds it silent and leaves it out.
+
+    A rank still forming generation g (forming() true: past the ready wait, not yet adopted) when another gave g
+    up gets the same breaking, but never the exit: it may be reading expert weights from the checkpoint, which
+    no connection ends and which can take longer than wedge_s, and the forming's own waits are bounded."""
 
     def __init__(self, host: str, port: int, member: int, generations: Callable[[], tuple[int, int]],
                  interrupt: Callable[[], int], watch: Callable[[], list[int]], failure_s: float, timeout_s: float,
-                 wedge_s: float):
+                 wedge_s: float, forming: Callable[[], bool] = lambda: False):
+        self.forming = forming
         self.key = f"{PREFIX}/hb/{member}"
         self.interrupt, self.watch, self.failure_s = interrupt, watch, failure_s
         self.member, self.generations, self.wedge_s = member, generations, wedge_s
@@ -77,7 +82,7 @@ class Heartbeat:
                     logger.warning("member %d: still in generation %d %.1fs after a peer left it; interrupted its "
                                    "data plane (%d connections shut down) so its waits end", self.member, gen,
                                    BREAK_S, n)
-            elif time.monotonic() - since[1] > self.wedge_s:
+            elif time.monotonic() - since[1] > self.wedge_s and not self.forming():
                 logger.error("member %d: still in generation %d %.0fs after a peer left it (wedged in an exchange "
                              "with a departed rank); exiting so the job re-forms without this rank",
                              self.member, gen, self.wedge_s)
