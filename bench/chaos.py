@@ -12,6 +12,9 @@ least_loaded with 2 redundant expert slots), micro_batches (1, 2) and a moment:
   "checked_in"): the leader has planned the generation with a rank that is gone;
 - "rendezvous": as "second", but the second rank dies once it has marked itself ready to form the new
   generation (fault point "ready"): the others wait for it in the groups' rendezvous, a wait bounded at 10 s;
+- "forming": as "second", but the second rank dies once the new generation's process groups formed, before its
+  data plane and expert weights ("groups"), or once it has its weights, before the members agree that the
+  generation formed ("weights"): no member adopts the generation, and they re-form without it;
 - "stop": SIGSTOP a random non-leader rank 0.1-1.5 s in (it lives and keeps its connections, so no exchange
   fails: the leader's heartbeat watch must find it silent for rank_failure_s); SIGKILLed when the trial ends.
 - "handover": once 30-400 tokens have streamed, a scale-in retires a random non-leader attention rank, which hands
@@ -55,7 +58,7 @@ from launch import LLM, SamplingParams
 from models.tiny import make_tiny_checkpoint
 
 TOPOLOGIES = [(2, 2), (3, 2), (2, 3), (4, 2)]
-MOMENTS = ["time", "before_report", "second", "stop", "handover", "scale", "rendezvous"]
+MOMENTS = ["time", "before_report", "second", "stop", "handover", "scale", "rendezvous", "forming"]
 CHANGE_MOMENTS = ("handover", "scale")
 DATA_PLANES = [{"comm": "direct", "transport": "shm"}, {"comm": "direct", "transport": "collective"},
                {"comm": "two_phase", "transport": "collective", "ranks_per_node": 2}]
@@ -92,10 +95,11 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float, mom
         victim, delay = rng.randrange(1, A + E), round(rng.uniform(0.1, 1.5), 2)
         os.environ.pop("AFSERVE_FAULT", None)
         info.update(victim=victim, delay_s=delay)
-        if moment in ("second", "rendezvous"):   # any other non-leader rank that leaves an expert rank standing
+        if moment in ("second", "rendezvous", "forming"):   # another non-leader rank; an expert rank stays
             second = rng.choice([r for r in range(1, A + E) if r != victim and (E > 2 or r < A or victim < A)])
-            os.environ["AFSERVE_FAULT"] = f"{'checked_in' if moment == 'second' else 'ready'}:{second}:1"
-            info.update(second=second)
+            point = {"second": "checked_in", "rendezvous": "ready"}.get(moment) or rng.choice(["groups", "weights"])
+            os.environ["AFSERVE_FAULT"] = f"{point}:{second}:1"
+            info.update(second=second, **({"point": point} if moment == "forming" else {}))
         if moment in CHANGE_MOMENTS:
             scale, point, victim = draw_change(rng, moment, A, E)
             os.environ["AFSERVE_FAULT"] = f"{point}:{victim}:1"
