@@ -90,7 +90,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=12, help="measured steps per routing (after 4 warm-up)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--smoke", action="store_true", help="512 tokens, 2 steps, 16 ranks: " +
+                    "a quick run that checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.steps, args.ranks = 512, 2, [16]
     torch.set_num_threads(1)   # an attention rank's share of a CPU
     warmup = 4
     print(f"{E} experts, top-{K}, {args.tokens} tokens per layer; cells: max/mean expert-rank load "

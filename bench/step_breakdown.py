@@ -70,8 +70,13 @@ def main() -> None:
     ap.add_argument("--kernel-backend", default="auto", help="auto (cpu where it builds, else sdpa), sdpa or torch")
     ap.add_argument("--decode-batch", type=int, default=0,
                     help="N > 0: N requests of 16 prompt and 256 output tokens in place of the workload")
+    ap.add_argument("--smoke", action="store_true", help="16 requests of at most 32 output tokens, one run: " +
+                    "a quick run that checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
-    prompts, olens = workload(args.requests, model=args.model)
+    max_output = 256
+    if args.smoke:
+        args.requests, args.repeats, max_output = 16, 1, 32
+    prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
     if args.decode_batch > 0:
         if args.decode_batch > min(64, len(prompts)):
             ap.error(f"--decode-batch {args.decode_batch}: at most {min(64, len(prompts))} (64 in flight)")

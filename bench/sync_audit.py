@@ -58,7 +58,11 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=6)
     p.add_argument("--top", type=int, default=3, help="sites shown per rank")
     p.add_argument("--json", help="also write every cell's full report here")
+    p.add_argument("--smoke", action="store_true", help="one cell (1+1, direct, static), 2 requests x 4 tokens: "
+                   "a quick run that checks the bench works (tests run it; its figures mean little)")
     args = p.parse_args()
+    if args.smoke:
+        args.topologies, args.comms, args.balancers, args.prompts, args.max_tokens = "1+1", "direct", "static", 2, 4
     cells = {}
     print(f"model {args.model}, {args.prompts} greedy requests x {args.max_tokens} tokens, transport "
           f"{args.transport}, {args.ranks_per_node} ranks per node, {args.redundant_experts} redundant slot(s) "

@@ -109,7 +109,12 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per attention rank")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="CUDA: share of the GPU the engine's ranks may use (HF's model counts in what they find used)")
+    ap.add_argument("--smoke", action="store_true", help="16 requests of at most 32 output tokens, one run: " +
+                    "a quick run that checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
+    max_output = 256
+    if args.smoke:
+        args.requests, args.repeats, max_output = 16, 1, 32
     from transformers import AutoModelForCausalLM
 
     if args.synthetic_layers:
@@ -117,7 +122,7 @@ def main() -> None:
         args.model = synthetic_checkpoint(tempfile.mkdtemp(prefix="qwen3-30b-shape-"), args.synthetic_layers,
                                           args.device)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    prompts, olens = workload(args.requests, model=args.model)
+    prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
     print(f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))}, "
           f"output tokens {sum(olens)} (min {min(olens)}, median {int(statistics.median(olens))}, max {max(olens)})")
     hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, dtype)).to(args.device).eval()

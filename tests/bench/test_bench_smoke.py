@@ -1,0 +1,50 @@
+"""The benches `make bench` runs, small (`--smoke`, issue 33): each runs to its end on the shipped model and prints
+its result lines. throughput and step_breakdown spawn 1 + 2 ranks; balancer and sync_audit's one cell are
+quick. The sync audit's cell must also meet the lean step's bound (one host read per decode step on an attention
+rank, none on an expert rank). The full runs stay in `make bench`."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _smoke(script: str) -> str:
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"bench/{script} --smoke failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_throughput_smoke():
+    out = _smoke("throughput.py")
+    assert "workload: 16 requests" in out
+    ours = float(re.search(r"afserve 1\+2 ranks\s*:\s*([\d.]+) output tok/s", out).group(1))
+    hf = float(re.search(r"HF generate, batch 64\s*:\s*([\d.]+) output tok/s", out).group(1))
+    ratio = float(re.search(r"ratio\s*:\s*([\d.]+)x", out).group(1))
+    assert ours > 0 and hf > 0 and abs(ratio - ours / hf) < 0.01, out
+
+
+def test_step_breakdown_smoke():
+    out = _smoke("step_breakdown.py")
+    assert re.search(r"\d+ output tokens in [\d.]+ s .* \d+ steps", out), out
+    assert re.search(r"host work per step: [\d.]+ ms of a [\d.]+ ms step", out), out
+    assert len(re.findall(r"expert rank \d: grouped FFN", out)) == 2, out
+
+
+def test_balancer_smoke():
+    out = _smoke("balancer.py")
+    rows = [line for line in out.splitlines() if line.startswith(("| zipf", "| drift"))]
+    assert len(rows) == 9, out          # three routings x one rank count x three redundancies
+    assert "target: least_loaded max/mean at 25% redundancy, Zipf 1.0, 16 ranks" in out
+
+
+@pytest.mark.timeout(600)
+def test_sync_audit_smoke():
+    out = _smoke("sync_audit.py")
+    assert "worst max/decode step: attention 1 (target 1), expert 0 (target 0)" in out, out
