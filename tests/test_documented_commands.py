@@ -64,8 +64,13 @@ def _words(cmd: str) -> list[str]:
 
 
 def make_targets() -> set[str]:
-    return {m.group(1) for m in re.finditer(r"^([A-Za-z][\w-]*):", open(os.path.join(ROOT, "Makefile")).read(),
-                                            flags=re.M)}
+    """The Makefile's targets, its `NAME := value` variables expanded (`$(EVAL_VENV)/.installed`)."""
+    text = open(os.path.join(ROOT, "Makefile")).read()
+    variables = dict(re.findall(r"^(\w+)\s*:=\s*(\S+)", text, flags=re.M))
+    targets = re.findall(r"^([$(\w.)/-]+):(?!=)", text, flags=re.M)
+    for _ in range(3):    # variables made of variables
+        targets = [re.sub(r"\$\((\w+)\)", lambda m: variables.get(m.group(1), m.group(0)), t) for t in targets]
+    return set(targets)
 
 
 def resolve(cmd: str) -> tuple[str, list[str], str | list[str]]:
