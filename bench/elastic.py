@@ -138,9 +138,15 @@ def main() -> None:
     ap.add_argument("--kill-after", type=int, default=200, help="tokens streamed before the SIGKILL")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--in-flight", type=int, default=4, help="requests kept in flight while scaling")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                  "elastic.json"))
+    ap.add_argument("--out", default=None, help="where the results go (default bench/results/elastic.json; "
+                    "with --smoke, nowhere unless given)")
+    ap.add_argument("--smoke", action="store_true", help="4 requests of 16 tokens, the kill after 8, one repeat: "
+                    "a quick run that checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
+    if args.smoke:
+        args.requests, args.max_tokens, args.kill_after, args.repeats, args.in_flight = 4, 16, 8, 1, 2
+    elif args.out is None:
+        args.out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "elastic.json")
     prompts, _ = workload(args.requests, 0, max_output=args.max_tokens, model=args.model)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     options = dict(load_progress=False, max_num_seqs=args.requests)
@@ -174,7 +180,9 @@ def main() -> None:
           f"{med['groups_s'] * 1e3:.0f} ms, weights {med['weights_s'] * 1e3:.0f} ms; every run identical: "
           f"{all(r['identical'] for r in runs)}")
     scaling = scale_runs(args, prompts, params, options, reference)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if args.out is None:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "topology": "2+3 -> 2+2", "requests": args.requests,
                    "max_tokens": args.max_tokens, "runs": runs, "median": med,

@@ -136,3 +136,52 @@ def test_a_documented_command_resolves(where, cmd):
         text = help_text(kind, target)
         unknown = [f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text)]
         assert not unknown, f"{where}: `{cmd}`: {target} --help lists no {unknown}"
+
+
+# Where each script or module the docs name is run (its command, small), or why a test only resolves it.
+RUN_BY = {
+    "bench/throughput.py": "tests/bench/test_bench_smoke.py (--smoke)",
+    "bench/step_breakdown.py": "tests/bench/test_bench_smoke.py (--smoke)",
+    "bench/balancer.py": "tests/bench/test_bench_smoke.py (--smoke)",
+    "bench/sync_audit.py": "tests/bench/test_bench_smoke.py (--smoke)",
+    "bench/serve_load.py": "tests/bench/test_bench_smoke.py (--smoke; --peer vllm needs .venv-vllm: make peers)",
+    "bench/elastic.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
+    "bench/chaos.py": "tests/bench/test_chaos.py (two seeded trials; eight in make test-full)",
+    "bench/kernels.py": "tests/bench/test_kernels_bench.py (--smoke)",
+    "bench/deepspeed_moe.py": "tests/bench/test_deepspeed_moe.py (needs the bench extra: make bench)",
+    "bench/comm_emulated.py": "tests/bench/test_comm_emulated.py (needs root for its network namespaces)",
+    "bench/guidellm_load.py": "tests/bench/test_eval_paths.py (its paths; guidellm itself needs .venv-eval: make eval)",
+    "bench/lm_eval_compare.py": "resolved only: lm-eval needs .venv-eval (make eval)",
+    "bench/peers.py": "resolved only: vLLM's CPU build needs .venv-vllm (make peers)",
+    "launch/serve.py": "tests/launch/frontend (the server under torchrun, every route)",
+    "launch.serve": "tests/launch/frontend (the server under torchrun, every route)",
+    "launch/comm_profile.py": "tests/launch/test_comm_profile.py",
+    "launch.demo": "tests/launch/test_demo.py",
+    "kernels.aot": "tests/kernels/test_triton_compile.py",
+    "scripts/model_sizes.py": "test_model_sizes_prints_the_table_in_the_docs, below",
+    "scripts/train_tiny_moe.py": "resolved only: it trains the shipped model for minutes on a corpus it fetches",
+    "scripts/gpu_check.sh": "resolved only: it needs a GPU (the device tool)",
+    ".ci/run": "CI itself",
+}
+
+
+def test_every_documented_script_is_run_somewhere():
+    """A script or module the docs or the Makefile name must be in RUN_BY: where a test runs it, or why it is only
+    resolved here. A new command in the docs without either fails."""
+    named = {resolve(c)[2] for _, c in COMMANDS if resolve(c)[0] in ("script", "module", "bash")}
+    missing = sorted(named - set(RUN_BY))
+    assert not missing, f"documented but neither run by a test nor explained: {missing}; add them to RUN_BY"
+    for target, where in RUN_BY.items():
+        path = where.split(" ")[0]
+        if path.startswith("tests/"):
+            assert os.path.exists(os.path.join(ROOT, path)), (target, where)
+
+
+def test_model_sizes_prints_the_table_in_the_docs():
+    """`python scripts/model_sizes.py` prints the table docs/models.md shows, row for row."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "model_sizes.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    doc = open(os.path.join(ROOT, "docs", "models.md")).read()
+    assert len(rows) >= 10 and [r for r in rows if r not in doc] == [], done.stdout

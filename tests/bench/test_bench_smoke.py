@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from tests.conftest import FULL
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
@@ -48,3 +50,23 @@ def test_balancer_smoke():
 def test_sync_audit_smoke():
     out = _smoke("sync_audit.py")
     assert "worst max/decode step: attention 1 (target 1), expert 0 (target 0)" in out, out
+
+
+def test_serve_load_smoke():
+    """The server on 1 + 2 ranks at concurrency 2 against HF generate: one table row with its figures."""
+    out = _smoke("serve_load.py")
+    assert re.search(r"HF generate \(batches of 64\) on the c=2 requests: \d+ tok/s", out), out
+    row = re.search(r"^\| 2 \| 16 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) .*\| ([\d.]+)x \|$", out,
+                    flags=re.M)
+    assert row, out
+    ttft50, ttft99, tpot50, tpot99 = (float(row.group(i)) for i in range(1, 5))
+    assert 0 < ttft50 <= ttft99 and 0 < tpot50 <= tpot99 and float(row.group(6)) > 0, out
+
+
+@FULL
+def test_elastic_smoke():
+    """2 + 3 with an expert rank killed, then 1 + 2 -> 2 + 4 -> 1 + 2, four short requests: every run's outputs
+    identical to the run without a failure (the bench checks them against its reference), nothing written."""
+    out = _smoke("elastic.py")
+    assert re.search(r"median of 1: outage \d+ ms vs restart \d+ ms .*every run identical: True", out), out
+    assert re.search(r"median of 1: scale-out \d+ ms .*every run identical: True", out), out
