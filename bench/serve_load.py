@@ -155,7 +155,8 @@ def main() -> None:
     ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
     ap.add_argument("--split", default="1+2", help="our server's attention+expert ranks (default 1+2)")
     ap.add_argument("--smoke", action="store_true", help="one run at concurrency 2 against HF generate, no "
-                    "shared-prefix run: a quick run that checks the bench works (tests run it; its figures mean little)")
+                    "shared-prefix run: a quick run that checks the bench works (tests run it; its figures mean "
+                    "little)")
     args = ap.parse_args()
     if args.smoke:
         if args.peer == "vllm":

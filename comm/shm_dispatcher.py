@@ -31,7 +31,8 @@ class ShmDispatcher(Dispatcher):
     chose them."""
 
     def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
-                 nodes=None, control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0, in_band: bool | None = None):
+                 nodes=None, control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0,
+                 in_band: bool | None = None):
         super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node, nodes)
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s

@@ -28,11 +28,15 @@ RENDEZVOUS_S = 10.0   # the longest a generation's groups wait in their rendezvo
 class GenerationForming:
     """Runtime's generation forming (see the module's docstring)."""
 
+    @property
+    def rendezvous_s(self) -> float:
+        """The longest a rendezvous of this job's ranks waits for a member that never comes (a generation's groups,
+        within collective_timeout_s; an expert handoff's side group)."""
+        return max(RENDEZVOUS_S, 3 * self.config.rank_failure_s)
+
     def _form_groups(self, generation: int, topo: Topology, rendezvous_s: float) -> None:
-        """The process groups of a generation (this rank placed by topo), from the store keys under its prefix.
-        Their rendezvous waits at most rendezvous_s, then raises with nothing formed (a member that died once
-        it was ready never arrives); then the default group's collectives wait collective_timeout_s, the others'
-        torch's default for their backend (as before the bound)."""
+        """The process groups of a generation (this rank placed by topo), from the store keys under its prefix
+        (ProcessGroups.form: a rendezvous bounded by rendezvous_s), and the sockets they opened."""
         before = socket_inodes()
         self.groups = groups = ProcessGroups.form(dist.PrefixStore(f"{PREFIX}/g{generation}/pg", self.store), topo,
                                                   self.dev.backend, self.dev.device, rendezvous_s,
@@ -51,7 +55,8 @@ class GenerationForming:
         t0 = time.perf_counter()
         gen, A, members = plan["gen"], plan["attention_ranks"], list(plan["members"])
         topo = Topology(members.index(self.member), len(members), A, plan["ranks_per_node"], nodes=plan["nodes"])
-        bound = min(self.config.collective_timeout_s, max(RENDEZVOUS_S, 3 * self.config.rank_failure_s))
+        bound = min(self.config.collective_timeout_s, self.rendezvous_s)
+        slot2expert = torch.tensor(plan["slot2expert"], dtype=torch.int64)
         failed, prepared = None, None
         try:
             self._form_groups(gen, topo, bound)
@@ -61,7 +66,7 @@ class GenerationForming:
         if failed is None:
             step_protocol.fault_point("groups", self.member, gen)   # formed the groups, no weights yet
             try:
-                prepared = self._prepare_generation(plan, topo)
+                prepared = self._prepare_generation(plan, topo, slot2expert)
             except Exception as e:
                 if not is_peer_failure(e):
                     raise
@@ -75,14 +80,15 @@ class GenerationForming:
             agree(False)
             self._drop_forming()
             raise FormingFailed(failed)
-        self._adopt_generation(plan, topo, prepared)
+        self._adopt_generation(plan, topo, slot2expert, prepared)
         logger.info("rank %d (member %d): generation %d formed", self.topo.rank, self.member, self.generation)
         groups_s = prepared["data_plane_at"] - t0
         return {"groups_s": groups_s, "weights_s": time.perf_counter() - t0 - groups_s}
 
-    def _prepare_generation(self, plan: dict, topo: Topology) -> dict:
+    def _prepare_generation(self, plan: dict, topo: Topology, slot2expert: torch.Tensor) -> dict:
         """What forming the plan's generation exchanges with peers, none of it adopted yet: the data plane
-        (self.dispatcher, so a breaker can interrupt it) and, on an expert rank, the new slots."""
+        (self.dispatcher, so a breaker can interrupt it) and, on an expert rank, the new slots of slot2expert
+        `[L, n, S]` (the plan's placement)."""
         spec, A = self.ckpt.spec, topo.num_attention_ranks
         self.dispatcher = make_data_plane(self.config, topo, self.groups, self.dev, spec, self._stats)
         prepared = {"data_plane_at": time.perf_counter(), "slots": None, "received": 0}
@@ -90,11 +96,10 @@ class GenerationForming:
             old = self.topo
             was = old.expert_index if old is not None and not old.forming and not old.is_attention else -1
             assert plan["keep"][topo.expert_index] == was
-            new = torch.tensor(plan["slot2expert"], dtype=torch.int64)
             moves = [tuple(m) for m in plan["moves"]]
             prepared["slots"], prepared["received"], _ = self.worker.slots.adopt(
-                self.ckpt, moves, new[:, topo.expert_index], topo.expert_index, lambda r: A + r, self.groups.world,
-                self.experts.staged)
+                self.ckpt, moves, slot2expert[:, topo.expert_index], topo.expert_index, lambda r: A + r,
+                self.groups.world, self.experts.staged)
         return prepared
 
     def _drop_forming(self) -> None:
@@ -107,13 +112,13 @@ class GenerationForming:
         self.dispatcher = self.groups = self.control = None
         self.data_sockets = set()
 
-    def _adopt_generation(self, plan: dict, topo: Topology, prepared: dict) -> None:
+    def _adopt_generation(self, plan: dict, topo: Topology, slot2expert: torch.Tensor, prepared: dict) -> None:
         """Every member has its weights: take the generation on (no exchange with peers here)."""
         spec, par, state = self.ckpt.spec, self.config.parallel, self.experts
         self.generation, self.members, self.topo = plan["gen"], list(plan["members"]), topo
         self.left = False
-        new = torch.tensor(plan["slot2expert"], dtype=torch.int64)
-        state.placement = Placement(new, spec.num_experts, None if state.placement is None else state.placement.load)
+        load = None if state.placement is None else state.placement.load
+        state.placement = Placement(slot2expert, spec.num_experts, load)
         state.capacity = slot_capacities(spec.num_experts, par.redundant_experts, topo.num_expert_ranks)
         state.rank_node = self._expert_nodes()
         if topo.is_attention:

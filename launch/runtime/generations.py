@@ -14,8 +14,8 @@ that realise it: launch/runtime/planning.py) and publishes it under "afserve/g{g
 g + 1 forms the new groups and adopts the placement, and the leader re-sends the header of the step that was
 in flight (launch/runtime/step_protocol.py). A member of the plan lost before g + 1 forms (every member first
 waits for all to be "ready"; none adopts g + 1 until all have formed its groups and data plane and have their
-expert weights, decided once in the store): the others check in again and the leader plans g + 2 without it. The leader's
-own death ends the job: it holds the store and the request state.
+expert weights, decided once in the store): the others check in again and the leader plans g + 2 without it.
+The leader's own death ends the job: it holds the store and the request state.
 
 A planned change (membership.py) that fails before its generation forms is given up ("afserve/g{g}/failed":
 the members waiting to form it stop at once) and the job re-forms from the old generation's survivors in the

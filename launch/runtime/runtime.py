@@ -30,7 +30,7 @@ from ..config import EngineConfig
 from . import collectives, handoff, memory, planning, step_protocol
 from .changes import MembershipSettings
 from .dataplane import make_data_plane
-from .forming import RENDEZVOUS_S, GenerationForming
+from .forming import GenerationForming
 from .liveness import PREFIX, break_connections
 from .membership import Membership
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
@@ -305,8 +305,7 @@ class Runtime(GenerationForming):
         if index not in ours:
             return {}
         side = ours.index(index) + (len(donors) if joiner else 0)
-        return handoff.exchange(self.store, self.worker.slots, plan, side, self.member,
-                                max(RENDEZVOUS_S, 3 * self.config.rank_failure_s))
+        return handoff.exchange(self.store, self.worker.slots, plan, side, self.member, self.rendezvous_s)
 
     def abandon_change(self) -> None:
         """A planned change failed before its generation formed: drop the experts staged for it (the next plan
