@@ -141,18 +141,27 @@ def test_expert_rank_killed_under_two_phase_does_not_wedge_a_source(tiny_checkpo
     its gateway; until the heartbeat shut its data-plane connections down the leader sat there and exited
     after wedge_s, ending the job (bench/chaos.py's two_phase trials found it). Every row must end with
     transformers' tokens, after one membership change that lost rank 2."""
+    victim, _, stats, _ = _two_phase_in_nodes_of_two(tiny_checkpoint, 2, 2, victim=2)
+    changes = stats["membership_changes"]
+    assert not alive(victim)
+    assert len(changes) == 1 and changes[0]["lost"] == [2], changes
+    assert (changes[0]["attention_ranks"], changes[0]["expert_ranks"]) == (2, 1)
+
+
+def _two_phase_in_nodes_of_two(tiny_checkpoint, A: int, E: int, victim: int) -> tuple[int, list[int], dict, dict]:
+    """A + E ranks, comm two_phase over gloo in emulated nodes of 2; rank `victim` SIGKILLed once 24 tokens have
+    streamed; every row must end with transformers' tokens -> (the victim's pid, each rank's node before, stats()
+    and comm_stats() after)."""
     path = tiny_checkpoint("olmoe")
     prompts = make_prompts(8, 256, 5, 30, seed=7)
     expected = hf_greedy(path, prompts, MAX_NEW)
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    with LLM(path, attention_ranks=2, expert_ranks=2, comm="two_phase", transport="collective",
+    with LLM(path, attention_ranks=A, expert_ranks=E, comm="two_phase", transport="collective",
              ranks_per_node=2) as llm:
-        victim = llm.worker_pids[2]
-        assert _stream(llm, prompts, params, victim, after_tokens=24) == expected
-        changes = llm.stats()["membership_changes"]
-    assert not alive(victim)
-    assert len(changes) == 1 and changes[0]["lost"] == [2], changes
-    assert (changes[0]["attention_ranks"], changes[0]["expert_ranks"]) == (2, 1)
+        before = [llm.comm_stats()["ranks"][str(r)]["node"] for r in range(A + E)]
+        pid = llm.worker_pids[victim]
+        assert _stream(llm, prompts, params, pid, after_tokens=24) == expected
+        return pid, before, llm.stats(), llm.comm_stats()
 
 
 def test_ranks_stay_on_their_nodes_after_a_re_forming(tiny_checkpoint):
@@ -160,15 +169,7 @@ def test_ranks_stay_on_their_nodes_after_a_re_forming(tiny_checkpoint):
     dies mid-generation. The survivors are renumbered 0 1 2 3 but stay on their nodes, 0 | 1 1 | 2 (consecutive
     blocks, as before, put old rank 2 with the leader on node 0 and split old rank 3 from it), and two_phase
     routes by those nodes: every row still ends with transformers' tokens."""
-    path = tiny_checkpoint("olmoe")
-    prompts = make_prompts(8, 256, 5, 30, seed=7)
-    expected = hf_greedy(path, prompts, MAX_NEW)
-    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-    with LLM(path, attention_ranks=3, expert_ranks=2, comm="two_phase", transport="collective",
-             ranks_per_node=2) as llm:
-        before = [llm.comm_stats()["ranks"][str(r)]["node"] for r in range(5)]
-        assert _stream(llm, prompts, params, llm.worker_pids[1], after_tokens=24) == expected
-        stats, comm = llm.stats(), llm.comm_stats()
+    _, before, stats, comm = _two_phase_in_nodes_of_two(tiny_checkpoint, 3, 2, victim=1)
     assert before == [0, 0, 1, 1, 2]
     change, = stats["membership_changes"]
     assert change["lost"] == [1] and (change["attention_ranks"], change["expert_ranks"]) == (2, 2)
