@@ -70,7 +70,7 @@ class ForwardBatch:
         for s in scheduled:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(s.input_ids())
             pos.extend(range(start, end))
             table = seq.block_table
             if n == 1:
@@ -88,7 +88,7 @@ class ForwardBatch:
             logit_rows.extend(row + p - start for p in seq.prompt_logprob_positions(start, end))
             row += n
             if s.needs_sample:
-                logit_rows.append(row - 1)
+                logit_rows.extend(range(row - 1 - len(s.drafts), row))
 
         def tensor(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=device)
@@ -113,7 +113,8 @@ def _padded(tables: list[list[int]]) -> torch.Tensor:
 def split_micro_batches(scheduled: list[ScheduledSeq], num: int) -> list[list[ScheduledSeq]]:
     """Cut the (ordered) schedule into `num` contiguous parts of equal token counts; parts may be empty. A prompt
     chunk that straddles a boundary is cut in two there: the first piece ends its part (it samples nothing), the
-    second opens the next. That is exact because micro-batch j runs each layer's attention, writing its KV, before
+    second opens the next (a chunk carrying speculative drafts is never cut: all its rows are sampled). That is
+    exact because micro-batch j runs each layer's attention, writing its KV, before
     micro-batch j + 1 runs that layer's, so the second piece reads the first's KV from the cache. Without the cut a
     step of decodes and one long prompt chunk would put the chunk alone in one micro-batch, and the expert ranks'
     work on it could not overlap the attention rank's. Single-token rows are never cut; one that straddles goes to
@@ -127,7 +128,7 @@ def split_micro_batches(scheduled: list[ScheduledSeq], num: int) -> list[list[Sc
             while part < num - 1 and done >= total * (part + 1) // num:
                 part += 1
             room = total * (part + 1) // num - done
-            take = left if left == 1 or part == num - 1 or room >= left else room
+            take = left if left == 1 or s.drafts or part == num - 1 or room >= left else room
             parts[part].append(s if take == s.num_new_tokens else
                                ScheduledSeq(s.seq, take, start, s.is_fork))
             start, left, done = start + take, left - take, done + take

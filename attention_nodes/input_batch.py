@@ -103,12 +103,12 @@ class InputBatch:
                 if num_decodes == len(rows) - 1:
                     num_decodes += 1
             else:
-                ids.extend(seq.token_ids[start:start + n])
+                ids.extend(s.input_ids())
             if seq.prompt_logprobs is not None:
                 logit_rows.extend(total + p - start for p in seq.prompt_logprob_positions(start, start + n))
             total += n
-            if s.needs_sample:
-                logit_rows.append(total - 1)
+            if s.needs_sample:     # the last row; with drafts, every draft's row before it too
+                logit_rows.extend(range(total - 1 - len(s.drafts), total))
         rows_np, starts_np = np.asarray(rows), np.asarray(starts)
         counts_np = np.asarray(counts)
         ends = starts_np + counts_np

@@ -27,6 +27,7 @@ from comm.control import StepReport
 
 from .block_pool import chain_hashes
 from .sequence import request_of, sample_ids, split_sample_id
+from .speculation import summed as spec_summed
 from .worker import AttentionWorker
 
 HOLD_STEPS = 8     # at most this many steps' outputs of requests added with "stream": False are held back
@@ -199,6 +200,7 @@ class Leader:
                 "num_moved_requests": self.num_moved_requests,
                 "num_handed_over_requests": self.num_handed_over,
                 "kv_blocks_handed_over": sum(r.kv_blocks_received for r in self.reports),
+                "spec_decode": spec_summed([r.spec_decode for r in self.reports]),
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
                 "pool_ranks": {"attention": self.num_attention_ranks, "expert": self.num_expert_ranks},
                 "membership_changes": [c.to_dict() for c in self.membership_changes]}

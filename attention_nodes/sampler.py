@@ -116,14 +116,7 @@ class Sampler:
             return greedy
         if columns is None:
             columns = SamplingColumns.of(params, logits.device)
-        # Step 1: temperature (1 on greedy rows, whose draw is discarded in step 4).
-        is_greedy = columns.temperature == 0
-        scaled = logits / torch.where(is_greedy, 1.0, columns.temperature).unsqueeze(1)
-        # Step 2: top-k and top-p over the whole batch when a random row asks for either (rows that ask for
-        # neither have k = 0 and p = 1, which keep every token).
-        if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params):
-            scaled = apply_top_k_top_p(scaled, columns.top_k, columns.top_p)
-        probs = scaled.softmax(dim=-1)
+        probs = self.target_probs(logits, params, columns)
         # Step 3: q ~ Exp(1). Unseeded rows share one batched draw; each seeded row overwrites its row from its
         # own generator (a loop over seeded rows only, with no host reads). Greedy rows' q is never used.
         q = torch.empty_like(probs)
@@ -133,7 +126,19 @@ class Sampler:
             if g is not None and not p.is_greedy:
                 fill_exponential(q[i], g)
         # Step 4: the race, then greedy rows keep their argmax.
-        return torch.where(is_greedy, greedy, argmax_rows(probs.div_(q)))
+        return torch.where(columns.temperature == 0, greedy, argmax_rows(probs.div_(q)))
+
+    @staticmethod
+    def target_probs(logits: torch.Tensor, params: list[SamplingParams], columns: SamplingColumns) -> torch.Tensor:
+        """`[B, V]` float32: the distribution each row draws from (Steps 1-2 of `draw`, then softmax). Greedy rows
+        get temperature 1 (their probabilities are not used)."""
+        # Step 1: temperature (1 on greedy rows, whose draw is discarded).
+        scaled = logits / torch.where(columns.temperature == 0, 1.0, columns.temperature).unsqueeze(1)
+        # Step 2: top-k and top-p over the whole batch when a random row asks for either (rows that ask for
+        # neither have k = 0 and p = 1, which keep every token).
+        if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params):
+            scaled = apply_top_k_top_p(scaled, columns.top_k, columns.top_p)
+        return scaled.softmax(dim=-1)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,16 +30,24 @@ class ScheduledSeq:
     num_new_tokens: int
     start: int  # seq.num_computed_tokens when scheduled
     is_fork: bool = False  # a sample forked from another entry of this step: shares its forward, computes nothing
+    # Speculative decoding: the drafts that follow the sequence's last token in this chunk (num_new_tokens is 1 +
+    # their count; every row of the chunk is sampled). Taken from seq.spec_tokens when scheduled.
+    drafts: list[int] = field(default_factory=list)
     # This chunk reaches the last known token, so its last forward row is sampled. Fixed when scheduled (the step
     # reads it several times per sequence; `Scheduler.update` then appends the sampled token to the seq).
     needs_sample: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.needs_sample = self.start + self.num_new_tokens == len(self.seq.token_ids)
+        self.needs_sample = self.start + self.num_new_tokens - len(self.drafts) == len(self.seq.token_ids)
 
     @classmethod
     def from_seq(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
         return cls(seq, num_new_tokens, seq.num_computed_tokens)
+
+    def input_ids(self) -> list[int]:
+        """The token ids this chunk runs: the sequence's, then its drafts."""
+        end = self.start + self.num_new_tokens - len(self.drafts)
+        return self.seq.token_ids[self.start:end] + self.drafts if self.drafts else self.seq.token_ids[self.start:end]
 
 
 @dataclass(slots=True)
@@ -168,6 +176,9 @@ class Scheduler:
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # a decode with drafts runs them too, as many as the budget leaves room for
+            drafts = seq.spec_tokens[:budget - 1] if num_new == 1 else []
+            num_new += len(drafts)
             assert num_new > 0, f"running request {seq.request_id!r} has no token to compute"
             shared_tail = self._is_shared_tail(seq)   # again after each preemption: a preempted sample held it
             num_missing = self._num_missing_blocks(seq, num_new) + shared_tail
@@ -184,7 +195,7 @@ class Scheduler:
                 num_missing -= 1
             if num_missing:
                 seq.block_table.extend(pool.allocate(num_missing))
-            out.scheduled.append(ScheduledSeq.from_seq(seq, num_new))
+            out.scheduled.append(ScheduledSeq(seq, num_new, seq.num_computed_tokens, drafts=drafts))
             budget -= num_new
             i += 1
         # Step 2: admit waiting sequences FIFO, unless this step was already short of blocks. A request that
@@ -210,7 +221,7 @@ class Scheduler:
     def max_next_tokens(self) -> int:
         """Upper bound on the tokens the next schedule() runs if no request is added before it: what the
         running sequences have left plus what the waiting ones that could still be admitted bring."""
-        total = sum(s.num_tokens - s.num_computed_tokens for s in self._running)
+        total = sum(s.num_tokens - s.num_computed_tokens + len(s.spec_tokens) for s in self._running)
         free_seats = self.max_num_seqs - len(self._running)
         for seq in self._waiting:
             if free_seats <= 0 or total >= self.max_num_batched_tokens:
@@ -219,17 +230,21 @@ class Scheduler:
             free_seats -= 1
         return min(total, self.max_num_batched_tokens)
 
-    def update(self, out: SchedulerOutput, sampled: list[int | None], eos_token_ids: frozenset[int],
-               max_model_len: int) -> list[tuple[Sequence, int | None]]:
-        """Record a finished step. `sampled[i]` is the token for `out.scheduled[i]`, None if not needs_sample.
+    def update(self, out: SchedulerOutput, sampled: list, eos_token_ids: frozenset[int],
+               max_model_len: int) -> list[tuple[Sequence, list[int] | None]]:
+        """Record a finished step. `sampled[i]` is what `out.scheduled[i]` emits: a token id, or a list of them
+        (speculative decoding: its accepted drafts, then the target's token), or None if not needs_sample.
 
-        Returns (seq, token) for each sequence that produced a token, in schedule order (token None: a
-        max_tokens=0 request that finished once its prompt was scored).
-        Finished sequences leave `running` and give their blocks back.
+        Returns (seq, tokens appended) for each sequence that produced tokens, in schedule order (None: a
+        max_tokens=0 request that finished once its prompt was scored). Tokens past a finish (EOS, a stop token,
+        max_tokens, the context limit) are dropped.
+        Finished sequences leave `running` and give their blocks back; a sequence whose drafts were rejected is
+        rolled back: only the KV of its last token and the drafts accepted counts as computed, and the blocks
+        that only the rejected ones needed go back to the pool.
         """
         if len(sampled) != len(out.scheduled):
             raise ValueError(f"len(sampled)={len(sampled)} but {len(out.scheduled)} sequences were scheduled")
-        produced: list[tuple[Sequence, int | None]] = []
+        produced: list[tuple[Sequence, list[int] | None]] = []
         for sched, token in zip(out.scheduled, sampled):
             seq = sched.seq
             if seq.is_finished:
@@ -238,25 +253,45 @@ class Scheduler:
             if (token is None) == sched.needs_sample:
                 raise ValueError(f"sampled token {token!r} for request {seq.request_id!r} does not match "
                                  f"needs_sample={sched.needs_sample}")
+            tokens = None if token is None else [token] if isinstance(token, int) else list(token)
+            if tokens is not None and not 1 <= len(tokens) <= len(sched.drafts) + 1:
+                raise ValueError(f"request {seq.request_id!r} emitted {len(tokens)} tokens from "
+                                 f"{len(sched.drafts)} drafts: pass 1 to {len(sched.drafts) + 1}")
             if not sched.is_fork:
                 self.num_prompt_tokens_computed += max(0, min(sched.start + sched.num_new_tokens,
                                                               seq.num_prompt_tokens) - sched.start)
-            seq.num_computed_tokens += sched.num_new_tokens
-            if self.enable_prefix_caching:
-                self._register_full_blocks(seq)
-            if token is None:
-                continue
-            if seq.params.max_tokens == 0:        # scored its prompt; generates nothing
+            # the chunk's KV holds the accepted drafts only: a rejected one's slot is computed again next step
+            seq.num_computed_tokens += sched.num_new_tokens - len(sched.drafts) + (
+                len(tokens) - 1 if sched.drafts else 0)
+            seq.spec_tokens = []
+            if sched.drafts:
+                self._roll_back(seq)
+            if tokens is not None and seq.params.max_tokens == 0:        # scored its prompt; generates nothing
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "length"
                 produced.append((seq, None))
-            else:
-                produced.append((seq, token))
-                seq.append_token(token, eos_token_ids, max_model_len)
+            elif tokens is not None:
+                appended = []
+                for t in tokens:
+                    appended.append(t)
+                    if seq.append_token(t, eos_token_ids, max_model_len) is not None:
+                        break
+                produced.append((seq, appended))
+            if self.enable_prefix_caching:     # after the append: the accepted drafts' blocks hold those tokens
+                self._register_full_blocks(seq)
             if seq.is_finished:
                 self._running.remove(seq)
                 del self._live[seq.request_id]
                 self._release(seq)
         return produced
+
+    def _roll_back(self, seq: Sequence) -> None:
+        """After a speculative step: free the blocks past those the sequence's computed tokens and its next one
+        need (num_computed_tokens already counts only the accepted drafts)."""
+        keep = self.block_pool.blocks_needed(seq.num_computed_tokens + 1)
+        if len(seq.block_table) > keep:
+            extra = seq.block_table[keep:]
+            seq.replace_blocks(seq.block_table[:keep])   # a new version: the rank's InputBatch rewrites its row
+            self.block_pool.free(reversed(extra))
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Start seq from its longest cached prefix if the blocks for its first chunk can be had; False (and
@@ -324,6 +359,7 @@ class Scheduler:
         assert all(s.arrival <= victim.arrival for s in self._running), "running is not sorted by arrival"
         self._release(victim)
         victim.num_computed_tokens = 0
+        victim.spec_tokens = []
         victim.num_registered_blocks = 0
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1

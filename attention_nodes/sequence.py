@@ -55,6 +55,8 @@ class Sequence:
     num_registered_blocks: how many leading blocks of block_table are findable in the prefix cache.
     block_table_version: counts the changes to block_table other than appending (`replace_blocks`,
         `replace_block`): the rank's InputBatch rewrites its copy of the table when it moves, else appends.
+    spec_tokens: speculative decoding's drafts for this sequence's next step (attention_nodes/speculation.py);
+        not part of token_ids until verified.
     group_id: for a request drawing several samples (SamplingParams.num_samples > 1), the request's own id; each
         sample's request_id is then f"{group_id}#{sample_index}". None otherwise.
     forked: the samples exist (set on all of them once the first sample is drawn).
@@ -79,6 +81,7 @@ class Sequence:
     sample_index: int = 0
     forked: bool = False
     block_table_version: int = 0
+    spec_tokens: list[int] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -76,3 +76,16 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: t
     tokens = torch.cat([tokens, torch.full_like(tokens[:, :1], -1)], dim=1)
     tokens.scatter_(1, first.unsqueeze(1), emitted.unsqueeze(1))
     return tokens, first + 1
+
+
+def verify_greedy(targets: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` for greedy requests, from each position's argmax alone (no probabilities): targets `[B, k + 1]`
+    int64, the argmax at each position. The accepted drafts are the longest prefix equal to the argmax chain, and
+    the argmax at the first mismatch (or at the bonus position) follows: as `verify` with one-hot targets."""
+    B, k = draft_tokens.shape
+    slots = torch.arange(k, device=draft_tokens.device)
+    match = (draft_tokens == targets[:, :k]) & (slots < num_drafts.unsqueeze(1))
+    first = torch.where(match, k, slots).amin(dim=1).clamp(max=num_drafts)
+    keep = torch.arange(k + 1, device=targets.device) <= first.unsqueeze(1)
+    return torch.where(keep, targets, torch.full_like(targets, -1)), first + 1

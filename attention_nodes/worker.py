@@ -19,11 +19,13 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, sample_ids, seeded_generator
+from .speculation import Drafter, SpecStats, SpeculativeConfig, emit
 
 
 class AttentionWorker:
     def __init__(self, rank: int, model: AttentionModel, kv: KVCache, scheduler: Scheduler, moe: MoEContext,
-                 max_model_len: int, device: torch.device, micro_batches: int = 1):
+                 max_model_len: int, device: torch.device, micro_batches: int = 1,
+                 speculative: SpeculativeConfig | None = None):
         self.rank = rank
         self.micro_batches = micro_batches
         self.model, self.kv, self.scheduler, self.moe = model, kv, scheduler, moe
@@ -45,6 +47,8 @@ class AttentionWorker:
         self._inflight = None
         self.is_decode_step = False   # the last step run computed only one-token decodes (or nothing)
         self.forward_s = 0.0          # the last step's forward (wall seconds): the rest of a step is host work
+        self.drafter = None if speculative is None else Drafter(speculative, max_model_len)
+        self.spec_stats = SpecStats()
 
     def adopt(self, moe: MoEContext) -> None:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
@@ -130,7 +134,8 @@ class AttentionWorker:
                    for part in split_micro_batches(out.scheduled, micro_batches)]
         logits = self._forward(batches)
         self._inflight = None
-        # The logit rows hold, per scheduled sequence in order, its prompt-logprob rows, then its sampled row.
+        # The logit rows hold, per scheduled sequence in order, its prompt-logprob rows, then its sampled row (with
+        # speculative drafts: one per draft, then the last token's).
         to_sample, sample_rows, scored, row = [], [], [], 0
         for s in out.scheduled:
             positions = s.seq.prompt_logprob_positions(s.start, s.start + s.num_new_tokens)
@@ -140,7 +145,7 @@ class AttentionWorker:
             if s.needs_sample:
                 to_sample.append(s)
                 sample_rows.append(row)
-                row += 1
+                row += 1 + len(s.drafts)
         if scored:
             score_prompt_tokens(logits, scored)
         # A request drawing several samples forks at its first draw: each sample gets the same logit row.
@@ -152,33 +157,51 @@ class AttentionWorker:
             out.scheduled += children
             to_sample += children
             sample_rows += [r] * len(children)
+        drafts = [s.drafts for s in to_sample]
         if scored or forking:
-            logits = logits[torch.tensor(sample_rows, dtype=torch.int64, device=logits.device)]
+            picked = [r + j for r, d in zip(sample_rows, drafts) for j in range(len(d) + 1)]
+            logits = logits[torch.tensor(picked, dtype=torch.int64, device=logits.device)]
         seqs = [s.seq for s in to_sample]
-        tokens = self.sampler.sample(shape_logits(logits.float(), seqs, self.eos), [q.params for q in seqs],
-                                     [q.generator for q in seqs], self.inputs.sampling_columns(seqs)) if seqs else []
-        token_lps = {}     # id(seq) -> the logprobs entry of its sampled token
+        tokens, first_rows = self._emit(logits, seqs, drafts)
+        token_lps = {}     # id(seq) -> the logprobs entries of its emitted tokens
         # best_of ranks samples by the sum of their tokens' logprobs, which the front adds up.
         wants = [i for i, q in enumerate(seqs) if q.params.logprobs is not None or q.params.num_samples > q.params.n]
         if wants:
-            rows = torch.tensor(wants, dtype=torch.int64, device=logits.device)
-            entries = token_logprobs(logits[rows], [tokens[i] for i in wants],
-                                     [seqs[i].params.logprobs or 0 for i in wants])
-            token_lps = {id(seqs[i]): e for i, e in zip(wants, entries)}
+            rows = torch.tensor([first_rows[i] + j for i in wants for j in range(len(tokens[i]))],
+                                dtype=torch.int64, device=logits.device)
+            entries = iter(token_logprobs(logits[rows], [t for i in wants for t in tokens[i]],
+                                          [seqs[i].params.logprobs or 0 for i in wants for _ in tokens[i]]))
+            token_lps = {id(seqs[i]): [next(entries) for _ in tokens[i]] for i in wants}
         it = iter(tokens)
         sampled = [next(it) if s.needs_sample else None for s in out.scheduled]
         self.num_partial_chunks += sum(not s.needs_sample for s in out.scheduled)
         self.num_preemptions += len(out.preempted)
         produced = self.scheduler.update(out, sampled, self.eos, self.max_model_len)
+        if self.drafter is not None:
+            self.spec_stats.add([len(d) for d in drafts], [len(t) for t in tokens])
+            self.drafter.propose([seq for seq, toks in produced if toks], self.scheduler.num_running)
         outputs, self._aborted = self._aborted, []
-        for seq, tok in produced:     # tok None: a max_tokens=0 request, done once its prompt is scored
-            lp = token_lps.get(id(seq)) if tok is not None else None
-            outputs.append([seq.request_id, [] if tok is None else [tok], seq.finish_reason,
-                            _new_prompt_logprobs(seq), None if lp is None else [lp]])
+        for seq, toks in produced:     # toks None: a max_tokens=0 request, done once its prompt is scored
+            lps = token_lps.get(id(seq)) if toks is not None else None
+            outputs.append([seq.request_id, toks or [], seq.finish_reason, _new_prompt_logprobs(seq),
+                            None if lps is None else lps[:len(toks)]])
         reported = {id(seq) for seq, _ in produced}
         outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq), None] for seq, _, _ in scored
                     if id(seq) not in reported]
         return self.report(outputs)
+
+    def _emit(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
+              ) -> tuple[list[list[int]], list[int]]:
+        """The tokens each sequence emits this step, and the logit row of each one's first token. logits: the
+        sampled rows, per sequence 1 + its drafts. Without drafts, one draw per row; with them, verification
+        (attention_nodes/speculation.py)."""
+        if not seqs:
+            return [], []
+        if any(drafts):
+            return emit(logits, seqs, drafts, self.eos)
+        tokens = self.sampler.sample(shape_logits(logits.float(), seqs, self.eos), [q.params for q in seqs],
+                                     [q.generator for q in seqs], self.inputs.sampling_columns(seqs))
+        return [[t] for t in tokens], list(range(len(seqs)))
 
     def join_exchanges(self, capacity: int, micro_batches: int = 1) -> None:
         """Run a forward over no tokens: join every MoE layer's dispatch and combine of a step, as a rank with
@@ -203,7 +226,7 @@ class AttentionWorker:
                           s.max_next_tokens(), self.num_preemptions, self.num_partial_chunks, outputs or [],
                           pool.num_blocks, s.num_prefix_queries, s.num_prefix_hits, s.num_prompt_tokens_computed,
                           host.num_saved if host else 0, host.num_restored if host else 0, added, evicted,
-                          self.num_kv_blocks_received)
+                          self.num_kv_blocks_received, self.spec_stats.to_list() if self.drafter else [])
 
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:

@@ -77,6 +77,7 @@ class StepReport:
     cache_added: list[int] = field(default_factory=list)    # prefix-cache keys registered since the last report
     cache_evicted: list[int] = field(default_factory=list)  # and those evicted from the device pool
     kv_blocks_received: int = 0         # cumulative: KV blocks taken over from attention ranks that left
+    spec_decode: list[int] = field(default_factory=list)   # cumulative speculative decoding counts (SpecStats)
 
 
 def pack(obj) -> torch.Tensor:

@@ -6,6 +6,7 @@ from the options' declaration (launch/options.py), mapped back onto LLM(...) key
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from .options import NAMED, Option, all_options, markdown_table
@@ -21,7 +22,8 @@ def _add(group, o: Option) -> None:
             group.add_argument(o.flag, dest=o.name, action=argparse.BooleanOptionalAction, default=o.flag_default,
                                help=help)
         return
-    group.add_argument(o.flag, dest=o.name, type=None if o.type is str else o.type, default=o.flag_default,
+    kind = json.loads if o.type is dict else None if o.type is str else o.type   # a dict option takes JSON
+    group.add_argument(o.flag, dest=o.name, type=kind, default=o.flag_default,
                        choices=o.choices, help=help)
 
 

@@ -11,6 +11,7 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replac
 
 import torch
 
+from attention_nodes.speculation import SpeculativeConfig
 from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from kernels.ops import resolve_backend
 from models import SHIPPED_MODEL
@@ -135,12 +136,22 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(512, "most tokens in one step, prompt chunks and decodes together")
     max_model_len: int | None = option(None, "most tokens of one sequence, prompt and output (default: the "
                                              "model's max_position_embeddings)")
+    speculative_config: dict | None = option(None, "speculative decoding, vLLM's keys (JSON on the command line): "
+                                                   "{\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+                                                   "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b, "
+                                                   "\"disable_by_batch_size\": n}; each running request's "
+                                                   "drafts are verified in the next step with it (None: off)")
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
         _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         if self.max_model_len is not None:
             _int("max_model_len", self.max_model_len, 1)
+        SpeculativeConfig.from_dict(self.speculative_config)   # raises for a bad one, naming the key
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
 
 @dataclass(slots=True)

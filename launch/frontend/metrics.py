@@ -99,6 +99,18 @@ class _EngineSeries:
                                   "to another with their KV blocks", value=s["num_handed_over_requests"])
         yield CounterMetricFamily("afserve_kv_blocks_handed_over", "KV blocks those requests brought along",
                                   value=s["kv_blocks_handed_over"])
+        spec = s["spec_decode"]
+        yield CounterMetricFamily("afserve_spec_decode_num_drafts", "Speculative steps: a request verified with at "
+                                  "least one draft token", value=spec["num_drafts"])
+        yield CounterMetricFamily("afserve_spec_decode_num_draft_tokens", "Draft tokens verified",
+                                  value=spec["num_draft_tokens"])
+        yield CounterMetricFamily("afserve_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                  value=spec["num_accepted_tokens"])
+        per_pos = CounterMetricFamily("afserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
+                                      "each draft position", labels=["position"])
+        for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
+            per_pos.add_metric([str(pos)], n)
+        yield per_pos
         secs = CounterMetricFamily("afserve_layer_comm_seconds", "Wall time in dispatch/combine per layer",
                                    labels=["rank", "role", "layer", "phase"])
         sent = CounterMetricFamily("afserve_layer_comm_bytes_sent", "Bytes sent in dispatch/combine per layer",

@@ -59,4 +59,5 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                       cache.enable_prefix_caching)
-    return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches)
+    return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches,
+                           config.scheduler.speculative)

@@ -103,9 +103,9 @@ def test_chunked_prefill_samples_only_on_last_chunk_then_decodes():
     assert seq.num_computed_tokens == 10 and seq.output_token_ids == [50]
     out, needs, produced = step(sched, token=51)  # decode: token 10 goes in, block 3 still has room
     assert work(out) == [("r0", 10, 1)] and needs[0]
-    assert produced == [(seq, 51)] and len(seq.block_table) == 3
+    assert produced == [(seq, [51])] and len(seq.block_table) == 3
     out, needs, produced = step(sched, token=52)  # token 11 fills block 3; third output finishes the seq
-    assert work(out) == [("r0", 11, 1)] and produced == [(seq, 52)]
+    assert work(out) == [("r0", 11, 1)] and produced == [(seq, [52])]
     assert seq.finish_reason == "length" and seq.output_token_ids == [50, 51, 52]
     assert not sched.has_work and sched.block_pool.num_free_blocks == 64 and seq.block_table == []
 
@@ -197,7 +197,7 @@ def test_abort_between_schedule_and_update_is_skipped():
     out = sched.schedule()
     sched.abort("r0")
     produced = sched.update(out, [5, 6], EOS, MAX_MODEL_LEN)
-    assert produced == [(b, 6)] and a.output_token_ids == [] and a.finish_reason == "abort"
+    assert produced == [(b, [6])] and a.output_token_ids == [] and a.finish_reason == "abort"
     assert sched.running == [b] and sched.block_pool.num_used_blocks == 1
 
 
@@ -206,7 +206,7 @@ def test_eos_in_update_finishes_and_frees():
     seq = make_seq(0, 3)
     sched.add(seq)
     out, needs, produced = step(sched, token=2)
-    assert produced == [(seq, 2)] and seq.finish_reason == "stop"
+    assert produced == [(seq, [2])] and seq.finish_reason == "stop"
     assert sched.num_running == 0 and sched.block_pool.num_free_blocks == 64
 
 
@@ -257,7 +257,7 @@ def test_simulated_loop_with_tiny_pool_runs_every_request_to_max_tokens():
         check_invariants(sched, out)
         sampled = [rng.randrange(100) if s.needs_sample else None for s in out.scheduled]
         for seq, token in sched.update(out, sampled, all_eos, MAX_MODEL_LEN):
-            streamed[seq.request_id].append(token)
+            streamed[seq.request_id].extend(token)
     assert not sched.has_work and not pending
     for seq in seqs:
         assert seq.is_finished and seq.finish_reason == "length"

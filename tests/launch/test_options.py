@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 from dataclasses import MISSING, asdict
 
 import pytest
@@ -25,7 +26,9 @@ VALUES = {
     "expert_memory": 1 << 30, "block_size": 32, "kv_cache_memory": 1 << 28,
     "gpu_memory_utilization": 0.75, "num_kv_blocks": 100,
     "enable_prefix_caching": False, "kv_offload_memory": 1 << 20, "max_num_seqs": 8,
-    "max_num_batched_tokens": 1024, "max_model_len": 2048, "dtype": "bfloat16", "device": "cpu",
+    "max_num_batched_tokens": 1024, "max_model_len": 2048,
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+    "dtype": "bfloat16", "device": "cpu",
     "kernel_backend": "torch", "threads_per_rank": 2, "decode_threads": 3, "collective_timeout_s": 1200.5,
     "heartbeat_s": 2.5,
     "rank_failure_s": 7.5, "startup_timeout_s": 60.5, "load_progress": False, "sync_audit": True, "timing_sync": True,
@@ -39,7 +42,9 @@ NAMES = [o.name for o in all_options()]
 
 
 def argv_of(name: str) -> list[str]:
-    return BOOL_FLAGS.get(name) or ["--" + name.replace("_", "-"), str(VALUES[name])]
+    value = VALUES[name]
+    return BOOL_FLAGS.get(name) or ["--" + name.replace("_", "-"),
+                                    json.dumps(value) if isinstance(value, dict) else str(value)]
 
 
 def from_keywords(options: dict) -> EngineConfig:

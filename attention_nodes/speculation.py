@@ -1,0 +1,201 @@
+"""Speculative decoding in the engine (issue 30): the configuration, the drafter that proposes each running
+sequence's next tokens after a step, and the verification of a step's drafts into emitted tokens.
+
+How a step verifies: a running sequence with d drafts is scheduled as one chunk of 1 + d tokens (its last token,
+then the drafts), so attention and every MoE layer's dispatch and combine carry all of them in the one step
+(attention_nodes/scheduler.py). The chunk's d + 1 rows are all sampled rows: row j scores the token after the
+sequence's tokens plus drafts[:j]. Here those rows are shaped (penalties, bias, min_tokens see the drafts before
+them as generated), and each request's tokens are emitted by `spec_decode.verify` (random requests: rejection
+sampling, so the output follows the target's distribution) or `verify_greedy` (exactly the tokens without
+speculation). The scheduler then appends what was emitted, stops at EOS, stop tokens, max_tokens and the context
+limit, and rolls the sequence back past the rejected drafts: their KV slots are computed again next step, and the
+blocks they alone needed go back to the pool.
+
+The drafts of the next step are proposed right after a step (`Drafter.propose`), so that the step report's bound
+on the next step's tokens counts them, and the leader sizes the next step's messages to fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from comm.sync_audit import host_read
+
+from .logits_process import shape_logits
+from .sampler import Sampler, SamplingColumns, argmax_rows, fill_exponential
+from .sequence import Sequence
+from .spec_decode import ngram_propose, verify, verify_greedy
+
+METHODS = ("ngram",)
+PLANNED = ("draft_model", "mtp", "eagle")   # vLLM's other methods: refused by name until they are built
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config keys. method "ngram": prompt lookup (no model); prompt_lookup_min/max bound the
+    n-gram matched (vLLM's defaults: both 5 when neither is given, else the one given for both).
+    disable_by_batch_size: no drafts while this many sequences or more run on a rank (large batches gain little
+    and pay for the rejected positions)."""
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
+        if d is None:
+            return None
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config={d!r} is invalid: pass a dict (JSON object) such as "
+                             f'{{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}}')
+        unknown = sorted(set(d) - set(KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}: valid keys are {list(KEYS)}")
+        method = d.get("method")
+        if method in PLANNED:
+            raise ValueError(f"speculative_config method={method!r} is not supported yet (issue 30): use "
+                             f"method='ngram'")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config method={method!r} is invalid: choose one of {list(METHODS)}")
+
+        def count(name: str, value, lo: int, hi: int | None = None) -> int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo or hi is not None and value > hi:
+                rng = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise ValueError(f"speculative_config {name}={value!r} is invalid: pass an integer {rng}")
+            return value
+
+        k = count("num_speculative_tokens", d.get("num_speculative_tokens"), 1, MAX_SPECULATIVE_TOKENS)
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = count("prompt_lookup_min", hi if lo is None else lo, 1)
+        hi = count("prompt_lookup_max", lo if hi is None else hi, 1)
+        if lo > hi:
+            raise ValueError(f"speculative_config prompt_lookup_min={lo} > prompt_lookup_max={hi}: pass min <= max")
+        off = d.get("disable_by_batch_size")
+        return cls(method, k, lo, hi, None if off is None else count("disable_by_batch_size", off, 1))
+
+
+class Drafter:
+    """Proposes a running sequence's drafts for its next step (prompt lookup over its prompt and output)."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose(self, seqs: list[Sequence], num_running: int) -> None:
+        """Set each unfinished seq's spec_tokens: at most num_speculative_tokens, never more than the request
+        may still emit (one token more comes from the target anyway) or the context holds; none while
+        num_running reaches disable_by_batch_size."""
+        c = self.config
+        off = c.disable_by_batch_size is not None and num_running >= c.disable_by_batch_size
+        for seq in seqs:
+            if seq.is_finished:
+                continue
+            room = min(c.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens)
+            seq.spec_tokens = [] if off or room < 1 else ngram_propose(
+                np.asarray(seq.token_ids), room, c.prompt_lookup_min, c.prompt_lookup_max).tolist()
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Cumulative counts, vLLM's: drafts (sequences verified with at least one draft), draft tokens, accepted
+    tokens, and accepted tokens per draft position."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, num_drafts: list[int], num_emitted: list[int]) -> None:
+        for d, m in zip(num_drafts, num_emitted):
+            if not d:
+                continue
+            self.num_drafts += 1
+            self.num_draft_tokens += d
+            accepted = min(m - 1, d)
+            self.num_accepted_tokens += accepted
+            if len(self.accepted_per_position) < d:
+                self.accepted_per_position += [0] * (d - len(self.accepted_per_position))
+            for j in range(accepted):
+                self.accepted_per_position[j] += 1
+
+    def to_list(self) -> list[int]:
+        """On the wire (StepReport.spec_decode): [drafts, draft tokens, accepted, accepted at position 0, 1, ...]."""
+        return [self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, *self.accepted_per_position]
+
+
+def summed(reports: list[list[int]]) -> dict:
+    """Several ranks' StepReport.spec_decode lists -> llm.stats()["spec_decode"]."""
+    total: list[int] = []
+    for r in reports:
+        total += [0] * (len(r) - len(total))
+        for i, v in enumerate(r):
+            total[i] += v
+    total += [0] * (3 - len(total))
+    return {"num_drafts": total[0], "num_draft_tokens": total[1], "num_accepted_tokens": total[2],
+            "num_accepted_tokens_per_pos": total[3:]}
+
+
+@dataclass(slots=True)
+class Ahead:
+    """A sequence as it would be after some of its drafts were emitted: what shape_logits reads of a sequence."""
+    params: object
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eos: frozenset[int]
+         ) -> tuple[list[list[int]], list[int]]:
+    """Verify one step's sampled rows -> (tokens emitted per sequence, the logit row of each one's first token).
+
+    logits: `[R, V]` raw, R = sum(1 + len(d)): per sequence in order, its 1 + d rows. Everything runs on the
+    device up to the step's one host read of the emitted tokens and their counts."""
+    counts = [len(d) for d in drafts]
+    first_rows = np.cumsum([0] + [1 + d for d in counts[:-1]]).tolist()
+    views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens) if j else s
+             for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+    shaped = shape_logits(logits.float(), views, eos)
+    B, k, dev = len(seqs), max(counts), logits.device
+    # [B, k + 1] row of each position (positions past a request's drafts repeat its last row; they are not read)
+    host_index = [[r + min(j, d) for j in range(k + 1)] for r, d in zip(first_rows, counts)]
+    index = torch.tensor(host_index, dtype=torch.int64, device=dev)
+    draft_t = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.int64, device=dev)
+    num_t = torch.tensor(counts, dtype=torch.int64, device=dev)
+    tokens, emitted = verify_greedy(argmax_rows(shaped)[index], draft_t, num_t)
+    random = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
+    if random:
+        rows = torch.tensor(random, dtype=torch.int64, device=dev)
+        params = [views[r].params for b in random for r in host_index[b]]
+        probs = Sampler.target_probs(shaped[index[rows].reshape(-1)], params, SamplingColumns.of(params, dev))
+        uniform = torch.empty(len(random), k, device=dev)
+        exponential = torch.empty(len(random), shaped.shape[1], device=dev)
+        shared = [i for i, b in enumerate(random) if seqs[b].generator is None]
+        if shared:
+            uniform.uniform_()
+            fill_exponential(exponential)
+        for i, b in enumerate(random):
+            g = seqs[b].generator
+            if g is not None:
+                uniform[i].uniform_(generator=g)
+                fill_exponential(exponential[i], g)
+        r_tokens, r_emitted = verify(probs.view(len(random), k + 1, -1), draft_t[rows], num_t[rows], None,
+                                     uniform, exponential)
+        tokens = tokens.index_copy(0, rows, r_tokens)
+        emitted = emitted.index_copy(0, rows, r_emitted)
+    flat_host = host_read(torch.cat([tokens.reshape(-1), emitted]))    # the step's one read back
+    out = [flat_host[i * (k + 1):i * (k + 1) + m] for i, m in enumerate(flat_host[B * (k + 1):])]
+    return out, first_rows
