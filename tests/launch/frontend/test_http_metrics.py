@@ -13,7 +13,9 @@ def make_stats(free_kv_blocks=(40, 10), kv_blocks=(100, 50), num_running=3, num_
             "free_kv_blocks": list(free_kv_blocks), "kv_blocks": list(kv_blocks),
             "prefix_cache_queries": 0, "prefix_cache_hits": 0, "pool_ranks": {"attention": 2, "expert": 2},
             "membership_changes": [{"generation": 1}], "num_moved_requests": 3, "num_handed_over_requests": 2,
-            "kv_blocks_handed_over": 5}
+            "kv_blocks_handed_over": 5,
+            "spec_decode": {"num_drafts": 7, "num_draft_tokens": 20, "num_accepted_tokens": 9,
+                            "num_accepted_tokens_per_pos": [6, 3]}}
 
 
 def make_comm(pairs_per_rank=((40, 24), (10, 30)), steps=4) -> dict:
@@ -80,3 +82,14 @@ def test_membership_series_come_from_the_leader_stats():
     reg.register(_EngineSeries(make_stats(), make_comm()))
     text = generate_latest(reg).decode()
     assert 'afserve_pool_ranks{pool="attention"} 2.0' in text and 'afserve_pool_ranks{pool="expert"} 2.0' in text
+
+
+def test_spec_decode_series_carry_vllms_names():
+    got = scraped(make_stats(), make_comm())
+    assert (got["afserve_spec_decode_num_drafts_total"], got["afserve_spec_decode_num_draft_tokens_total"],
+            got["afserve_spec_decode_num_accepted_tokens_total"]) == (7, 20, 9)
+    reg = CollectorRegistry()
+    reg.register(_EngineSeries(make_stats(), make_comm()))
+    text = generate_latest(reg).decode()
+    assert 'afserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"} 6.0' in text
+    assert 'afserve_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0' in text
