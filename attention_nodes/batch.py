@@ -1,7 +1,10 @@
 """ForwardBatch: the flat token batch one attention rank runs in a step.
 
-Names: T tokens, B decode sequences, P prefill sequences, M max blocks per sequence. Decodes (one new
-token) come first, prefill chunks follow; the attention metadata of both is built once per step.
+Names: T tokens, B decode rows, P prefill sequences, M max blocks per sequence. Decodes (one new token) come
+first, prefill chunks follow; the attention metadata of both is built once per step. A speculative draft chunk (a
+sequence's last token and its drafts, attention_nodes/speculation.py) runs as decode rows, one per token, each
+with the context up to its own position: every token's KV is written before a layer attends, so row j sees the
+drafts before it, and the whole chunk goes through the paged decode kernel instead of the prefill path.
 """
 from __future__ import annotations
 
@@ -77,10 +80,14 @@ class ForwardBatch:
                 slots.append(table[start // block_size] * block_size + start % block_size)
             else:
                 slots.extend(table[i // block_size] * block_size + i % block_size for i in range(start, end))
-            if n == 1 and not pre_tables:
-                num_decodes += 1
-                dec_tables.append(table)
-                dec_lens.append(end)
+            if (n == 1 or s.drafts) and not pre_tables:   # a draft chunk: a decode row per token, each seeing
+                num_decodes += n                           # the positions up to its own
+                dec_tables += [table] * n
+                dec_lens.extend(range(start + 1, end + 1))
+            elif s.drafts:                                 # after a prefill chunk: a one-token chunk per token
+                pre_tables += [table] * n
+                pre_lens.extend(range(start + 1, end + 1))
+                cu.extend(range(cu[-1] + 1, cu[-1] + n + 1))
             else:
                 pre_tables.append(table)
                 pre_lens.append(end)
@@ -136,6 +143,7 @@ def split_micro_batches(scheduled: list[ScheduledSeq], num: int) -> list[list[Sc
 
 
 def order_for_batch(out: SchedulerOutput) -> SchedulerOutput:
-    """Stable reorder: single-token steps first (they batch), then multi-token chunks."""
-    out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+    """Stable reorder: single-token steps and draft chunks first (they batch as decode rows), then multi-token
+    chunks."""
+    out.scheduled.sort(key=lambda s: s.num_new_tokens != 1 and not s.drafts)
     return out

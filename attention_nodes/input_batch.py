@@ -95,6 +95,17 @@ class InputBatch:
         num_decodes = total = 0
         for s in scheduled:
             seq, start, n = s.seq, s.start, s.num_new_tokens
+            if s.drafts:          # a draft chunk runs as 1 + d decode rows of one sequence (see ForwardBatch)
+                row = self._sync(seq)
+                rows += [row] * n
+                starts.extend(range(start, start + n))
+                counts += [1] * n
+                ids.extend(s.input_ids())
+                if num_decodes == len(rows) - n:
+                    num_decodes += n
+                total += n
+                logit_rows.extend(range(total - n, total))
+                continue
             rows.append(self._sync(seq))
             starts.append(start)
             counts.append(n)
@@ -112,13 +123,13 @@ class InputBatch:
         rows_np, starts_np = np.asarray(rows), np.asarray(starts)
         counts_np = np.asarray(counts)
         ends = starts_np + counts_np
-        if total == len(scheduled):           # every row one token: no expansion needed
+        if total == len(rows):                # every row one token: no expansion needed
             req, pos = rows_np, starts_np
         else:
             req = np.repeat(rows_np, counts_np)
             pos = np.arange(total) + np.repeat(starts_np - (np.cumsum(counts_np) - counts_np), counts_np)
         slots = self._tables_np[req, pos // bs] * bs + pos % bs
-        nd, npre = num_decodes, len(scheduled) - num_decodes
+        nd, npre = num_decodes, len(rows) - num_decodes
         dec_w = -(-int(ends[:nd].max()) // bs) if nd else 0
         pre_w = -(-int(ends[nd:].max()) // bs) if npre else 0
         cu = np.zeros(npre + 1, dtype=np.int64)

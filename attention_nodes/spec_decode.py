@@ -24,18 +24,32 @@ import torch
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     """Prompt lookup: the longest n in [min_n, max_n] whose last n tokens occurred earlier in `tokens` (prompt
     plus output so far), and up to k tokens that followed its latest earlier occurrence. Empty when none does.
-    tokens: 1-D int array."""
+    tokens: 1-D int array.
+
+    One pass finds the earlier places of the last token; each one's match is extended backwards against the
+    suffix, a vector step per extra token of n (O(length + places x max_n), not O(length x max_n))."""
     if k < 1 or not 1 <= min_n <= max_n:
         raise ValueError(f"ngram_propose: k={k}, min_n={min_n}, max_n={max_n}: need k >= 1 and 1 <= min_n <= max_n")
     total = len(tokens)
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        # windows that end before the last token, so at least one token follows each (the suffix itself is not one)
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
-        hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start:start + k]
-    return tokens[:0]
+    if total < min_n + 1:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[:total - 1] == tokens[total - 1])   # where an earlier occurrence could end
+    if ends.size == 0:
+        return tokens[:0]
+    length = np.ones(ends.size, dtype=np.int64)     # how many of the suffix's last tokens match ending there
+    alive = np.ones(ends.size, dtype=bool)
+    for j in range(1, min(max_n, total - 1)):
+        back = ends - j
+        alive &= back >= 0
+        alive[alive] = tokens[back[alive]] == tokens[total - 1 - j]
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best < min_n:
+        return tokens[:0]
+    start = int(ends[np.flatnonzero(length >= best)[-1]]) + 1
+    return tokens[start:start + k]
 
 
 def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,

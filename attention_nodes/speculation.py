@@ -100,7 +100,24 @@ class Drafter:
             room = min(c.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens)
             seq.spec_tokens = [] if off or room < 1 else ngram_propose(
-                np.asarray(seq.token_ids), room, c.prompt_lookup_min, c.prompt_lookup_max).tolist()
+                _tokens(seq), room, c.prompt_lookup_min, c.prompt_lookup_max).tolist()
+
+
+def _tokens(seq: Sequence) -> np.ndarray:
+    """seq.token_ids as an int64 array, from its token_array with what was appended since copied in (converting
+    the whole list each step cost ~10 us per sequence of 250 tokens, more than the lookup itself)."""
+    n = len(seq.token_ids)
+    buf = seq.token_array
+    done = 0 if buf is None else buf[1]
+    if buf is None or n > len(buf[0]):
+        grown = np.empty(max(2 * n, 64), dtype=np.int64)
+        if buf is not None:
+            grown[:done] = buf[0][:done]
+        buf = (grown, done)
+    if done < n:
+        buf[0][done:n] = seq.token_ids[done:n]
+    seq.token_array = (buf[0], n)
+    return buf[0][:n]
 
 
 @dataclass(slots=True)
@@ -166,7 +183,7 @@ def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eo
     device up to the step's one host read of the emitted tokens and their counts."""
     counts = [len(d) for d in drafts]
     first_rows = np.cumsum([0] + [1 + d for d in counts[:-1]]).tolist()
-    views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens) if j else s
+    views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens) if j and s.params.shapes_logits else s
              for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
     shaped = shape_logits(logits.float(), views, eos)
     B, k, dev = len(seqs), max(counts), logits.device

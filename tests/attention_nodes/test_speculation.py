@@ -60,6 +60,13 @@ def test_drafter_stays_within_max_tokens_the_context_and_the_batch_bound():
     assert b.spec_tokens == [6]        # max_tokens 3, one out: two more, the last from the target
     Drafter(cfg, max_model_len=100).propose([c], num_running=3)
     assert c.spec_tokens == []         # disable_by_batch_size reached
+    # the drafter's copy of the tokens follows what is appended (here: a new phrase that was seen once before)
+    drafter = Drafter(cfg, max_model_len=100)
+    drafter.propose([c], num_running=1)
+    assert c.spec_tokens == [6, 7, 8, 9]
+    c.token_ids += [7, 8, 9, 5, 6, 1, 2, 6]     # "... 5 6 1 2 6": the last 2-gram "2 6" never occurred, "6" after 5
+    drafter.propose([c], num_running=1)
+    assert c.spec_tokens == [1, 2, 6]
 
 
 def test_a_draft_chunk_is_scheduled_batched_and_rolled_back():
@@ -78,6 +85,10 @@ def test_a_draft_chunk_is_scheduled_batched_and_rolled_back():
     batch = rows.prepare(order_for_batch(out).scheduled)
     assert batch.input_ids.tolist() == [9, 10, 11, 12, 13] and batch.positions.tolist() == [6, 7, 8, 9, 10]
     assert batch.logit_rows.tolist() == [0, 1, 2, 3, 4]    # every row of the chunk is sampled
+    # decode rows, one per token, each seeing the positions up to its own
+    assert batch.num_decodes == 5 and batch.prefill is None
+    assert batch.decode.context_lens.tolist() == [7, 8, 9, 10, 11]
+    assert batch.decode.block_tables.tolist() == [seq.block_table] * 5
     assert_same_as_rebuilt(batch, out)
     # micro-batches never cut the chunk (its rows are all sampled), whatever the split
     parts = split_micro_batches(out.scheduled + [], 3)
@@ -111,6 +122,8 @@ def assert_same_as_rebuilt(batch: ForwardBatch, out) -> None:
     want = ForwardBatch.from_scheduled(out.scheduled, BS, torch.device("cpu"))
     for name in ("input_ids", "positions", "slot_mapping", "logit_rows"):
         assert torch.equal(getattr(batch, name), getattr(want, name)), name
+    assert batch.num_decodes == want.num_decodes
+    assert torch.equal(batch.decode.context_lens, want.decode.context_lens)
 
 
 def test_a_draft_chunk_within_a_tight_budget_keeps_what_fits():

@@ -63,6 +63,19 @@ def test_serve_load_smoke():
     assert 0 < ttft50 <= ttft99 and 0 < tpot50 <= tpot99 and float(row.group(6)) > 0, out
 
 
+def test_spec_decode_smoke():
+    """Off and n-gram drafts at concurrency 2: a row with both TPOTs and throughputs, ratios that are theirs, and
+    an acceptance rate per draft position (the workload's greedy continuations repeat the play's n-grams)."""
+    out = _smoke("spec_decode.py")
+    row = re.search(r"^\| 2 \| 8 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| (\d+) \| (\d+) \| ([\d.]+)x \| ([\d.]+) \| "
+                    r"([\d., ]+) \|$", out, flags=re.M)
+    assert row, out
+    off, on, ratio = (float(row.group(i)) for i in (1, 2, 3))
+    assert off > 0 and on > 0 and abs(ratio - off / on) < 0.02, out
+    per_pos = [float(x) for x in row.group(8).split(",")]
+    assert len(per_pos) == 3 and 0 < float(row.group(7)) <= 1 and per_pos[0] > 0, out
+
+
 @FULL
 def test_elastic_smoke():
     """2 + 3 with an expert rank killed, then 1 + 2 -> 2 + 4 -> 1 + 2, four short requests: every run's outputs

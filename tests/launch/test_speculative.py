@@ -41,6 +41,21 @@ def test_greedy_with_ngram_drafts_equals_transformers(tiny_checkpoint, arch):
     assert 0 < spec["num_accepted_tokens"] < spec["num_draft_tokens"]   # drafts were both accepted and rejected
 
 
+@pytest.mark.parametrize("backend", ["torch", "sdpa", "triton"])
+def test_draft_rows_through_each_kernel_backend(tiny_checkpoint, backend):
+    """A draft chunk runs as decode rows of one sequence (attention_nodes/batch.py): GPT-OSS's sinks and sliding
+    windows through each backend's paged decode (the default cpu backend runs in the test above)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    path = tiny_checkpoint("gpt_oss")
+    prompts = looping_prompts(3, seed=9)
+    expected = hf_greedy(path, prompts, 8)
+    with LLM(path, attention_ranks=1, expert_ranks=1, kernel_backend=backend, speculative_config=NGRAM) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+        spec = llm.stats()["spec_decode"]
+    assert [o.token_ids for o in outs] == expected and spec["num_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("attention_ranks,expert_ranks,comm", [(2, 2, "two_phase"), (1, 3, "direct"),
                                                                 wider(2, 2, "direct")])
 def test_deepseek_v3_topologies_with_micro_batches(tiny_checkpoint, attention_ranks, expert_ranks, comm):

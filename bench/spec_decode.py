@@ -1,0 +1,116 @@
+"""Speculative decoding: TPOT and output throughput of the OpenAI-compatible server with speculation off and with
+prompt-lookup (n-gram) drafts, at concurrency 1, 8 and 64, in the same run; and the acceptance rate per draft
+position.
+
+The server is launch/serve.py under torchrun (1 attention + 1 expert rank by default, --split) on loopback,
+serving the shipped Shakespeare MoE (or --model). Requests: bench/serve_load.py's client and workload (greedy,
+ignore_eos, streaming, prompts of 16-256 tokens of the held-out play, outputs of 8-128 tokens, long-tailed); at
+concurrency c, max(8, 2c) requests. Each configuration gets its own server, one after the other; each level runs
+--repeats times after a warm-up and the median run (by throughput) is printed. TPOT: (last chunk - first chunk) /
+(tokens - 1), per request; p50 over the requests of the run.
+Acceptance rate at draft position j: the drafts accepted at j / the requests verified with drafts (vLLM's
+definition), from the server's /metrics counters over the level's runs.
+The peer is the same server with speculation off, measured in the same run: the ratio columns are off / ngram
+for TPOT (higher is better) and ngram / off for throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.peers import parse_splits
+from bench.serve_load import requests, run_level
+from launch.local_server import LocalServer
+from models import SHIPPED_MODEL
+
+LEVELS = (1, 8, 64)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
+def spec_counters(url: str) -> dict:
+    """The server's speculative decoding counters: drafts, draft tokens, accepted, accepted per position."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=60).read().decode()
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {}}
+    names = {"afserve_spec_decode_num_drafts_total": "drafts", "afserve_spec_decode_num_draft_tokens_total":
+             "draft_tokens", "afserve_spec_decode_num_accepted_tokens_total": "accepted"}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in names:
+            out[names[name]] = float(value)
+        elif name.startswith("afserve_spec_decode_num_accepted_tokens_per_pos_total{"):
+            out["per_pos"][int(name.split('position="')[1].split('"')[0])] = float(value)
+    return out
+
+
+def run_config(path: str, split: tuple[int, int], spec: dict | None, levels: list[int], repeats: int,
+               limits: list[str]) -> dict[int, dict]:
+    args = ["--attention-ranks", str(split[0]), "--served-model-name", "bench", *limits]
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec)]
+    results = {}
+    with LocalServer(path, nproc=sum(split), args=args) as srv:
+        warm_p, warm_o = requests(8, seed=1, model=path)
+        asyncio.run(run_level(srv.url, 8, warm_p, warm_o))
+        for c in levels:
+            prompts, olens = requests(max(8, 2 * c), seed=c, model=path)
+            before = spec_counters(srv.url)
+            runs = sorted((asyncio.run(run_level(srv.url, c, prompts, olens)) for _ in range(repeats)),
+                          key=lambda r: r["tok_s"])
+            after = spec_counters(srv.url)
+            drafts = after["drafts"] - before["drafts"]
+            per_pos = [(after["per_pos"].get(j, 0) - before["per_pos"].get(j, 0)) / drafts if drafts else 0.0
+                       for j in range(spec["num_speculative_tokens"] if spec else 0)]
+            accepted = after["accepted"] - before["accepted"]
+            drafted = after["draft_tokens"] - before["draft_tokens"]
+            results[c] = {**runs[len(runs) // 2], "runs": [r["tok_s"] for r in runs], "acceptance_per_pos": per_pos,
+                          "draft_acceptance": accepted / drafted if drafted else 0.0}
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", type=int, nargs="+", default=list(LEVELS), help=f"concurrency levels (default "
+                    f"{LEVELS})")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per level (default 3)")
+    ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
+    ap.add_argument("--split", default="1+1", help="attention+expert ranks (default 1+1)")
+    ap.add_argument("--speculative-config", default=json.dumps(NGRAM), type=json.loads,
+                    help=f"the speculative configuration measured against off (default {json.dumps(NGRAM)})")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--smoke", action="store_true", help="one run at concurrency 2 per configuration: a quick run "
+                    "that checks the bench works (tests run it; its figures mean little)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.levels, args.repeats = [2], 1
+    try:
+        (split,) = parse_splits(args.split)
+    except ValueError as e:
+        ap.error(str(e).replace("--splits", "--split"))
+    limits = ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]
+    spec = args.speculative_config
+    off = run_config(args.model, split, None, args.levels, args.repeats, limits)
+    on = run_config(args.model, split, spec, args.levels, args.repeats, limits)
+    print(f"speculative config: {json.dumps(spec)}; {'+'.join(map(str, split))} ranks; median of {args.repeats} "
+          f"run(s) per level after a warm-up")
+    print("| concurrency | requests | TPOT p50 ms off | TPOT p50 ms spec | TPOT off/spec | tok/s off | tok/s spec | "
+          "tok/s spec/off | draft tokens accepted | acceptance per position |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for c in args.levels:
+        a, b = off[c], on[c]
+        pos = ", ".join(f"{x:.2f}" for x in b["acceptance_per_pos"])
+        print(f"| {c} | {a['requests']} | {a['tpot_p50']:.2f} | {b['tpot_p50']:.2f} | "
+              f"{a['tpot_p50'] / b['tpot_p50']:.2f}x | {a['tok_s']:.0f} | {b['tok_s']:.0f} | "
+              f"{b['tok_s'] / a['tok_s']:.2f}x | {b['draft_acceptance']:.2f} | {pos} |", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"speculative_config": spec, "split": list(split), "off": off, "spec": on}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
