@@ -206,8 +206,8 @@ def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eo
             fill_exponential(exponential)
         for i, b in enumerate(random):
             g = seqs[b].generator
-            if g is not None:
-                uniform[i].uniform_(generator=g)
+            if g is not None:   # as many draws as its own drafts, so that its stream is the same in any batch
+                uniform[i, :counts[b]].uniform_(generator=g)
                 fill_exponential(exponential[i], g)
         r_tokens, r_emitted = verify(probs.view(len(random), k + 1, -1), draft_t[rows], num_t[rows], None,
                                      uniform, exponential)

@@ -165,14 +165,22 @@ def test_emitted_tokens_follow_the_target_distribution(monkeypatch):
 
 
 def test_seeded_rows_draw_the_same_whatever_the_batch():
-    def run(order):
+    """A seeded request's tokens do not depend on the other requests of its step: their order, or how many drafts
+    they carry (a generator that drew one uniform per draft slot of the batch would drift)."""
+    base = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+
+    def run(order, drafts):
         seqs = [_seq([1, 2, 3], temperature=1.0, seed=s) for s in order]
         for s, seed in zip(seqs, order):
             s.generator = seeded_generator(seed, "cpu")
-        drafts = [[1, 2]] * len(seqs)
-        logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)).repeat(len(seqs), 1)
-        return dict(zip(order, emit(logits, seqs, drafts, EOS)[0]))
-    assert run([1, 2, 3]) == run([3, 1, 2])
+        logits = torch.cat([base[:len(d) + 1] for d in drafts])
+        tokens = emit(logits, seqs, drafts, EOS)[0]
+        # a second step from the same generators: what the first step drew decides where they are now
+        return dict(zip(order, zip(tokens, emit(logits, seqs, drafts, EOS)[0])))
+
+    alone = run([1], [[7]])
+    assert run([3, 1, 2], [[1, 2, 3], [7], []])[1] == alone[1]
+    assert run([1, 2], [[7], [4, 5, 6]]) == {**run([2, 1], [[4, 5, 6], [7]])}
 
 
 def test_counts_add_up_over_ranks():
