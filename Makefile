@@ -36,6 +36,7 @@ bench: $(VENV)/.bench
 	$(PY) bench/serve_load.py
 	$(PY) bench/kernels.py
 	$(PY) bench/elastic.py
+	$(PY) bench/spec_decode.py
 
 # Real clients no one here wrote: lm-eval (its hf backend against its local-completions backend on our server)
 # and guidellm (a bounded load run). They pull about 1 GB, so they get their own venv, outside `make test`.

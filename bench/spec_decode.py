@@ -5,8 +5,10 @@ position.
 The server is launch/serve.py under torchrun (1 attention + 1 expert rank by default, --split) on loopback,
 serving the shipped Shakespeare MoE (or --model). Requests: bench/serve_load.py's client and workload (greedy,
 ignore_eos, streaming, prompts of 16-256 tokens of the held-out play, outputs of 8-128 tokens, long-tailed); at
-concurrency c, max(8, 2c) requests. Each configuration gets its own server, one after the other; each level runs
---repeats times after a warm-up and the median run (by throughput) is printed. TPOT: (last chunk - first chunk) /
+concurrency c, max(8, 2c) requests. Both servers run side by side (an idle one takes ~1% of a core); each level
+runs --repeats rounds after a warm-up, a round sending the level to each server in turn (the order flips every
+round, so that the VM's drift over minutes falls on both alike), and the median run (by throughput) of each is
+printed. TPOT: (last chunk - first chunk) /
 (tokens - 1), per request; p50 over the requests of the run.
 Acceptance rate at draft position j: the drafts accepted at j / the requests verified with drafts (vLLM's
 definition), from the server's /metrics counters over the level's runs.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -48,29 +51,37 @@ def spec_counters(url: str) -> dict:
     return out
 
 
-def run_config(path: str, split: tuple[int, int], spec: dict | None, levels: list[int], repeats: int,
-               limits: list[str]) -> dict[int, dict]:
+def server_args(split: tuple[int, int], spec: dict | None, limits: list[str]) -> list[str]:
     args = ["--attention-ranks", str(split[0]), "--served-model-name", "bench", *limits]
-    if spec is not None:
-        args += ["--speculative-config", json.dumps(spec)]
-    results = {}
-    with LocalServer(path, nproc=sum(split), args=args) as srv:
-        warm_p, warm_o = requests(8, seed=1, model=path)
-        asyncio.run(run_level(srv.url, 8, warm_p, warm_o))
-        for c in levels:
-            prompts, olens = requests(max(8, 2 * c), seed=c, model=path)
-            before = spec_counters(srv.url)
-            runs = sorted((asyncio.run(run_level(srv.url, c, prompts, olens)) for _ in range(repeats)),
-                          key=lambda r: r["tok_s"])
-            after = spec_counters(srv.url)
-            drafts = after["drafts"] - before["drafts"]
-            per_pos = [(after["per_pos"].get(j, 0) - before["per_pos"].get(j, 0)) / drafts if drafts else 0.0
-                       for j in range(spec["num_speculative_tokens"] if spec else 0)]
-            accepted = after["accepted"] - before["accepted"]
-            drafted = after["draft_tokens"] - before["draft_tokens"]
-            results[c] = {**runs[len(runs) // 2], "runs": [r["tok_s"] for r in runs], "acceptance_per_pos": per_pos,
-                          "draft_acceptance": accepted / drafted if drafted else 0.0}
-    return results
+    return args if spec is None else args + ["--speculative-config", json.dumps(spec)]
+
+
+def run_levels(urls: dict[str, str], levels: list[int], repeats: int, model: str, k: int) -> dict[str, dict]:
+    """Per level, `repeats` rounds; each round runs the level on every server in turn (the order flips every
+    round), so that the VM's drift over minutes falls on both alike. -> {config: {level: the median run}}."""
+    warm_p, warm_o = requests(8, seed=1, model=model)
+    for url in urls.values():
+        asyncio.run(run_level(url, 8, warm_p, warm_o))
+    out: dict[str, dict] = {name: {} for name in urls}
+    for c in levels:
+        prompts, olens = requests(max(8, 2 * c), seed=c, model=model)
+        runs: dict[str, list] = {name: [] for name in urls}
+        before = {name: spec_counters(url) for name, url in urls.items()}
+        for r in range(repeats):
+            for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+                runs[name].append(asyncio.run(run_level(urls[name], c, prompts, olens)))
+        for name, url in urls.items():
+            after = spec_counters(url)
+            drafts = after["drafts"] - before[name]["drafts"]
+            per_pos = [(after["per_pos"].get(j, 0) - before[name]["per_pos"].get(j, 0)) / drafts if drafts else 0.0
+                       for j in range(k if name == "spec" else 0)]
+            drafted = after["draft_tokens"] - before[name]["draft_tokens"]
+            accepted = after["accepted"] - before[name]["accepted"]
+            ranked = sorted(runs[name], key=lambda x: x["tok_s"])
+            out[name][c] = {**ranked[len(ranked) // 2], "runs": [x["tok_s"] for x in runs[name]],
+                            "acceptance_per_pos": per_pos,
+                            "draft_acceptance": accepted / drafted if drafted else 0.0}
+    return out
 
 
 def main() -> None:
@@ -94,8 +105,12 @@ def main() -> None:
         ap.error(str(e).replace("--splits", "--split"))
     limits = ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]
     spec = args.speculative_config
-    off = run_config(args.model, split, None, args.levels, args.repeats, limits)
-    on = run_config(args.model, split, spec, args.levels, args.repeats, limits)
+    with contextlib.ExitStack() as stack:
+        urls = {name: stack.enter_context(LocalServer(args.model, nproc=sum(split),
+                                                      args=server_args(split, cfg, limits))).url
+                for name, cfg in (("off", None), ("spec", spec))}
+        results = run_levels(urls, args.levels, args.repeats, args.model, spec["num_speculative_tokens"])
+    off, on = results["off"], results["spec"]
     print(f"speculative config: {json.dumps(spec)}; {'+'.join(map(str, split))} ranks; median of {args.repeats} "
           f"run(s) per level after a warm-up")
     print("| concurrency | requests | TPOT p50 ms off | TPOT p50 ms spec | TPOT off/spec | tok/s off | tok/s spec | "

@@ -149,3 +149,27 @@ def test_seeded_sampling_is_reproducible():
         second = [o.token_ids for o in llm.generate(prompts[::-1], params)][::-1]
         spec = llm.stats()["spec_decode"]
     assert first == second and spec["num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("victim", [1, 3])
+def test_a_rank_lost_mid_stream(tiny_checkpoint, victim):
+    """2+2 with drafts: attention rank 1 (its requests move and are recomputed; drafts are not carried, the next
+    token proposes again) or expert rank 3 (the step in flight, draft chunks included, is run again) SIGKILLed
+    while requests stream: every output is still transformers' greedy continuation."""
+    from tests.launch.runtime.test_elastic import _stream
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = looping_prompts(8, seed=11)
+    expected = hf_greedy(path, prompts, 24)
+    with LLM(path, attention_ranks=2, expert_ranks=2, speculative_config=NGRAM) as llm:
+        pids = llm.worker_pids
+        assert _stream(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), pids[victim],
+                       after_tokens=40) == expected
+        stats = llm.stats()
+    assert llm.lost_ranks == [victim] and stats["spec_decode"]["num_accepted_tokens"] > 0
+
+
+def test_scale_out_and_in_with_a_kv_handover(tiny_checkpoint):
+    """1+2 -> 2+4 -> 1+2 under a steady stream with drafts on: the leaving attention rank hands its requests over
+    with their KV blocks (not their drafts); every output is transformers' greedy continuation."""
+    from tests.launch.runtime.test_elastic import scale_under_stream
+    scale_under_stream(tiny_checkpoint("qwen3_moe"), transport="shm", speculative_config=NGRAM)
