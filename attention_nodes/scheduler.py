@@ -176,8 +176,11 @@ class Scheduler:
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # a decode with drafts runs them too, as many as the budget leaves room for
+            # a decode with drafts runs them too, as many as the budget leaves room for, and only when the blocks
+            # they reach are free now: drafts never cost another sequence its blocks
             drafts = seq.spec_tokens[:budget - 1] if num_new == 1 else []
+            if drafts and not self._drafts_fit(seq, len(drafts)):
+                drafts = []
             num_new += len(drafts)
             assert num_new > 0, f"running request {seq.request_id!r} has no token to compute"
             shared_tail = self._is_shared_tail(seq)   # again after each preemption: a preempted sample held it
@@ -340,6 +343,14 @@ class Scheduler:
         for i in range(seq.num_registered_blocks, full):
             self.block_pool.register(seq.block_table[i], keys[i])
         seq.num_registered_blocks = full
+
+    def _drafts_fit(self, seq: Sequence, num_drafts: int) -> bool:
+        """The blocks a decode of seq with num_drafts drafts needs beyond its own are free (with one more for a
+        copy on write), and the chunk's blocks fit the pool."""
+        pool = self.block_pool
+        needed = pool.blocks_needed(seq.num_computed_tokens + 1 + num_drafts)
+        return needed <= pool.num_blocks and pool.can_allocate(
+            max(0, needed - len(seq.block_table)) + self._is_shared_tail(seq))
 
     def _is_shared_tail(self, seq: Sequence) -> bool:
         """The block this step's first token goes into exists and other samples hold it too (only the partly

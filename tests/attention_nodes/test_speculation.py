@@ -3,6 +3,8 @@ the drafter's bounds, a draft chunk scheduled, batched and rolled back, and the 
 emitting the target's distribution (chi-square) with greedy rows exact and seeded rows independent of the batch."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -42,10 +44,12 @@ def test_lookup_bounds_default_as_vllm_does():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
 
 
+_arrivals = itertools.count(1)
+
+
 def _seq(prompt: list[int], max_tokens: int = 50, **params) -> Sequence:
-    seq = Sequence.from_request(f"r{len(prompt)}-{max_tokens}", prompt, SamplingParams(max_tokens=max_tokens,
-                                                                                        **params), 1)
-    return seq
+    n = next(_arrivals)
+    return Sequence.from_request(f"r{n}", prompt, SamplingParams(max_tokens=max_tokens, **params), n)
 
 
 def test_drafter_stays_within_max_tokens_the_context_and_the_batch_bound():
@@ -134,6 +138,25 @@ def test_a_draft_chunk_within_a_tight_budget_keeps_what_fits():
     seq.spec_tokens = [4, 5, 6, 7]
     (s,) = sched.schedule().scheduled
     assert s.num_new_tokens == 3 and s.drafts == [4, 5]
+
+
+def test_drafts_never_take_blocks_from_other_sequences():
+    """4 blocks of 4 tokens: a's drafts would reach a third block, which only preempting b could free (or, for a
+    chunk past the pool, none could): the step runs a without its drafts, and b keeps running."""
+    sched = Scheduler(BlockPool(4, BS), max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _seq([1, 2, 3, 4, 5, 6, 7]), _seq([1, 2, 3, 4, 5])
+    for s in (a, b):
+        sched.add(s)
+    sched.update(sched.schedule(), [9, 9], EOS, 100)          # a: 8 tokens in 2 blocks, b: 6 in 2
+    a.spec_tokens = [1, 2]
+    out = sched.schedule()
+    assert [(x.seq, x.num_new_tokens, x.drafts) for x in out.scheduled] == [(a, 1, []), (b, 1, [])]
+    assert not out.preempted
+    sched.update(out, [[5], [5]], EOS, 100)
+    sched.abort(b.request_id)                                   # two blocks free now: the drafts fit
+    a.spec_tokens = [1, 2]
+    (x,) = sched.schedule().scheduled
+    assert x.drafts == [1, 2] and x.num_new_tokens == 3
 
 
 def test_emitted_tokens_follow_the_target_distribution(monkeypatch):
