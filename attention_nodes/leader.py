@@ -168,13 +168,14 @@ class Leader:
                   ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int]:
         """(step id, capacity, new requests per rank, aborts per rank, is_decode, micro-batches) of the next
         step's header. is_decode: no rank gets new requests or has any waiting, and each running sequence has
-        one token left to compute (a running sequence has at least one, so that is when their sum is their
-        count)."""
+        one token left to compute, plus its drafts (a running sequence has at least one, so that is when their
+        sum is their count plus the drafts)."""
         self.step_id += 1
         new = self._assign()
         # Ranks that get new requests may admit up to a full token budget this step.
         capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new))
-        is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running for r in self.reports)
+        is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running + r.num_drafts
+                                    for r in self.reports)
         running = min([r.max_next_tokens for r in self.reports] or [0])
         split = micro_batches_for(running, self.micro_batches, self.micro_batch_min_tokens)
         self.num_split_steps += split > 1

@@ -71,8 +71,9 @@ class SchedulerOutput:
 
     @property
     def is_decode(self) -> bool:
-        """Every scheduled sequence computes one generated token (no prompt chunk); also when none is."""
-        return all(s.num_new_tokens == 1 and s.start >= s.seq.num_prompt_tokens for s in self.scheduled)
+        """Every scheduled sequence computes one generated token (no prompt chunk), with its drafts if it has some;
+        also when none is."""
+        return all((s.num_new_tokens == 1 or s.drafts) and s.start >= s.seq.num_prompt_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -100,6 +101,8 @@ class Scheduler:
     num_running = property(lambda self: len(self._running))
     num_waiting = property(lambda self: len(self._waiting))
     has_work = property(lambda self: bool(self._running or self._waiting))
+    num_draft_tokens = property(lambda self: sum(len(s.spec_tokens) for s in self._running),
+                                doc="Draft tokens the running sequences carry into the next step.")
 
     def add(self, seq: Sequence) -> None:
         """Queue a new WAITING sequence. Arrivals must increase and request ids be unique."""

@@ -226,7 +226,8 @@ class AttentionWorker:
                           s.max_next_tokens(), self.num_preemptions, self.num_partial_chunks, outputs or [],
                           pool.num_blocks, s.num_prefix_queries, s.num_prefix_hits, s.num_prompt_tokens_computed,
                           host.num_saved if host else 0, host.num_restored if host else 0, added, evicted,
-                          self.num_kv_blocks_received, self.spec_stats.to_list() if self.drafter else [])
+                          self.num_kv_blocks_received, self.spec_stats.to_list() if self.drafter else [],
+                          s.num_draft_tokens)
 
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:

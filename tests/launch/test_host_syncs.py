@@ -96,3 +96,27 @@ def test_the_same_host_transport_with_in_band_counts_reads_nothing_back_per_laye
     for r in (1, 2):
         assert ranks[str(r)]["host_syncs"]["decode_steps"] == attention["decode_steps"]
         assert ranks[str(r)]["host_syncs"]["max_per_decode_step"] == 0, ranks[str(r)]["host_syncs"]
+
+
+def test_draft_steps_wait_on_the_host_once():
+    """Speculative decoding's verification steps count as decode steps (one token per sequence plus its drafts)
+    on every rank, and read back only the emitted tokens (attention_nodes/speculation.py's host_read) on the
+    attention rank, nothing on the expert ranks."""
+    spec = os.path.join(os.path.dirname(SAMPLER), "speculation.py")
+    with open(spec) as f:
+        (site,) = {f"attention_nodes/speculation.py:{n}" for n, line in enumerate(f, 1)
+                   if "host_read(" in line and not line.lstrip().startswith(("from ", "import "))}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompts = ["ROMEO.\nO Romeo, Romeo, O Romeo", "To be, or not to be, to be, or not"]
+    with LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=2, sync_audit=True, transport="collective",
+             speculative_config=ngram) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        ranks = llm.comm_stats()["ranks"]
+        drafted = llm.stats()["spec_decode"]["num_draft_tokens"]
+    attention = ranks["0"]["host_syncs"]
+    assert drafted > 0 and attention["sites"].get(site, 0) >= 1, attention     # verification steps were audited
+    assert attention["max_per_decode_step"] == 1, attention
+    assert sum(attention["sites"].values()) == attention["decode_steps"], attention
+    for r in ("1", "2"):
+        assert ranks[r]["host_syncs"]["decode_steps"] == attention["decode_steps"]
+        assert ranks[r]["host_syncs"]["max_per_decode_step"] == 0, ranks[r]["host_syncs"]
