@@ -187,6 +187,30 @@ def test_emitted_tokens_follow_the_target_distribution(monkeypatch):
     assert _p_value(pairs, expected) > 1e-3
 
 
+def test_emitted_tokens_follow_the_tempered_top_k_target():
+    """Temperature 0.5 and top_k 3 on the same targets, drafts inside and outside the top 3 (a draft the target
+    gives no mass is always rejected): the first two tokens fit the tempered, truncated targets, worked out here
+    from their definition (p^(1/T) over the k largest, renormalised)."""
+    torch.manual_seed(12)
+    target = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    tempered = target ** 2 * (target >= target.sort(dim=1).values[:, 1:2])    # drop each row's smallest
+    tempered = tempered / tempered.sum(dim=1, keepdim=True)
+    n = 6000
+    seqs = [_seq([1, 2, 3], temperature=0.5, top_k=3) for _ in range(n)]
+    drafts = [[[3, 0], [0, 3], [2]][i % 3] for i in range(n)]
+    logits = torch.cat([target[:len(d) + 1].log() for d in drafts])
+    tokens, _ = emit(logits, seqs, drafts, EOS)
+    assert all(t[0] != 0 for t in tokens)      # outside position 0's top 3: never emitted, as draft or otherwise
+    second = torch.multinomial(tempered[1], n, replacement=True).tolist()
+    pairs = torch.tensor([[t[0], t[1] if len(t) > 1 else s] for t, s in zip(tokens, second)])
+    expected = (tempered[0].unsqueeze(1) * tempered[1].unsqueeze(0)).flatten().double()
+    counts = torch.bincount(pairs[:, 0] * 4 + pairs[:, 1], minlength=16).double()
+    kept = expected > 0
+    assert counts[~kept].sum() == 0                  # no pair the target gives no mass
+    stat = ((counts[kept] - expected[kept] * n) ** 2 / (expected[kept] * n)).sum()
+    assert float(torch.special.gammaincc(torch.tensor((int(kept.sum()) - 1) / 2.0), stat / 2)) > 1e-3
+
+
 def test_seeded_rows_draw_the_same_whatever_the_batch():
     """A seeded request's tokens do not depend on the other requests of its step: their order, or how many drafts
     they carry (a generator that drew one uniform per draft slot of the batch would drift)."""
