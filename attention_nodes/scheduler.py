@@ -374,6 +374,7 @@ class Scheduler:
         self._release(victim)
         victim.num_computed_tokens = 0
         victim.spec_tokens = []
+        victim.draft_computed = 0
         victim.num_registered_blocks = 0
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1

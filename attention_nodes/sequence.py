@@ -58,6 +58,7 @@ class Sequence:
     spec_tokens: speculative decoding's drafts for this sequence's next step (attention_nodes/speculation.py);
         not part of token_ids until verified.
     token_array: the drafter's numpy copy of token_ids, appended to as they grow (None until it first proposes).
+    draft_computed: the leading positions whose KV the draft model holds (attention_nodes/draft_model.py).
     group_id: for a request drawing several samples (SamplingParams.num_samples > 1), the request's own id; each
         sample's request_id is then f"{group_id}#{sample_index}". None otherwise.
     forked: the samples exist (set on all of them once the first sample is drawn).
@@ -84,6 +85,7 @@ class Sequence:
     block_table_version: int = 0
     spec_tokens: list[int] = field(default_factory=list)
     token_array: object = None
+    draft_computed: int = 0
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

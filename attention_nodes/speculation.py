@@ -16,6 +16,7 @@ on the next step's tokens counts them, and the leader sizes the next step's mess
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,16 +29,19 @@ from .sampler import Sampler, SamplingColumns, argmax_rows, fill_exponential
 from .sequence import Sequence
 from .spec_decode import ngram_propose, verify, verify_greedy
 
-METHODS = ("ngram",)
-PLANNED = ("draft_model", "mtp", "eagle")   # vLLM's other methods: refused by name until they are built
-KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size")
+METHODS = ("ngram", "draft_model")
+PLANNED = ("mtp", "eagle")   # vLLM's other methods: refused by name until they are built
+KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
+        "model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """vLLM's speculative_config keys. method "ngram": prompt lookup (no model); prompt_lookup_min/max bound the
-    n-gram matched (vLLM's defaults: both 5 when neither is given, else the one given for both).
+    n-gram matched (vLLM's defaults: both 5 when neither is given, else the one given for both). method
+    "draft_model": model, a local checkpoint directory of a small dense model with the target's vocabulary
+    (attention_nodes/draft_model.py).
     disable_by_batch_size: no drafts while this many sequences or more run on a rank (large batches gain little
     and pay for the rejected positions)."""
     method: str
@@ -45,6 +49,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int
     prompt_lookup_max: int
     disable_by_batch_size: int | None = None
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SpeculativeConfig | None:
@@ -78,15 +83,26 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"speculative_config prompt_lookup_min={lo} > prompt_lookup_max={hi}: pass min <= max")
         off = d.get("disable_by_batch_size")
-        return cls(method, k, lo, hi, None if off is None else count("disable_by_batch_size", off, 1))
+        model = d.get("model")
+        if (method == "draft_model") != (model is not None):
+            raise ValueError(f"speculative_config model={model!r} with method={method!r}: method 'draft_model' "
+                             f"takes the draft's checkpoint directory as model, and only it does")
+        if model is not None and not (isinstance(model, str) and os.path.isdir(model)):
+            raise ValueError(f"speculative_config model={model!r} is not a directory: pass the draft model's local "
+                             f"checkpoint directory")
+        return cls(method, k, lo, hi, None if off is None else count("disable_by_batch_size", off, 1), model)
 
 
 class Drafter:
-    """Proposes a running sequence's drafts for its next step (prompt lookup over its prompt and output)."""
+    """Proposes a running sequence's drafts for its next step: prompt lookup over its prompt and output, or the
+    draft model's greedy continuation (draft: its attention_nodes/draft_model.DraftModel)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None):
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError(f"method {config.method!r} with draft={draft!r}: a draft model is for 'draft_model'")
         self.config = config
         self.max_model_len = max_model_len
+        self.draft = draft
 
     def propose(self, seqs: list[Sequence], num_running: int) -> None:
         """Set each unfinished seq's spec_tokens: at most num_speculative_tokens, never more than the request
@@ -94,13 +110,23 @@ class Drafter:
         num_running reaches disable_by_batch_size."""
         c = self.config
         off = c.disable_by_batch_size is not None and num_running >= c.disable_by_batch_size
+        todo, rooms = [], []
         for seq in seqs:
             if seq.is_finished:
                 continue
             room = min(c.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens)
-            seq.spec_tokens = [] if off or room < 1 else ngram_propose(
-                _tokens(seq), room, c.prompt_lookup_min, c.prompt_lookup_max).tolist()
+            seq.spec_tokens = []
+            if off or room < 1:
+                continue
+            if self.draft is None:
+                seq.spec_tokens = ngram_propose(_tokens(seq), room, c.prompt_lookup_min, c.prompt_lookup_max).tolist()
+            else:
+                todo.append(seq)
+                rooms.append(room)
+        if todo:
+            for seq, drafts in zip(todo, self.draft.propose(todo, rooms)):
+                seq.spec_tokens = drafts
 
 
 def _tokens(seq: Sequence) -> np.ndarray:

@@ -25,7 +25,7 @@ from .speculation import Drafter, SpecStats, SpeculativeConfig, emit
 class AttentionWorker:
     def __init__(self, rank: int, model: AttentionModel, kv: KVCache, scheduler: Scheduler, moe: MoEContext,
                  max_model_len: int, device: torch.device, micro_batches: int = 1,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, draft=None):
         self.rank = rank
         self.micro_batches = micro_batches
         self.model, self.kv, self.scheduler, self.moe = model, kv, scheduler, moe
@@ -47,7 +47,7 @@ class AttentionWorker:
         self._inflight = None
         self.is_decode_step = False   # the last step run computed only one-token decodes (or nothing)
         self.forward_s = 0.0          # the last step's forward (wall seconds): the rest of a step is host work
-        self.drafter = None if speculative is None else Drafter(speculative, max_model_len)
+        self.drafter = None if speculative is None else Drafter(speculative, max_model_len, draft)
         self.spec_stats = SpecStats()
 
     def adopt(self, moe: MoEContext) -> None:

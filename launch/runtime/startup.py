@@ -10,10 +10,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from attention_nodes.block_pool import BlockPool
+from attention_nodes.draft_model import DraftModel
 from attention_nodes.host_tier import HostTier
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.model import AttentionModel, MoEContext
 from attention_nodes.scheduler import Scheduler
+from attention_nodes.speculation import SpeculativeConfig
 from attention_nodes.worker import AttentionWorker
 from kernels import cpu_attention
 from models.checkpoint import Checkpoint
@@ -59,5 +61,22 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                       cache.enable_prefix_caching)
+    speculative = config.scheduler.speculative
+    draft = None if speculative is None or speculative.model is None else load_draft_model(
+        speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs)
     return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches,
-                           config.scheduler.speculative)
+                           speculative, draft)
+
+
+def load_draft_model(speculative: SpeculativeConfig, target: ModelSpec, dev: DeviceSettings, num_blocks: int,
+                     block_size: int, max_num_seqs: int) -> DraftModel:
+    """speculative_config method "draft_model": the draft's whole checkpoint on this attention rank, its KV cache
+    mirroring the target's blocks (attention_nodes/draft_model.py)."""
+    ckpt = Checkpoint(speculative.model)
+    if ckpt.spec.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model {speculative.model!r} has a vocabulary of {ckpt.spec.vocab_size} tokens "
+                         f"and the target {target.vocab_size}: a draft must share the target's tokenizer")
+    weights = ckpt.read(ckpt.attention_tensor_names(), dev.dtype, dev.device)
+    model = AttentionModel(ckpt.spec, weights, dev.device, dev.kernel_backend)
+    return DraftModel(model, num_blocks, block_size, max_num_seqs, speculative.num_speculative_tokens, dev.dtype,
+                      dev.device)

@@ -24,6 +24,10 @@ BS = 4
 
 @pytest.mark.parametrize("given, named", [
     ({"method": "mtp", "num_speculative_tokens": 1}, "method='mtp' is not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None with method='draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/tmp"}, "model='/tmp' with method='ngram'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/dir"},
+     "model='/no/such/dir' is not a directory"),
     ({"method": "medusa", "num_speculative_tokens": 1}, "method='medusa' is invalid"),
     ({"method": "ngram"}, "num_speculative_tokens=None"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from attention_nodes.spec_decode import ngram_propose
 from launch import LLM, SamplingParams
 from models import SHIPPED_MODEL
-from models.tiny import ARCHS
-from tests.conftest import hf_greedy, make_prompts, wider
+from models.tiny import ARCHS, make_tiny_checkpoint
+from tests.conftest import hf_greedy, hf_model, make_prompts, wider
 
 MAX_NEW = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -71,15 +72,19 @@ def test_deepseek_v3_topologies_with_micro_batches(tiny_checkpoint, attention_ra
     assert stats["spec_decode"]["num_accepted_tokens"] > 0 and stats["num_micro_batched_steps"] > 0
 
 
-def _replayed_counts(prompt: list[int], output: list[int], max_tokens: int) -> tuple[int, int, int, list[int]]:
+def _lookup(tokens: list[int], room: int) -> list[int]:
+    return ngram_propose(np.asarray(tokens), room, NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"]).tolist()
+
+
+def _replayed_counts(prompt: list[int], output: list[int], max_tokens: int, propose=_lookup, k: int = 3
+                     ) -> tuple[int, int, int, list[int]]:
     """What one request's drafts must have been: from its first output token on, each step proposes from the
     tokens so far (as the drafter does) and accepts the drafts that the output continues with."""
-    k, lo, hi = NGRAM["num_speculative_tokens"], NGRAM["prompt_lookup_min"], NGRAM["prompt_lookup_max"]
     tokens = prompt + output
     pos, drafts, draft_tokens, accepted, per_pos = len(prompt) + 1, 0, 0, 0, [0] * k
     while pos - len(prompt) < max_tokens:
         room = min(k, max_tokens - (pos - len(prompt)) - 1)
-        d = ngram_propose(np.asarray(tokens[:pos]), room, lo, hi).tolist() if room > 0 else []
+        d = propose(tokens[:pos], room) if room > 0 else []
         a = 0
         while a < len(d) and d[a] == tokens[pos + a]:
             a += 1
@@ -173,3 +178,36 @@ def test_scale_out_and_in_with_a_kv_handover(tiny_checkpoint):
     with their KV blocks (not their drafts); every output is transformers' greedy continuation."""
     from tests.launch.runtime.test_elastic import scale_under_stream
     scale_under_stream(tiny_checkpoint("qwen3_moe"), transport="shm", speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
+def dense_draft(tmp_path_factory) -> str:
+    """A tiny dense model with the tiny checkpoints' vocabulary (a Qwen3-MoE config whose layers are all MLPs)."""
+    return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("draft"), seed=1, mlp_only_layers=[0, 1])
+
+
+@pytest.mark.parametrize("attention_ranks,expert_ranks,comm", [(1, 1, "direct"), (2, 2, "two_phase")])
+def test_greedy_with_a_draft_model_equals_transformers(tiny_checkpoint, dense_draft, attention_ranks,
+                                                       expert_ranks, comm):
+    """method draft_model: the outputs are transformers' greedy continuation of the target, and the drafts
+    verified are exactly the draft checkpoint's own greedy continuations (transformers' too) of each request's
+    tokens so far: the counts equal a replay."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = looping_prompts(5, seed=13)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    cfg = {"method": "draft_model", "model": dense_draft, "num_speculative_tokens": 3}
+    with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, comm=comm, ranks_per_node=2,
+             micro_batches=2, micro_batch_min_tokens=0, speculative_config=cfg) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        spec = llm.stats()["spec_decode"]
+    assert [o.token_ids for o in outs] == expected
+    draft = hf_model(dense_draft)
+    draft.generation_config.eos_token_id = None
+
+    def greedy(tokens, room):
+        with torch.no_grad():
+            return draft.generate(torch.tensor([tokens]), max_new_tokens=room, do_sample=False,
+                                  pad_token_id=0)[0, len(tokens):].tolist()
+    replay = [_replayed_counts(p, o, MAX_NEW, greedy) for p, o in zip(prompts, expected)]
+    assert [spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]] == \
+        [sum(r[i] for r in replay) for i in range(3)]

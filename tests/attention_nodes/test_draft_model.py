@@ -1,0 +1,86 @@
+"""attention_nodes/draft_model.py: the draft's proposals are transformers' own greedy continuation of the draft
+checkpoint, step after step while the sequences grow (by tokens that are not the draft's), with its KV kept in the
+target's full blocks and the tails in scratch blocks; a preempted sequence starts again from nothing; a model with
+MoE layers is refused."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from attention_nodes.block_pool import BlockPool
+from attention_nodes.draft_model import DraftModel
+from attention_nodes.model import AttentionModel
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import Scheduler
+from attention_nodes.sequence import Sequence
+from attention_nodes.speculation import SpeculativeConfig
+from launch.runtime.sizing import DeviceSettings
+from launch.runtime.startup import load_draft_model
+from models.checkpoint import Checkpoint
+from models.tiny import make_tiny_checkpoint
+from tests.conftest import hf_model, make_prompts
+
+EOS = frozenset({2})
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def dense_draft(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE config whose two layers are both MLPs: a dense model."""
+    return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("draft"), seed=1, mlp_only_layers=[0, 1])
+
+
+def load(path: str, backend: str = "torch") -> AttentionModel:
+    ckpt = Checkpoint(path)
+    return AttentionModel(ckpt.spec, ckpt.read(ckpt.attention_tensor_names(), torch.float32), torch.device("cpu"),
+                          backend)
+
+
+def hf_next(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_proposals_are_the_drafts_greedy_continuation(dense_draft, backend):
+    path = dense_draft
+    hf = hf_model(path)
+    hf.generation_config.eos_token_id = None
+    num_blocks = 40
+    draft = DraftModel(load(path, backend), num_blocks, BS, max_num_seqs=4, k=3, dtype=torch.float32,
+                       device=torch.device("cpu"))
+    sched = Scheduler(BlockPool(num_blocks, BS), max_num_seqs=4, max_num_batched_tokens=64)
+    seqs = [Sequence.from_request(f"r{i}", p, SamplingParams(max_tokens=40), i + 1)
+            for i, p in enumerate(make_prompts(3, 256, 3, 13, seed=5))]
+    for s in seqs:
+        sched.add(s)
+    rng = random.Random(0)
+    for step in range(8):
+        out = sched.schedule()
+        sched.update(out, [rng.randrange(3, 256) if s.needs_sample else None for s in out.scheduled], EOS, 200)
+        live = [s for s in seqs if not s.is_finished]
+        rooms = [rng.randint(1, 3) for _ in live]
+        got = draft.propose(live, rooms)
+        for s, room, d in zip(live, rooms, got):
+            assert d == hf_next(hf, s.token_ids, room), (step, s.request_id, s.num_tokens)
+            assert s.draft_computed == (s.num_tokens - 1) // BS * BS      # full blocks only
+        if step == 4:   # a preempted sequence gives its blocks back and starts from nothing
+            victim = sched._preempt_newest()
+            assert victim.draft_computed == 0
+
+
+def test_a_draft_with_moe_layers_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="the draft model has 2 MoE layers: pass a dense one"):
+        DraftModel(load(tiny_checkpoint("qwen3_moe")), 8, BS, 4, 3, torch.float32, torch.device("cpu"))
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_checkpoint, tmp_path):
+    other = make_tiny_checkpoint("qwen3_moe", tmp_path, vocab_size=400, mlp_only_layers=[0, 1])
+    cfg = SpeculativeConfig.from_dict({"method": "draft_model", "model": other, "num_speculative_tokens": 2})
+    target = Checkpoint(tiny_checkpoint("qwen3_moe")).spec
+    dev = DeviceSettings(torch.device("cpu"), torch.float32, "torch", "gloo")
+    with pytest.raises(ValueError, match="has a vocabulary of 400 tokens and the target 320"):
+        load_draft_model(cfg, target, dev, 8, BS, 4)
