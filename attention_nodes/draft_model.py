@@ -7,16 +7,18 @@ ranks, whose dispatch protocol stays one exchange per MoE layer of the target. A
 its experts here too: it is refused (make it dense, e.g. a Qwen3-MoE config whose mlp_only_layers are all layers).
 
 Its KV cache mirrors the target's block ids: a position the target keeps in block b, the draft keeps in its own
-block b (a separate tensor). Only full blocks are shared that way: their tokens never change, and a full block that
-several sequences share (the prefix cache, forked samples) holds the same tokens for each. The partly filled tail
-of a sequence, and the positions its drafts reach, go to scratch blocks past the target's, handed out per call, so
-each call recomputes the tail (at most block_size - 1 positions plus the drafts). `Sequence.draft_computed` counts
-the leading positions whose draft KV is in full blocks; a sequence that is new, preempted, forked or handed over
-starts from 0 and is recomputed.
+block b (a separate tensor). That holds for full blocks (their tokens never change, and a full block several
+sequences share, through the prefix cache or forked samples, holds the same tokens for each) and for the block of
+a sequence's last token when the sequence alone holds it. A tail block shared with forked samples (each puts its
+own token there until the target copies it on write), and the positions the drafts reach past the target's
+blocks, go to scratch blocks past the target's, handed out per call and recomputed by the next.
+`Sequence.draft_computed` counts the leading positions whose draft KV is in the target's blocks; a sequence that
+is new, preempted, forked or handed over starts from 0 and is recomputed (a new one from its whole prompt).
 
 A call proposes up to k tokens for each sequence: the first forward runs each one's positions from draft_computed
-to its last token and takes the argmax of the last row; each next forward runs the previous draft as one decode
-row. The drafts are deterministic (q one-hot), which `spec_decode.verify` takes as exact for sampled requests too.
+to its last token and takes the argmax of the last row; each next forward runs the previous draft. Every position
+runs as a decode row (each seeing the positions up to its own), so all go through the paged decode kernel. The
+drafts are deterministic (q one-hot), which `spec_decode.verify` takes as exact for sampled requests too.
 """
 from __future__ import annotations
 
@@ -28,37 +30,30 @@ import torch
 from comm.stats import CommStats
 from comm.sync_audit import host_read
 
-from .batch import ForwardBatch
+from kernels.ops import plan_decode_attention
+
+from .batch import DecodeMeta, ForwardBatch
 from .kv_cache import KVCache
 from .model import AttentionModel
-from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
 
 @dataclass(slots=True)
 class _View:
-    """What the batch builder reads of a sequence: its tokens (with the drafts so far) and the draft's table."""
+    """A sequence as the draft runs it: its tokens (with the drafts so far) and the draft's block table."""
     token_ids: list[int]
     block_table: list[int]
-    num_prompt_tokens: int
-    prompt_logprobs: None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    def prompt_logprob_positions(self, start: int, end: int) -> range:
-        return range(0)
 
 
 class DraftModel:
     def __init__(self, model: AttentionModel, num_blocks: int, block_size: int, max_num_seqs: int, k: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, exclusive=lambda block: False):
+        """exclusive(block): only one sequence holds the target's block (the block pool's refcount is 1)."""
         spec = model.spec
         if spec.num_moe_layers:
             raise ValueError(f"the draft model has {spec.num_moe_layers} MoE layers: pass a dense one (every layer "
                              f"an MLP, e.g. a Qwen3-MoE config with mlp_only_layers listing all its layers)")
-        self.model, self.block_size, self.num_blocks = model, block_size, num_blocks
+        self.model, self.block_size, self.num_blocks, self.exclusive = model, block_size, num_blocks, exclusive
         # scratch per sequence: the tail block, and the blocks k more positions reach
         self.num_scratch = max_num_seqs * (k // block_size + 2)
         self.kv = KVCache(spec.num_layers, num_blocks + self.num_scratch, block_size, spec.kv_entry, dtype, device)
@@ -72,24 +67,22 @@ class DraftModel:
         for seq, room in zip(seqs, rooms):
             n = seq.num_tokens
             full = min((n - 1) // bs, len(seq.block_table))      # blocks wholly before the last token's
-            seq.draft_computed = min(seq.draft_computed, full * bs)
-            table = seq.block_table[:full]
-            table += [next(scratch) for _ in range(-(-(n + room - 1) // bs) - full)]
-            views.append(_View(list(seq.token_ids), table, seq.num_prompt_tokens))
+            # the last token's block is the target's too when the sequence alone holds it (a forked sample's
+            # shared tail holds another sample's token at the same position until it is copied on write)
+            own = full < len(seq.block_table) and self.exclusive(seq.block_table[full])
+            kept = full + own
+            seq.draft_computed = min(seq.draft_computed, kept * bs)
+            table = seq.block_table[:kept]
+            table += [next(scratch) for _ in range(-(-(n + room - 1) // bs) - kept)]
+            views.append(_View(list(seq.token_ids), table))
             starts.append(seq.draft_computed)
-            seq.draft_computed = full * bs
+            seq.draft_computed = n if own else full * bs
         drafts: list[list[int]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         for j in range(max(rooms)):
-            rows = [ScheduledSeq(views[i], views[i].num_tokens - starts[i] if j == 0 else 1,
-                                 starts[i] if j == 0 else views[i].num_tokens - 1) for i in active]
-            order = sorted(range(len(rows)), key=lambda r: rows[r].num_new_tokens != 1)   # decodes first
-            batch = ForwardBatch.from_scheduled([rows[r] for r in order], bs, self.model.device,
-                                                self.model.kernel_backend)
-            logits = self.model.forward([batch], self.kv, self.moe)
-            picked = host_read(logits.argmax(dim=-1))
-            for r, tok in zip(order, picked):
-                i = active[r]
+            begin = [starts[i] if j == 0 else len(views[i].token_ids) - 1 for i in active]
+            logits = self.model.forward([self._rows([views[i] for i in active], begin)], self.kv, self.moe)
+            for i, tok in zip(active, host_read(logits.argmax(dim=-1))):
                 drafts[i].append(tok)
                 views[i].token_ids.append(tok)
             active = [i for i in active if len(drafts[i]) < rooms[i]]
@@ -97,3 +90,25 @@ class DraftModel:
                 break
         return drafts
 
+    def _rows(self, views: list[_View], begin: list[int]) -> ForwardBatch:
+        """Positions begin[i] .. the last of views[i] as decode rows (each seeing the positions up to its own;
+        every row's KV is written before a layer attends), the logits of each view's last row."""
+        bs, dev = self.block_size, self.model.device
+        ids, pos, slots, tables, lens, last = [], [], [], [], [], []
+        for v, b in zip(views, begin):
+            for p in range(b, len(v.token_ids)):
+                ids.append(v.token_ids[p])
+                pos.append(p)
+                slots.append(v.block_table[p // bs] * bs + p % bs)
+                tables.append(v.block_table)
+                lens.append(p + 1)
+            last.append(len(ids) - 1)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        context = torch.tensor(lens, dtype=torch.int32, device=dev)
+        decode = DecodeMeta(table, context, max(lens),
+                            plan_decode_attention(table, context, bs, self.model.kernel_backend, lens))
+
+        def tensor(x):
+            return torch.tensor(x, dtype=torch.int64, device=dev)
+        return ForwardBatch(tensor(ids), tensor(pos), tensor(slots), len(ids), decode, None, tensor(last))

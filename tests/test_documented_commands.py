@@ -161,6 +161,7 @@ RUN_BY = {
     "kernels.aot": "tests/kernels/test_triton_compile.py",
     "scripts/model_sizes.py": "test_model_sizes_prints_the_table_in_the_docs, below",
     "scripts/train_tiny_moe.py": "resolved only: it trains the shipped model for minutes on a corpus it fetches",
+    "scripts/train_draft.py": "resolved only: it trains the shipped draft for minutes on the corpus it fetches",
     "scripts/gpu_check.sh": "resolved only: it needs a GPU (the device tool)",
     ".ci/run": "CI itself",
 }

@@ -63,15 +63,16 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
                       cache.enable_prefix_caching)
     speculative = config.scheduler.speculative
     draft = None if speculative is None or speculative.model is None else load_draft_model(
-        speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs)
+        speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs,
+        lambda block: pool.refcount(block) == 1)
     return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches,
                            speculative, draft)
 
 
 def load_draft_model(speculative: SpeculativeConfig, target: ModelSpec, dev: DeviceSettings, num_blocks: int,
-                     block_size: int, max_num_seqs: int) -> DraftModel:
+                     block_size: int, max_num_seqs: int, exclusive=lambda block: False) -> DraftModel:
     """speculative_config method "draft_model": the draft's whole checkpoint on this attention rank, its KV cache
-    mirroring the target's blocks (attention_nodes/draft_model.py)."""
+    mirroring the target's blocks (attention_nodes/draft_model.py; exclusive(block): one sequence holds it)."""
     ckpt = Checkpoint(speculative.model)
     if ckpt.spec.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {speculative.model!r} has a vocabulary of {ckpt.spec.vocab_size} tokens "
@@ -79,4 +80,4 @@ def load_draft_model(speculative: SpeculativeConfig, target: ModelSpec, dev: Dev
     weights = ckpt.read(ckpt.attention_tensor_names(), dev.dtype, dev.device)
     model = AttentionModel(ckpt.spec, weights, dev.device, dev.kernel_backend)
     return DraftModel(model, num_blocks, block_size, max_num_seqs, speculative.num_speculative_tokens, dev.dtype,
-                      dev.device)
+                      dev.device, exclusive)

@@ -46,30 +46,44 @@ def hf_next(model, ids: list[int], n: int) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_proposals_are_the_drafts_greedy_continuation(dense_draft, backend):
+    """Three requests, one of which draws two samples (forked: they share the prompt's partly filled last block
+    until each copies it on write): every call's proposals equal transformers' greedy continuation of the draft
+    from each sequence's tokens, while the sequences grow by tokens that are not the draft's."""
     path = dense_draft
     hf = hf_model(path)
     hf.generation_config.eos_token_id = None
     num_blocks = 40
-    draft = DraftModel(load(path, backend), num_blocks, BS, max_num_seqs=4, k=3, dtype=torch.float32,
-                       device=torch.device("cpu"))
     sched = Scheduler(BlockPool(num_blocks, BS), max_num_seqs=4, max_num_batched_tokens=64)
-    seqs = [Sequence.from_request(f"r{i}", p, SamplingParams(max_tokens=40), i + 1)
-            for i, p in enumerate(make_prompts(3, 256, 3, 13, seed=5))]
+    pool = sched.block_pool
+    draft = DraftModel(load(path, backend), num_blocks, BS, max_num_seqs=4, k=3, dtype=torch.float32,
+                       device=torch.device("cpu"), exclusive=lambda b: pool.refcount(b) == 1)
+    prompts = make_prompts(3, 256, 3, 13, seed=5)
+    seqs = [Sequence.from_request(f"r{i}", p, SamplingParams(max_tokens=40, n=1 + (i == 1)), i + 1)
+            for i, p in enumerate(prompts)]
     for s in seqs:
         sched.add(s)
     rng = random.Random(0)
+    shared_tails = 0
     for step in range(8):
         out = sched.schedule()
+        for s in [s for s in out.scheduled if s.seq.needs_fork and s.needs_sample]:
+            out.scheduled += sched.fork(s, [None])
         sched.update(out, [rng.randrange(3, 256) if s.needs_sample else None for s in out.scheduled], EOS, 200)
-        live = [s for s in seqs if not s.is_finished]
+        live = [s for s in sched.running]
         rooms = [rng.randint(1, 3) for _ in live]
+        tails = [pool.refcount(s.block_table[(s.num_tokens - 1) // BS]) > 1
+                 if (s.num_tokens - 1) // BS < len(s.block_table) else False for s in live]
+        shared_tails += sum(tails)
         got = draft.propose(live, rooms)
-        for s, room, d in zip(live, rooms, got):
+        for s, room, d, shared in zip(live, rooms, got, tails):
             assert d == hf_next(hf, s.token_ids, room), (step, s.request_id, s.num_tokens)
-            assert s.draft_computed == (s.num_tokens - 1) // BS * BS      # full blocks only
+            # the target's blocks hold the draft's KV up to the last token, but for a shared tail
+            full = (s.num_tokens - 1) // BS * BS
+            assert s.draft_computed == (full if shared or full // BS >= len(s.block_table) else s.num_tokens)
         if step == 4:   # a preempted sequence gives its blocks back and starts from nothing
             victim = sched._preempt_newest()
             assert victim.draft_computed == 0
+    assert shared_tails >= 2      # the two samples' shared tail was met (and its copy on write after)
 
 
 def test_a_draft_with_moe_layers_is_refused(tiny_checkpoint):

@@ -64,16 +64,21 @@ def test_serve_load_smoke():
 
 
 def test_spec_decode_smoke():
-    """Off and n-gram drafts at concurrency 2: a row with both TPOTs and throughputs, ratios that are theirs, and
-    an acceptance rate per draft position (the workload's greedy continuations repeat the play's n-grams)."""
+    """Off, n-gram drafts and the shipped draft model at concurrency 2: a row each with its TPOT and throughput,
+    ratios that are theirs against off, and for the two speculative ones an acceptance rate per draft position."""
     out = _smoke("spec_decode.py")
-    row = re.search(r"^\| 2 \| 8 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \| (\d+) \| (\d+) \| ([\d.]+)x \| ([\d.]+) \| "
-                    r"([\d., ]+) \|$", out, flags=re.M)
-    assert row, out
-    off, on, ratio = (float(row.group(i)) for i in (1, 2, 3))
-    assert off > 0 and on > 0 and abs(ratio - off / on) < 0.02, out
-    per_pos = [float(x) for x in row.group(8).split(",")]
-    assert len(per_pos) == 3 and 0 < float(row.group(7)) <= 1 and per_pos[0] > 0, out
+    rows = {m.group(1): m for m in re.finditer(
+        r"^\| 2 \| 8 \| (\w+) \| ([\d.]+) \| ([\d.]+)x \| (\d+) \| ([\d.]+)x \| ([\d.]+) \| ([\d., -]+) \|$", out,
+        flags=re.M)}
+    assert set(rows) == {"off", "ngram", "draft"}, out
+    off_tpot, off_tok_s = float(rows["off"].group(2)), float(rows["off"].group(4))
+    for name, row in rows.items():
+        tpot, tok_s = float(row.group(2)), float(row.group(4))
+        assert tpot > 0 and abs(float(row.group(3)) - off_tpot / tpot) < 0.02, out
+        assert tok_s > 0 and abs(float(row.group(5)) - tok_s / off_tok_s) < 0.02, out
+    for name in ("ngram", "draft"):
+        per_pos = [float(x) for x in rows[name].group(7).split(",")]
+        assert len(per_pos) == 3 and 0 < float(rows[name].group(6)) <= 1 and per_pos[0] > 0, out
 
 
 @FULL
