@@ -75,7 +75,7 @@ class DraftModel:
             table = seq.block_table[:kept]
             table += [next(scratch) for _ in range(-(-(n + room - 1) // bs) - kept)]
             views.append(_View(list(seq.token_ids), table))
-            starts.append(seq.draft_computed)
+            starts.append(min(seq.draft_computed, n - 1))     # the last token always runs: its row drafts
             seq.draft_computed = n if own else full * bs
         drafts: list[list[int]] = [[] for _ in seqs]
         active = list(range(len(seqs)))

@@ -138,8 +138,10 @@ class SchedulerConfig:
                                              "model's max_position_embeddings)")
     speculative_config: dict | None = option(None, "speculative decoding, vLLM's keys (JSON on the command line): "
                                                    "{\"method\": \"ngram\", \"num_speculative_tokens\": k, "
-                                                   "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b, "
-                                                   "\"disable_by_batch_size\": n}; each running request's "
+                                                   "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b} or "
+                                                   "{\"method\": \"draft_model\", \"model\": DIR, "
+                                                   "\"num_speculative_tokens\": k}, either with "
+                                                   "\"disable_by_batch_size\": n; each running request's "
                                                    "drafts are verified in the next step with it (None: off)")
 
     def __post_init__(self) -> None:

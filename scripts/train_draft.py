@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     p.add_argument("--intermediate", type=int, default=512)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--k", type=int, default=3, help="drafts per step in the replayed acceptance")
     p.add_argument("--seed", type=int, default=0)
