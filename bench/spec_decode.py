@@ -99,6 +99,9 @@ def main() -> None:
                     help="the draft checkpoint of the 'draft' configuration (default: the shipped draft, "
                          "models/shakespeare-draft; '' leaves it out)")
     ap.add_argument("--draft-tokens", type=int, default=3, help="num_speculative_tokens of the draft (default 3)")
+    ap.add_argument("--draft-off-at", type=int, default=32,
+                    help="the draft's disable_by_batch_size (default 32: its k forwards and the extra positions it "
+                         "verifies cost more than they save in a large batch on this CPU; 0: never off)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--smoke", action="store_true", help="one run at concurrency 2 per configuration: a quick run "
                     "that checks the bench works (tests run it; its figures mean little)")
@@ -114,6 +117,8 @@ def main() -> None:
     if args.draft_model:
         configs["draft"] = {"method": "draft_model", "model": args.draft_model,
                             "num_speculative_tokens": args.draft_tokens}
+        if args.draft_off_at:
+            configs["draft"]["disable_by_batch_size"] = args.draft_off_at
     with contextlib.ExitStack() as stack:
         urls = {name: stack.enter_context(LocalServer(args.model, nproc=sum(split),
                                                       args=server_args(split, cfg, limits))).url
