@@ -60,11 +60,13 @@ class DraftModel:
         self.moe = SimpleNamespace(dispatcher=SimpleNamespace(stats=CommStats()))   # it never reaches an expert
 
     def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
-        """Up to rooms[i] (>= 1) greedy draft tokens for seqs[i], from its tokens so far."""
-        bs = self.block_size
+        """Up to rooms[i] (>= 1) greedy draft tokens for seqs[i], from its tokens so far. Each forward's argmax
+        feeds the next on the device; the drafts are read back once, at the end (every sequence runs max(rooms)
+        forwards and keeps its first rooms[i] tokens)."""
+        bs, k = self.block_size, max(rooms)
         scratch = iter(range(self.num_blocks, self.num_blocks + self.num_scratch))
         views, starts = [], []
-        for seq, room in zip(seqs, rooms):
+        for seq in seqs:
             n = seq.num_tokens
             full = min((n - 1) // bs, len(seq.block_table))      # blocks wholly before the last token's
             # the last token's block is the target's too when the sequence alone holds it (a forked sample's
@@ -73,42 +75,53 @@ class DraftModel:
             kept = full + own
             seq.draft_computed = min(seq.draft_computed, kept * bs)
             table = seq.block_table[:kept]
-            table += [next(scratch) for _ in range(-(-(n + room - 1) // bs) - kept)]
-            views.append(_View(list(seq.token_ids), table))
+            table += [next(scratch) for _ in range(-(-(n + k - 1) // bs) - kept)]
+            views.append(_View(seq.token_ids, table))
             starts.append(min(seq.draft_computed, n - 1))     # the last token always runs: its row drafts
             seq.draft_computed = n if own else full * bs
-        drafts: list[list[int]] = [[] for _ in seqs]
-        active = list(range(len(seqs)))
-        for j in range(max(rooms)):
-            begin = [starts[i] if j == 0 else len(views[i].token_ids) - 1 for i in active]
-            logits = self.model.forward([self._rows([views[i] for i in active], begin)], self.kv, self.moe)
-            for i, tok in zip(active, host_read(logits.argmax(dim=-1))):
-                drafts[i].append(tok)
-                views[i].token_ids.append(tok)
-            active = [i for i in active if len(drafts[i]) < rooms[i]]
-            if not active:
-                break
-        return drafts
+        picked = []
+        for j in range(k):
+            batch = self._rows(views, starts) if j == 0 else self._next_rows(views, j, picked[-1])
+            picked.append(self.model.forward([batch], self.kv, self.moe).argmax(dim=-1))
+        drafts = host_read(torch.stack(picked, dim=1))       # [len(seqs), k]: the one read back
+        return [d[:room] for d, room in zip(drafts, rooms)]
+
+    def _next_rows(self, views: list[_View], j: int, ids: torch.Tensor) -> ForwardBatch:
+        """Draft j of every view (its position: the last token's + j) as one decode row each, its id the argmax
+        of the forward before (`ids`, on the device)."""
+        bs = self.block_size
+        pos = [len(v.token_ids) - 1 + j for v in views]
+        slots = [v.block_table[p // bs] * bs + p % bs for v, p in zip(views, pos)]
+        return self._rows_of([v.block_table for v in views], pos, slots, ids)
 
     def _rows(self, views: list[_View], begin: list[int]) -> ForwardBatch:
         """Positions begin[i] .. the last of views[i] as decode rows (each seeing the positions up to its own;
         every row's KV is written before a layer attends), the logits of each view's last row."""
-        bs, dev = self.block_size, self.model.device
-        ids, pos, slots, tables, lens, last = [], [], [], [], [], []
+        bs = self.block_size
+        ids, pos, slots, tables, last = [], [], [], [], []
         for v, b in zip(views, begin):
             for p in range(b, len(v.token_ids)):
                 ids.append(v.token_ids[p])
                 pos.append(p)
                 slots.append(v.block_table[p // bs] * bs + p % bs)
                 tables.append(v.block_table)
-                lens.append(p + 1)
             last.append(len(ids) - 1)
+        return self._rows_of(tables, pos, slots, torch.tensor(ids, dtype=torch.int64, device=self.model.device),
+                             last)
+
+    def _rows_of(self, tables: list[list[int]], pos: list[int], slots: list[int], ids: torch.Tensor,
+                 last: list[int] | None = None) -> ForwardBatch:
+        """A batch of decode rows: row r at position pos[r] over block table tables[r], the logits of rows `last`
+        (default: every row)."""
+        dev = self.model.device
+        lens = [p + 1 for p in pos]
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
         context = torch.tensor(lens, dtype=torch.int32, device=dev)
         decode = DecodeMeta(table, context, max(lens),
-                            plan_decode_attention(table, context, bs, self.model.kernel_backend, lens))
+                            plan_decode_attention(table, context, self.block_size, self.model.kernel_backend, lens))
 
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64, device=dev)
-        return ForwardBatch(tensor(ids), tensor(pos), tensor(slots), len(ids), decode, None, tensor(last))
+        return ForwardBatch(ids, tensor(pos), tensor(slots), len(pos), decode, None,
+                            tensor(list(range(len(pos))) if last is None else last))

@@ -21,6 +21,7 @@ from launch.runtime.startup import load_draft_model
 from models.checkpoint import Checkpoint
 from models.tiny import make_tiny_checkpoint
 from tests.conftest import hf_model, make_prompts
+from tests.host_reads import no_host_reads
 
 EOS = frozenset({2})
 BS = 4
@@ -84,6 +85,26 @@ def test_proposals_are_the_drafts_greedy_continuation(dense_draft, backend):
             victim = sched._preempt_newest()
             assert victim.draft_computed == 0
     assert shared_tails >= 2      # the two samples' shared tail was met (and its copy on write after)
+
+
+def test_a_call_reads_the_device_back_once(dense_draft, monkeypatch):
+    """Each forward's argmax feeds the next on the device: the drafts of every sequence come back in one read."""
+    reads = []
+
+    def host_read(t):
+        reads.append(tuple(t.shape))
+        return torch._C.TensorBase.tolist(t)
+    monkeypatch.setattr("attention_nodes.draft_model.host_read", host_read)
+    pool = BlockPool(16, BS)
+    draft = DraftModel(load(dense_draft), 16, BS, 4, 3, torch.float32, torch.device("cpu"),
+                       exclusive=lambda b: pool.refcount(b) == 1)
+    seqs = [Sequence.from_request(f"r{i}", p, SamplingParams(max_tokens=20), i + 1)
+            for i, p in enumerate(make_prompts(2, 256, 5, 9, seed=2))]
+    for s in seqs:
+        s.block_table.extend(pool.allocate(pool.blocks_needed(s.num_tokens)))
+    with no_host_reads():
+        got = draft.propose(seqs, [3, 1])
+    assert reads == [(2, 3)] and [len(d) for d in got] == [3, 1]
 
 
 def test_a_draft_with_moe_layers_is_refused(tiny_checkpoint):
