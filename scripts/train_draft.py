@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import platform
 import sys
 import time
 
@@ -29,7 +27,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 sys.path.insert(0, ROOT)
 
-from train_tiny_moe import SDIST, encode, fetch_texts  # noqa: E402
+from train_tiny_moe import (  # noqa: E402
+    SDIST,
+    encode,
+    fetch_texts,
+    machine_record,
+    optimizer_step,
+    warmup_cosine,
+    windows,
+)
 
 from models import SHIPPED_MODEL  # noqa: E402
 
@@ -121,30 +127,19 @@ def main(argv=None) -> None:
     n_params = sum(q.numel() for q in draft.parameters())
     print(f"draft: {n_params / 1e6:.2f} M parameters, {args.layers} dense layers", flush=True)
     opt = torch.optim.AdamW(draft.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warmup = min(100, args.steps // 10 + 1)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        frac = (step - warmup) / max(1, args.steps - warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
+    lr_at = warmup_cosine(args.lr, args.steps, warmup_cap=100)
     gen = torch.Generator().manual_seed(args.seed)
     draft.train()
     t0 = time.perf_counter()
     for step in range(args.steps):
-        starts = torch.randint(0, len(data) - args.seq, (args.batch,), generator=gen)
-        batch = torch.stack([data[s:s + args.seq] for s in starts.tolist()])
+        batch = windows(data, args.batch, args.seq, gen)
         with torch.no_grad():
             teacher = torch.softmax(target(input_ids=batch).logits.float(), dim=-1)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         logp = torch.log_softmax(draft(input_ids=batch).logits.float(), dim=-1)
         loss = -(teacher * logp).sum(-1).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, draft, loss)
         if step % 50 == 0 or step == args.steps - 1:
             el = time.perf_counter() - t0
             print(f"step {step:5d}  distillation loss {loss.item():.3f}  lr {lr_at(step):.2e}  {el:6.0f} s",
@@ -169,8 +164,7 @@ def main(argv=None) -> None:
         "train_tokens": len(data), "parameters": n_params, "args": vars(args) | {"out": None, "data_dir": None,
                                                                                   "target": None},
         "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
-        "machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
-        "torch": torch.__version__,
+        **machine_record(args.threads),
     }
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(record, f, indent=1)

@@ -92,6 +92,39 @@ def encode(tokenizer, text: str) -> list[int]:
             tokenizer.eos_token_id]
 
 
+def warmup_cosine(lr: float, steps: int, warmup_cap: int):
+    """lr_at(step): linear warm-up over min(warmup_cap, steps // 10 + 1) steps, then a cosine from lr down to lr / 10
+    at the last step."""
+    warmup = min(warmup_cap, steps // 10 + 1)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+    return lr_at
+
+
+def windows(data: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """`[batch, length]`: windows of data at random starts drawn from gen."""
+    starts = torch.randint(0, len(data) - length, (batch,), generator=gen)
+    return torch.stack([data[s:s + length] for s in starts.tolist()])
+
+
+def optimizer_step(opt: torch.optim.Optimizer, model: torch.nn.Module, loss: torch.Tensor) -> None:
+    """Backward, gradients clipped to norm 1, one optimizer step."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+
+
+def machine_record(threads: int) -> dict:
+    """The machine and torch build a run's training.json names."""
+    return {"machine": f"{platform.processor() or platform.machine()}, {threads} threads",
+            "torch": torch.__version__}
+
+
 @torch.no_grad()
 def bits_per_char(model, tokenizer, text: str, window: int, stride: int) -> float:
     """Held-out loss in bits per character: the summed token NLL of the document (<s> text </s>, each token scored
@@ -151,29 +184,17 @@ def main(argv=None) -> None:
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
-    warmup = min(200, args.steps // 10 + 1)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return args.lr * (step + 1) / warmup
-        frac = (step - warmup) / max(1, args.steps - warmup)
-        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
+    lr_at = warmup_cosine(args.lr, args.steps, warmup_cap=200)
     gen = torch.Generator().manual_seed(args.seed)
     model.train()
     t0 = time.perf_counter()
     for step in range(args.steps):
-        starts = torch.randint(0, len(data) - args.seq - 1, (args.batch,), generator=gen)
-        batch = torch.stack([data[s:s + args.seq + 1] for s in starts.tolist()])
+        batch = windows(data, args.batch, args.seq + 1, gen)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         out = model(input_ids=batch[:, :-1], output_router_logits=True)
         lm_loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-        loss = lm_loss + config.router_aux_loss_coef * out.aux_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, model, lm_loss + config.router_aux_loss_coef * out.aux_loss)
         if step % 100 == 0 or step == args.steps - 1:
             el = time.perf_counter() - t0
             print(f"step {step:5d}  loss {lm_loss.item():.3f}  aux {out.aux_loss.item():.3f}  "
@@ -199,8 +220,7 @@ def main(argv=None) -> None:
         "held_out_bits_per_char_fp32_before_bf16": round(bpc, 4), "train_tokens": len(data),
         "parameters": n_params, "args": vars(args) | {"out": None, "data_dir": None},
         "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
-        "machine": f"{platform.processor() or platform.machine()}, {args.threads} threads",
-        "torch": torch.__version__,
+        **machine_record(args.threads),
     }
     with open(os.path.join(args.out, "training.json"), "w") as f:
         json.dump(record, f, indent=1)
