@@ -102,19 +102,19 @@ class ForwardBatch:
 
         decode = prefill = None
         if dec_tables:
-            tables, lens = _padded(dec_tables).to(device), tensor(dec_lens, torch.int32)
+            tables, lens = padded_tables(dec_tables, device), tensor(dec_lens, torch.int32)
             decode = DecodeMeta(tables, lens, max(dec_lens),
                                 plan_decode_attention(tables, lens, block_size, kernel_backend, dec_lens))
         if pre_tables:
-            prefill = PrefillMeta(_padded(pre_tables).to(device), tensor(cu, torch.int32),
+            prefill = PrefillMeta(padded_tables(pre_tables, device), tensor(cu, torch.int32),
                                   tensor(pre_lens, torch.int32), cu, pre_lens)
         return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, decode, prefill, tensor(logit_rows))
 
 
-def _padded(tables: list[list[int]]) -> torch.Tensor:
-    """Block tables of several sequences -> `[n, M]` int32, -1 padded."""
+def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Block tables of several sequences (or rows) -> `[n, M]` int32 on device, -1 padded."""
     M = max(len(t) for t in tables)
-    return torch.tensor([t + [-1] * (M - len(t)) for t in tables], dtype=torch.int32)
+    return torch.tensor([t + [-1] * (M - len(t)) for t in tables], dtype=torch.int32, device=device)
 
 
 def split_micro_batches(scheduled: list[ScheduledSeq], num: int) -> list[list[ScheduledSeq]]:

@@ -29,10 +29,9 @@ import torch
 
 from comm.stats import CommStats
 from comm.sync_audit import host_read
-
 from kernels.ops import plan_decode_attention
 
-from .batch import DecodeMeta, ForwardBatch
+from .batch import DecodeMeta, ForwardBatch, padded_tables
 from .kv_cache import KVCache
 from .model import AttentionModel
 from .sequence import Sequence
@@ -115,8 +114,7 @@ class DraftModel:
         (default: every row)."""
         dev = self.model.device
         lens = [p + 1 for p in pos]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        table = padded_tables(tables, dev)
         context = torch.tensor(lens, dtype=torch.int32, device=dev)
         decode = DecodeMeta(table, context, max(lens),
                             plan_decode_attention(table, context, self.block_size, self.model.kernel_backend, lens))

@@ -174,7 +174,7 @@ class Leader:
         new = self._assign()
         # Ranks that get new requests may admit up to a full token budget this step.
         capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new))
-        is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running + r.num_drafts
+        is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running + r.num_draft_tokens
                                     for r in self.reports)
         running = min([r.max_next_tokens for r in self.reports] or [0])
         split = micro_batches_for(running, self.micro_batches, self.micro_batch_min_tokens)

@@ -222,12 +222,11 @@ def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eo
     random = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
     if random:
         rows = torch.tensor(random, dtype=torch.int64, device=dev)
-        params = [views[r].params for b in random for r in host_index[b]]
+        params = [seqs[b].params for b in random for _ in range(k + 1)]
         probs = Sampler.target_probs(shaped[index[rows].reshape(-1)], params, SamplingColumns.of(params, dev))
         uniform = torch.empty(len(random), k, device=dev)
         exponential = torch.empty(len(random), shaped.shape[1], device=dev)
-        shared = [i for i, b in enumerate(random) if seqs[b].generator is None]
-        if shared:
+        if any(seqs[b].generator is None for b in random):
             uniform.uniform_()
             fill_exponential(exponential)
         for i, b in enumerate(random):

@@ -78,7 +78,7 @@ class StepReport:
     cache_evicted: list[int] = field(default_factory=list)  # and those evicted from the device pool
     kv_blocks_received: int = 0         # cumulative: KV blocks taken over from attention ranks that left
     spec_decode: list[int] = field(default_factory=list)   # cumulative speculative decoding counts (SpecStats)
-    num_drafts: int = 0                 # draft tokens the running sequences carry into the next step
+    num_draft_tokens: int = 0           # draft tokens the running sequences carry into the next step
 
 
 def pack(obj) -> torch.Tensor:
