@@ -94,11 +94,13 @@ class AttentionModel:
         self.device = device
         self.rotary = spec.rotary_embedding().to(device)
         self.scale = spec.attention_scale
-        self.absorbed = [self._absorb(i) for i in range(spec.num_layers)] if spec.mla else []
+        self.absorbed = [self._absorb(i) for i in range(spec.num_layers + spec.num_mtp_layers)] if spec.mla else []
         lm = "model.embed_tokens.weight" if spec.tie_word_embeddings and "lm_head.weight" not in weights \
             else "lm_head.weight"
         self.lm_head = weights[lm]
         self.fused = _fuse_projections(weights)
+        self.keep_hidden = False    # forward keeps every row's final-normed hidden state in self.hidden (MTP)
+        self.hidden: torch.Tensor | None = None
         # kernel backend "cpu" on fp32: the residual adds, norms, q/k norms, rotary embedding and KV writes go to
         # the fused C ops (kernels/cpu_ops.py) instead of a dozen small torch ops per layer.
         self.c_norms = (kernel_backend == "cpu" and torch.device(device).type == "cpu"
@@ -213,7 +215,7 @@ class AttentionModel:
             return parts[0]
         return torch.cat(parts) if parts else q.new_empty(0, q.shape[1], out_dim or q.shape[2])
 
-    def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' rotary module at these positions -> (cos, sin) `[T, 1, rd]` in rotate-half form. The
         DeepSeek-V2 module returns complex frequencies; they become the same form."""
         out = self.rotary(h[None], positions[None])
@@ -230,36 +232,45 @@ class AttentionModel:
         """The forward of one micro-batch as a generator: at each MoE layer it yields (moe_layer, x `[T, H]`,
         ids `[T, K]`, weights `[T, K]`), is resumed (sent None) once the dispatch has started, computes what
         needs no routed expert (the shared expert) while the experts work, yields None, and is sent back the
-        routed-expert output `[T, H]`; it returns the logits `[len(batch.logit_rows), V]` fp32."""
-        s = self.spec
+        routed-expert output `[T, H]`; it returns the logits `[len(batch.logit_rows), V]` fp32 and, when
+        keep_hidden, the final-normed hidden state of every row `[T, H]` (what the MTP layer reads), else None."""
         h = F.embedding(batch.input_ids, self.w["model.embed_tokens.weight"])
-        cos, sin = self._rope_tables(h, batch.positions)
-        attention = self._mla_attention if s.mla else self._attention
+        cos, sin = self.rope_tables(h, batch.positions)
         moe_layer = 0
         delta = None      # what the residual stream h still has to add: each sublayer's output joins its next norm
-        for i in range(s.num_layers):
-            p = f"model.layers.{i}"
-            h, x = self._add_norm(h, delta, f"{p}.input_layernorm.weight")
-            h, x = self._add_norm(h, attention(i, x, cos, sin, batch, kv), f"{p}.post_attention_layernorm.weight")
-            if not s.moe_layers[i]:
-                delta = self._mlp(x, f"{p}.mlp")
-                continue
-            m = s.moe_prefix(i)
-            r = f"{m}.{s.router_module}"
-            weights, ids = route(s, x, self.w[f"{r}.weight"], self._get(f"{r}.e_score_correction_bias"),
-                                 self._get(f"{r}.bias"))
-            yield moe_layer, x, ids, weights
-            shared = None
-            if s.shared_expert_size:   # overlaps the experts' round trip
-                shared = self._mlp(x, f"{m}.{s.shared_module}")
-                if s.shared_expert_gate:
-                    shared = torch.sigmoid(F.linear(x, self.w[f"{m}.shared_expert_gate.weight"])) * shared
-            out = yield None
-            delta = out if shared is None else out + shared
-            moe_layer += 1
+        for i in range(self.spec.num_layers):
+            h, delta = yield from self.layer(i, moe_layer, h, delta, cos, sin, batch, kv)
+            moe_layer += self.spec.moe_layers[i]
         rows = batch.logit_rows
-        _, h = self._add_norm(h[rows], None if delta is None else delta[rows], "model.norm.weight")
-        return F.linear(h, self.lm_head).float()
+        if keep := self.keep_hidden:
+            _, normed = self._add_norm(h, delta, "model.norm.weight")
+            h = normed[rows]
+        else:
+            _, h = self._add_norm(h[rows], None if delta is None else delta[rows], "model.norm.weight")
+        return F.linear(h, self.lm_head).float(), normed if keep else None
+
+    def layer(self, i: int, moe_layer: int, h: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor,
+              sin: torch.Tensor, batch: ForwardBatch, kv: KVCache):
+        """Decoder layer i (MoE layer moe_layer if its FFN is routed) as a generator that yields as `_layers` says;
+        h: the residual stream, delta: what it still has to add -> (h, delta) after the layer."""
+        s, p = self.spec, f"model.layers.{i}"
+        attention = self._mla_attention if s.mla else self._attention
+        h, x = self._add_norm(h, delta, f"{p}.input_layernorm.weight")
+        h, x = self._add_norm(h, attention(i, x, cos, sin, batch, kv), f"{p}.post_attention_layernorm.weight")
+        if not s.moe_layers[i]:
+            return h, self._mlp(x, f"{p}.mlp")
+        m = s.moe_prefix(i)
+        r = f"{m}.{s.router_module}"
+        weights, ids = route(s, x, self.w[f"{r}.weight"], self._get(f"{r}.e_score_correction_bias"),
+                             self._get(f"{r}.bias"))
+        yield moe_layer, x, ids, weights
+        shared = None
+        if s.shared_expert_size:   # overlaps the experts' round trip
+            shared = self._mlp(x, f"{m}.{s.shared_module}")
+            if s.shared_expert_gate:
+                shared = torch.sigmoid(F.linear(x, self.w[f"{m}.shared_expert_gate.weight"])) * shared
+        out = yield None
+        return h, out if shared is None else out + shared
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: str
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,9 +291,16 @@ class AttentionModel:
         rank computes another's attention. Every micro-batch joins every MoE layer's dispatch and combine,
         even with no tokens. Per layer the collectives go out as: dispatch mb 0..M-1, then combine
         mb 0..M-1 (expert ranks follow the same order). Returns the logits of all micro-batches, in order."""
-        M = len(batches)
-        gens = [self._layers(b, kv) for b in batches]
-        logits: list[torch.Tensor | None] = [None] * M
+        results = self.run([self._layers(b, kv) for b in batches], moe)
+        if self.keep_hidden:
+            self.hidden = torch.cat([r[1] for r in results])
+        return torch.cat([r[0] for r in results])
+
+    def run(self, gens: list, moe: MoEContext) -> list:
+        """Drive micro-batch generators (each as `_layers` yields) through every MoE layer's dispatch and combine
+        in the ping-pong order `forward` describes -> their return values, in order."""
+        M = len(gens)
+        logits: list = [None] * M
         # Step 1: each micro-batch runs to its first MoE layer; its dispatch starts at once.
         pending = [self._advance(gens[j], None, moe, logits, j) for j in range(M)]
         # Step 2: per layer, combine each micro-batch and compute its next attention while the experts
@@ -294,7 +312,7 @@ class AttentionModel:
                 ready.append(self._next(gens[j], out, logits, j, moe) if j < M - 1 else out)
             pending = [None if r is None else self._start(gens[j], r, moe) for j, r in enumerate(ready[:-1])]
             pending.append(self._advance(gens[-1], ready[-1], moe, logits, M - 1))
-        return torch.cat(logits)
+        return logits
 
     @staticmethod
     def _next(gen, value, logits: list, j: int, moe: MoEContext):
