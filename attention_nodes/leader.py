@@ -43,8 +43,11 @@ def micro_batches_for(tokens: int, configured: int, min_tokens: int) -> int:
 class Leader:
     def __init__(self, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
                  rebalance_interval: int = 0, cache_aware: bool = False, micro_batches: int = 1,
-                 micro_batch_min_tokens: int = 0):
+                 micro_batch_min_tokens: int = 0, draft_passes: int = 0, disable_by_batch_size: int | None = None):
+        """draft_passes: the MTP passes of a step (speculative method "mtp"), none while every rank runs
+        disable_by_batch_size sequences or more."""
         self.worker = worker
+        self.draft_passes, self.disable_by_batch_size = draft_passes, disable_by_batch_size
         self.micro_batches, self.micro_batch_min_tokens = micro_batches, micro_batch_min_tokens
         self.membership_changes: list = []   # the job's MembershipChange records (launch/runtime/membership.py)
         self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
@@ -165,9 +168,9 @@ class Leader:
         return out
 
     def next_step(self, aborts: dict[str, list[str]]
-                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int]:
-        """(step id, capacity, new requests per rank, aborts per rank, is_decode, micro-batches) of the next
-        step's header. is_decode: no rank gets new requests or has any waiting, and each running sequence has
+                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int, int]:
+        """(step id, capacity, new requests per rank, aborts per rank, is_decode, micro-batches, draft passes) of
+        the next step's header. is_decode: no rank gets new requests or has any waiting, and each running sequence has
         one token left to compute, plus its drafts (a running sequence has at least one, so that is when their
         sum is their count plus the drafts)."""
         self.step_id += 1
@@ -179,7 +182,9 @@ class Leader:
         running = min([r.max_next_tokens for r in self.reports] or [0])
         split = micro_batches_for(running, self.micro_batches, self.micro_batch_min_tokens)
         self.num_split_steps += split > 1
-        return self.step_id, capacity, new, aborts, is_decode, split
+        off = self.disable_by_batch_size
+        passes = 0 if off is not None and all(r.num_running >= off for r in self.reports) else self.draft_passes
+        return self.step_id, capacity, new, aborts, is_decode, split, passes
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV

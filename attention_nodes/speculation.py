@@ -29,8 +29,8 @@ from .sampler import Sampler, SamplingColumns, argmax_rows, fill_exponential
 from .sequence import Sequence
 from .spec_decode import ngram_propose, verify, verify_greedy
 
-METHODS = ("ngram", "draft_model")
-PLANNED = ("mtp", "eagle")   # vLLM's other methods: refused by name until they are built
+METHODS = ("ngram", "draft_model", "mtp")
+PLANNED = ("eagle",)   # vLLM's other method: refused by name until it is built
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size",
         "model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -41,7 +41,8 @@ class SpeculativeConfig:
     """vLLM's speculative_config keys. method "ngram": prompt lookup (no model); prompt_lookup_min/max bound the
     n-gram matched (vLLM's defaults: both 5 when neither is given, else the one given for both). method
     "draft_model": model, a local checkpoint directory of a small dense model with the target's vocabulary
-    (attention_nodes/draft_model.py).
+    (attention_nodes/draft_model.py). method "mtp": the target checkpoint's own multi-token-prediction layers
+    (DeepSeek-V3's release layout, attention_nodes/mtp.py).
     disable_by_batch_size: no drafts while this many sequences or more run on a rank (large batches gain little
     and pay for the rejected positions)."""
     method: str
@@ -64,7 +65,7 @@ class SpeculativeConfig:
         method = d.get("method")
         if method in PLANNED:
             raise ValueError(f"speculative_config method={method!r} is not supported yet (issue 30): use "
-                             f"method='ngram'")
+                             f"method='ngram', 'draft_model' or 'mtp'")
         if method not in METHODS:
             raise ValueError(f"speculative_config method={method!r} is invalid: choose one of {list(METHODS)}")
 
@@ -95,7 +96,8 @@ class SpeculativeConfig:
 
 class Drafter:
     """Proposes a running sequence's drafts for its next step: prompt lookup over its prompt and output, or the
-    draft model's greedy continuation (draft: its attention_nodes/draft_model.DraftModel)."""
+    draft model's greedy continuation (draft: its attention_nodes/draft_model.DraftModel). Method "mtp" proposes
+    in the step's MTP passes instead (attention_nodes/mtp.py): `propose` only decides who drafts how many (`rooms`)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, draft=None):
         if (config.method == "draft_model") != (draft is not None):
@@ -103,6 +105,8 @@ class Drafter:
         self.config = config
         self.max_model_len = max_model_len
         self.draft = draft
+        self.rooms: dict[int, int] = {}    # method "mtp": id(seq) -> drafts it may take, from the last propose
+        self.off = False                   # the last propose found the rank at disable_by_batch_size
 
     def propose(self, seqs: list[Sequence], num_running: int) -> None:
         """Set each unfinished seq's spec_tokens: at most num_speculative_tokens, never more than the request
@@ -111,6 +115,7 @@ class Drafter:
         c = self.config
         off = c.disable_by_batch_size is not None and num_running >= c.disable_by_batch_size
         todo, rooms = [], []
+        self.rooms, self.off = {}, off
         for seq in seqs:
             if seq.is_finished:
                 continue
@@ -119,7 +124,9 @@ class Drafter:
             seq.spec_tokens = []
             if off or room < 1:
                 continue
-            if self.draft is None:
+            if c.method == "mtp":
+                self.rooms[id(seq)] = room
+            elif self.draft is None:
                 seq.spec_tokens = ngram_propose(_tokens(seq), room, c.prompt_lookup_min, c.prompt_lookup_max).tolist()
             else:
                 todo.append(seq)

@@ -3,6 +3,7 @@ dispatch/combine), sample, and report progress to the leader."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 
@@ -25,7 +26,8 @@ from .speculation import Drafter, SpecStats, SpeculativeConfig, emit
 class AttentionWorker:
     def __init__(self, rank: int, model: AttentionModel, kv: KVCache, scheduler: Scheduler, moe: MoEContext,
                  max_model_len: int, device: torch.device, micro_batches: int = 1,
-                 speculative: SpeculativeConfig | None = None, draft=None):
+                 speculative: SpeculativeConfig | None = None, draft=None, mtp=None):
+        """draft: speculative method "draft_model"'s DraftModel; mtp: method "mtp"'s MTPProposer."""
         self.rank = rank
         self.micro_batches = micro_batches
         self.model, self.kv, self.scheduler, self.moe = model, kv, scheduler, moe
@@ -49,6 +51,8 @@ class AttentionWorker:
         self.forward_s = 0.0          # the last step's forward (wall seconds): the rest of a step is host work
         self.drafter = None if speculative is None else Drafter(speculative, max_model_len, draft)
         self.spec_stats = SpecStats()
+        self.mtp = mtp
+        self._committed = None   # method "mtp": the last committed step's chunks and emitted tokens, for its passes
 
     def adopt(self, moe: MoEContext) -> None:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
@@ -123,7 +127,10 @@ class AttentionWorker:
             host = self.block_pool.host
             if host is not None:
                 self.kv.copy_blocks(host.take_ops())   # saves before this step overwrites, restores before it reads
-            self.kv.copy_device_blocks(self.block_pool.take_copies())   # copy on write, after the saves
+            copies = self.block_pool.take_copies()
+            self.kv.copy_device_blocks(copies)   # copy on write, after the saves
+            if self.mtp is not None:
+                self.mtp.copy_blocks(copies)
             self._inflight = out
         out = self._inflight
         self.is_decode_step = out.is_decode
@@ -148,6 +155,7 @@ class AttentionWorker:
                 row += 1 + len(s.drafts)
         if scored:
             score_prompt_tokens(logits, scored)
+        ran = list(out.scheduled)     # the chunks of the forward, in the order of its rows (before forks join)
         # A request drawing several samples forks at its first draw: each sample gets the same logit row.
         forking = [(s, r) for s, r in zip(to_sample, sample_rows) if s.seq.needs_fork]
         for s, r in forking:
@@ -180,6 +188,8 @@ class AttentionWorker:
         if self.drafter is not None:
             self.spec_stats.add([len(d) for d in drafts], [len(t) for t in tokens])
             self.drafter.propose([seq for seq, toks in produced if toks], self.scheduler.num_running)
+            if self.mtp is not None:
+                self._committed = (ran, sampled[:len(ran)])
         outputs, self._aborted = self._aborted, []
         for seq, toks in produced:     # toks None: a max_tokens=0 request, done once its prompt is scored
             lps = token_lps.get(id(seq)) if toks is not None else None
@@ -203,13 +213,29 @@ class AttentionWorker:
                                      [q.generator for q in seqs], self.inputs.sampling_columns(seqs))
         return [[t] for t in tokens], list(range(len(seqs)))
 
-    def join_exchanges(self, capacity: int, micro_batches: int = 1) -> None:
+    def draft(self, passes: int) -> StepReport:
+        """After a committed step (last_report its report): the header's MTP passes (speculative method "mtp"),
+        which propose the drafts of the next step -> the report with the next step's bound counting them. A rank
+        whose drafter is off (disable_by_batch_size) joins them with no rows."""
+        if not passes:
+            return self.last_report
+        ran, emitted = self._committed or ([], [])
+        self._committed = None
+        if self.drafter.off:
+            ran = emitted = []
+        self.mtp.propose(ran, emitted, self.drafter.rooms, passes, self.moe)
+        s = self.scheduler
+        return replace(self.last_report, max_next_tokens=s.max_next_tokens(), num_draft_tokens=s.num_draft_tokens)
+
+    def join_exchanges(self, capacity: int, micro_batches: int = 1, draft_passes: int = 0) -> None:
         """Run a forward over no tokens: join every MoE layer's dispatch and combine of a step, as a rank with
         nothing scheduled does, and change nothing. A step re-sent after the job re-formed is run by every
         rank: one that had finished it joins its exchanges this way, so that the expert ranks and the ranks
         that had not finished it see every source (launch/runtime/step_protocol.py)."""
         self.moe.dispatcher.set_capacity(capacity)
         self._forward([ForwardBatch.empty(self.device) for _ in range(micro_batches)])
+        if draft_passes:
+            self.mtp.join(draft_passes, self.moe)
 
     def _forward(self, batches: list[ForwardBatch]) -> torch.Tensor:
         """The model's forward over the micro-batches, its wall time kept in forward_s."""

@@ -27,7 +27,9 @@ class StepHeader:
     (the sync audit's decode steps on expert ranks, which do not see the batches).
     micro_batches: how many ping-pong micro-batches every rank runs this step (1..the configured number; the
     leader's choice, attention_nodes/leader.py `micro_batches_for`), so that expert ranks expect as many
-    dispatch rounds per layer as the attention ranks send."""
+    dispatch rounds per layer as the attention ranks send.
+    draft_passes: after the step's forward, every attention rank runs this many passes of the MTP layer
+    (speculative decoding method "mtp", attention_nodes/mtp.py), each one more dispatch and combine."""
 
     kind: str
     step: int = 0
@@ -36,6 +38,7 @@ class StepHeader:
     aborts: dict[str, list[str]] = field(default_factory=dict)
     is_decode: bool = False
     micro_batches: int = 1
+    draft_passes: int = 0
     request_ranks: list[int] = field(default_factory=list)   # on the wire: the ranks that get new requests
 
     def thin(self) -> StepHeader:

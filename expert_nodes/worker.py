@@ -11,9 +11,11 @@ from .slots import ExpertSlots
 
 class ExpertWorker:
     def __init__(self, rank: int, slots: ExpertSlots, dispatcher: Dispatcher, num_moe_layers: int,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, num_mtp_layers: int = 0):
+        """num_moe_layers: the target's and the MTP layers' (ModelSpec.num_moe_layers); the last num_mtp_layers are
+        the MTP layers', served in a step's draft passes (attention_nodes/mtp.py)."""
         self.rank, self.slots, self.dispatcher = rank, slots, dispatcher
-        self.num_moe_layers = num_moe_layers
+        self.num_moe_layers, self.num_mtp_layers = num_moe_layers, num_mtp_layers
         self.micro_batches = micro_batches
         self.load = LoadTracker(num_moe_layers, slots.num_slots, device=slots.w13.device)
 
@@ -33,16 +35,20 @@ class ExpertWorker:
         return self.slots.move(moves, slot2expert, me, world_rank, group)
 
     @torch.inference_mode()
-    def step(self, capacity: int, micro_batches: int = 1) -> None:
-        """Serve one engine step: per MoE layer, the dispatches of every micro-batch, then for each in turn
-        the grouped FFN and its combine (the attention ranks issue the collectives in the same order).
+    def step(self, capacity: int, micro_batches: int = 1, draft_passes: int = 0) -> None:
+        """Serve one engine step: per MoE layer of the target, the dispatches of every micro-batch, then for each
+        in turn the grouped FFN and its combine (the attention ranks issue the collectives in the same order); then
+        the MTP layers' MoE once per draft pass (pass j: MTP layer j mod num_mtp_layers, one micro-batch).
         capacity: the step header's bound on any attention rank's tokens; micro_batches: the header's number
         of micro-batches this step (at most the configured one, which sized the data plane)."""
         assert 1 <= micro_batches <= self.micro_batches, (micro_batches, self.micro_batches)
+        assert not draft_passes or self.num_mtp_layers, "draft passes without MTP layers"
         self.dispatcher.set_capacity(capacity)
-        for layer in range(self.num_moe_layers):
-            pending = [self.dispatcher.start_dispatch(layer, *self.dispatcher.empty_tokens())
-                       for _ in range(micro_batches)]
+        first_mtp = self.num_moe_layers - self.num_mtp_layers
+        layers = [(layer, micro_batches) for layer in range(first_mtp)]
+        layers += [(first_mtp + j % self.num_mtp_layers, 1) for j in range(draft_passes)]
+        for layer, rounds in layers:
+            pending = [self.dispatcher.start_dispatch(layer, *self.dispatcher.empty_tokens()) for _ in range(rounds)]
             for p in pending:
                 rows, handle = self.dispatcher.finish_dispatch(p)
                 self.load.add(layer, rows.slots)

@@ -140,7 +140,9 @@ class SchedulerConfig:
                                                    "{\"method\": \"ngram\", \"num_speculative_tokens\": k, "
                                                    "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b} or "
                                                    "{\"method\": \"draft_model\", \"model\": DIR, "
-                                                   "\"num_speculative_tokens\": k}, either with "
+                                                   "\"num_speculative_tokens\": k} or {\"method\": \"mtp\", "
+                                                   "\"num_speculative_tokens\": k} (the checkpoint's DeepSeek "
+                                                   "multi-token-prediction layers), each with "
                                                    "\"disable_by_batch_size\": n; each running request's "
                                                    "drafts are verified in the next step with it (None: off)")
 
@@ -154,6 +156,11 @@ class SchedulerConfig:
     @property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.from_dict(self.speculative_config)
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Speculative decoding by the checkpoint's multi-token-prediction layers: every rank loads them."""
+        return self.speculative_config is not None and self.speculative_config.get("method") == "mtp"
 
 
 @dataclass(slots=True)

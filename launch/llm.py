@@ -70,7 +70,7 @@ class LLM:
     def _front(self, model: str, attention_ranks: int, expert_ranks: int, options: dict) -> None:
         """Config, spec, tokenizer, request ids, rank bookkeeping: all a front holds (frontend/process.py's too)."""
         self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
-        self.spec = Checkpoint(self.config.model).spec  # fails fast, in the caller's process, on a bad checkpoint
+        self.spec = Checkpoint(self.config.model, mtp=self.config.scheduler.uses_mtp).spec   # fails fast if it is bad
         if expert_ranks > self.spec.num_experts:
             raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "
                              f"use at most {self.spec.num_experts}")

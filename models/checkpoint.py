@@ -23,12 +23,20 @@ INDEX = "model.safetensors.index.json"
 class Checkpoint:
     """A checkpoint directory: config.json, model.safetensors or an index with shards, optional tokenizer."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, mtp: bool = False):
+        """mtp: run the checkpoint's multi-token-prediction layers too (ModelSpec.with_mtp)."""
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             raise ValueError(f"model directory {self.path!r} does not exist; pass a local HF checkpoint directory")
         self.spec = load_spec(self.path)
+        if mtp:
+            self.spec = self.spec.with_mtp()
         self.name2file = self._index()
+        for i in range(self.spec.num_layers, self.spec.num_layers + self.spec.num_mtp_layers):
+            if f"model.layers.{i}.eh_proj.weight" not in self.name2file:
+                raise ValueError(f"config.num_nextn_predict_layers={self.spec.num_mtp_layers} but {self.path!r} has no "
+                                 f"multi-token-prediction layer {i} (no 'model.layers.{i}.eh_proj.weight'): use a "
+                                 f"checkpoint that ships its MTP layers, or speculative method 'ngram'")
         self.names_read: list[str] = []
 
     def _index(self) -> dict[str, str]:
@@ -135,8 +143,9 @@ class Checkpoint:
 
     def attention_tensor_names(self) -> list[str]:
         """Everything but the routed experts: embeddings, attention, norms, router, shared expert, LM head.
-        FP8 scales are read with their weights; MTP layers (beyond num_hidden_layers) are never read."""
-        skipped = [n for n in self.name2file if _layer_of(n) is not None and _layer_of(n) >= self.spec.num_layers]
+        FP8 scales are read with their weights; MTP layers (beyond num_hidden_layers) only when the spec runs them."""
+        last = self.spec.num_layers + self.spec.num_mtp_layers
+        skipped = [n for n in self.name2file if _layer_of(n) is not None and _layer_of(n) >= last]
         if skipped:
             logger.info("skipping %d tensors of %d multi-token-prediction layer(s) (layers >= %d): the runtime "
                         "decodes one token per step", len(skipped), self.spec.num_skipped_layers or 1,

@@ -5,7 +5,7 @@ Names: L layers, H hidden, E experts, K top-k, I expert intermediate size.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SUPPORTED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
@@ -95,7 +95,9 @@ class ModelSpec:
     swiglu_limit: float = 7.0
     expert_bias: bool = False             # biases on the expert projections (GPT-OSS)
     fused_experts: bool = False           # one [E, H, 2I] (gate/up interleaved) and one [E, I, H] tensor per layer
-    num_skipped_layers: int = 0           # MTP layers (num_nextn_predict_layers) the runtime never reads
+    num_skipped_layers: int = 0           # MTP layers (num_nextn_predict_layers) the checkpoint holds
+    num_mtp_layers: int = 0               # of those, the ones the runtime runs (speculative method "mtp"): decoder
+                                          # layers num_layers.., each MoE layer num_moe_layers - num_mtp_layers + i
     hf_config: Any = field(default=None, repr=False)
 
     @property
@@ -122,6 +124,18 @@ class ModelSpec:
     @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i, m in enumerate(self.moe_layers) if m]
+
+    def with_mtp(self) -> ModelSpec:
+        """This spec with the checkpoint's multi-token-prediction layers run (speculative_config method "mtp",
+        attention_nodes/mtp.py): DeepSeek's release layout, decoder layers num_layers + i whose MoE FFN counts as
+        MoE layer num_moe_layers + i, so its experts load and are served like any other layer's."""
+        if self.arch != "deepseek_v3" or not self.num_skipped_layers:
+            raise ValueError(f"speculative_config method 'mtp' needs a DeepSeek-V3 checkpoint with "
+                             f"multi-token-prediction layers (config.num_nextn_predict_layers >= 1); this one is "
+                             f"{self.arch!r} with num_nextn_predict_layers={self.num_skipped_layers}: use method "
+                             f"'ngram' or 'draft_model'")
+        n = self.num_skipped_layers
+        return replace(self, num_mtp_layers=n, moe_layers=self.moe_layers + (True,) * n)
 
     def moe_prefix(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.moe_module}"

@@ -222,3 +222,43 @@ def quantize_mxfp4_checkpoint(src: str | os.PathLike, dst: str | os.PathLike,
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
     return dst
+
+
+def make_tiny_mtp_checkpoint(path: str | os.PathLike, seed: int = 0, num_mtp_layers: int = 1, **overrides) -> str:
+    """A tiny DeepSeek-V3 checkpoint with multi-token-prediction layers in the release's layout: layers
+    num_hidden_layers + i, each a decoder layer (MLA, MoE) plus `enorm`, `hnorm`, `eh_proj` `[H, 2H]`,
+    `shared_head.norm`, `shared_head.head` and `embed_tokens` (copies of the target's, as the release stores them),
+    and config.num_nextn_predict_layers. The decoder layers are drawn by transformers with the target's; eh_proj
+    passes hnorm(h) through (plus a small random share of the embedding) and the layer's output projections are
+    scaled down, so a draft is often the target's own next prediction: enough agreement that tests see drafts
+    both accepted and rejected. shared_head.norm's weights are not all ones (transformers starts norms at ones),
+    so a draft chained through the normed output instead of the layer's output differs."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = os.fspath(path)
+    layers = tiny_config("deepseek_v3", **overrides).num_hidden_layers
+    make_tiny_checkpoint("deepseek_v3", path, seed, num_hidden_layers=layers + num_mtp_layers, **overrides)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed + 1)
+    H = tensors["model.norm.weight"].shape[0]
+    for i in range(layers, layers + num_mtp_layers):
+        p = f"model.layers.{i}."
+        for name in list(tensors):
+            if name.startswith(p) and name.endswith(("o_proj.weight", "down_proj.weight")):
+                tensors[name] = tensors[name] * 0.1
+        tensors[p + "enorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+        tensors[p + "hnorm.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+        tensors[p + "eh_proj.weight"] = torch.cat((0.05 * torch.randn(H, H, generator=g), torch.eye(H)), dim=1)
+        tensors[p + "shared_head.norm.weight"] = tensors["model.norm.weight"] * (1 + 0.2 * torch.randn(H, generator=g))
+        tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config.update(num_hidden_layers=layers, num_nextn_predict_layers=num_mtp_layers)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return path

@@ -34,7 +34,7 @@ from .forming import GenerationForming
 from .liveness import PREFIX, break_connections
 from .membership import Membership
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
-from .startup import build_attention_worker, leads_pool, load_attention_model, open_store
+from .startup import build_attention_worker, draft_passes, leads_pool, load_attention_model, open_store
 
 logger = logging.getLogger("afserve")
 
@@ -66,7 +66,7 @@ class Runtime(GenerationForming):
         self.data_sockets: set[str] = set()   # the socket inodes this generation's groups opened
         self._stats = None      # the data plane's stats, carried from one generation to the next
         self.sync_tally = SyncTally() if config.sync_audit else None   # this rank's host syncs per decode step
-        self.ckpt = Checkpoint(config.model)
+        self.ckpt = Checkpoint(config.model, mtp=config.scheduler.uses_mtp)
         if config.role is None:
             self._start_world()
         elif leads_pool(config.role, config.leader_host):
@@ -116,7 +116,8 @@ class Runtime(GenerationForming):
                 peak = memory.expert_peak(slots, rows, spec.top_k, spec.hidden_size, self.dev.dtype, self.dev.device)
                 memory.plan(self.dev.device, False, peak, self.groups.control,
                             config.cache.gpu_memory_utilization)
-            self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches)
+            self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches,
+                                       spec.num_mtp_layers)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control)
@@ -162,7 +163,7 @@ class Runtime(GenerationForming):
         else:
             empty = torch.full((spec.num_moe_layers, 0), -1, dtype=torch.int64)
             slots = ExpertSlots.empty(self.ckpt, empty, self.dev.dtype, self.dev.device, self.dev.kernel_backend)
-            self.worker = ExpertWorker(-1, slots, None, spec.num_moe_layers, par.micro_batches)
+            self.worker = ExpertWorker(-1, slots, None, spec.num_moe_layers, par.micro_batches, spec.num_mtp_layers)
             blocks = 0
         self.membership.join(config.role, {**self.member_info(config.role), "kv_blocks": blocks})
         self.info = RankInfo(blocks, config.cache.block_size, max_model_len(config, spec))
@@ -192,7 +193,7 @@ class Runtime(GenerationForming):
             par = self.config.parallel
             self.leader = Leader(self.worker, self.topo.num_attention_ranks, self.config.cache.block_size,
                                  par.rebalance_interval, self.worker.block_pool.track_events,
-                                 par.micro_batches, par.micro_batch_min_tokens)
+                                 par.micro_batches, par.micro_batch_min_tokens, *draft_passes(config))
             self.leader.num_expert_ranks = self.topo.num_expert_ranks
             if self.membership is not None:
                 self.leader.membership_changes = self.membership.changes

@@ -14,6 +14,7 @@ from attention_nodes.draft_model import DraftModel
 from attention_nodes.host_tier import HostTier
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.model import AttentionModel, MoEContext
+from attention_nodes.mtp import MTPProposer
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.speculation import SpeculativeConfig
 from attention_nodes.worker import AttentionWorker
@@ -62,11 +63,20 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                       cache.enable_prefix_caching)
     speculative = config.scheduler.speculative
+    exclusive = lambda block: pool.refcount(block) == 1    # noqa: E731
     draft = None if speculative is None or speculative.model is None else load_draft_model(
-        speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs,
-        lambda block: pool.refcount(block) == 1)
+        speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs, exclusive)
+    mtp = None if not config.scheduler.uses_mtp else MTPProposer(
+        model, num_blocks, cache.block_size, config.scheduler.max_num_seqs, speculative.num_speculative_tokens,
+        dev.dtype, dev.device, exclusive)
     return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches,
-                           speculative, draft)
+                           speculative, draft, mtp)
+
+
+def draft_passes(config: EngineConfig) -> tuple[int, int | None]:
+    """The leader's (MTP passes per step, disable_by_batch_size): (0, None) unless speculative method "mtp"."""
+    s = config.scheduler.speculative
+    return (s.num_speculative_tokens, s.disable_by_batch_size) if config.scheduler.uses_mtp else (0, None)
 
 
 def load_draft_model(speculative: SpeculativeConfig, target: ModelSpec, dev: DeviceSettings, num_blocks: int,

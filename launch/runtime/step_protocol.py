@@ -74,22 +74,27 @@ def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = Non
     report, an unfinished one re-runs its batch. tally: the sync audit's, when on: the forward and sampling
     run under it; a decode step is one whose own batch is (worker.is_decode_step)."""
     if header.step == worker.done_step:
-        worker.join_exchanges(header.capacity, header.micro_batches)
+        worker.join_exchanges(header.capacity, header.micro_batches, header.draft_passes)
         return worker.last_report
     if header.step != worker.started_step:
         worker.started_step = header.step
         worker.add_requests(header.requests_for(worker.rank))
         worker.abort(header.aborts_for(worker.rank))
-    report = _audited(tally, lambda: worker.step(header.capacity, header.micro_batches),
-                      lambda: worker.is_decode_step)
-    worker.done_step, worker.last_report = header.step, report
-    return report
+
+    def run() -> StepReport:
+        report = worker.step(header.capacity, header.micro_batches)
+        # Committed: if a peer is lost in the MTP passes, the re-sent step joins its exchanges with this report.
+        worker.done_step, worker.last_report = header.step, report
+        return worker.draft(header.draft_passes)
+    worker.last_report = _audited(tally, run, lambda: worker.is_decode_step)
+    return worker.last_report
 
 
 def run_expert_step(worker, header: StepHeader, tally: SyncTally | None = None) -> None:
     """What every expert rank does with a STEP header: serve its dispatches. tally: as for attention ranks;
     a decode step is one the header calls so (an expert rank does not see the batches)."""
-    _audited(tally, lambda: worker.step(header.capacity, header.micro_batches), lambda: header.is_decode)
+    _audited(tally, lambda: worker.step(header.capacity, header.micro_batches, header.draft_passes),
+             lambda: header.is_decode)
 
 
 def _audited(tally: SyncTally | None, step, is_decode):

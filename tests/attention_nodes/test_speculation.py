@@ -23,7 +23,8 @@ BS = 4
 
 
 @pytest.mark.parametrize("given, named", [
-    ({"method": "mtp", "num_speculative_tokens": 1}, "method='mtp' is not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 1}, "method='eagle' is not supported yet"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "model": "/tmp"}, "model='/tmp' with method='mtp'"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None with method='draft_model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "/tmp"}, "model='/tmp' with method='ngram'"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/no/such/dir"},

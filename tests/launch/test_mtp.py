@@ -1,0 +1,100 @@
+"""Speculative decoding with DeepSeek-V3's multi-token-prediction layer (method "mtp", attention_nodes/mtp.py),
+through the whole engine. Two oracles the runtime did not produce: transformers' greedy continuation of the target
+(the outputs), and the reference MTP forward of tests/mtp_reference.py (the drafts): the counts of drafts and
+accepted tokens must equal a replay of the reference's drafts against the output. The drafts themselves, step by
+step, are checked in tests/attention_nodes/test_mtp_proposer.py.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from launch import LLM, SamplingParams
+from models.tiny import make_tiny_mtp_checkpoint
+from tests.conftest import hf_greedy, make_prompts, wider
+from tests.mtp_reference import ReferenceMTP
+from tests.launch.test_speculative import _replayed_counts
+
+MAX_NEW = 16
+K = 3
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory) -> str:
+    return make_tiny_mtp_checkpoint(tmp_path_factory.mktemp("mtp"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_checkpoint, tmp_path_factory) -> ReferenceMTP:
+    return ReferenceMTP(mtp_checkpoint, os.fspath(tmp_path_factory.mktemp("mtp_layer")))
+
+
+def _prompts() -> list[list[int]]:
+    return make_prompts(5, 256, 6, 30, seed=21)
+
+
+@pytest.mark.parametrize("attention_ranks,expert_ranks,comm,micro_batches", [
+    (1, 1, "direct", 1), (2, 2, "two_phase", 2), (1, 3, "direct", 2),
+    wider(2, 2, "direct", 1), wider(1, 3, "two_phase", 1), wider(1, 1, "two_phase", 2)])
+def test_greedy_with_mtp_equals_transformers_and_drafts_equal_the_reference(
+        mtp_checkpoint, reference, attention_ranks, expert_ranks, comm, micro_batches):
+    """Outputs: transformers' greedy continuation of the target. Counts: a replay of the reference MTP layer's
+    drafts, so every draft was the reference's (the MTP layer's MoE ran on the expert ranks, its KV exact). With
+    micro-batches, the target's hidden states come from both (prompt chunks cut between them)."""
+    prompts = _prompts()
+    expected = hf_greedy(mtp_checkpoint, prompts, MAX_NEW)
+    cfg = {"method": "mtp", "num_speculative_tokens": K}
+    with LLM(mtp_checkpoint, attention_ranks=attention_ranks, expert_ranks=expert_ranks, comm=comm,
+             ranks_per_node=2, max_num_batched_tokens=24, micro_batches=micro_batches, micro_batch_min_tokens=0,
+             speculative_config=cfg) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        spec = llm.stats()["spec_decode"]
+    assert [o.token_ids for o in outs] == expected
+    replay = [_replayed_counts(p, o, MAX_NEW, reference.drafts, K) for p, o in zip(prompts, expected)]
+    want = [sum(r[i] for r in replay) for i in range(3)]
+    assert [spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]] == want
+    assert 0 < want[2] < want[1]     # drafts were both accepted and rejected
+
+
+@pytest.mark.parametrize("arch,named", [
+    ("qwen3_moe", "this one is 'qwen3_moe' with num_nextn_predict_layers=0: use method"),
+    ("deepseek_v3", "has no multi-token-prediction layer 3 (no 'model.layers.3.eh_proj.weight')")])
+def test_a_checkpoint_without_mtp_layers_is_refused_by_name(tiny_checkpoint, arch, named):
+    """The front refuses it before any rank starts, naming what is missing and what to use instead (transformers'
+    DeepSeek-V3 config says num_nextn_predict_layers=1 by default; the tiny checkpoint has no such layer)."""
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        LLM(tiny_checkpoint(arch), speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+
+
+def test_mtp_steps_read_the_device_twice_and_expert_ranks_never(mtp_checkpoint):
+    """Under the sync audit, a decode step with MTP reads back the emitted tokens and then all its drafts at once
+    (attention_nodes/mtp.py's host_read): at most two reads per decode step on the attention rank; the expert ranks
+    serve the passes' exchanges with none."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "attention_nodes", "mtp.py")) as f:
+        (site,) = {f"attention_nodes/mtp.py:{n}" for n, line in enumerate(f, 1)
+                   if "host_read(" in line and not line.lstrip().startswith(("from ", "import "))}
+    with LLM(mtp_checkpoint, attention_ranks=1, expert_ranks=2, sync_audit=True, transport="collective",
+             speculative_config={"method": "mtp", "num_speculative_tokens": K}) as llm:
+        llm.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        ranks = llm.comm_stats()["ranks"]
+    attention = ranks["0"]["host_syncs"]
+    assert attention["sites"].get(site, 0) >= 1 and attention["max_per_decode_step"] == 2, attention
+    for r in ("1", "2"):
+        assert ranks[r]["host_syncs"]["decode_steps"] == attention["decode_steps"] > 0
+        assert ranks[r]["host_syncs"]["max_per_decode_step"] == 0, ranks[r]["host_syncs"]
+
+
+@pytest.mark.parametrize("victim", [3, wider(1)])
+def test_a_rank_lost_mid_stream(mtp_checkpoint, victim):
+    """2+2 with MTP drafts: expert rank 3 (the step in flight is re-sent; if it was in its MTP passes, every rank
+    joins them again) or attention rank 1 (its requests move and are recomputed) SIGKILLed while requests stream:
+    every output is still transformers' greedy continuation."""
+    from tests.launch.runtime.test_elastic import _stream
+    prompts = _prompts()
+    expected = hf_greedy(mtp_checkpoint, prompts, 24)
+    with LLM(mtp_checkpoint, attention_ranks=2, expert_ranks=2,
+             speculative_config={"method": "mtp", "num_speculative_tokens": K}) as llm:
+        assert _stream(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), llm.worker_pids[victim],
+                       after_tokens=40) == expected
+    assert llm.lost_ranks == [victim]
