@@ -35,6 +35,7 @@ from .batch import DecodeMeta, ForwardBatch, padded_tables
 from .kv_cache import KVCache
 from .model import AttentionModel
 from .sequence import Sequence
+from .speculation import scratch_blocks
 
 
 @dataclass(slots=True)
@@ -53,8 +54,7 @@ class DraftModel:
             raise ValueError(f"the draft model has {spec.num_moe_layers} MoE layers: pass a dense one (every layer "
                              f"an MLP, e.g. a Qwen3-MoE config with mlp_only_layers listing all its layers)")
         self.model, self.block_size, self.num_blocks, self.exclusive = model, block_size, num_blocks, exclusive
-        # scratch per sequence: the tail block, and the blocks k more positions reach
-        self.num_scratch = max_num_seqs * (k // block_size + 2)
+        self.num_scratch = scratch_blocks(max_num_seqs, k, block_size)
         self.kv = KVCache(spec.num_layers, num_blocks + self.num_scratch, block_size, spec.kv_entry, dtype, device)
         self.moe = SimpleNamespace(dispatcher=SimpleNamespace(stats=CommStats()))   # it never reaches an expert
 

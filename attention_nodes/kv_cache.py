@@ -8,11 +8,16 @@ import torch
 from .host_tier import SAVE
 
 
+def block_bytes(num_layers: int, block_size: int, entry: tuple[int, int, int], dtype: torch.dtype) -> int:
+    """Bytes one block takes over num_layers layers; entry: (components, heads, dim) per token and layer."""
+    c, heads, dim = entry
+    return num_layers * c * block_size * heads * dim * dtype.itemsize
+
+
 def num_blocks_for(memory_bytes: int, num_layers: int, block_size: int, entry: tuple[int, int, int],
                    dtype: torch.dtype, name: str = "kv_cache_memory") -> int:
     """How many blocks fit in memory_bytes; entry: (components, heads, dim) per token and layer."""
-    c, heads, dim = entry
-    per_block = num_layers * c * block_size * heads * dim * dtype.itemsize
+    per_block = block_bytes(num_layers, block_size, entry, dtype)
     n = memory_bytes // per_block
     if n < 1:
         raise ValueError(f"{name}={memory_bytes} bytes holds no KV block ({per_block} bytes each); "

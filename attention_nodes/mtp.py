@@ -43,6 +43,7 @@ from .kv_cache import KVCache
 from .model import AttentionModel, MoEContext, rms_norm
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
+from .speculation import scratch_blocks
 
 
 class _MTPCache(KVCache):
@@ -76,7 +77,7 @@ class MTPProposer:
         self.model, self.block_size, self.num_blocks, self.exclusive = model, block_size, num_blocks, exclusive
         self.first, self.n = spec.num_layers, spec.num_mtp_layers
         self.first_moe = spec.num_moe_layers - self.n
-        self.num_scratch = max_num_seqs * (k // block_size + 2)
+        self.num_scratch = scratch_blocks(max_num_seqs, k, block_size)
         self.kv = _MTPCache(self.first, self.n, num_blocks + self.num_scratch, block_size, spec.kv_entry, dtype,
                             device)
         w = model.w

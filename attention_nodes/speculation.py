@@ -36,6 +36,12 @@ KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_
 MAX_SPECULATIVE_TOKENS = 16
 
 
+def scratch_blocks(max_num_seqs: int, k: int, block_size: int) -> int:
+    """A draft KV cache's blocks past the target's (the draft model's and the MTP layers'): per sequence, a copy of
+    its tail block and the blocks k more positions reach."""
+    return max_num_seqs * (k // block_size + 2)
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """vLLM's speculative_config keys. method "ngram": prompt lookup (no model); prompt_lookup_min/max bound the

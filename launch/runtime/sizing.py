@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention_nodes.kv_cache import num_blocks_for
+from attention_nodes.kv_cache import block_bytes, num_blocks_for
 from expert_nodes.slots import ExpertSlots
 from kernels.ops import resolve_backend
 from models.spec import ModelSpec
@@ -114,9 +114,21 @@ def plans_gpu_memory(cache: CacheConfig, dev: DeviceSettings) -> bool:
     return dev.device.type == "cuda" and cache.num_kv_blocks is None and cache.kv_cache_memory is None
 
 
-def num_kv_blocks(cache: CacheConfig, spec: ModelSpec, dev: DeviceSettings, planned: int | None = None) -> int:
-    """Blocks of the device KV pool: num_kv_blocks, else kv_cache_memory bytes, else on CUDA the memory plan's
-    `planned` bytes, else 256 MiB (CPU)."""
+@dataclass(frozen=True, slots=True)
+class DraftKV:
+    """A speculative draft's KV cache beside the target's (the draft model's, or the MTP layers'): one block per
+    target block (it mirrors the target's block ids) plus `scratch` blocks of its own, each `layers` layers of
+    `entry` (KVCache's)."""
+    layers: int
+    entry: tuple[int, int, int]
+    scratch: int
+
+
+def num_kv_blocks(cache: CacheConfig, spec: ModelSpec, dev: DeviceSettings, planned: int | None = None,
+                  draft: DraftKV | None = None) -> int:
+    """Blocks of the device KV pool: num_kv_blocks, else what fits in kv_cache_memory bytes, else on CUDA in the
+    memory plan's `planned` bytes, else in 256 MiB (CPU). The bytes hold the draft's cache too, when there is one
+    (its mirror of every block and its scratch blocks)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     memory = cache.kv_cache_memory
@@ -127,7 +139,16 @@ def num_kv_blocks(cache: CacheConfig, spec: ModelSpec, dev: DeviceSettings, plan
             memory = planned
         else:
             memory = CPU_KV_DEFAULT_BYTES
-    return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.kv_entry, dev.dtype)
+    if draft is None:
+        return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.kv_entry, dev.dtype)
+    mirror = block_bytes(draft.layers, cache.block_size, draft.entry, dev.dtype)
+    per_block = block_bytes(spec.num_layers, cache.block_size, spec.kv_entry, dev.dtype) + mirror
+    n = (memory - draft.scratch * mirror) // per_block
+    if n < 1:
+        raise ValueError(f"kv_cache_memory={memory} bytes holds no KV block beside the speculative draft's cache "
+                         f"({per_block} bytes a block with the draft's mirror, plus {draft.scratch} scratch blocks "
+                         f"of {mirror}): give more memory")
+    return int(n)
 
 
 def num_host_blocks(cache: CacheConfig, spec: ModelSpec, dtype: torch.dtype) -> int:

@@ -16,14 +16,14 @@ from attention_nodes.kv_cache import KVCache
 from attention_nodes.model import AttentionModel, MoEContext
 from attention_nodes.mtp import MTPProposer
 from attention_nodes.scheduler import Scheduler
-from attention_nodes.speculation import SpeculativeConfig
+from attention_nodes.speculation import SpeculativeConfig, scratch_blocks
 from attention_nodes.worker import AttentionWorker
 from kernels import cpu_attention
 from models.checkpoint import Checkpoint
 from models.spec import ModelSpec
 
 from ..config import EngineConfig
-from .sizing import DeviceSettings, decode_threads, max_model_len, num_host_blocks, num_kv_blocks
+from .sizing import DeviceSettings, DraftKV, decode_threads, max_model_len, num_host_blocks, num_kv_blocks
 
 
 def leads_pool(role: str | None, leader_host: str | None) -> bool:
@@ -55,14 +55,14 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     the experts (None: no generation yet); rank -1: no place in the job yet; kv_bytes: the GPU memory plan's
     KV bytes (launch/runtime/memory.py), used when the cache size is not configured."""
     par, cache = config.parallel, config.cache
-    num_blocks = num_kv_blocks(cache, spec, dev, kv_bytes)
+    speculative = config.scheduler.speculative
+    num_blocks = num_kv_blocks(cache, spec, dev, kv_bytes, draft_kv(speculative, spec, config))
     host_blocks = num_host_blocks(cache, spec, dev.dtype)
     kv = KVCache(spec.num_layers, num_blocks, cache.block_size, spec.kv_entry, dev.dtype, dev.device, host_blocks)
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                       cache.enable_prefix_caching)
-    speculative = config.scheduler.speculative
     exclusive = lambda block: pool.refcount(block) == 1    # noqa: E731
     draft = None if speculative is None or speculative.model is None else load_draft_model(
         speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs, exclusive)
@@ -71,6 +71,19 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
         dev.dtype, dev.device, exclusive)
     return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches,
                            speculative, draft, mtp)
+
+
+def draft_kv(speculative: SpeculativeConfig | None, spec: ModelSpec, config: EngineConfig) -> DraftKV | None:
+    """The KV cache a speculative draft keeps beside the target's (the draft model's or the MTP layers'), which the
+    KV budget holds too; None without one."""
+    if speculative is None or speculative.method == "ngram":
+        return None
+    scratch = scratch_blocks(config.scheduler.max_num_seqs, speculative.num_speculative_tokens,
+                             config.cache.block_size)
+    if speculative.method == "mtp":
+        return DraftKV(spec.num_mtp_layers, spec.kv_entry, scratch)
+    draft = Checkpoint(speculative.model).spec
+    return DraftKV(draft.num_layers, draft.kv_entry, scratch)
 
 
 def draft_passes(config: EngineConfig) -> tuple[int, int | None]:

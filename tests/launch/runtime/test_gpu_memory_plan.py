@@ -101,3 +101,31 @@ def test_warmup_forward_runs_for_every_architecture(tiny_checkpoint, arch):
     row = torch.arange(spec.num_experts).repeat(spec.num_moe_layers, 1)
     slots = ExpertSlots.load(ckpt, row, torch.float32, torch.device("cpu"))
     assert memory.expert_peak(slots, 32, spec.top_k, spec.hidden_size, torch.float32, torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model", "ngram"])
+def test_the_kv_budget_holds_the_drafts_cache_too(tmp_path, method):
+    """kv_cache_memory (and so the GPU plan's KV bytes) covers the speculative draft's KV cache beside the target's:
+    the tensors a worker allocates fit in it, and one block more of each would not."""
+    from launch.config import EngineConfig
+    from launch.runtime.startup import build_attention_worker, load_attention_model
+    from models.tiny import make_tiny_checkpoint, make_tiny_mtp_checkpoint
+
+    path = make_tiny_mtp_checkpoint(tmp_path / "mtp")
+    options = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        options["model"] = make_tiny_checkpoint("qwen3_moe", tmp_path / "draft", seed=1, mlp_only_layers=[0, 1])
+    budget = 3 << 20
+    config = EngineConfig.from_options(path, 1, 1, kv_cache_memory=budget, max_num_seqs=8,
+                                       speculative_config=options)
+    dev = DeviceSettings(torch.device("cpu"), torch.float32, "torch", "gloo")
+    ckpt = Checkpoint(path, mtp=method == "mtp")
+    worker = build_attention_worker(config, ckpt.spec, dev, load_attention_model(config, ckpt, dev, "", None), 0,
+                                    None, None)
+    draft = {"mtp": worker.mtp, "draft_model": worker.drafter.draft, "ngram": None}[method]
+    caches = [worker.kv.tensor] + ([] if draft is None else [draft.kv.tensor])
+    used = sum(t.numel() * t.element_size() for t in caches)
+    per_block = sum(t[:, :, :1].numel() * t.element_size() for t in caches)   # one block of each
+    assert used <= budget < used + per_block, (used, per_block)
+    if draft is not None:
+        assert draft.kv.tensor.shape[2] == worker.block_pool.num_blocks + draft.num_scratch
