@@ -16,6 +16,7 @@ from kernels.ops import plan_decode_attention
 from kernels.paged_attention import DecodeGroup
 
 from .scheduler import ScheduledSeq, SchedulerOutput
+from .spec_decode import DeviceDrafts, place_drafts
 
 
 @dataclass(slots=True)
@@ -67,6 +68,7 @@ class ForwardBatch:
         if not scheduled:
             return cls.empty(device)
         ids, pos, slots, logit_rows = [], [], [], []
+        on_device = []     # (position in ids, DeviceDrafts)
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         num_decodes = 0
         row = 0
@@ -74,6 +76,8 @@ class ForwardBatch:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             end = start + n
             ids.extend(s.input_ids())
+            if isinstance(s.drafts, DeviceDrafts):
+                on_device.append((len(ids) - len(s.drafts), s.drafts))
             pos.extend(range(start, end))
             table = seq.block_table
             if n == 1:
@@ -108,7 +112,10 @@ class ForwardBatch:
         if pre_tables:
             prefill = PrefillMeta(padded_tables(pre_tables, device), tensor(cu, torch.int32),
                                   tensor(pre_lens, torch.int32), cu, pre_lens)
-        return cls(tensor(ids), tensor(pos), tensor(slots), num_decodes, decode, prefill, tensor(logit_rows))
+        input_ids = tensor(ids)
+        if on_device:
+            place_drafts(input_ids, on_device, tensor)
+        return cls(input_ids, tensor(pos), tensor(slots), num_decodes, decode, prefill, tensor(logit_rows))
 
 
 def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

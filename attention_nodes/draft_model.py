@@ -28,7 +28,6 @@ from types import SimpleNamespace
 import torch
 
 from comm.stats import CommStats
-from comm.sync_audit import host_read
 from kernels.ops import plan_decode_attention
 
 from .batch import DecodeMeta, ForwardBatch, padded_tables
@@ -58,10 +57,10 @@ class DraftModel:
         self.kv = KVCache(spec.num_layers, num_blocks + self.num_scratch, block_size, spec.kv_entry, dtype, device)
         self.moe = SimpleNamespace(dispatcher=SimpleNamespace(stats=CommStats()))   # it never reaches an expert
 
-    def propose(self, seqs: list[Sequence], rooms: list[int]) -> list[list[int]]:
-        """Up to rooms[i] (>= 1) greedy draft tokens for seqs[i], from its tokens so far. Each forward's argmax
-        feeds the next on the device; the drafts are read back once, at the end (every sequence runs max(rooms)
-        forwards and keeps its first rooms[i] tokens)."""
+    def propose(self, seqs: list[Sequence], rooms: list[int]) -> torch.Tensor:
+        """Greedy draft tokens for each of seqs, from its tokens so far -> `[len(seqs), max(rooms)]` int64 on the
+        device: row i's first rooms[i] (>= 1) are seqs[i]'s. Each forward's argmax feeds the next on the device,
+        and nothing is read back (verification reads them, spec_decode.DeviceDrafts)."""
         bs, k = self.block_size, max(rooms)
         scratch = iter(range(self.num_blocks, self.num_blocks + self.num_scratch))
         views, starts = [], []
@@ -82,8 +81,7 @@ class DraftModel:
         for j in range(k):
             batch = self._rows(views, starts) if j == 0 else self._next_rows(views, j, picked[-1])
             picked.append(self.model.forward([batch], self.kv, self.moe).argmax(dim=-1))
-        drafts = host_read(torch.stack(picked, dim=1))       # [len(seqs), k]: the one read back
-        return [d[:room] for d, room in zip(drafts, rooms)]
+        return torch.stack(picked, dim=1)
 
     def _next_rows(self, views: list[_View], j: int, ids: torch.Tensor) -> ForwardBatch:
         """Draft j of every view (its position: the last token's + j) as one decode row each, its id the argmax

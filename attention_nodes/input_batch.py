@@ -27,6 +27,7 @@ from kernels.ops import plan_decode_attention
 from .batch import DecodeMeta, ForwardBatch, PrefillMeta
 from .sampler import SamplingColumns
 from .scheduler import ScheduledSeq
+from .spec_decode import DeviceDrafts, place_drafts
 from .sequence import Sequence
 
 _TOP_K_CAP = 2**24     # top_k is kept as a float32 column: larger values (all act as the vocabulary) are capped
@@ -92,6 +93,7 @@ class InputBatch:
             return ForwardBatch.empty(self.device)
         bs = self.block_size
         rows, starts, counts, ids, logit_rows = [], [], [], [], []
+        on_device = []     # (position in ids, DeviceDrafts): drafts that go into the ids on the device
         num_decodes = total = 0
         for s in scheduled:
             seq, start, n = s.seq, s.start, s.num_new_tokens
@@ -101,6 +103,8 @@ class InputBatch:
                 starts.extend(range(start, start + n))
                 counts += [1] * n
                 ids.extend(s.input_ids())
+                if isinstance(s.drafts, DeviceDrafts):
+                    on_device.append((len(ids) - len(s.drafts), s.drafts))
                 if num_decodes == len(rows) - n:
                     num_decodes += n
                 total += n
@@ -142,8 +146,8 @@ class InputBatch:
         for p, n in zip(parts, sizes):
             self._stage_np[at:at + n] = p
             at += n
-        on_device = self._stage[first:at].to(self.device, non_blocking=True)
-        views = on_device.split(sizes)
+        staged = self._stage[first:at].to(self.device, non_blocking=True)
+        views = staged.split(sizes)
         v_ids, v_pos, v_slots, v_logits, v_dlens, v_dtab, v_cu, v_plens, v_ptab = views
         decode = prefill = None
         if nd:
@@ -153,7 +157,16 @@ class InputBatch:
                                 plan_decode_attention(tables, v_dlens, bs, kernel_backend, dec_lens))
         if npre:
             prefill = PrefillMeta(v_ptab.view(npre, pre_w), v_cu, v_plens, cu.tolist(), ends[nd:].tolist())
-        return ForwardBatch(v_ids.long(), v_pos.long(), v_slots.long(), nd, decode, prefill, v_logits.long())
+        input_ids = v_ids.long()
+        if on_device:
+            place_drafts(input_ids, on_device, self._index)
+        return ForwardBatch(input_ids, v_pos.long(), v_slots.long(), nd, decode, prefill, v_logits.long())
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """An int64 index on the device, staged like the step's inputs (one non-blocking copy)."""
+        first = self._staged(len(values))
+        self._stage_np[first:first + len(values)] = values
+        return self._stage[first:first + len(values)].to(self.device, non_blocking=True).long()
 
     def sampling_columns(self, seqs: list[Sequence]) -> SamplingColumns | None:
         """The sampling parameters of seqs (one per logit row of the step's draw) gathered from their rows on the

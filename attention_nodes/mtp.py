@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from comm.sync_audit import host_read
 from kernels.ops import plan_decode_attention
 
 from .batch import DecodeMeta, ForwardBatch, PrefillMeta, padded_tables
@@ -43,6 +42,7 @@ from .kv_cache import KVCache
 from .model import AttentionModel, MoEContext, rms_norm
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
+from .spec_decode import DeviceDrafts
 from .speculation import scratch_blocks
 
 
@@ -60,12 +60,15 @@ class _MTPCache(KVCache):
 @dataclass(slots=True)
 class _Rows:
     """One sequence's rows of pass 1: positions start .. start + count - 1, their target hidden states at rows
-    hidden_at .. of the step's forward; room: how many drafts it wants (0: its rows only fill the cache)."""
+    hidden_at .. of the step's forward; room: how many drafts it wants (0: its rows only fill the cache);
+    decode: a decode or draft chunk's rows (each runs as a decode row, as the target ran them), else a prompt
+    chunk's (one prefill chunk)."""
     seq: Sequence
     start: int
     count: int
     hidden_at: int
     room: int
+    decode: bool
 
 
 class MTPProposer:
@@ -96,12 +99,14 @@ class MTPProposer:
         """Run `passes` MTP passes after a step and set the drafts (seq.spec_tokens) of the sequences in rooms.
         scheduled: the step's chunks, in the order of the forward's rows (model.hidden); emitted: the tokens each
         emitted (None: a chunk that sampled nothing); rooms: id(seq) -> drafts it may take (>= 1); a sequence not in
-        rooms gets none but still runs its pass-1 rows. One host read, of every draft at the end."""
+        rooms gets none but still runs its pass-1 rows. Nothing is read back: the drafts stay on the device
+        (spec_decode.DeviceDrafts) until the next step's verification."""
         entries, at = [], 0
         for s, toks in zip(scheduled, emitted):
             if not s.seq.is_finished and not s.is_fork:
                 count = s.num_new_tokens if toks is None else s.num_new_tokens - len(s.drafts) - 1 + len(toks)
-                entries.append(_Rows(s.seq, s.start, count, at, rooms.get(id(s.seq), 0)))
+                entries.append(_Rows(s.seq, s.start, count, at, rooms.get(id(s.seq), 0),
+                                     s.num_new_tokens == 1 or bool(s.drafts)))
             at += s.num_new_tokens
         drafting = [e for e in entries if e.room]
         hidden, picked = self.model.hidden, []
@@ -116,9 +121,9 @@ class MTPProposer:
             if batch.num_tokens:
                 picked.append(logits.argmax(dim=-1))
         if drafting:
-            drafts = host_read(torch.stack(picked, dim=1))       # [len(drafting), passes used]
-            for e, d in zip(drafting, drafts):
-                e.seq.spec_tokens = d[:e.room]
+            values = torch.stack(picked, dim=1)                  # [len(drafting), passes used]
+            for i, e in enumerate(drafting):
+                e.seq.spec_tokens = DeviceDrafts(values, i, e.room)
 
     def join(self, passes: int, moe: MoEContext) -> None:
         """Join a step's MTP passes with no rows (a re-sent step this rank had finished)."""
@@ -146,10 +151,10 @@ class MTPProposer:
         return ForwardBatch.empty(dev), torch.empty(0, H, dtype=dtype, device=dev)
 
     def _first_rows(self, entries: list[_Rows]) -> tuple[ForwardBatch, torch.Tensor]:
-        """Pass 1: one-position entries as decode rows first, then the others as prefill chunks; the logits of
-        each drafting entry's last row."""
+        """Pass 1: decode entries as decode rows (one per position, each seeing the positions up to its own) first,
+        then prompt chunks as prefill chunks; the logits of each drafting entry's last row."""
         bs, dev = self.block_size, self.model.device
-        order = sorted(entries, key=lambda e: e.count != 1)
+        order = sorted(entries, key=lambda e: not (e.decode or e.count == 1))
         ids, pos, slots, rows, last = [], [], [], [], []
         dec_tables, dec_lens, pre_tables, pre_lens, cu = [], [], [], [], [0]
         for e in order:
@@ -158,9 +163,9 @@ class MTPProposer:
             pos += range(e.start, end)
             slots += [table[p // bs] * bs + p % bs for p in range(e.start, end)]
             rows += range(e.hidden_at, e.hidden_at + e.count)
-            if e.count == 1:
-                dec_tables.append(table)
-                dec_lens.append(end)
+            if e.decode or e.count == 1:
+                dec_tables += [table] * e.count
+                dec_lens.extend(range(e.start + 1, end + 1))
             else:
                 pre_tables.append(table)
                 pre_lens.append(end)
@@ -181,7 +186,7 @@ class MTPProposer:
         if pre_tables:
             prefill = PrefillMeta(padded_tables(pre_tables, dev), tensor(cu, torch.int32),
                                   tensor(pre_lens, torch.int32), cu, pre_lens)
-        batch = ForwardBatch(tensor(ids), tensor(pos), tensor(slots), len(dec_tables), decode, prefill,
+        batch = ForwardBatch(tensor(ids), tensor(pos), tensor(slots), len(dec_lens), decode, prefill,
                              tensor(logit_rows))
         return batch, self.model.hidden[tensor(rows)]
 

@@ -1,8 +1,7 @@
-"""Speculative decoding's two pure pieces (issue 30): proposing draft tokens by prompt lookup, and verifying a
-step's drafts against the target model's probabilities so that the emitted tokens follow the target's
-distribution exactly (Leviathan et al. 2023; Chen et al. 2023). Not wired into the engine yet: the step that
-runs k + 1 positions per request through attention and the expert hop, and rolls back rejected KV slots, is
-the next piece.
+"""Speculative decoding's pure pieces (issue 30): proposing draft tokens by prompt lookup, verifying a step's
+drafts against the target model's probabilities so that the emitted tokens follow the target's distribution exactly
+(Leviathan et al. 2023; Chen et al. 2023), and drafts that stay on the device (`DeviceDrafts`). The engine's side
+is attention_nodes/speculation.py.
 
 Verification, per request with d <= k drafts x_1..x_d, target probabilities p_1..p_{d+1} at the d + 1 positions
 (p_i: the distribution of position i given the prompt and x_1..x_{i-1}) and draft probabilities q_1..q_d: x_i is
@@ -19,6 +18,47 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+
+PLACEHOLDER = -1     # a device draft's stand-in in the host lists (never a token id)
+
+
+class DeviceDrafts(list):
+    """Drafts a model proposed on the device (the draft model's, the MTP layers'), left there: the next step's
+    batch takes them into its input ids on the device, and verification reads them back with the emitted tokens,
+    in the step's one read. To the host (the scheduler, the batch's lists) they are `count` placeholders; a slice
+    from 0 keeps the first drafts. values: `[n, k]` int64 on the device, this sequence's drafts in row `row`."""
+
+    __slots__ = ("values", "row")
+
+    def __init__(self, values: torch.Tensor, row: int, count: int):
+        super().__init__([PLACEHOLDER] * count)
+        self.values, self.row = values, row
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if start or step != 1:
+                raise IndexError("device drafts slice from their first draft only")
+            return DeviceDrafts(self.values, self.row, stop)
+        return super().__getitem__(i)
+
+    def read(self) -> list[int]:
+        """The values, read back (for tests and for requests whose logits are shaped by the tokens before them)."""
+        return self.values[self.row, :len(self)].tolist()
+
+
+def place_drafts(target: torch.Tensor, spans: list[tuple[int, DeviceDrafts]], index) -> None:
+    """Write device drafts into target (flat, on the device) in place: span (at, d) puts d's values at
+    target[at : at + len(d)]. index(list) -> an int64 index tensor on target's device (the caller's staging)."""
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int], list[int]]] = {}
+    for at, d in spans:
+        values, dst, rows, cols = groups.setdefault(id(d.values), (d.values, [], [], []))
+        dst.extend(range(at, at + len(d)))
+        rows.extend([d.row] * len(d))
+        cols.extend(range(len(d)))
+    for values, dst, rows, cols in groups.values():
+        target[index(dst)] = values[index(rows), index(cols)]
 
 
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:

@@ -27,7 +27,7 @@ from comm.sync_audit import host_read
 from .logits_process import shape_logits
 from .sampler import Sampler, SamplingColumns, argmax_rows, fill_exponential
 from .sequence import Sequence
-from .spec_decode import ngram_propose, verify, verify_greedy
+from .spec_decode import DeviceDrafts, ngram_propose, place_drafts, verify, verify_greedy
 
 METHODS = ("ngram", "draft_model", "mtp")
 PLANNED = ("eagle",)   # vLLM's other method: refused by name until it is built
@@ -138,8 +138,9 @@ class Drafter:
                 todo.append(seq)
                 rooms.append(room)
         if todo:
-            for seq, drafts in zip(todo, self.draft.propose(todo, rooms)):
-                seq.spec_tokens = drafts
+            values = self.draft.propose(todo, rooms)
+            for i, (seq, room) in enumerate(zip(todo, rooms)):
+                seq.spec_tokens = DeviceDrafts(values, i, room)
 
 
 def _tokens(seq: Sequence) -> np.ndarray:
@@ -219,17 +220,22 @@ def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eo
     """Verify one step's sampled rows -> (tokens emitted per sequence, the logit row of each one's first token).
 
     logits: `[R, V]` raw, R = sum(1 + len(d)): per sequence in order, its 1 + d rows. Everything runs on the
-    device up to the step's one host read of the emitted tokens and their counts."""
+    device up to the step's one host read of the emitted tokens and their counts (device drafts are read earlier
+    only for a request whose logits are shaped by the tokens before them: penalties, min_tokens)."""
     counts = [len(d) for d in drafts]
     first_rows = np.cumsum([0] + [1 + d for d in counts[:-1]]).tolist()
+    shown = [d.read() if isinstance(d, DeviceDrafts) and s.params.shapes_logits else d for s, d in zip(seqs, drafts)]
     views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens) if j and s.params.shapes_logits else s
-             for s, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+             for s, d in zip(seqs, shown) for j in range(len(d) + 1)]
     shaped = shape_logits(logits.float(), views, eos)
     B, k, dev = len(seqs), max(counts), logits.device
     # [B, k + 1] row of each position (positions past a request's drafts repeat its last row; they are not read)
     host_index = [[r + min(j, d) for j in range(k + 1)] for r, d in zip(first_rows, counts)]
     index = torch.tensor(host_index, dtype=torch.int64, device=dev)
     draft_t = torch.tensor([d + [0] * (k - len(d)) for d in drafts], dtype=torch.int64, device=dev)
+    on_device = [(b * k, d) for b, d in enumerate(drafts) if isinstance(d, DeviceDrafts) and d]
+    if on_device:
+        place_drafts(draft_t.view(-1), on_device, lambda x: torch.tensor(x, dtype=torch.int64, device=dev))
     num_t = torch.tensor(counts, dtype=torch.int64, device=dev)
     tokens, emitted = verify_greedy(argmax_rows(shaped)[index], draft_t, num_t)
     random = [i for i, s in enumerate(seqs) if not s.params.is_greedy]

@@ -75,9 +75,9 @@ def test_proposals_are_the_drafts_greedy_continuation(dense_draft, backend):
         tails = [pool.refcount(s.block_table[(s.num_tokens - 1) // BS]) > 1
                  if (s.num_tokens - 1) // BS < len(s.block_table) else False for s in live]
         shared_tails += sum(tails)
-        got = draft.propose(live, rooms)
+        got = draft.propose(live, rooms).tolist()
         for s, room, d, shared in zip(live, rooms, got, tails):
-            assert d == hf_next(hf, s.token_ids, room), (step, s.request_id, s.num_tokens)
+            assert d[:room] == hf_next(hf, s.token_ids, room), (step, s.request_id, s.num_tokens)
             # the target's blocks hold the draft's KV up to the last token, but for a shared tail
             full = (s.num_tokens - 1) // BS * BS
             assert s.draft_computed == (full if shared or full // BS >= len(s.block_table) else s.num_tokens)
@@ -87,14 +87,9 @@ def test_proposals_are_the_drafts_greedy_continuation(dense_draft, backend):
     assert shared_tails >= 2      # the two samples' shared tail was met (and its copy on write after)
 
 
-def test_a_call_reads_the_device_back_once(dense_draft, monkeypatch):
-    """Each forward's argmax feeds the next on the device: the drafts of every sequence come back in one read."""
-    reads = []
-
-    def host_read(t):
-        reads.append(tuple(t.shape))
-        return torch._C.TensorBase.tolist(t)
-    monkeypatch.setattr("attention_nodes.draft_model.host_read", host_read)
+def test_a_call_reads_nothing_back(dense_draft):
+    """Each forward's argmax feeds the next on the device, and the drafts stay there (the next step's batch and
+    verification take them from the device: spec_decode.DeviceDrafts)."""
     pool = BlockPool(16, BS)
     draft = DraftModel(load(dense_draft), 16, BS, 4, 3, torch.float32, torch.device("cpu"),
                        exclusive=lambda b: pool.refcount(b) == 1)
@@ -104,7 +99,7 @@ def test_a_call_reads_the_device_back_once(dense_draft, monkeypatch):
         s.block_table.extend(pool.allocate(pool.blocks_needed(s.num_tokens)))
     with no_host_reads():
         got = draft.propose(seqs, [3, 1])
-    assert reads == [(2, 3)] and [len(d) for d in got] == [3, 1]
+    assert tuple(got.shape) == (2, 3) and got.device == torch.device("cpu")
 
 
 def test_a_draft_with_moe_layers_is_refused(tiny_checkpoint):

@@ -1,11 +1,12 @@
 """attention_nodes/mtp.py, in one process: an attention worker whose routed experts are computed locally steps
 through chunked prefills and speculative decode steps, and after every step each sequence's drafts are exactly the
 reference MTP forward's (tests/mtp_reference.py, transformers' modules) for its tokens so far; every step serves
-the MTP layer's MoE once per pass. Small KV blocks put the drafts' positions across block edges (scratch blocks)
-and the prompts' chunks across several steps."""
+the MTP layer's MoE once per pass, and a decode step's passes read nothing back. Small KV blocks put the drafts'
+positions across block edges (scratch blocks) and the prompts' chunks across several steps."""
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +25,7 @@ from expert_nodes.slots import ExpertSlots
 from models.checkpoint import Checkpoint
 from models.tiny import make_tiny_mtp_checkpoint
 from tests.conftest import hf_greedy, make_prompts
+from tests.host_reads import no_host_reads
 from tests.mtp_reference import ReferenceMTP
 
 K, BS, MAX_NEW = 3, 4, 12
@@ -78,21 +80,26 @@ def test_each_steps_drafts_are_the_reference_layers(checkpoint, tmp_path, backen
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True).to_dict()
     worker.add_requests([{"id": str(i), "prompt": p, "params": params} for i, p in enumerate(prompts)])
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    checked = moe_layers = 0
+    checked = moe_layers = decode_steps = 0
     for step in range(1, 60):
         if not worker.scheduler.has_work:
             break
         moe.layers.clear()
         worker.started_step = step
         worker.last_report = worker.step(capacity=64)
-        report = worker.draft(K)
+        # a decode step's passes read nothing back (the drafts stay on the device); a prompt chunk's prefill rows
+        # take the torch backend's prefill path, which reads its chunk bounds
+        with no_host_reads() if worker.is_decode_step else nullcontext():
+            report = worker.draft(K)
+        decode_steps += worker.is_decode_step
         for rid, toks, *_ in report.outputs:
             outputs[rid] += toks
         moe_layers = moe.layers[-K:]
         for seq in worker.scheduler.running:
             if seq.spec_tokens:
-                assert seq.spec_tokens == reference.drafts(seq.token_ids, len(seq.spec_tokens)), \
+                assert seq.spec_tokens.read() == reference.drafts(seq.token_ids, len(seq.spec_tokens)), \
                     (step, seq.request_id)
                 checked += 1
     assert [outputs[str(i)] for i in range(len(prompts))] == expected
-    assert checked > 10 and moe_layers == [2] * K     # the MTP layer is MoE layer 2, after the target's 0 and 1
+    # the MTP layer is MoE layer 2, after the target's 0 and 1
+    assert checked > 10 and decode_steps > 3 and moe_layers == [2] * K

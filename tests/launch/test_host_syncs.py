@@ -10,6 +10,8 @@ from launch import LLM, SamplingParams
 from launch.config import EngineConfig
 from models import SHIPPED_MODEL
 
+SHIPPED_DRAFT = os.path.join(os.path.dirname(SHIPPED_MODEL), "shakespeare-draft")
+
 pytestmark = pytest.mark.skipif(not os.path.isdir(SHIPPED_MODEL), reason="models/shakespeare-moe is not built")
 
 SAMPLER = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -98,18 +100,21 @@ def test_the_same_host_transport_with_in_band_counts_reads_nothing_back_per_laye
         assert ranks[str(r)]["host_syncs"]["max_per_decode_step"] == 0, ranks[str(r)]["host_syncs"]
 
 
-def test_draft_steps_wait_on_the_host_once():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_draft_steps_wait_on_the_host_once(method):
     """Speculative decoding's verification steps count as decode steps (one token per sequence plus its drafts)
     on every rank, and read back only the emitted tokens (attention_nodes/speculation.py's host_read) on the
-    attention rank, nothing on the expert ranks."""
+    attention rank, nothing on the expert ranks. The draft model's drafts stay on the device: its forwards after
+    the step read nothing."""
     spec = os.path.join(os.path.dirname(SAMPLER), "speculation.py")
     with open(spec) as f:
         (site,) = {f"attention_nodes/speculation.py:{n}" for n, line in enumerate(f, 1)
                    if "host_read(" in line and not line.lstrip().startswith(("from ", "import "))}
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    config = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+              "draft_model": {"method": "draft_model", "model": SHIPPED_DRAFT, "num_speculative_tokens": 3}}[method]
     prompts = ["ROMEO.\nO Romeo, Romeo, O Romeo", "To be, or not to be, to be, or not"]
     with LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=2, sync_audit=True, transport="collective",
-             speculative_config=ngram) as llm:
+             speculative_config=config) as llm:
         llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
         ranks = llm.comm_stats()["ranks"]
         drafted = llm.stats()["spec_decode"]["num_draft_tokens"]
