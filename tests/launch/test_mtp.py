@@ -99,3 +99,27 @@ def test_a_rank_lost_mid_stream(mtp_checkpoint, victim):
         assert _stream(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), llm.worker_pids[victim],
                        after_tokens=40) == expected
     assert llm.lost_ranks == [victim]
+
+
+def test_features_with_mtp_equal_the_outputs_without(mtp_checkpoint):
+    """MTP drafts with n = 2 samples (forked: their shared prompt tail is copied to scratch before the chained
+    passes), a small pool (preemption: recomputed sequences run their pass-1 rows again), repeated prompts (prefix
+    cache hits), logprobs, stop tokens and chunked prefill: the outputs equal those without speculation."""
+    prompts = _prompts()[:3] * 2
+    cases = [SamplingParams(max_tokens=12, n=2, logprobs=2, ignore_eos=True),
+             SamplingParams(max_tokens=14, stop_token_ids=[7, 11, 13], repetition_penalty=1.2)]
+    runs, stats = [], None
+    for cfg in (None, {"method": "mtp", "num_speculative_tokens": K}):
+        with LLM(mtp_checkpoint, attention_ranks=1, expert_ranks=1, num_kv_blocks=10, block_size=4,
+                 max_num_batched_tokens=16, max_num_seqs=6, speculative_config=cfg) as llm:
+            runs.append([llm.generate(prompts, p) for p in cases])
+            stats = llm.stats()
+    assert stats["spec_decode"]["num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
+    assert stats["prefix_cache_hits"] > 0
+    for off, on in zip(*runs):
+        for a, b in zip(off, on):
+            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+            assert [s.finish_reason for s in a.samples] == [s.finish_reason for s in b.samples]
+            for sa, sb in zip(a.samples, b.samples):
+                for ea, eb in zip(sa.logprobs or [], sb.logprobs or []):
+                    assert ea.keys() == eb.keys() and all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
