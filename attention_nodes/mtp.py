@@ -17,10 +17,11 @@ rows, so the expert ranks serve k rounds of the MTP layer's MoE.
   kept (its chunk, up to the last accepted token): t_{p+1} is known for each, and the KV they write in the MTP
   layer's cache is exact from then on (only positions up to the last accepted one are written in the target's
   blocks). A sequence's last such row gives its first draft.
-- Pass j > 1 (vLLM's chaining, reusing layer (j - 1) mod num_mtp_layers): one row per drafting sequence at the next
-  position, its input the previous draft and, standing in for the target hidden state not computed yet, the
-  previous pass's output y. These positions are past the target's blocks: they go to scratch blocks (past the
-  target's), and the next step's pass 1 writes them again from real hidden states.
+- Pass j > 1 (vLLM's chaining, the same layer again; of several MTP layers only the first runs, ModelSpec.with_mtp):
+  one row per drafting sequence at the next position, its input the previous draft and, standing in for the
+  target hidden state not computed yet, the previous pass's output y. These positions are past the target's
+  blocks: they go to scratch blocks (past the target's), and the next step's pass 1 writes them again from real
+  hidden states.
 
 The MTP cache mirrors the target's block ids (a position in target block b is in MTP block b), with the target's
 copy-on-write copies applied to it too. What it does not follow: KV restored from the host tier or handed over from

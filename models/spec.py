@@ -96,8 +96,8 @@ class ModelSpec:
     expert_bias: bool = False             # biases on the expert projections (GPT-OSS)
     fused_experts: bool = False           # one [E, H, 2I] (gate/up interleaved) and one [E, I, H] tensor per layer
     num_skipped_layers: int = 0           # MTP layers (num_nextn_predict_layers) the checkpoint holds
-    num_mtp_layers: int = 0               # of those, the ones the runtime runs (speculative method "mtp"): decoder
-                                          # layers num_layers.., each MoE layer num_moe_layers - num_mtp_layers + i
+    num_mtp_layers: int = 0               # of those, the ones the runtime runs (speculative method "mtp": the
+                                          # first): decoder layer num_layers, the last MoE layer
     hf_config: Any = field(default=None, repr=False)
 
     @property
@@ -128,14 +128,16 @@ class ModelSpec:
     def with_mtp(self) -> ModelSpec:
         """This spec with the checkpoint's multi-token-prediction layers run (speculative_config method "mtp",
         attention_nodes/mtp.py): DeepSeek's release layout, decoder layers num_layers + i whose MoE FFN counts as
-        MoE layer num_moe_layers + i, so its experts load and are served like any other layer's."""
+        MoE layer num_moe_layers + i, so its experts load and are served like any other layer's. Only the first
+        MTP layer runs (DeepSeek-V3 and R1 ship one): every draft pass chains it, as vLLM does. A second layer
+        would need its own cache over every position (DeepSeek's depth-2 module reads depth 1's outputs), which
+        the passes do not fill."""
         if self.arch != "deepseek_v3" or not self.num_skipped_layers:
             raise ValueError(f"speculative_config method 'mtp' needs a DeepSeek-V3 checkpoint with "
                              f"multi-token-prediction layers (config.num_nextn_predict_layers >= 1); this one is "
                              f"{self.arch!r} with num_nextn_predict_layers={self.num_skipped_layers}: use method "
                              f"'ngram' or 'draft_model'")
-        n = self.num_skipped_layers
-        return replace(self, num_mtp_layers=n, moe_layers=self.moe_layers + (True,) * n)
+        return replace(self, num_mtp_layers=1, moe_layers=self.moe_layers + (True,))
 
     def moe_prefix(self, layer: int) -> str:
         return f"model.layers.{layer}.{self.moe_module}"

@@ -103,3 +103,25 @@ def test_each_steps_drafts_are_the_reference_layers(checkpoint, tmp_path, backen
     assert [outputs[str(i)] for i in range(len(prompts))] == expected
     # the MTP layer is MoE layer 2, after the target's 0 and 1
     assert checked > 10 and decode_steps > 3 and moe_layers == [2] * K
+
+
+def test_a_checkpoint_with_two_mtp_layers_runs_its_first(tmp_path):
+    """DeepSeek's depth-2 module reads depth 1's outputs at every position, which the passes do not compute: only the
+    first MTP layer runs, its drafts still the reference's, and the second layer's tensors are never read."""
+    path = make_tiny_mtp_checkpoint(tmp_path / "two", seed=3, num_mtp_layers=2)
+    ckpt = Checkpoint(path, mtp=True)
+    assert ckpt.spec.num_mtp_layers == 1 and not any(".layers.4." in n for n in ckpt.attention_tensor_names())
+    reference = ReferenceMTP(path, os.fspath(tmp_path / "layer"))
+    worker, _ = _worker(path)
+    params = SamplingParams(max_tokens=8, ignore_eos=True).to_dict()
+    worker.add_requests([{"id": "0", "prompt": make_prompts(1, 256, 9, 9, seed=4)[0], "params": params}])
+    checked = 0
+    for step in range(1, 12):
+        worker.started_step = step
+        worker.last_report = worker.step(capacity=64)
+        worker.draft(K)
+        for seq in worker.scheduler.running:
+            if seq.spec_tokens:
+                assert seq.spec_tokens.read() == reference.drafts(seq.token_ids, len(seq.spec_tokens))
+                checked += 1
+    assert checked >= 2
