@@ -104,18 +104,29 @@ class ForwardBatch:
         def tensor(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=device)
 
-        decode = prefill = None
-        if dec_tables:
-            tables, lens = padded_tables(dec_tables, device), tensor(dec_lens, torch.int32)
-            decode = DecodeMeta(tables, lens, max(dec_lens),
-                                plan_decode_attention(tables, lens, block_size, kernel_backend, dec_lens))
-        if pre_tables:
-            prefill = PrefillMeta(padded_tables(pre_tables, device), tensor(cu, torch.int32),
-                                  tensor(pre_lens, torch.int32), cu, pre_lens)
+        decode, prefill = attention_metadata(dec_tables, dec_lens, pre_tables, pre_lens, cu, block_size,
+                                             kernel_backend, device)
         input_ids = tensor(ids)
         if on_device:
             place_drafts(input_ids, on_device, tensor)
         return cls(input_ids, tensor(pos), tensor(slots), num_decodes, decode, prefill, tensor(logit_rows))
+
+
+def attention_metadata(dec_tables: list[list[int]], dec_lens: list[int], pre_tables: list[list[int]],
+                       pre_lens: list[int], cu: list[int], block_size: int, kernel_backend: str, device: torch.device
+                       ) -> tuple[DecodeMeta | None, PrefillMeta | None]:
+    """The attention inputs of a batch built from host lists: decode rows (block table and context length each)
+    and prefill chunks (block table, context length, cu_seqlens from 0); None for a part with no rows."""
+    def tensor(x):
+        return torch.tensor(x, dtype=torch.int32, device=device)
+    decode = prefill = None
+    if dec_tables:
+        tables, lens = padded_tables(dec_tables, device), tensor(dec_lens)
+        decode = DecodeMeta(tables, lens, max(dec_lens),
+                            plan_decode_attention(tables, lens, block_size, kernel_backend, dec_lens))
+    if pre_tables:
+        prefill = PrefillMeta(padded_tables(pre_tables, device), tensor(cu), tensor(pre_lens), cu, pre_lens)
+    return decode, prefill
 
 
 def padded_tables(tables: list[list[int]], device: torch.device) -> torch.Tensor:

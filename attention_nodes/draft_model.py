@@ -28,9 +28,8 @@ from types import SimpleNamespace
 import torch
 
 from comm.stats import CommStats
-from kernels.ops import plan_decode_attention
 
-from .batch import DecodeMeta, ForwardBatch, padded_tables
+from .batch import ForwardBatch, attention_metadata
 from .kv_cache import KVCache
 from .model import AttentionModel
 from .sequence import Sequence
@@ -111,11 +110,8 @@ class DraftModel:
         """A batch of decode rows: row r at position pos[r] over block table tables[r], the logits of rows `last`
         (default: every row)."""
         dev = self.model.device
-        lens = [p + 1 for p in pos]
-        table = padded_tables(tables, dev)
-        context = torch.tensor(lens, dtype=torch.int32, device=dev)
-        decode = DecodeMeta(table, context, max(lens),
-                            plan_decode_attention(table, context, self.block_size, self.model.kernel_backend, lens))
+        decode, _ = attention_metadata(tables, [p + 1 for p in pos], [], [], [0], self.block_size,
+                                       self.model.kernel_backend, dev)
 
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64, device=dev)

@@ -36,9 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.ops import plan_decode_attention
 
-from .batch import DecodeMeta, ForwardBatch, PrefillMeta, padded_tables
+from .batch import ForwardBatch, attention_metadata
 from .kv_cache import KVCache
 from .model import AttentionModel, MoEContext, rms_norm
 from .scheduler import ScheduledSeq
@@ -177,16 +176,10 @@ class MTPProposer:
         by_entry = dict(zip(map(id, (e for e in order if e.room)), last))
         logit_rows = [by_entry[id(e)] for e in entries if e.room]
 
-        def tensor(x, dtype=torch.int64):
-            return torch.tensor(x, dtype=dtype, device=dev)
-        decode = prefill = None
-        if dec_tables:
-            tables, lens = padded_tables(dec_tables, dev), tensor(dec_lens, torch.int32)
-            decode = DecodeMeta(tables, lens, max(dec_lens),
-                                plan_decode_attention(tables, lens, bs, self.model.kernel_backend, dec_lens))
-        if pre_tables:
-            prefill = PrefillMeta(padded_tables(pre_tables, dev), tensor(cu, torch.int32),
-                                  tensor(pre_lens, torch.int32), cu, pre_lens)
+        def tensor(x):
+            return torch.tensor(x, dtype=torch.int64, device=dev)
+        decode, prefill = attention_metadata(dec_tables, dec_lens, pre_tables, pre_lens, cu, bs,
+                                             self.model.kernel_backend, dev)
         batch = ForwardBatch(tensor(ids), tensor(pos), tensor(slots), len(dec_lens), decode, prefill,
                              tensor(logit_rows))
         return batch, self.model.hidden[tensor(rows)]
@@ -212,11 +205,7 @@ class MTPProposer:
             slots.append(table[p // bs] * bs + p % bs)
         if j == 1:
             self.kv.copy_device_blocks(copies)
-        lens = [p + 1 for p in pos]
-        table_t = padded_tables(tables, dev)
-        context = torch.tensor(lens, dtype=torch.int32, device=dev)
-        decode = DecodeMeta(table_t, context, max(lens),
-                            plan_decode_attention(table_t, context, bs, self.model.kernel_backend, lens))
+        decode, _ = attention_metadata(tables, [p + 1 for p in pos], [], [], [0], bs, self.model.kernel_backend, dev)
 
         def tensor(x):
             return torch.tensor(x, dtype=torch.int64, device=dev)
