@@ -35,19 +35,22 @@ class ExpertWorker:
         return self.slots.move(moves, slot2expert, me, world_rank, group)
 
     @torch.inference_mode()
-    def step(self, capacity: int, micro_batches: int = 1, draft_passes: int = 0) -> None:
+    def step(self, capacity: int, micro_batches: int = 1, draft_passes: int = 0, before_drafts=None) -> None:
         """Serve one engine step: per MoE layer of the target, the dispatches of every micro-batch, then for each
         in turn the grouped FFN and its combine (the attention ranks issue the collectives in the same order); then
         the MTP layers' MoE once per draft pass (pass j: MTP layer j mod num_mtp_layers, one micro-batch).
         capacity: the step header's bound on any attention rank's tokens; micro_batches: the header's number
-        of micro-batches this step (at most the configured one, which sized the data plane)."""
+        of micro-batches this step (at most the configured one, which sized the data plane). before_drafts: called
+        between the target's layers and the draft passes (fault injection)."""
         assert 1 <= micro_batches <= self.micro_batches, (micro_batches, self.micro_batches)
         assert not draft_passes or self.num_mtp_layers, "draft passes without MTP layers"
         self.dispatcher.set_capacity(capacity)
         first_mtp = self.num_moe_layers - self.num_mtp_layers
         layers = [(layer, micro_batches) for layer in range(first_mtp)]
         layers += [(first_mtp + j % self.num_mtp_layers, 1) for j in range(draft_passes)]
-        for layer, rounds in layers:
+        for n, (layer, rounds) in enumerate(layers):
+            if n == first_mtp and before_drafts is not None:
+                before_drafts()
             pending = [self.dispatcher.start_dispatch(layer, *self.dispatcher.empty_tokens()) for _ in range(rounds)]
             for p in pending:
                 rows, handle = self.dispatcher.finish_dispatch(p)

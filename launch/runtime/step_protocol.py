@@ -68,11 +68,12 @@ class StepRuntime(Protocol):
     def gather_stats(self, events: bool = False) -> dict | None: ...
 
 
-def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = None) -> StepReport:
+def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = None, member: int = -1) -> StepReport:
     """What every attention rank does with a STEP header. Re-sent headers (the same step, after the job
     re-formed) are idempotent: a finished step joins the step's exchanges with no tokens and re-sends its
     report, an unfinished one re-runs its batch. tally: the sync audit's, when on: the forward and sampling
-    run under it; a decode step is one whose own batch is (worker.is_decode_step)."""
+    run under it; a decode step is one whose own batch is (worker.is_decode_step). member: this rank's, for
+    fault_point."""
     if header.step == worker.done_step:
         worker.join_exchanges(header.capacity, header.micro_batches, header.draft_passes)
         return worker.last_report
@@ -85,15 +86,18 @@ def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = Non
         report = worker.step(header.capacity, header.micro_batches)
         # Committed: if a peer is lost in the MTP passes, the re-sent step joins its exchanges with this report.
         worker.done_step, worker.last_report = header.step, report
+        if header.draft_passes:
+            fault_point("draft_passes", member, header.step)
         return worker.draft(header.draft_passes)
     worker.last_report = _audited(tally, run, lambda: worker.is_decode_step)
     return worker.last_report
 
 
-def run_expert_step(worker, header: StepHeader, tally: SyncTally | None = None) -> None:
+def run_expert_step(worker, header: StepHeader, tally: SyncTally | None = None, member: int = -1) -> None:
     """What every expert rank does with a STEP header: serve its dispatches. tally: as for attention ranks;
     a decode step is one the header calls so (an expert rank does not see the batches)."""
-    _audited(tally, lambda: worker.step(header.capacity, header.micro_batches, header.draft_passes),
+    _audited(tally, lambda: worker.step(header.capacity, header.micro_batches, header.draft_passes,
+                                        lambda: fault_point("draft_passes", member, header.step)),
              lambda: header.is_decode)
 
 
@@ -162,7 +166,7 @@ def _step(rt: StepRuntime) -> list[StepReport]:
     """The step in flight (re-sent as the leader rewrote it when the job re-formed)."""
     header = rt.leader.inflight
     rt.control.broadcast_header(header, settle_later=True)   # gather_reports settles it (and raises if it failed)
-    return rt.control.gather_reports(run_attention_step(rt.worker, header, rt.sync_tally))
+    return rt.control.gather_reports(run_attention_step(rt.worker, header, rt.sync_tally, rt.member))
 
 
 def collective(rt: StepRuntime, kind: str):
@@ -224,12 +228,12 @@ def _obey(rt: StepRuntime) -> str:
     elif header.kind == STEP:
         if rt.topo.is_attention:
             t0 = time.perf_counter()
-            report = run_attention_step(rt.worker, header, rt.sync_tally)
+            report = run_attention_step(rt.worker, header, rt.sync_tally, rt.member)
             fault_point("before_report", rt.member, header.step)
             rt.control.gather_reports(report)
             _timed_step(rt, t0)
         else:
-            run_expert_step(rt.worker, header, rt.sync_tally)
+            run_expert_step(rt.worker, header, rt.sync_tally, rt.member)
     return header.kind
 
 
@@ -257,7 +261,8 @@ def fault_point(name: str, member: int, step: int) -> None:
     drain), `step` is the planned generation's number: "reshape" (a follower that got the RESHAPE header, before
     any handover), "mid_handover" (a retiring attention rank that has sent its requests' list, before their KV
     blocks), "handed_over" (a follower past the handover, before the ranks leave the old generation together),
-    "admitted" (a joiner told its generation, before it forms it)."""
+    "admitted" (a joiner told its generation, before it forms it). "draft_passes": in a step with MTP passes, a
+    rank past the step's target layers, before its passes (an attention rank: its step committed)."""
     spec = os.environ.get("AFSERVE_FAULT")
     if spec and f"{name}:{member}:{step}" in spec.split(","):
         os.kill(os.getpid(), signal.SIGKILL)

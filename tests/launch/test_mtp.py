@@ -86,19 +86,26 @@ def test_mtp_steps_read_the_device_once_and_expert_ranks_never(mtp_checkpoint):
         assert ranks[r]["host_syncs"]["max_per_decode_step"] == 0, ranks[r]["host_syncs"]
 
 
-@pytest.mark.parametrize("victim", [3, wider(1)])
-def test_a_rank_lost_mid_stream(mtp_checkpoint, victim):
-    """2+2 with MTP drafts: expert rank 3 (the step in flight is re-sent; if it was in its MTP passes, every rank
-    joins them again) or attention rank 1 (its requests move and are recomputed) SIGKILLed while requests stream:
-    every output is still transformers' greedy continuation."""
+@pytest.mark.parametrize("victim", [3, 1])
+def test_a_rank_killed_between_a_steps_forward_and_its_mtp_passes(mtp_checkpoint, monkeypatch, victim):
+    """2+2 with MTP drafts: at step 6, once past the target's layers, expert rank 3 dies (the attention ranks have
+    committed the step and are in its MTP passes) or attention rank 1 does (committed, before its passes)
+    (AFSERVE_FAULT draft_passes). The job re-forms and re-sends the step: the committed ranks join its exchanges
+    again and re-send their reports; attention rank 1's requests move and are recomputed. Every output is
+    transformers' greedy continuation, within a watchdog."""
+    from tests.dist_utils import alive
     from tests.launch.runtime.test_elastic import _stream
     prompts = _prompts()
     expected = hf_greedy(mtp_checkpoint, prompts, 24)
+    monkeypatch.setenv("AFSERVE_FAULT", f"draft_passes:{victim}:6")
     with LLM(mtp_checkpoint, attention_ranks=2, expert_ranks=2,
              speculative_config={"method": "mtp", "num_speculative_tokens": K}) as llm:
-        assert _stream(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), llm.worker_pids[victim],
-                       after_tokens=40) == expected
-    assert llm.lost_ranks == [victim]
+        pid = llm.worker_pids[victim]
+        got = _stream(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), None, 0, deadline_s=90)
+        stats = llm.stats()
+    assert not alive(pid) and got == expected
+    change, = stats["membership_changes"]
+    assert change["lost"] == [victim] and stats["spec_decode"]["num_accepted_tokens"] > 0
 
 
 def test_features_with_mtp_equal_the_outputs_without(mtp_checkpoint):
