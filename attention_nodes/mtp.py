@@ -109,12 +109,13 @@ class MTPProposer:
                                      s.num_new_tokens == 1 or bool(s.drafts)))
             at += s.num_new_tokens
         drafting = [e for e in entries if e.room]
-        hidden, picked = self.model.hidden, []
+        hidden, picked, tables = self.model.hidden, [], None
         for j in range(passes):
             if j == 0:
                 batch, prev = self._first_rows(entries) if entries else self._empty(hidden)
             elif j < max((e.room for e in drafting), default=0):
-                batch, prev = self._next_rows(drafting, j, picked[-1]), hidden
+                tables = tables or self._chain_tables(drafting)
+                batch, prev = self._next_rows(drafting, tables, j, picked[-1]), hidden
             else:
                 batch, prev = self._empty(hidden)
             (logits, hidden), = self.model.run([self._layer(j, batch, prev)], moe)
@@ -184,13 +185,13 @@ class MTPProposer:
                              tensor(logit_rows))
         return batch, self.model.hidden[tensor(rows)]
 
-    def _next_rows(self, drafting: list[_Rows], j: int, ids: torch.Tensor) -> ForwardBatch:
-        """Pass j + 1: one decode row per drafting entry at its last accepted position + j, its input the
-        previous draft (`ids`, on the device). Positions past the last accepted one go to scratch blocks; a tail
-        block the sequence shares (forked samples) is copied there first, with the entries it holds."""
-        bs, dev = self.block_size, self.model.device
-        scratch = iter(range(self.num_blocks, self.num_blocks + self.num_scratch))   # the same tables every pass
-        tables, pos, slots, copies = [], [], [], []
+    def _chain_tables(self, drafting: list[_Rows]) -> list[list[int]]:
+        """The block tables the passes after the first run over, once per step: positions past each entry's last
+        accepted one go to scratch blocks, up to the largest room's passes; a tail block the sequence shares
+        (forked samples) is copied there first, with the entries it holds."""
+        bs = self.block_size
+        scratch = iter(range(self.num_blocks, self.num_blocks + self.num_scratch))
+        tables, copies = [], []
         reach = max(e.room for e in drafting) - 1       # every drafting row runs up to the largest room's passes
         for e in drafting:
             last = e.start + e.count - 1                 # the last accepted position: its block is the target's
@@ -199,12 +200,16 @@ class MTPProposer:
                 copies.append((table[-1], next(scratch)))
                 table = table[:-1] + [copies[-1][1]]
             table += [next(scratch) for _ in range((last + reach) // bs + 1 - len(table))]
-            p = last + j
             tables.append(table)
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
-        if j == 1:
-            self.kv.copy_device_blocks(copies)
+        self.kv.copy_device_blocks(copies)
+        return tables
+
+    def _next_rows(self, drafting: list[_Rows], tables: list[list[int]], j: int, ids: torch.Tensor) -> ForwardBatch:
+        """Pass j + 1: one decode row per drafting entry at its last accepted position + j over its chain table,
+        its input the previous draft (`ids`, on the device)."""
+        bs, dev = self.block_size, self.model.device
+        pos = [e.start + e.count - 1 + j for e in drafting]
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, pos)]
         decode, _ = attention_metadata(tables, [p + 1 for p in pos], [], [], [0], bs, self.model.kernel_backend, dev)
 
         def tensor(x):
