@@ -31,8 +31,8 @@ from train_tiny_moe import (  # noqa: E402
     SDIST,
     encode,
     fetch_texts,
-    machine_record,
     optimizer_step,
+    save_record,
     warmup_cosine,
     windows,
 )
@@ -164,11 +164,8 @@ def main(argv=None) -> None:
         "train_tokens": len(data), "parameters": n_params, "args": vars(args) | {"out": None, "data_dir": None,
                                                                                   "target": None},
         "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
-        **machine_record(args.threads),
     }
-    with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    print(json.dumps(record), flush=True)
+    save_record(args.out, record, args.threads)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,14 @@ def machine_record(threads: int) -> dict:
             "torch": torch.__version__}
 
 
+def save_record(out: str, record: dict, threads: int) -> None:
+    """Write a run's record, with the machine's, as out/training.json, and print it."""
+    record = record | machine_record(threads)
+    with open(os.path.join(out, "training.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(json.dumps(record), flush=True)
+
+
 @torch.no_grad()
 def bits_per_char(model, tokenizer, text: str, window: int, stride: int) -> float:
     """Held-out loss in bits per character: the summed token NLL of the document (<s> text </s>, each token scored
@@ -220,11 +228,8 @@ def main(argv=None) -> None:
         "held_out_bits_per_char_fp32_before_bf16": round(bpc, 4), "train_tokens": len(data),
         "parameters": n_params, "args": vars(args) | {"out": None, "data_dir": None},
         "train_seconds": round(train_s, 1), "total_seconds": round(time.perf_counter() - t_start, 1),
-        **machine_record(args.threads),
     }
-    with open(os.path.join(args.out, "training.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    print(json.dumps(record), flush=True)
+    save_record(args.out, record, args.threads)
 
 
 if __name__ == "__main__":
