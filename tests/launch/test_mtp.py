@@ -14,7 +14,7 @@ from launch import LLM, SamplingParams
 from models.tiny import make_tiny_mtp_checkpoint
 from tests.conftest import hf_greedy, make_prompts, wider
 from tests.mtp_reference import ReferenceMTP
-from tests.launch.test_speculative import _replayed_counts
+from tests.launch.test_speculative import _replayed_counts, assert_same_outputs
 
 MAX_NEW = 16
 K = 3
@@ -123,10 +123,4 @@ def test_features_with_mtp_equal_the_outputs_without(mtp_checkpoint):
             stats = llm.stats()
     assert stats["spec_decode"]["num_draft_tokens"] > 0 and stats["num_preemptions"] > 0
     assert stats["prefix_cache_hits"] > 0
-    for off, on in zip(*runs):
-        for a, b in zip(off, on):
-            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
-            assert [s.finish_reason for s in a.samples] == [s.finish_reason for s in b.samples]
-            for sa, sb in zip(a.samples, b.samples):
-                for ea, eb in zip(sa.logprobs or [], sb.logprobs or []):
-                    assert ea.keys() == eb.keys() and all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
+    assert_same_outputs(*runs)

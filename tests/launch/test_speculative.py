@@ -117,6 +117,19 @@ def test_shipped_model_counts_equal_a_replay_of_its_drafts():
     assert spec["num_accepted_tokens"] > 0
 
 
+def assert_same_outputs(off: list[list], on: list[list]) -> None:
+    """Per case, per request: the same samples' tokens, finish reasons and logprob entries (within 1e-4)."""
+    for off_case, on_case in zip(off, on):
+        for a, b in zip(off_case, on_case):
+            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+            assert [s.finish_reason for s in a.samples] == [s.finish_reason for s in b.samples]
+            for sa, sb in zip(a.samples, b.samples):
+                assert (sa.logprobs is None) == (sb.logprobs is None)
+                for ea, eb in zip(sa.logprobs or [], sb.logprobs or []):
+                    assert ea.keys() == eb.keys()
+                    assert all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
+
+
 def test_features_equal_the_outputs_without_speculation():
     """Penalties, bias and min_tokens (shaped as if the drafts before each row were generated), stop tokens and
     EOS (nothing past them), n > 1, logprobs (the target's, of each token emitted) and max_tokens, with a small
@@ -136,15 +149,7 @@ def test_features_equal_the_outputs_without_speculation():
             runs.append([llm.generate(prompts, p) for p in cases])
             stats = llm.stats()
     assert stats["spec_decode"]["num_accepted_tokens"] > 0 and stats["num_preemptions"] > 0
-    for off, on in zip(*runs):
-        for a, b in zip(off, on):
-            assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
-            assert [s.finish_reason for s in a.samples] == [s.finish_reason for s in b.samples]
-            for sa, sb in zip(a.samples, b.samples):
-                assert (sa.logprobs is None) == (sb.logprobs is None)
-                for ea, eb in zip(sa.logprobs or [], sb.logprobs or []):
-                    assert ea.keys() == eb.keys()
-                    assert all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
+    assert_same_outputs(*runs)
     stopped = [o for o in runs[1][1] if o.finish_reason == "stop"]
     assert stopped and all(o.token_ids[-1] == stop[0] and o.token_ids.count(stop[0]) == 1
                            for o in stopped)
