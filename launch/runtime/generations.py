@@ -62,7 +62,7 @@ class Generations:
                                     lambda: self._forming >= 0)
 
     def close(self) -> None:
-        self._heartbeat.stop.set()
+        self._heartbeat.close()
 
     # ----- the store ----------------------------------------------------------------------------------------
     def _key(self, generation: int, name: str) -> str:

@@ -59,6 +59,14 @@ class Heartbeat:
         self.thread = threading.Thread(target=self._run, name=f"afserve-heartbeat-{member}", daemon=True)
         self.thread.start()
 
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and wait for it (at most timeout_s): a daemon thread still inside a store call when
+        the interpreter finalizes is ended by pthread_exit from the GIL's reacquisition, whose unwinding through
+        the call's noexcept C++ frames aborts the process ("terminate called without an active exception", seen
+        on rank 0 after a clean shutdown)."""
+        self.stop.set()
+        self.thread.join(timeout_s)
+
     def _run(self) -> None:
         since: tuple[int, float, bool] | None = None   # (generation, when its re-forming was seen, broken yet)
         beats: dict[int, tuple[int, int, float]] = {}   # member -> (generation, its count, when it last moved)

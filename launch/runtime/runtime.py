@@ -329,9 +329,9 @@ class Runtime(GenerationForming):
                                         self.config.parallel, self.dev.kernel_backend, events, self.sync_tally)
 
     def close(self) -> None:
-        """Leave the job, on every rank after the shutdown header: first wait until all ranks are here, so that
-        none tears its connections down while a peer still reads from them (gloo then aborts the process with
-        'terminate called without an active exception'; seen on rank 0 right after it sent the header)."""
+        """Leave the job, on every rank after the shutdown header: stop the heartbeat thread (Heartbeat.close
+        says why it must be joined), then wait until all ranks are here, so that none tears its connections down
+        while a peer still reads from them."""
         if self.membership is not None:
             self.membership.close()
         if dist.is_initialized() and not self.left:

@@ -1,5 +1,6 @@
 """Peers.survey, the wait that decides which members of a generation are alive: on a store of its own, with
-members whose processes really ran on this host (one still running, one exited)."""
+members whose processes really ran on this host (one still running, one exited). Generations._agree. A process
+whose heartbeat was closed exits cleanly however busy the heartbeat's store calls are."""
 from __future__ import annotations
 
 import os
@@ -100,3 +101,30 @@ def test_a_generation_forms_for_every_member_or_for_none():
     assert _votes(store, {1: False}, [0, 1]) == {1: False}
     assert store.get(f"{PREFIX}/g5/leaving") == b"1"     # members still in an exchange get interrupted
     assert _votes(store, {0: True}, [0, 1]) == {0: False}
+
+
+EXIT_AFTER_CLOSE = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from launch.procs import free_port
+from launch.runtime import liveness
+liveness.HEARTBEAT_INTERVAL_S = 0.0     # the thread is inside a store call nearly all the time
+port = free_port()
+master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+hb = liveness.Heartbeat("127.0.0.1", port, 0, lambda: (0, 0), lambda: 0, lambda: [], 5.0, 10.0, 60.0)
+time.sleep(0.2)
+hb.close()
+sys.exit(0)
+"""
+
+
+def test_a_process_exits_cleanly_after_its_heartbeat_closes():
+    """The heartbeat thread is a daemon in store calls: had close() not waited for it, the interpreter's
+    finalization would end it inside a call and abort the process ("terminate called without an active
+    exception", exit -6; a rank that had shut down cleanly failed its torchrun job that way)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", EXIT_AFTER_CLOSE], cwd=root, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
