@@ -16,13 +16,13 @@ from .scheduler import seats_of
 from .sequence import Sequence, SequenceStatus
 
 
-def pack_sequences(worker) -> tuple[dict, torch.Tensor]:
-    """The worker's live sequences (running, then waiting, in scheduling order) -> (msgpack-able meta,
-    KV `[layers, c, n, block_size, heads, dim]` of the n distinct blocks they hold)."""
+def pack_sequences(worker, chosen: list[Sequence] | None = None) -> tuple[dict, torch.Tensor]:
+    """The worker's live sequences (running, then waiting, in scheduling order), or those `chosen` -> (msgpack-able
+    meta, KV `[layers, c, n, block_size, heads, dim]` of the n distinct blocks they hold)."""
     sched = worker.scheduler
     blocks: dict[int, int] = {}       # block id -> index among the blocks sent
     seqs = []
-    for seq in list(sched.running) + list(sched.waiting):
+    for seq in list(sched.running) + list(sched.waiting) if chosen is None else chosen:
         seqs.append({"request_id": seq.request_id, "token_ids": seq.token_ids,
                      "num_prompt_tokens": seq.num_prompt_tokens, "params": seq.params.to_dict(),
                      "num_computed_tokens": seq.num_computed_tokens, "running": seq.status is SequenceStatus.RUNNING,
@@ -39,7 +39,7 @@ def pack_sequences(worker) -> tuple[dict, torch.Tensor]:
 def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
     """Take the sequences of pack_sequences into this worker's scheduler -> the number of KV blocks taken
     over. Running sequences keep their KV when every block fits and they fit max_num_seqs; the others wait
-    and are recomputed."""
+    and are recomputed. With prefix caching on, the full blocks received become this rank's cached blocks."""
     sched, pool = worker.scheduler, worker.block_pool
     seqs = [_sequence(d, worker.device) for d in meta["seqs"]]
     running = [(s, d) for s, d in zip(seqs, meta["seqs"]) if d["running"]]
@@ -59,6 +59,8 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
             seq.replace_blocks([new_ids[i] for i in d["blocks"]])
             seq.num_computed_tokens = d["num_computed_tokens"]
             seq.status = SequenceStatus.RUNNING
+            if sched.enable_prefix_caching:
+                sched.register_full_blocks(seq)
             for i in d["blocks"]:
                 holders[i] += 1
         # allocate gave each block one reference; a block forked samples share gets one per holder

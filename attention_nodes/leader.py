@@ -15,6 +15,9 @@ has its progress held back for up to HOLD_STEPS steps, or until a step in which 
 request makes progress or the leader runs out of work; the held outputs then go out, in order, in one message (one
 pickle and one pipe write for several steps instead of one per step, and the reading process wakes as rarely; the
 bound keeps what the reader has left to take in when the last request ends small).
+PD (`prefill_ranks` P > 0): new requests go to attention ranks 0..P-1 only; a request whose prefill is done there
+moves to the decode rank (P..) with room for it, the longest cached prefix of its prompt first, then the most free
+blocks (`plan_moves`; attention_nodes/pd.py carries the moves out).
 Every `rebalance_interval` steps (when > 0) the leader calls a re-placement, which every rank joins between
 steps. The loop that drives all this, and the header kinds, are in launch/runtime/step_protocol.py; this class
 is the leader's request state.
@@ -43,10 +46,14 @@ def micro_batches_for(tokens: int, configured: int, min_tokens: int) -> int:
 class Leader:
     def __init__(self, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
                  rebalance_interval: int = 0, cache_aware: bool = False, micro_batches: int = 1,
-                 micro_batch_min_tokens: int = 0, draft_passes: int = 0, disable_by_batch_size: int | None = None):
+                 micro_batch_min_tokens: int = 0, draft_passes: int = 0, disable_by_batch_size: int | None = None,
+                 prefill_ranks: int = 0):
         """draft_passes: the MTP passes of a step (speculative method "mtp"), none while every rank runs
-        disable_by_batch_size sequences or more."""
+        disable_by_batch_size sequences or more. prefill_ranks: PD's prefill ranks (0: none)."""
         self.worker = worker
+        self.prefill_ranks = prefill_ranks
+        self.num_waiting_for_decode = 0  # PD: prefilled requests no decode rank had room for, at the last step
+        self.unheld: set[str] = set()    # PD: requests of a failed step's moves that no rank said it holds
         self.draft_passes, self.disable_by_batch_size = draft_passes, disable_by_batch_size
         self.micro_batches, self.micro_batch_min_tokens = micro_batches, micro_batch_min_tokens
         self.membership_changes: list = []   # the job's MembershipChange records (launch/runtime/membership.py)
@@ -95,10 +102,11 @@ class Leader:
         while self.pending:
             req = self.pending.popleft()
             need = -(-len(req["prompt"]) // self.block_size)
-            rank = max(range(self.num_attention_ranks), key=lambda r: (free[r], -r))
-            if self.cache_aware and self.num_attention_ranks > 1:
+            ranks = range(self.prefill_ranks or self.num_attention_ranks)   # PD: the prefill ranks take them in
+            rank = max(ranks, key=lambda r: (free[r], -r))
+            if self.cache_aware and len(ranks) > 1:
                 hit = self._cached_prefix(req["prompt"])
-                best = max(range(self.num_attention_ranks), key=lambda r: (hit[r], free[r], -r))
+                best = max(ranks, key=lambda r: (hit[r], free[r], -r))
                 if hit[best] > hit[rank] and free[best] >= need:
                     rank = best
                 self.num_routed_to_cache += hit[rank] > 0
@@ -111,6 +119,34 @@ class Leader:
             self.finished.setdefault(rid, set())
             out.setdefault(str(rank), []).append(req)
         return out
+
+    def plan_moves(self) -> list[list]:
+        """PD: the moves of the next step, [prefill rank, decode rank, [request ids]], for the requests the prefill
+        ranks reported done with their prefill, oldest first per rank. A request goes to the decode rank with a
+        seat and its blocks free that caches the longest prefix of its prompt, then has the most free blocks;
+        none has room: it waits at its prefill rank (num_waiting_for_decode) and is offered again next step."""
+        P, A = self.prefill_ranks, self.num_attention_ranks
+        if not P:
+            return []
+        free = {d: self.reports[d].num_free_blocks for d in range(P, A)}
+        max_seqs = self.worker.scheduler.max_num_seqs     # every rank has the same
+        seats = {d: max_seqs - self.reports[d].num_running - self.reports[d].num_waiting
+                 for d in range(P, A)}
+        moves: dict[tuple[int, int], list[str]] = {}
+        self.num_waiting_for_decode = 0
+        for src in range(P):
+            for rid, blocks, samples in self.reports[src].ready:
+                room = [d for d in free if free[d] >= blocks and seats[d] >= samples]
+                if not room or rid not in self.req2rank:
+                    self.num_waiting_for_decode += bool(rid in self.req2rank)
+                    continue
+                hit = self._cached_prefix(self.assigned[rid]["prompt"]) if self.cache_aware else [0] * A
+                dst = max(room, key=lambda d: (hit[d], free[d], -d))
+                free[dst] -= blocks
+                seats[dst] -= samples
+                self.req2rank[rid] = dst
+                moves.setdefault((src, dst), []).append(rid)
+        return [[src, dst, rids] for (src, dst), rids in moves.items()]
 
     def _cached_prefix(self, prompt: list[int]) -> list[int]:
         """Per rank, how many leading full blocks of prompt its prefix cache holds (the last token never counts:
@@ -168,15 +204,22 @@ class Leader:
         return out
 
     def next_step(self, aborts: dict[str, list[str]]
-                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int, int]:
-        """(step id, capacity, new requests per rank, aborts per rank, is_decode, micro-batches, draft passes) of
-        the next step's header. is_decode: no rank gets new requests or has any waiting, and each running sequence has
+                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int, int, list, int]:
+        """(step id, capacity, new requests per rank, aborts per rank, is_decode, micro-batches, draft passes, PD
+        moves, prefill ranks) of the next step's header. Moved requests decode on their new rank in this step.
+        is_decode: no rank gets new requests or has any waiting, none moves any, and each running sequence has
         one token left to compute, plus its drafts (a running sequence has at least one, so that is when their
         sum is their count plus the drafts)."""
         self.step_id += 1
         new = self._assign()
-        # Ranks that get new requests may admit up to a full token budget this step.
-        capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new))
+        moves = self.plan_moves()
+        for src, dst, rids in moves:      # until dst reports: what it takes over, one token per sample
+            samples = {rid: n for rid, _, n in self.reports[src].ready}
+            rep = self.reports[dst]
+            rep.max_next_tokens = min(self.token_budget, rep.max_next_tokens + sum(samples[r] for r in rids))
+            rep.num_running += sum(samples[r] for r in rids)
+        # Ranks that get new requests, or free seats by moving requests out, may admit up to a full token budget.
+        capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new or moves))
         is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running + r.num_draft_tokens
                                     for r in self.reports)
         running = min([r.max_next_tokens for r in self.reports] or [0])
@@ -184,7 +227,7 @@ class Leader:
         self.num_split_steps += split > 1
         off = self.disable_by_batch_size
         passes = 0 if off is not None and all(r.num_running >= off for r in self.reports) else self.draft_passes
-        return self.step_id, capacity, new, aborts, is_decode, split, passes
+        return self.step_id, capacity, new, aborts, is_decode and not moves, split, passes, moves, self.prefill_ranks
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV
@@ -207,6 +250,11 @@ class Leader:
                 "num_handed_over_requests": self.num_handed_over,
                 "kv_blocks_handed_over": sum(r.kv_blocks_received for r in self.reports),
                 "spec_decode": spec_summed([r.spec_decode for r in self.reports]),
+                "pd": {"prefill_ranks": self.prefill_ranks,
+                       "requests_transferred": sum(r.pd[0] for r in self.reports),
+                       "kv_blocks_transferred": sum(r.pd[1] for r in self.reports),
+                       "requests_waiting_for_decode": self.num_waiting_for_decode,
+                       "prompt_tokens_computed": [r.prompt_tokens_computed for r in self.reports]},
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
                 "pool_ranks": {"attention": self.num_attention_ranks, "expert": self.num_expert_ranks},
                 "membership_changes": [c.to_dict() for c in self.membership_changes]}
@@ -237,6 +285,11 @@ class Leader:
                 self.open_samples[base] = left
             else:
                 self._forget(base)
+        if self.unheld:       # PD moves of a failed step that no rank held, and that did not finish in it
+            back = [rid for rid in sorted(self.unheld) if rid in self.assigned and rid not in self.req2rank]
+            self.unheld.clear()
+            self.pending.extendleft(reversed([self._resumed(rid) for rid in back]))
+            self.num_moved_requests += len(back)
         if outputs:
             self.held += outputs
             self.held_steps += 1
@@ -273,11 +326,23 @@ class Leader:
         holds goes back to the queue like a lost rank's."""
         new_rank = {old: new for new, old in enumerate(keep) if old >= 0}
         handover = handover or {}
+        header = self.inflight
         if held is not None:
-            assert self.inflight is None, "held requests are reconciled between steps only"
             where = {rid: r for r, ids in held.items() for rid in ids}
-            for rid in self.req2rank:
-                self.req2rank[rid] = where.get(rid, -1)
+            if header is None:
+                for rid in self.req2rank:
+                    self.req2rank[rid] = where.get(rid, -1)
+            else:   # a step with PD moves failed: only its moved requests may be elsewhere than the leader thinks
+                for rid in {rid for _, _, rids in header.moves for rid in rids} & set(self.req2rank):
+                    if rid in where:
+                        self.req2rank[rid] = where[rid]
+                    else:    # in no rank's hands, or finished in the step: the re-sent step's reports tell which
+                        del self.req2rank[rid]
+                        self.unheld.add(rid)
+        if header is not None:
+            header.moves = []      # carried out or not, where each request is is settled above
+        kept_prefill = sum(0 <= old < self.prefill_ranks for old in keep)
+        self.prefill_ranks = kept_prefill if kept_prefill < len(keep) else 0   # no decode rank left: colocated
         for rid, rank in self.req2rank.items():
             if rank in handover:
                 self.req2rank[rid] = handover[rank]
@@ -287,9 +352,9 @@ class Leader:
             d.max_next_tokens = min(self.token_budget, d.max_next_tokens + s.max_next_tokens)
             d.num_running, d.num_waiting = d.num_running + s.num_running, d.num_waiting + s.num_waiting
             d.num_free_blocks -= s.num_blocks - s.num_free_blocks
-        header = self.inflight
         aborted: set[str] = set()
         if header is not None:
+            header.prefill_ranks = self.prefill_ranks
             for r, ids in header.aborts.items():
                 if int(r) not in new_rank:
                     aborted.update(request_of(i) for i in ids)
@@ -303,15 +368,13 @@ class Leader:
                 continue
             del self.req2rank[rid]
             req = self.assigned[rid]
-            open_ids = [i for i in range(_num_samples(req)) if i not in self.finished[rid]]
             if rid in aborted:
+                open_ids = [i for i in range(_num_samples(req)) if i not in self.finished[rid]]
                 ids = sample_ids(rid, _num_samples(req))
                 self.put(self.outbox, ("out", [[ids[i], [], "abort", None, None] for i in open_ids]))
                 self._forget(rid)
                 continue
-            streamed = self.streamed[rid]
-            resume = {str(i): streamed.get(i, []) for i in open_ids} if streamed or _num_samples(req) == 1 else {}
-            moved.append(dict(req, resume=resume, prompt_logprobs_sent=self.prompt_logprobs_sent.get(rid, 0)))
+            moved.append(self._resumed(rid))
         self.pending.extendleft(reversed(moved))
         self.num_moved_requests += len(moved)
         blocks = iter(kv_blocks)
@@ -323,6 +386,15 @@ class Leader:
         for r, rep in enumerate(self.reports):
             rep.rank = r
         self.num_attention_ranks = len(keep)
+
+
+    def _resumed(self, rid: str) -> dict:
+        """A request to assign again (its rank was lost): resumed from the tokens its open samples streamed."""
+        req = self.assigned[rid]
+        open_ids = [i for i in range(_num_samples(req)) if i not in self.finished[rid]]
+        streamed = self.streamed[rid]
+        resume = {str(i): streamed.get(i, []) for i in open_ids} if streamed or _num_samples(req) == 1 else {}
+        return dict(req, resume=resume, prompt_logprobs_sent=self.prompt_logprobs_sent.get(rid, 0))
 
 
 def _num_samples(req: dict) -> int:

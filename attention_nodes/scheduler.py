@@ -9,6 +9,10 @@ its blocks are freed and it later recomputes all its tokens as a prefill.
 Invariant: `running` is sorted by arrival and every running arrival is below
 every waiting arrival, so the newest running sequence is always `running[-1]`.
 
+A prefill rank of PD (`prefill_only`) runs prompts only: a sequence whose prefill is done (Sequence.prefilled)
+stays in `running`, holding its blocks and its seat, but is not scheduled again; it waits there until the
+leader moves it to a decode rank (attention_nodes/pd.py).
+
 Prefix caching (`enable_prefix_caching`): a sequence being admitted starts from the longest run of its full
 blocks already cached, on the device pool and then on the host tier, and computes at least its last token.
 Every full block a step computes is registered, so it can be found again once its sequence is done.
@@ -95,6 +99,7 @@ class Scheduler:
         self.num_prefix_queries = 0      # tokens of admitted sequences looked up in the prefix cache
         self.num_prefix_hits = 0         # of those, tokens found cached (device or host) and not computed
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes included)
+        self.prefill_only = False        # PD's prefill rank: prefilled sequences wait to move (module docstring)
 
     running = property(lambda self: self._running, doc="RUNNING seqs, oldest arrival first.")
     waiting = property(lambda self: self._waiting, doc="WAITING seqs (deque), next to admit first.")
@@ -138,6 +143,10 @@ class Scheduler:
             seq.finish_reason = "abort"
         return seqs
 
+    def parked(self) -> list[Sequence]:
+        """A prefill rank's sequences that are done with their prefill and wait to move, oldest first."""
+        return [s for s in self._running if s.prefilled] if self.prefill_only else []
+
     def take_over(self, running: list[Sequence], waiting: list[Sequence], next_arrival) -> None:
         """Sequences handed over from another rank (attention_nodes/handover.py): running ones, holding their
         blocks already, join `running` after the current ones; waiting ones (holding none) the waiting queue's
@@ -178,6 +187,9 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
+            if self.prefill_only and seq.prefilled:
+                i += 1
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # a decode with drafts runs them too, as many as the budget leaves room for, and only when the blocks
             # they reach are free now: drafts never cost another sequence its blocks
@@ -227,7 +239,8 @@ class Scheduler:
     def max_next_tokens(self) -> int:
         """Upper bound on the tokens the next schedule() runs if no request is added before it: what the
         running sequences have left plus what the waiting ones that could still be admitted bring."""
-        total = sum(s.num_tokens - s.num_computed_tokens + len(s.spec_tokens) for s in self._running)
+        total = sum(s.num_tokens - s.num_computed_tokens + len(s.spec_tokens) for s in self._running
+                    if not (self.prefill_only and s.prefilled))
         free_seats = self.max_num_seqs - len(self._running)
         for seq in self._waiting:
             if free_seats <= 0 or total >= self.max_num_batched_tokens:
@@ -283,7 +296,7 @@ class Scheduler:
                         break
                 produced.append((seq, appended))
             if self.enable_prefix_caching:     # after the append: the accepted drafts' blocks hold those tokens
-                self._register_full_blocks(seq)
+                self.register_full_blocks(seq)
             if seq.is_finished:
                 self._running.remove(seq)
                 del self._live[seq.request_id]
@@ -337,7 +350,7 @@ class Scheduler:
             self.num_prefix_hits += num_cached
         return True
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
+    def register_full_blocks(self, seq: Sequence) -> None:
         """Make the full blocks computed so far findable by later sequences."""
         full = seq.num_computed_tokens // self.block_pool.block_size
         if full <= seq.num_registered_blocks:

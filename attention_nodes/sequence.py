@@ -155,6 +155,12 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def prefilled(self) -> bool:
+        """Its prompt (and any tokens it resumed with) is computed and a token was drawn after it: all that is
+        left is decoding (PD: the point where a prefill rank hands it to a decode rank)."""
+        return 0 < self.num_computed_tokens == self.num_tokens - 1 and self.num_tokens > self.num_prompt_tokens
+
+    @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 

@@ -16,6 +16,7 @@ from .input_batch import InputBatch
 from .kv_cache import KVCache
 from .logits_process import shape_logits, token_logprobs
 from .model import AttentionModel, MoEContext
+from .pd import apply_moves, ready_requests
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -42,6 +43,8 @@ class AttentionWorker:
         self.num_partial_chunks = 0
         self.num_preemptions = 0
         self.num_kv_blocks_received = 0   # KV blocks handed over by ranks that left (attention_nodes/handover.py)
+        self.moved_in_step: list[str] = []   # PD: request ids taken over from prefill ranks in the step begun last
+        self.pd_counts = [0, 0]              # PD: requests and KV blocks taken over so far
         # Re-forming the job re-sends the step in flight (launch/runtime/step_protocol.py): the last step begun and
         # finished, its report, and a batch whose forward has not passed every exchange yet.
         self.started_step = self.done_step = 0
@@ -84,6 +87,17 @@ class AttentionWorker:
         """The ids of the requests this rank holds (running or waiting; a request's, not its samples')."""
         seqs = list(self.scheduler.running) + list(self.scheduler.waiting)
         return sorted({s.group_id or s.request_id for s in seqs})
+
+    def begin_step(self, header, transfer, sent_meta=None) -> None:
+        """A new step's header: take its new requests and aborts, then (PD) play this rank's role and its part
+        of the header's moves (transfer: a callable giving the KVTransfer, asked only when there are moves;
+        sent_meta: pd.apply_moves')."""
+        self.moved_in_step = []
+        self.add_requests(header.requests_for(self.rank))
+        self.abort(header.aborts_for(self.rank))
+        self.scheduler.prefill_only = self.rank < header.prefill_ranks
+        if header.moves:
+            apply_moves(self, header.moves, transfer(), sent_meta)
 
     def take_over(self, meta: dict, kv: torch.Tensor) -> None:
         """Take the sequences a leaving rank handed over (with their KV blocks where they fit)."""
@@ -253,7 +267,8 @@ class AttentionWorker:
                           pool.num_blocks, s.num_prefix_queries, s.num_prefix_hits, s.num_prompt_tokens_computed,
                           host.num_saved if host else 0, host.num_restored if host else 0, added, evicted,
                           self.num_kv_blocks_received, self.spec_stats.to_list() if self.drafter else [],
-                          s.num_draft_tokens)
+                          s.num_draft_tokens, ready_requests(self) if s.prefill_only else [],
+                          list(self.moved_in_step), list(self.pd_counts))
 
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:

@@ -29,7 +29,9 @@ class StepHeader:
     leader's choice, attention_nodes/leader.py `micro_batches_for`), so that expert ranks expect as many
     dispatch rounds per layer as the attention ranks send.
     draft_passes: after the step's forward, every attention rank runs this many passes of the MTP layer
-    (speculative decoding method "mtp", attention_nodes/mtp.py), each one more dispatch and combine."""
+    (speculative decoding method "mtp", attention_nodes/mtp.py), each one more dispatch and combine.
+    moves (PD): [prefill rank, decode rank, [request ids]] carried out before the forward (attention_nodes/pd.py);
+    prefill_ranks: attention ranks below this number only prefill (0: every rank does both)."""
 
     kind: str
     step: int = 0
@@ -39,6 +41,8 @@ class StepHeader:
     is_decode: bool = False
     micro_batches: int = 1
     draft_passes: int = 0
+    moves: list[list] = field(default_factory=list)
+    prefill_ranks: int = 0
     request_ranks: list[int] = field(default_factory=list)   # on the wire: the ranks that get new requests
 
     def thin(self) -> StepHeader:
@@ -82,6 +86,9 @@ class StepReport:
     kv_blocks_received: int = 0         # cumulative: KV blocks taken over from attention ranks that left
     spec_decode: list[int] = field(default_factory=list)   # cumulative speculative decoding counts (SpecStats)
     num_draft_tokens: int = 0           # draft tokens the running sequences carry into the next step
+    ready: list[list] = field(default_factory=list)      # PD, a prefill rank: [request id, blocks, samples] to move
+    moved_in: list[str] = field(default_factory=list)    # PD, a decode rank: request ids taken over this step
+    pd: list[int] = field(default_factory=lambda: [0, 0])   # cumulative: requests and KV blocks taken over (PD)
 
 
 def pack(obj) -> torch.Tensor:

@@ -39,6 +39,9 @@ def _int(name: str, value, minimum: int) -> int:
 @dataclass(slots=True)
 class ParallelConfig:
     attention_ranks: int = option(1, "ranks that run attention and hold the KV cache; attention rank 0 leads")
+    prefill_ranks: int = option(0, "PD on AF: this many of the attention ranks (the first) only prefill and the "
+                                   "others only decode, a request moving with its KV at the end of its prefill "
+                                   "(0: every attention rank does both)")
     expert_ranks: int = option(1, "ranks that hold the experts and compute them", flag_default=None,
                                flag_default_text="world size - attention ranks under torchrun, 2 otherwise")
     ranks_per_node: int | None = option(None, "ranks per node (default: torchrun's LOCAL_WORLD_SIZE, or all "
@@ -76,6 +79,11 @@ class ParallelConfig:
         _int("micro_batches", self.micro_batches, 1)
         _int("micro_batch_min_tokens", self.micro_batch_min_tokens, 0)
         _int("expert_ranks", self.expert_ranks, 1)
+        _int("prefill_ranks", self.prefill_ranks, 0)
+        if self.prefill_ranks and self.prefill_ranks >= self.attention_ranks:
+            raise ValueError(f"prefill_ranks={self.prefill_ranks} with attention_ranks={self.attention_ranks} leaves "
+                             f"no decode rank: pass prefill_ranks below attention_ranks (e.g. "
+                             f"attention_ranks={self.prefill_ranks + 1}), or 0 for no PD")
         _int("redundant_experts", self.redundant_experts, 0)
         _int("rebalance_interval", self.rebalance_interval, 0)
         if self.expert_memory is not None:
@@ -234,6 +242,9 @@ class EngineConfig:
                              f"both (--role attention|expert --pool-addr HOST:PORT), a single launch neither")
         if self.pool_addr is not None:
             self.pool_host_port()
+        if self.parallel.prefill_ranks and self.scheduler.speculative_config is not None:
+            raise ValueError(f"prefill_ranks={self.parallel.prefill_ranks} with speculative_config: speculative "
+                             f"decoding does not run with PD yet; pass prefill_ranks=0 or no speculative_config")
         if self.heartbeat_s >= self.collective_timeout_s:
             raise ValueError(f"heartbeat_s={self.heartbeat_s} must be below collective_timeout_s="
                              f"{self.collective_timeout_s}: idle ranks would time out between heartbeats")

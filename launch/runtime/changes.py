@@ -79,6 +79,10 @@ class MemberRuntime(Protocol):
     def start_reshape(self) -> None:
         """Leader, between steps: tell every rank the next generation's plan is published (RESHAPE)."""
 
+    def moves_in_flight(self) -> bool:
+        """Leader: the step in flight moves requests between attention ranks (PD), so after a failure the leader
+        asks every attention rank which requests it holds."""
+
     def attention_blocks(self) -> list[tuple[int, int]]:
         """Leader: (free, total) KV blocks of each attention rank, as it last reported."""
 

@@ -188,13 +188,14 @@ class Generations:
         """The leader after a lost peer: account for every member, plan the next generation, publish it and
         adopt it. Raises MembershipError (after telling the others) when the job cannot go on."""
         t0 = time.monotonic()
-        self._reform(self._leave(cause), cause, t0)
+        self._reform(self._leave(cause), cause, t0, held=self._rt.moves_in_flight())
 
     def _reform(self, gen: int, cause: str, t0: float, held: bool = False) -> MembershipChange:
         """The leader, checked in under gen: survey the members, plan generation gen + 1 without the lost ones,
         publish it and form it (again without any lost before it formed). held: between steps after a planned
         change failed, where a handover may have moved requests: the plan carries the requests each attention
-        rank checked in holding, and the leader takes them as where they are."""
+        rank checked in holding, and the leader takes them as where they are; also after a failed step that moved
+        requests between attention ranks (PD), for those."""
         members = self._rt.members
         survey, lost = members, []
         for _ in range(len(members)):   # a member lost before the planned generation forms: survey the rest again

@@ -18,8 +18,8 @@ from attention_nodes.leader import Leader
 from attention_nodes.model import MoEContext
 from balancer.placement import slot_capacities
 from balancer.policy import make_policy
-from comm import p2p
 from comm.control import ControlPlane
+from comm.kv_transfer import GroupTransfer
 from comm.sync_audit import SyncTally
 from comm.topology import ProcessGroups, Topology
 from expert_nodes.slots import ExpertSlots
@@ -193,7 +193,8 @@ class Runtime(GenerationForming):
             par = self.config.parallel
             self.leader = Leader(self.worker, self.topo.num_attention_ranks, self.config.cache.block_size,
                                  par.rebalance_interval, self.worker.block_pool.track_events,
-                                 par.micro_batches, par.micro_batch_min_tokens, *draft_passes(config))
+                                 par.micro_batches, par.micro_batch_min_tokens, *draft_passes(config),
+                                 par.prefill_ranks)
             self.leader.num_expert_ranks = self.topo.num_expert_ranks
             if self.membership is not None:
                 self.leader.membership_changes = self.membership.changes
@@ -276,19 +277,21 @@ class Runtime(GenerationForming):
     def attention_blocks(self) -> list[tuple[int, int]]:
         return [(r.num_free_blocks, r.num_blocks) for r in self.leader.reports]
 
+    def moves_in_flight(self) -> bool:
+        header = self.leader.inflight if self.leader is not None else None
+        return header is not None and bool(header.moves)
+
+    def kv_transfer(self) -> GroupTransfer:
+        """How this generation moves requests and their KV between attention ranks (handover, PD)."""
+        return GroupTransfer(self.control, self.groups.world, self.dev.dtype, self.dev.device)
+
     def send_requests(self, dst: int) -> None:
         meta, kv = self.worker.hand_over()
-        self.control.send_object(meta, dst)
-        step_protocol.fault_point("mid_handover", self.member, self.generation + 1)
-        if meta["num_blocks"]:
-            p2p.send(kv, dst, self.groups.world)
+        self.kv_transfer().send(meta, kv, dst,
+                                lambda: step_protocol.fault_point("mid_handover", self.member, self.generation + 1))
 
     def receive_requests(self, src: int) -> None:
-        meta = self.control.recv_object(src)
-        kv = torch.empty(meta["shape"], dtype=self.dev.dtype, device=self.dev.device)
-        if meta["num_blocks"]:
-            p2p.recv(kv, src, self.groups.world)
-        self.worker.take_over(meta, kv)
+        self.worker.take_over(*self.kv_transfer().recv(src))
 
     def hand_off_experts(self, plan: dict) -> None:
         """A retiring expert rank, out of the old generation: send the joiners the experts only it held

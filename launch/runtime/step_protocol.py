@@ -67,20 +67,23 @@ class StepRuntime(Protocol):
 
     def gather_stats(self, events: bool = False) -> dict | None: ...
 
+    def kv_transfer(self): ...
 
-def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = None, member: int = -1) -> StepReport:
+
+def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = None, member: int = -1,
+                       transfer: Callable = lambda: None) -> StepReport:
     """What every attention rank does with a STEP header. Re-sent headers (the same step, after the job
     re-formed) are idempotent: a finished step joins the step's exchanges with no tokens and re-sends its
-    report, an unfinished one re-runs its batch. tally: the sync audit's, when on: the forward and sampling
+    report, an unfinished one re-runs its batch (a re-sent header carries no PD moves: the leader took the
+    requests as where the ranks said they hold them). tally: the sync audit's, when on: the forward and sampling
     run under it; a decode step is one whose own batch is (worker.is_decode_step). member: this rank's, for
-    fault_point."""
+    fault_point. transfer() -> the KVTransfer of PD moves."""
     if header.step == worker.done_step:
         worker.join_exchanges(header.capacity, header.micro_batches, header.draft_passes)
         return worker.last_report
     if header.step != worker.started_step:
         worker.started_step = header.step
-        worker.add_requests(header.requests_for(worker.rank))
-        worker.abort(header.aborts_for(worker.rank))
+        worker.begin_step(header, transfer, lambda: fault_point("pd_move", member, header.step))
 
     def run() -> StepReport:
         report = worker.step(header.capacity, header.micro_batches)
@@ -166,7 +169,8 @@ def _step(rt: StepRuntime) -> list[StepReport]:
     """The step in flight (re-sent as the leader rewrote it when the job re-formed)."""
     header = rt.leader.inflight
     rt.control.broadcast_header(header, settle_later=True)   # gather_reports settles it (and raises if it failed)
-    return rt.control.gather_reports(run_attention_step(rt.worker, header, rt.sync_tally, rt.member))
+    return rt.control.gather_reports(run_attention_step(rt.worker, header, rt.sync_tally, rt.member,
+                                                        rt.kv_transfer))
 
 
 def collective(rt: StepRuntime, kind: str):
@@ -228,7 +232,7 @@ def _obey(rt: StepRuntime) -> str:
     elif header.kind == STEP:
         if rt.topo.is_attention:
             t0 = time.perf_counter()
-            report = run_attention_step(rt.worker, header, rt.sync_tally, rt.member)
+            report = run_attention_step(rt.worker, header, rt.sync_tally, rt.member, rt.kv_transfer)
             fault_point("before_report", rt.member, header.step)
             rt.control.gather_reports(report)
             _timed_step(rt, t0)
@@ -262,7 +266,9 @@ def fault_point(name: str, member: int, step: int) -> None:
     any handover), "mid_handover" (a retiring attention rank that has sent its requests' list, before their KV
     blocks), "handed_over" (a follower past the handover, before the ranks leave the old generation together),
     "admitted" (a joiner told its generation, before it forms it). "draft_passes": in a step with MTP passes, a
-    rank past the step's target layers, before its passes (an attention rank: its step committed)."""
+    rank past the step's target layers, before its passes (an attention rank: its step committed). "pd_move": a
+    prefill rank in a step moving requests to decode ranks, between a move's description and its KV (it has
+    dropped the requests)."""
     spec = os.environ.get("AFSERVE_FAULT")
     if spec and f"{name}:{member}:{step}" in spec.split(","):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,99 @@
+"""PD on AF (prefill_ranks): prefill ranks take every prompt in, decode ranks decode every request after its
+prefill, the two sharing the one expert pool; the tokens are transformers' greedy continuation in every
+topology and comm mode, with prefix caching on and chunked prefill, and when a rank dies during a move."""
+from __future__ import annotations
+
+import pytest
+from conftest import hf_greedy, make_prompts, wider
+
+from launch.llm import LLM, SamplingParams
+from models.tiny import ARCHS
+
+MAX_NEW = 10
+BS = 4
+
+
+def _prompts(n: int = 8, seed: int = 3) -> list[list[int]]:
+    """Prompts of 2-30 tokens, two of them sharing a 13-token prefix with a third (prefix-cache hits)."""
+    prompts = make_prompts(n, 256, 2, 30, seed=seed)
+    prompts += [prompts[-1][:13] + [7, 8, 9], prompts[-1][:13] + [9, 8]]
+    return prompts
+
+
+def _run(path: str, prompts, attention: int, prefill: int, experts: int, **options) -> tuple[list, dict]:
+    with LLM(path, attention_ranks=attention, expert_ranks=experts, prefill_ranks=prefill, block_size=BS,
+             max_num_batched_tokens=12, enable_prefix_caching=True, **options) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        return [o.token_ids for o in outs], llm.stats()
+
+
+@pytest.mark.parametrize("arch,attention,prefill,experts,comm", [
+    ("qwen3_moe", 2, 1, 1, "direct"),
+    ("deepseek_v3", 3, 1, 2, "two_phase"),
+    ("olmoe", 3, 2, 1, "direct"),
+    wider("qwen3_moe", 3, 1, 2, "direct"), wider("qwen3_moe", 3, 2, 1, "two_phase"),
+    wider("deepseek_v3", 2, 1, 1, "direct"), *[wider(a, 2, 1, 1, "two_phase") for a in ARCHS]])
+def test_pd_tokens_equal_transformers(tiny_checkpoint, arch, attention, prefill, experts, comm):
+    """Every request is prefilled on a prefill rank (chunked: a 12-token budget) and moves with its KV to a decode
+    rank, which computes no prompt token; the tokens are transformers'. Each request moved once, with its
+    blocks (a block that requests moved together share goes once); the prefix cache hits on the prefill ranks."""
+    path = tiny_checkpoint(arch)
+    prompts = _prompts()
+    got, stats = _run(path, prompts, attention, prefill, experts, comm=comm,
+                      ranks_per_node=2 if comm == "two_phase" else None)
+    assert got == hf_greedy(path, prompts, MAX_NEW)
+    pd = stats["pd"]
+    assert pd["prefill_ranks"] == prefill and pd["requests_transferred"] == len(prompts)
+    # the last two share the prefix blocks of prompts[-3]: moved in one message, such blocks go once
+    assert sum(-(-len(p) // BS) for p in prompts[:-2]) <= pd["kv_blocks_transferred"] <= sum(
+        -(-len(p) // BS) for p in prompts)
+    computed = pd["prompt_tokens_computed"]
+    assert all(computed[:prefill]) and not any(computed[prefill:]), computed   # decode ranks run no prompt
+    assert stats["prefix_cache_hits"] > 0 and stats["num_prefill_chunks"] > 0
+
+
+def test_requests_wait_at_the_prefill_rank_for_a_decode_seat(tiny_checkpoint):
+    """max_num_seqs=2: the one decode rank holds two requests at a time, so the others wait at the prefill rank
+    with their blocks (never recomputed: the prompt tokens computed are exactly the prompts' own), and every
+    output is still transformers'."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(6, 256, 3, 11, seed=5)
+    got, stats = _run(path, prompts, 2, 1, 1, max_num_seqs=2)
+    assert got == hf_greedy(path, prompts, MAX_NEW)
+    assert stats["pd"]["requests_transferred"] == len(prompts) and stats["num_preemptions"] == 0
+    assert stats["prompt_tokens_computed"] == sum(map(len, prompts))
+
+
+def test_pd_is_refused_without_a_decode_rank_and_with_speculation(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ValueError, match=r"prefill_ranks=2 with attention_ranks=2 leaves no decode rank"):
+        LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=2)
+    with pytest.raises(ValueError, match=r"prefill_ranks=-1 is invalid"):
+        LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=-1)
+    with pytest.raises(ValueError, match=r"prefill_ranks=1 with speculative_config"):
+        LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=1,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("fault,victim", [("pd_move:1:2,pd_move:1:3,pd_move:1:4", 1), ("before_report:2:4", 2)])
+def test_a_rank_lost_during_pd_costs_no_request(tiny_checkpoint, monkeypatch, fault, victim):
+    """2 prefill + 1 decode + 1 expert rank. pd_move: prefill rank 1 dies half way through its first move (step
+    2, 3 or 4, as the requests arrive: it dropped the requests and sent their description, not their KV); the
+    leader asks the ranks what they hold, finds those requests nowhere and queues them again. before_report: in 1 prefill + 2 decode ranks, decode
+    rank 2 dies after step 4's forward; its requests are prefilled again and move to the other decode rank.
+    Every output is transformers' greedy continuation, within a watchdog."""
+    from tests.dist_utils import alive
+    from tests.launch.runtime.test_elastic import _stream
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(8, 256, 3, 11, seed=7)
+    expected = hf_greedy(path, prompts, 16)
+    monkeypatch.setenv("AFSERVE_FAULT", fault)
+    prefill = 2 if victim == 1 else 1
+    with LLM(path, attention_ranks=3, expert_ranks=1, prefill_ranks=prefill, block_size=BS) as llm:
+        pid = llm.worker_pids[victim]
+        got = _stream(llm, prompts, SamplingParams(max_tokens=16, ignore_eos=True), None, 0, deadline_s=90)
+        stats = llm.stats()
+    assert not alive(pid) and got == expected
+    change, = stats["membership_changes"]
+    assert change["lost"] == [victim] and stats["pd"]["prefill_ranks"] == 1
+    assert stats["num_moved_requests"] > 0
