@@ -1,0 +1,112 @@
+"""The leader's side of PD (prefill_ranks): prompts go to prefill ranks only; a request a prefill rank reports
+done with its prefill moves to the decode rank with a seat and its blocks free, the longest cached prefix of its
+prompt first, then the most free blocks; one with no room waits; losing ranks mid-move settles each moved request
+where a rank holds it, or queues it again once the re-sent step shows it did not finish; and the decode rank's
+prefix cache learns the blocks it takes over."""
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+import torch
+
+from attention_nodes.block_pool import BlockPool, chain_hashes
+from attention_nodes.handover import pack_sequences, unpack_sequences
+from attention_nodes.leader import Leader
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import Scheduler
+from attention_nodes.sequence import Sequence
+from comm.control import StepHeader, StepReport
+
+BS = 4
+
+
+def _leader(num_ranks: int, prefill: int, max_num_seqs: int = 4) -> Leader:
+    worker = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=max_num_seqs),
+                             report=lambda: StepReport(0, 100, 0, 0, num_blocks=100),
+                             kv=SimpleNamespace(bytes_per_token=0))
+    return Leader(worker, num_ranks, block_size=BS, cache_aware=True, prefill_ranks=prefill)
+
+
+def _req(rid: str, prompt: list[int]) -> dict:
+    return {"id": rid, "prompt": prompt, "params": SamplingParams(max_tokens=8).to_dict()}
+
+
+def test_prompts_go_to_prefill_ranks_and_move_to_the_decode_rank_with_room():
+    leader = _leader(4, prefill=2)     # ranks 0, 1 prefill; 2, 3 decode
+    x = list(range(10, 30))
+    for rid, prompt in (("a", x), ("b", [1, 2, 3]), ("c", [4, 5, 6]), ("d", x[:12] + [99])):
+        leader.pending.append(_req(rid, prompt))
+    step = leader.next_step({})
+    assert set(step[2]) == {"0", "1"} and leader.req2rank == {"a": 0, "b": 1, "c": 1, "d": 1}   # most free
+    reps = [StepReport(r, 50, 2, 0) for r in range(4)]
+    reps[2].num_free_blocks, reps[3].num_free_blocks = 40, 60
+    reps[2].cache_added = chain_hashes(x, BS, limit=3)     # rank 2 caches a's first 3 blocks (d's too)
+    reps[0].ready = [["a", 5, 1]]
+    reps[1].ready = [["b", 1, 1], ["c", 1, 1], ["d", 4, 1]]
+    leader.collect(reps, queue.Queue())
+    *_, moves, prefill = leader.next_step({})
+    # a and d go to rank 2 for its cached prefix; b and c to rank 3, which has the most free blocks
+    assert prefill == 2 and sorted(moves) == [[0, 2, ["a"]], [1, 2, ["d"]], [1, 3, ["b", "c"]]]
+    assert leader.req2rank == {"a": 2, "b": 3, "c": 3, "d": 2}
+
+
+def test_a_request_no_decode_rank_has_room_for_waits():
+    leader = _leader(3, prefill=1, max_num_seqs=2)
+    for rid in "abc":
+        leader.pending.append(_req(rid, [1, 2, 3]))
+    leader.next_step({})
+    reps = [StepReport(0, 50, 3, 0), StepReport(1, 3, 0, 0), StepReport(2, 9, 1, 0)]
+    reps[0].ready = [["a", 4, 1], ["b", 2, 1], ["c", 2, 2]]
+    leader.collect(reps, queue.Queue())
+    *_, moves, _ = leader.next_step({})
+    # a needs 4 blocks: only rank 2 has them (then 5 left and one seat); b fits rank 1; c's two samples need two
+    # seats: rank 1 has one left, rank 2 one: c waits
+    assert sorted(moves) == [[0, 1, ["b"]], [0, 2, ["a"]]]
+    assert leader.stats()["pd"]["requests_waiting_for_decode"] == 1 and leader.req2rank["c"] == 0
+
+
+def test_a_failed_step_with_moves_settles_them_where_ranks_hold_them():
+    """Prefill rank 1 is lost during a step moving a (0 -> 2) and b (1 -> 2). The ranks say rank 2 holds a; b is in
+    no rank's hands: it is queued again after the re-sent step's reports (unless they finish it), resumed from
+    what it streamed; the re-sent header carries no moves and one prefill rank."""
+    leader, outbox = _leader(3, prefill=2), queue.Queue()
+    leader.outbox = outbox
+    for rid in "ab":
+        leader.pending.append(_req(rid, [1, 2, 3]))
+    leader.next_step({})
+    reps = [StepReport(r, 50, 1, 0) for r in range(3)]
+    reps[0].ready, reps[1].ready = [["a", 1, 1]], [["b", 1, 1]]
+    reps[0].outputs, reps[1].outputs = [["a", [7], None, None, None]], [["b", [8], None, None, None]]
+    leader.collect(reps, outbox)
+    leader.inflight = StepHeader("step", *leader.next_step({}))
+    assert sorted(leader.inflight.moves) == [[0, 2, ["a"]], [1, 2, ["b"]]]
+    leader.regroup([0, 2], held={0: [], 2: ["a"]})
+    assert leader.inflight.moves == [] and leader.inflight.prefill_ranks == leader.prefill_ranks == 1
+    assert leader.req2rank == {"a": 1} and not leader.pending
+    leader.collect([StepReport(0, 50, 0, 0), StepReport(1, 50, 1, 0)], outbox)
+    (back,) = leader.pending
+    assert back["id"] == "b" and back["resume"] == {"0": [8]}
+
+
+def test_the_decode_ranks_prefix_cache_learns_the_blocks_it_takes_over():
+    """A sequence of 9 computed tokens (two full blocks) packed on one rank and taken over by another with
+    prefix caching on: the second rank's pool finds both blocks under the prompt's keys."""
+    def worker():
+        pool = BlockPool(8, BS)
+        sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+        kv = SimpleNamespace(tensor=torch.randn(1, 2, 8, BS, 1, 2))
+        count = iter(range(1, 100))
+        return SimpleNamespace(scheduler=sched, block_pool=pool, kv=kv, device=torch.device("cpu"),
+                               next_arrival=lambda: next(count))
+    src, dst = worker(), worker()
+    seq = Sequence.from_request("r", list(range(3, 12)), SamplingParams(max_tokens=4), 1)
+    src.scheduler.add(seq)
+    out = src.scheduler.schedule()
+    src.scheduler.update(out, [42], frozenset(), 64)
+    meta, kv = pack_sequences(src, [seq])
+    assert unpack_sequences(dst, meta, kv) == 3
+    keys = chain_hashes(seq.token_ids, BS, limit=2)
+    (moved,) = dst.scheduler.running
+    assert dst.block_pool.lookup(keys) == moved.block_table[:2]
+    assert torch.equal(dst.kv.tensor[:, :, moved.block_table], src.kv.tensor[:, :, seq.block_table])
