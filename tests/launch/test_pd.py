@@ -75,7 +75,7 @@ def test_pd_is_refused_without_a_decode_rank_and_with_speculation(tiny_checkpoin
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
-@pytest.mark.parametrize("fault,victim", [("pd_move:1:2,pd_move:1:3,pd_move:1:4", 1), ("before_report:2:4", 2)])
+@pytest.mark.parametrize("fault,victim", [("pd_move:1:2,pd_move:1:3,pd_move:1:4", 1), wider("before_report:2:4", 2)])
 def test_a_rank_lost_during_pd_costs_no_request(tiny_checkpoint, monkeypatch, fault, victim):
     """2 prefill + 1 decode + 1 expert rank. pd_move: prefill rank 1 dies half way through its first move (step
     2, 3 or 4, as the requests arrive: it dropped the requests and sent their description, not their KV); the
