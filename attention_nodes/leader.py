@@ -29,6 +29,7 @@ from collections import deque
 from comm.control import StepReport
 
 from .block_pool import chain_hashes
+from .pd import summed as pd_summed
 from .sequence import request_of, sample_ids, split_sample_id
 from .speculation import summed as spec_summed
 from .worker import AttentionWorker
@@ -250,14 +251,19 @@ class Leader:
                 "num_handed_over_requests": self.num_handed_over,
                 "kv_blocks_handed_over": sum(r.kv_blocks_received for r in self.reports),
                 "spec_decode": spec_summed([r.spec_decode for r in self.reports]),
-                "pd": {"prefill_ranks": self.prefill_ranks,
-                       "requests_transferred": sum(r.pd[0] for r in self.reports),
-                       "kv_blocks_transferred": sum(r.pd[1] for r in self.reports),
+                "pd": {"prefill_ranks": self.prefill_ranks, **pd_summed([r.pd for r in self.reports]),
                        "requests_waiting_for_decode": self.num_waiting_for_decode,
                        "prompt_tokens_computed": [r.prompt_tokens_computed for r in self.reports]},
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
-                "pool_ranks": {"attention": self.num_attention_ranks, "expert": self.num_expert_ranks},
+                "pool_ranks": self._pool_ranks(),
                 "membership_changes": [c.to_dict() for c in self.membership_changes]}
+
+    def _pool_ranks(self) -> dict[str, int]:
+        """Ranks per pool; with PD, the attention pool's prefill and decode ranks too."""
+        pools = {"attention": self.num_attention_ranks, "expert": self.num_expert_ranks}
+        if self.prefill_ranks:
+            pools.update(prefill=self.prefill_ranks, decode=self.num_attention_ranks - self.prefill_ranks)
+        return pools
 
     def collect(self, reports: list[StepReport], outbox) -> None:
         """Take one step's reports (in attention-rank order) and pass their outputs on."""

@@ -18,7 +18,43 @@ step carries no moves (launch/runtime/step_protocol.py).
 """
 from __future__ import annotations
 
+import bisect
+import time
+
 from .handover import pack_sequences, unpack_sequences
+
+# Upper bounds (seconds) of the KV transfer latency histogram's buckets, as afserve's latency histograms have them.
+TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class TransferStats:
+    """A decode rank's moves taken over, cumulative: requests, KV blocks, KV bytes, seconds (from the start of the
+    receive to the blocks in place), and the seconds per move as histogram bucket counts (TRANSFER_BUCKETS, then
+    one for longer). to_list() is what the step report carries."""
+
+    def __init__(self) -> None:
+        self.requests = self.blocks = self.bytes = 0
+        self.seconds = 0.0
+        self.buckets = [0] * (len(TRANSFER_BUCKETS) + 1)
+
+    def add(self, requests: int, blocks: int, nbytes: int, seconds: float) -> None:
+        self.requests += requests
+        self.blocks += blocks
+        self.bytes += nbytes
+        self.seconds += seconds
+        self.buckets[bisect.bisect_left(TRANSFER_BUCKETS, seconds)] += 1
+
+    def to_list(self) -> list:
+        return [self.requests, self.blocks, self.bytes, self.seconds, *self.buckets]
+
+
+def summed(reports: list[list]) -> dict:
+    """The attention ranks' TransferStats lists -> the leader's totals (requests_transferred, kv_blocks_transferred,
+    kv_bytes_transferred, kv_transfer_seconds, kv_transfer_buckets: counts per bucket of TRANSFER_BUCKETS + 1)."""
+    width = 4 + len(TRANSFER_BUCKETS) + 1
+    total = [sum(r[i] for r in reports if r) for i in range(width)]
+    return {"requests_transferred": total[0], "kv_blocks_transferred": total[1], "kv_bytes_transferred": total[2],
+            "kv_transfer_seconds": total[3], "kv_transfer_buckets": total[4:]}
 
 
 def ready_requests(worker) -> list[list]:
@@ -38,7 +74,7 @@ def ready_requests(worker) -> list[list]:
 def apply_moves(worker, moves: list[list], transfer, sent_meta=None) -> None:
     """This rank's part of a step header's moves ([src, dst, [request ids]], in order): send the requests
     named (a prefill rank; one aborted in this step's header is gone and not sent) or take them over (a decode
-    rank). Moved-in request ids and their blocks are counted on the worker (for the report and the pd stats).
+    rank). Moved-in request ids are kept on the worker for its report, and the moves in its pd_stats.
     sent_meta(): called on a prefill rank between a move's description and its KV (fault injection)."""
     for src, dst, rids in moves:
         if worker.rank == src:
@@ -49,9 +85,10 @@ def apply_moves(worker, moves: list[list], transfer, sent_meta=None) -> None:
                 worker.scheduler.abort(rid)
             transfer.send(meta, kv, dst, sent_meta)
         elif worker.rank == dst:
+            t0 = time.perf_counter()
             meta, kv = transfer.recv(src)
             blocks = unpack_sequences(worker, meta, kv)
             taken = list(dict.fromkeys(d["group_id"] or d["request_id"] for d in meta["seqs"]))
             worker.moved_in_step += taken      # an aborted one was dropped by the prefill rank, not sent
-            worker.pd_counts[0] += len(taken)
-            worker.pd_counts[1] += blocks
+            worker.pd_stats.add(len(taken), blocks, kv.numel() * kv.element_size() if meta["num_blocks"] else 0,
+                                time.perf_counter() - t0)

@@ -16,7 +16,7 @@ from .input_batch import InputBatch
 from .kv_cache import KVCache
 from .logits_process import shape_logits, token_logprobs
 from .model import AttentionModel, MoEContext
-from .pd import apply_moves, ready_requests
+from .pd import TransferStats, apply_moves, ready_requests
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -44,7 +44,7 @@ class AttentionWorker:
         self.num_preemptions = 0
         self.num_kv_blocks_received = 0   # KV blocks handed over by ranks that left (attention_nodes/handover.py)
         self.moved_in_step: list[str] = []   # PD: request ids taken over from prefill ranks in the step begun last
-        self.pd_counts = [0, 0]              # PD: requests and KV blocks taken over so far
+        self.pd_stats = TransferStats()      # PD: requests and KV taken over from prefill ranks so far
         # Re-forming the job re-sends the step in flight (launch/runtime/step_protocol.py): the last step begun and
         # finished, its report, and a batch whose forward has not passed every exchange yet.
         self.started_step = self.done_step = 0
@@ -268,7 +268,7 @@ class AttentionWorker:
                           host.num_saved if host else 0, host.num_restored if host else 0, added, evicted,
                           self.num_kv_blocks_received, self.spec_stats.to_list() if self.drafter else [],
                           s.num_draft_tokens, ready_requests(self) if s.prefill_only else [],
-                          list(self.moved_in_step), list(self.pd_counts))
+                          list(self.moved_in_step), self.pd_stats.to_list())
 
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:

@@ -88,7 +88,7 @@ class StepReport:
     num_draft_tokens: int = 0           # draft tokens the running sequences carry into the next step
     ready: list[list] = field(default_factory=list)      # PD, a prefill rank: [request id, blocks, samples] to move
     moved_in: list[str] = field(default_factory=list)    # PD, a decode rank: request ids taken over this step
-    pd: list[int] = field(default_factory=lambda: [0, 0])   # cumulative: requests and KV blocks taken over (PD)
+    pd: list = field(default_factory=list)   # PD, cumulative: what this rank took over (attention_nodes/pd.py)
 
 
 def pack(obj) -> torch.Tensor:

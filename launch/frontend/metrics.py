@@ -6,7 +6,9 @@ import asyncio
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from attention_nodes.pd import TRANSFER_BUCKETS
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                    10.0, 20.0, 40.0, 80.0)
@@ -45,6 +47,45 @@ def attention_pool_kv_usage(stats: dict) -> float:
     cached blocks no one holds count as free, as in afserve_kv_blocks_used); 0.0 before any rank reports."""
     total = sum(stats["kv_blocks"])
     return (total - sum(stats["free_kv_blocks"])) / total if total else 0.0
+
+
+def pd_pool_kv_usage(stats: dict) -> dict[str, float]:
+    """PD: used / total KV blocks of the prefill ranks and of the decode ranks ({} without PD)."""
+    p = stats["pd"]["prefill_ranks"]
+    if not p:
+        return {}
+    out = {}
+    for pool, ranks in (("prefill", slice(0, p)), ("decode", slice(p, None))):
+        total, free = sum(stats["kv_blocks"][ranks]), sum(stats["free_kv_blocks"][ranks])
+        out[pool] = (total - free) / total if total else 0.0
+    return out
+
+
+def pd_series(stats: dict):
+    """PD on AF's series: moves and their KV (bytes; seconds per move, a histogram), requests waiting for a decode
+    seat, and each role's KV usage (an autoscaling signal per pool)."""
+    pd = stats["pd"]
+    yield CounterMetricFamily("afserve_pd_requests_transferred", "Requests moved from a prefill rank to a decode "
+                              "rank with their KV", value=pd["requests_transferred"])
+    yield CounterMetricFamily("afserve_pd_kv_blocks_transferred", "KV blocks those moves carried",
+                              value=pd["kv_blocks_transferred"])
+    yield CounterMetricFamily("afserve_pd_kv_transfer_bytes", "KV bytes those moves carried",
+                              value=pd["kv_bytes_transferred"])
+    counts, cumulative, buckets = pd["kv_transfer_buckets"], 0, []
+    for bound, n in zip([*map(str, TRANSFER_BUCKETS), "+Inf"], counts):
+        cumulative += n
+        buckets.append((bound, cumulative))
+    yield HistogramMetricFamily("afserve_pd_kv_transfer_seconds", "One move's transfer on its decode rank, from the "
+                                "receive's start to the blocks in place", buckets=buckets,
+                                sum_value=pd["kv_transfer_seconds"])
+    yield GaugeMetricFamily("afserve_pd_requests_waiting_for_decode", "Prefilled requests that no decode rank had "
+                            "room for at the last step (they wait at their prefill rank)",
+                            value=pd["requests_waiting_for_decode"])
+    usage = GaugeMetricFamily("afserve_pd_pool_kv_usage_ratio", "Used / total KV blocks of the prefill ranks and of "
+                              "the decode ranks (each pool's autoscaling signal)", labels=["pool"])
+    for pool, v in pd_pool_kv_usage(stats).items():
+        usage.add_metric([pool], v)
+    yield usage
 
 
 def expert_pool_load(stats: dict, comm: dict) -> float:
@@ -111,6 +152,7 @@ class _EngineSeries:
         for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
             per_pos.add_metric([str(pos)], n)
         yield per_pos
+        yield from pd_series(s)
         secs = CounterMetricFamily("afserve_layer_comm_seconds", "Wall time in dispatch/combine per layer",
                                    labels=["rank", "role", "layer", "phase"])
         sent = CounterMetricFamily("afserve_layer_comm_bytes_sent", "Bytes sent in dispatch/combine per layer",

@@ -7,6 +7,7 @@ import pytest
 from conftest import hf_greedy, make_prompts, wider
 
 from launch.llm import LLM, SamplingParams
+from models.checkpoint import Checkpoint
 from models.tiny import ARCHS
 
 MAX_NEW = 10
@@ -47,6 +48,10 @@ def test_pd_tokens_equal_transformers(tiny_checkpoint, arch, attention, prefill,
     # the last two share the prefix blocks of prompts[-3]: moved in one message, such blocks go once
     assert sum(-(-len(p) // BS) for p in prompts[:-2]) <= pd["kv_blocks_transferred"] <= sum(
         -(-len(p) // BS) for p in prompts)
+    layers = Checkpoint(path).spec.num_layers
+    block_bytes = BS * stats["kv_bytes_per_token_per_layer"] * layers
+    assert pd["kv_bytes_transferred"] == pd["kv_blocks_transferred"] * block_bytes
+    assert 0 < sum(pd["kv_transfer_buckets"]) <= len(prompts) and pd["kv_transfer_seconds"] > 0
     computed = pd["prompt_tokens_computed"]
     assert all(computed[:prefill]) and not any(computed[prefill:]), computed   # decode ranks run no prompt
     assert stats["prefix_cache_hits"] > 0 and stats["num_prefill_chunks"] > 0
@@ -75,12 +80,14 @@ def test_pd_is_refused_without_a_decode_rank_and_with_speculation(tiny_checkpoin
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
-@pytest.mark.parametrize("fault,victim", [("pd_move:1:2,pd_move:1:3,pd_move:1:4", 1), wider("before_report:2:4", 2)])
+@pytest.mark.parametrize("fault,victim", [("pd_move:1:2,pd_move:1:3,pd_move:1:4", 1),
+                                          wider("before_report:2:4", 2)])
 def test_a_rank_lost_during_pd_costs_no_request(tiny_checkpoint, monkeypatch, fault, victim):
     """2 prefill + 1 decode + 1 expert rank. pd_move: prefill rank 1 dies half way through its first move (step
     2, 3 or 4, as the requests arrive: it dropped the requests and sent their description, not their KV); the
-    leader asks the ranks what they hold, finds those requests nowhere and queues them again. before_report: in 1 prefill + 2 decode ranks, decode
-    rank 2 dies after step 4's forward; its requests are prefilled again and move to the other decode rank.
+    leader asks the ranks what they hold, finds those requests nowhere and queues them again. before_report: in
+    1 prefill + 2 decode ranks, decode rank 2 dies after step 4's forward; its requests are prefilled again and
+    move to the other decode rank.
     Every output is transformers' greedy continuation, within a watchdog."""
     from tests.dist_utils import alive
     from tests.launch.runtime.test_elastic import _stream

@@ -4,18 +4,24 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from attention_nodes.pd import TRANSFER_BUCKETS, TransferStats, summed
 from launch.frontend.metrics import _EngineSeries
 
 
-def make_stats(free_kv_blocks=(40, 10), kv_blocks=(100, 50), num_running=3, num_waiting=1) -> dict:
-    """The leader's stats() as the scrape sees them, for two attention ranks."""
+def make_stats(free_kv_blocks=(40, 10), kv_blocks=(100, 50), num_running=3, num_waiting=1, pd=None) -> dict:
+    """The leader's stats() as the scrape sees them, for two attention ranks (pd: its "pd" entry; default: no PD,
+    with the series' zero values)."""
+    none = {"prefill_ranks": 0, "requests_transferred": 0, "kv_blocks_transferred": 0, "kv_bytes_transferred": 0,
+            "kv_transfer_seconds": 0.0, "kv_transfer_buckets": [0] * (len(TRANSFER_BUCKETS) + 1),
+            "requests_waiting_for_decode": 0}
     return {"steps": 12, "num_preemptions": 0, "num_running": num_running, "num_waiting": num_waiting,
             "free_kv_blocks": list(free_kv_blocks), "kv_blocks": list(kv_blocks),
             "prefix_cache_queries": 0, "prefix_cache_hits": 0, "pool_ranks": {"attention": 2, "expert": 2},
             "membership_changes": [{"generation": 1}], "num_moved_requests": 3, "num_handed_over_requests": 2,
             "kv_blocks_handed_over": 5,
             "spec_decode": {"num_drafts": 7, "num_draft_tokens": 20, "num_accepted_tokens": 9,
-                            "num_accepted_tokens_per_pos": [6, 3]}}
+                            "num_accepted_tokens_per_pos": [6, 3]},
+            "pd": pd or none}
 
 
 def make_comm(pairs_per_rank=((40, 24), (10, 30)), steps=4) -> dict:
@@ -93,3 +99,29 @@ def test_spec_decode_series_carry_vllms_names():
     text = generate_latest(reg).decode()
     assert 'afserve_spec_decode_num_accepted_tokens_per_pos_total{position="0"} 6.0' in text
     assert 'afserve_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 3.0' in text
+
+
+def test_pd_series_sum_the_ranks_moves_into_a_histogram():
+    """Two decode ranks' TransferStats (moves of 0.3 ms, 0.3 ms and 3 s; 3 s is past the last bucket, 2.5 s) summed by
+    the leader: the counters, the histogram's cumulative buckets, count and sum, the waiting gauge and each
+    role's KV usage (rank 0 prefill: 60 of 100 used; rank 1 decode: 40 of 50)."""
+    a, b = TransferStats(), TransferStats()
+    a.add(2, 5, 4096, 0.0003)
+    a.add(1, 3, 2048, 0.0003)
+    b.add(1, 2, 1024, 3.0)
+    pd = {"prefill_ranks": 1, **summed([[], a.to_list(), b.to_list()]), "requests_waiting_for_decode": 2}
+    got = scraped(make_stats(pd=pd), make_comm())
+    assert (got["afserve_pd_requests_transferred_total"], got["afserve_pd_kv_blocks_transferred_total"],
+            got["afserve_pd_kv_transfer_bytes_total"],
+            got["afserve_pd_requests_waiting_for_decode"]) == (4, 10, 7168, 2)
+    assert got["afserve_pd_kv_transfer_seconds_count"] == 3
+    assert got["afserve_pd_kv_transfer_seconds_sum"] == pytest.approx(3.0006)
+    reg = CollectorRegistry()
+    reg.register(_EngineSeries(make_stats(pd=pd), make_comm()))
+    text = generate_latest(reg).decode()
+    assert 'afserve_pd_kv_transfer_seconds_bucket{le="0.00025"} 0.0' in text
+    assert 'afserve_pd_kv_transfer_seconds_bucket{le="0.0005"} 2.0' in text
+    assert 'afserve_pd_kv_transfer_seconds_bucket{le="2.5"} 2.0' in text
+    assert 'afserve_pd_kv_transfer_seconds_bucket{le="+Inf"} 3.0' in text
+    assert 'afserve_pd_pool_kv_usage_ratio{pool="prefill"} 0.6' in text
+    assert 'afserve_pd_pool_kv_usage_ratio{pool="decode"} 0.8' in text
