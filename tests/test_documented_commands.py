@@ -147,6 +147,7 @@ RUN_BY = {
     "bench/serve_load.py": "tests/bench/test_bench_smoke.py (--smoke; --peer vllm needs .venv-vllm: make peers)",
     "bench/elastic.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
     "bench/spec_decode.py": "tests/bench/test_bench_smoke.py (--smoke)",
+    "bench/pd.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
     "bench/chaos.py": "tests/bench/test_chaos.py (two seeded trials; eight in make test-full)",
     "bench/kernels.py": "tests/bench/test_kernels_bench.py (--smoke)",
     "bench/deepspeed_moe.py": "tests/bench/test_deepspeed_moe.py (needs the bench extra: make bench)",

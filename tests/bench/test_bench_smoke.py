@@ -82,6 +82,23 @@ def test_spec_decode_smoke():
 
 
 @FULL
+def test_pd_smoke():
+    """Colocated and PD (1 prefill + 1 decode + 1 expert rank), mixed and short workloads: a row each with its
+    latencies and throughput, the PD rows' ratios theirs against colocated, and a KV transfer time per move."""
+    out = _smoke("pd.py")
+    rows = {(m.group(1), m.group(2)): [float(x) for x in m.groups()[2:7]] + [m.group(8)] for m in re.finditer(
+        r"^\| (\w+) \| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \| (.*) \|$", out,
+        flags=re.M)}
+    assert set(rows) == {(w, c) for w in ("mixed", "short") for c in ("colocated", "pd")}, out
+    for w in ("mixed", "short"):
+        coloc, pd = rows[(w, "colocated")], rows[(w, "pd")]
+        assert all(v > 0 for v in coloc[:5] + pd[:5]) and pd[0] <= pd[1] and pd[2] <= pd[3], out
+        tpot_ratio, tok_ratio, per_move, _ = [x.strip() for x in pd[5].split("|")]
+        assert abs(float(tpot_ratio.rstrip("x")) - coloc[3] / pd[3]) < 0.02, out
+        assert abs(float(tok_ratio.rstrip("x")) - pd[4] / coloc[4]) < 0.02 and float(per_move) > 0, out
+
+
+@FULL
 def test_elastic_smoke():
     """2 + 3 with an expert rank killed, then 1 + 2 -> 2 + 4 -> 1 + 2, four short requests: every run's outputs
     identical to the run without a failure (the bench checks them against its reference), nothing written."""
