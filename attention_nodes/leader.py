@@ -252,6 +252,7 @@ class Leader:
                 "kv_blocks_handed_over": sum(r.kv_blocks_received for r in self.reports),
                 "spec_decode": spec_summed([r.spec_decode for r in self.reports]),
                 "pd": {"prefill_ranks": self.prefill_ranks, **pd_summed([r.pd for r in self.reports]),
+                       "requests_taken_over": [r.pd[0] if r.pd else 0 for r in self.reports],
                        "requests_waiting_for_decode": self.num_waiting_for_decode,
                        "prompt_tokens_computed": [r.prompt_tokens_computed for r in self.reports]},
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,

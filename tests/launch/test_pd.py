@@ -104,3 +104,30 @@ def test_a_rank_lost_during_pd_costs_no_request(tiny_checkpoint, monkeypatch, fa
     change, = stats["membership_changes"]
     assert change["lost"] == [victim] and stats["pd"]["prefill_ranks"] == 1
     assert stats["num_moved_requests"] > 0
+
+
+def test_the_decode_pool_grows_and_shrinks_with_requests_in_flight(tiny_checkpoint):
+    """1 prefill + 1 decode + 1 expert rank; mid-stream, LLM.scale(attention_ranks=3) adds an attention rank,
+    which joins as a decode rank (prefill ranks are the first prefill_ranks) and takes moved requests over in
+    the next run; then, mid-stream again,
+    attention_ranks=2 retires it: it hands its requests over with their KV (to whichever rank the plan names: a
+    prefill rank moves them on to the decode rank). Every output is transformers'."""
+    from tests.launch.runtime.test_elastic import _stream_scaling
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(8, 256, 3, 11, seed=9)
+    expected = hf_greedy(path, prompts, 24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=1, block_size=BS) as llm:
+        grown, answer = _stream_scaling(llm, prompts, params, {"attention_ranks": 3}, after_tokens=20)
+        assert "error" not in answer and answer["attention_ranks"] == 3, answer
+        mid = llm.stats()
+        again = [o.token_ids for o in llm.generate(prompts, params)]     # the new decode rank takes some over
+        taken = llm.stats()["pd"]["requests_taken_over"]
+        shrunk, answer = _stream_scaling(llm, prompts, params, {"attention_ranks": 2}, after_tokens=40)
+        assert "error" not in answer and answer["attention_ranks"] == 2, answer
+        end = llm.stats()
+    assert grown == again == shrunk == expected
+    assert taken[0] == 0 and taken[1] > 0 and taken[2] > 0, taken
+    assert mid["pool_ranks"] == {"attention": 3, "expert": 1, "prefill": 1, "decode": 2}
+    assert end["pool_ranks"] == {"attention": 2, "expert": 1, "prefill": 1, "decode": 1}
+    assert end["pd"]["requests_transferred"] >= 2 * len(prompts)
