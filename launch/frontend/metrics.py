@@ -49,6 +49,12 @@ def attention_pool_kv_usage(stats: dict) -> float:
     return (total - sum(stats["free_kv_blocks"])) / total if total else 0.0
 
 
+def _counters(values: dict, specs: list[tuple[str, str, str]]):
+    """One counter per (name, help, key of values)."""
+    for name, text, key in specs:
+        yield CounterMetricFamily(name, text, value=values[key])
+
+
 def pd_pool_kv_usage(stats: dict) -> dict[str, float]:
     """PD: used / total KV blocks of the prefill ranks and of the decode ranks ({} without PD)."""
     p = stats["pd"]["prefill_ranks"]
@@ -65,12 +71,11 @@ def pd_series(stats: dict):
     """PD on AF's series: moves and their KV (bytes; seconds per move, a histogram), requests waiting for a decode
     seat, and each role's KV usage (an autoscaling signal per pool)."""
     pd = stats["pd"]
-    yield CounterMetricFamily("afserve_pd_requests_transferred", "Requests moved from a prefill rank to a decode "
-                              "rank with their KV", value=pd["requests_transferred"])
-    yield CounterMetricFamily("afserve_pd_kv_blocks_transferred", "KV blocks those moves carried",
-                              value=pd["kv_blocks_transferred"])
-    yield CounterMetricFamily("afserve_pd_kv_transfer_bytes", "KV bytes those moves carried",
-                              value=pd["kv_bytes_transferred"])
+    yield from _counters(pd, [
+        ("afserve_pd_requests_transferred", "Requests moved from a prefill rank to a decode rank with their KV",
+         "requests_transferred"),
+        ("afserve_pd_kv_blocks_transferred", "KV blocks those moves carried", "kv_blocks_transferred"),
+        ("afserve_pd_kv_transfer_bytes", "KV bytes those moves carried", "kv_bytes_transferred")])
     counts, cumulative, buckets = pd["kv_transfer_buckets"], 0, []
     for bound, n in zip([*map(str, TRANSFER_BUCKETS), "+Inf"], counts):
         cumulative += n
@@ -141,12 +146,11 @@ class _EngineSeries:
         yield CounterMetricFamily("afserve_kv_blocks_handed_over", "KV blocks those requests brought along",
                                   value=s["kv_blocks_handed_over"])
         spec = s["spec_decode"]
-        yield CounterMetricFamily("afserve_spec_decode_num_drafts", "Speculative steps: a request verified with at "
-                                  "least one draft token", value=spec["num_drafts"])
-        yield CounterMetricFamily("afserve_spec_decode_num_draft_tokens", "Draft tokens verified",
-                                  value=spec["num_draft_tokens"])
-        yield CounterMetricFamily("afserve_spec_decode_num_accepted_tokens", "Draft tokens accepted",
-                                  value=spec["num_accepted_tokens"])
+        yield from _counters(spec, [
+            ("afserve_spec_decode_num_drafts", "Speculative steps: a request verified with at least one draft token",
+             "num_drafts"),
+            ("afserve_spec_decode_num_draft_tokens", "Draft tokens verified", "num_draft_tokens"),
+            ("afserve_spec_decode_num_accepted_tokens", "Draft tokens accepted", "num_accepted_tokens")])
         per_pos = CounterMetricFamily("afserve_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at "
                                       "each draft position", labels=["position"])
         for pos, n in enumerate(spec["num_accepted_tokens_per_pos"]):
