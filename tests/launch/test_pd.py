@@ -131,3 +131,29 @@ def test_the_decode_pool_grows_and_shrinks_with_requests_in_flight(tiny_checkpoi
     assert mid["pool_ranks"] == {"attention": 3, "expert": 1, "prefill": 1, "decode": 2}
     assert end["pool_ranks"] == {"attention": 2, "expert": 1, "prefill": 1, "decode": 1}
     assert end["pd"]["requests_transferred"] >= 2 * len(prompts)
+
+
+def test_features_with_pd_equal_the_outputs_without(tiny_checkpoint):
+    """PD (1 prefill + 2 decode) against one colocated attention rank, same expert pool, same per-rank limits:
+    n = 2 samples (forked at the prefill rank, moved together with their shared blocks), seeded sampling (the
+    generator's state moves with the request), logprobs and prompt logprobs (scored at the prefill rank), stop
+    tokens, penalties, min_tokens, a small pool (preemption on the decode ranks, recomputed there) and chunked
+    prefill: every sample's tokens, finish reason and logprobs are the same."""
+    from tests.launch.test_speculative import assert_same_outputs
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(6, 256, 5, 26, seed=13)
+    cases = [SamplingParams(max_tokens=12, n=2, logprobs=2, ignore_eos=True, prompt_logprobs=1),
+             SamplingParams(max_tokens=14, stop_token_ids=[7, 11, 13], repetition_penalty=1.2, min_tokens=3),
+             SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=5, ignore_eos=True)]
+    runs, stats = [], []
+    for attention, prefill in ((1, 0), (3, 1)):
+        with LLM(path, attention_ranks=attention, expert_ranks=1, prefill_ranks=prefill, num_kv_blocks=12,
+                 block_size=BS, max_num_batched_tokens=16, max_num_seqs=6) as llm:
+            runs.append([llm.generate(prompts, p) for p in cases])
+            stats.append(llm.stats())
+    assert stats[1]["pd"]["requests_transferred"] > 0 and stats[1]["num_preemptions"] > 0
+    assert_same_outputs(*runs)
+    for a, b in zip(runs[0][0], runs[1][0]):     # the prompt logprobs too (batches differ: within 1e-4)
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) and a.prompt_logprobs[0] is b.prompt_logprobs[0] is None
+        for ea, eb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert ea.keys() == eb.keys() and all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
