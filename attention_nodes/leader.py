@@ -121,11 +121,13 @@ class Leader:
             out.setdefault(str(rank), []).append(req)
         return out
 
-    def plan_moves(self) -> list[list]:
+    def plan_moves(self, aborted: frozenset[str] = frozenset()) -> list[list]:
         """PD: the moves of the next step, [prefill rank, decode rank, [request ids]], for the requests the prefill
         ranks reported done with their prefill, oldest first per rank. A request goes to the decode rank with a
         seat and its blocks free that caches the longest prefix of its prompt, then has the most free blocks;
-        none has room: it waits at its prefill rank (num_waiting_for_decode) and is offered again next step."""
+        none has room: it waits at its prefill rank (num_waiting_for_decode) and is offered again next step. A
+        request is moved only while the leader has it on that prefill rank and no abort for it is in the step
+        (aborted: request ids); a decode rank needs its blocks plus one per sample free (the next token's)."""
         P, A = self.prefill_ranks, self.num_attention_ranks
         if not P:
             return []
@@ -137,9 +139,11 @@ class Leader:
         self.num_waiting_for_decode = 0
         for src in range(P):
             for rid, blocks, samples in self.reports[src].ready:
-                room = [d for d in free if free[d] >= blocks and seats[d] >= samples]
-                if not room or rid not in self.req2rank:
-                    self.num_waiting_for_decode += bool(rid in self.req2rank)
+                if self.req2rank.get(rid) != src or rid in aborted:
+                    continue
+                room = [d for d in free if free[d] >= blocks + samples and seats[d] >= samples]
+                if not room:
+                    self.num_waiting_for_decode += 1
                     continue
                 hit = self._cached_prefix(self.assigned[rid]["prompt"]) if self.cache_aware else [0] * A
                 dst = max(room, key=lambda d: (hit[d], free[d], -d))
@@ -213,7 +217,7 @@ class Leader:
         sum is their count plus the drafts)."""
         self.step_id += 1
         new = self._assign()
-        moves = self.plan_moves()
+        moves = self.plan_moves(frozenset(request_of(i) for ids in aborts.values() for i in ids))
         for src, dst, rids in moves:      # until dst reports: what it takes over, one token per sample
             samples = {rid: n for rid, _, n in self.reports[src].ready}
             rep = self.reports[dst]

@@ -63,8 +63,8 @@ def ready_requests(worker) -> list[list]:
     groups: dict[str, list] = {}
     for seq in worker.scheduler.parked():
         groups.setdefault(seq.group_id or seq.request_id, []).append(seq)
-    live: dict[str, int] = {}
-    for seq in worker.scheduler.running:
+    live: dict[str, int] = {}      # a sample still waiting (preempted, or resumed without a seat) holds it back
+    for seq in list(worker.scheduler.running) + list(worker.scheduler.waiting):
         rid = seq.group_id or seq.request_id
         live[rid] = live.get(rid, 0) + 1
     return [[rid, len({b for s in seqs for b in s.block_table}), len(seqs)]
@@ -81,8 +81,8 @@ def apply_moves(worker, moves: list[list], transfer, sent_meta=None) -> None:
             wanted = set(rids)
             seqs = [s for s in worker.scheduler.running if (s.group_id or s.request_id) in wanted]
             meta, kv = pack_sequences(worker, seqs)
-            for rid in rids:      # dropped before the send: if it fails, the leader finds who holds what
-                worker.scheduler.abort(rid)
+            for seq in seqs:      # dropped before the send: if it fails, the leader finds who holds what
+                worker.scheduler.abort(seq.request_id)
             transfer.send(meta, kv, dst, sent_meta)
         elif worker.rank == dst:
             t0 = time.perf_counter()

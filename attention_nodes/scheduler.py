@@ -239,8 +239,7 @@ class Scheduler:
     def max_next_tokens(self) -> int:
         """Upper bound on the tokens the next schedule() runs if no request is added before it: what the
         running sequences have left plus what the waiting ones that could still be admitted bring."""
-        total = sum(s.num_tokens - s.num_computed_tokens + len(s.spec_tokens) for s in self._running
-                    if not (self.prefill_only and s.prefilled))
+        total = sum(s.num_tokens - s.num_computed_tokens + len(s.spec_tokens) for s in self._running)
         free_seats = self.max_num_seqs - len(self._running)
         for seq in self._waiting:
             if free_seats <= 0 or total >= self.max_num_batched_tokens:

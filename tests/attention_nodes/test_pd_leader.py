@@ -110,3 +110,19 @@ def test_the_decode_ranks_prefix_cache_learns_the_blocks_it_takes_over():
     (moved,) = dst.scheduler.running
     assert dst.block_pool.lookup(keys) == moved.block_table[:2]
     assert torch.equal(dst.kv.tensor[:, :, moved.block_table], src.kv.tensor[:, :, seq.block_table])
+
+
+def test_a_request_aborted_in_the_step_or_no_longer_on_its_rank_does_not_move():
+    """Review findings: an abort for a ready request goes to its prefill rank in the same header, so it must not
+    move too (a lost prefill rank would otherwise bring it back); a ready list that names a request the leader
+    now has elsewhere (after a handover) is stale for it."""
+    leader = _leader(3, prefill=1)
+    for rid in "abc":
+        leader.pending.append(_req(rid, [1, 2, 3]))
+    leader.next_step({})
+    reps = [StepReport(0, 50, 3, 0), StepReport(1, 50, 0, 0), StepReport(2, 50, 0, 0)]
+    reps[0].ready = [["a", 1, 1], ["b", 1, 1], ["c", 1, 1]]
+    leader.collect(reps, queue.Queue())
+    leader.req2rank["c"] = 2          # handed over since the report
+    *_, moves, _ = leader.next_step({"0": ["a"]})
+    assert [rid for _, _, rids in moves for rid in rids] == ["b"]
