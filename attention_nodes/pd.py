@@ -74,7 +74,7 @@ def ready_requests(worker) -> list[list]:
 def apply_moves(worker, moves: list[list], transfer, sent_meta=None) -> None:
     """This rank's part of a step header's moves ([src, dst, [request ids]], in order): send the requests
     named (a prefill rank; one aborted in this step's header is gone and not sent) or take them over (a decode
-    rank). Moved-in request ids are kept on the worker for its report, and the moves in its pd_stats.
+    rank). A decode rank counts the moves it takes over in its pd_stats.
     sent_meta(): called on a prefill rank between a move's description and its KV (fault injection)."""
     for src, dst, rids in moves:
         if worker.rank == src:
@@ -88,7 +88,7 @@ def apply_moves(worker, moves: list[list], transfer, sent_meta=None) -> None:
             t0 = time.perf_counter()
             meta, kv = transfer.recv(src)
             blocks = unpack_sequences(worker, meta, kv)
-            taken = list(dict.fromkeys(d["group_id"] or d["request_id"] for d in meta["seqs"]))
-            worker.moved_in_step += taken      # an aborted one was dropped by the prefill rank, not sent
+            # requests, not samples (an aborted one was dropped by the prefill rank, not sent)
+            taken = {d["group_id"] or d["request_id"] for d in meta["seqs"]}
             worker.pd_stats.add(len(taken), blocks, kv.numel() * kv.element_size() if meta["num_blocks"] else 0,
                                 time.perf_counter() - t0)

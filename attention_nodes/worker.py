@@ -43,7 +43,6 @@ class AttentionWorker:
         self.num_partial_chunks = 0
         self.num_preemptions = 0
         self.num_kv_blocks_received = 0   # KV blocks handed over by ranks that left (attention_nodes/handover.py)
-        self.moved_in_step: list[str] = []   # PD: request ids taken over from prefill ranks in the step begun last
         self.pd_stats = TransferStats()      # PD: requests and KV taken over from prefill ranks so far
         # Re-forming the job re-sends the step in flight (launch/runtime/step_protocol.py): the last step begun and
         # finished, its report, and a batch whose forward has not passed every exchange yet.
@@ -92,7 +91,6 @@ class AttentionWorker:
         """A new step's header: take its new requests and aborts, then (PD) play this rank's role and its part
         of the header's moves (transfer: a callable giving the KVTransfer, asked only when there are moves;
         sent_meta: pd.apply_moves')."""
-        self.moved_in_step = []
         self.add_requests(header.requests_for(self.rank))
         self.abort(header.aborts_for(self.rank))
         self.scheduler.prefill_only = self.rank < header.prefill_ranks
@@ -268,7 +266,7 @@ class AttentionWorker:
                           host.num_saved if host else 0, host.num_restored if host else 0, added, evicted,
                           self.num_kv_blocks_received, self.spec_stats.to_list() if self.drafter else [],
                           s.num_draft_tokens, ready_requests(self) if s.prefill_only else [],
-                          list(self.moved_in_step), self.pd_stats.to_list())
+                          self.pd_stats.to_list())
 
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:

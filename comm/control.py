@@ -87,7 +87,6 @@ class StepReport:
     spec_decode: list[int] = field(default_factory=list)   # cumulative speculative decoding counts (SpecStats)
     num_draft_tokens: int = 0           # draft tokens the running sequences carry into the next step
     ready: list[list] = field(default_factory=list)      # PD, a prefill rank: [request id, blocks, samples] to move
-    moved_in: list[str] = field(default_factory=list)    # PD, a decode rank: request ids taken over this step
     pd: list = field(default_factory=list)   # PD, cumulative: what this rank took over (attention_nodes/pd.py)
 
 

@@ -45,8 +45,13 @@ class Metrics:
 def attention_pool_kv_usage(stats: dict) -> float:
     """Used / total KV blocks summed over every attention rank (a block is used while a sequence holds it;
     cached blocks no one holds count as free, as in afserve_kv_blocks_used); 0.0 before any rank reports."""
-    total = sum(stats["kv_blocks"])
-    return (total - sum(stats["free_kv_blocks"])) / total if total else 0.0
+    return _kv_usage(stats, slice(None))
+
+
+def _kv_usage(stats: dict, ranks: slice) -> float:
+    """Used / total KV blocks of the attention ranks in `ranks` (0.0 when they have none)."""
+    total = sum(stats["kv_blocks"][ranks])
+    return (total - sum(stats["free_kv_blocks"][ranks])) / total if total else 0.0
 
 
 def _counters(values: dict, specs: list[tuple[str, str, str]]):
@@ -60,11 +65,7 @@ def pd_pool_kv_usage(stats: dict) -> dict[str, float]:
     p = stats["pd"]["prefill_ranks"]
     if not p:
         return {}
-    out = {}
-    for pool, ranks in (("prefill", slice(0, p)), ("decode", slice(p, None))):
-        total, free = sum(stats["kv_blocks"][ranks]), sum(stats["free_kv_blocks"][ranks])
-        out[pool] = (total - free) / total if total else 0.0
-    return out
+    return {"prefill": _kv_usage(stats, slice(0, p)), "decode": _kv_usage(stats, slice(p, None))}
 
 
 def pd_series(stats: dict):

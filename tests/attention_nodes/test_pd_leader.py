@@ -32,6 +32,15 @@ def _req(rid: str, prompt: list[int]) -> dict:
     return {"id": rid, "prompt": prompt, "params": SamplingParams(max_tokens=8).to_dict()}
 
 
+def _ready_at_rank_0(leader: Leader, reports: list[StepReport], ready: list[list]) -> None:
+    """Requests a, b, c (3-token prompts) go to prefill rank 0, which then reports `ready` (and `reports`)."""
+    for rid in "abc":
+        leader.pending.append(_req(rid, [1, 2, 3]))
+    leader.next_step({})
+    reports[0].ready = ready
+    leader.collect(reports, queue.Queue())
+
+
 def test_prompts_go_to_prefill_ranks_and_move_to_the_decode_rank_with_room():
     leader = _leader(4, prefill=2)     # ranks 0, 1 prefill; 2, 3 decode
     x = list(range(10, 30))
@@ -53,12 +62,8 @@ def test_prompts_go_to_prefill_ranks_and_move_to_the_decode_rank_with_room():
 
 def test_a_request_no_decode_rank_has_room_for_waits():
     leader = _leader(3, prefill=1, max_num_seqs=2)
-    for rid in "abc":
-        leader.pending.append(_req(rid, [1, 2, 3]))
-    leader.next_step({})
-    reps = [StepReport(0, 50, 3, 0), StepReport(1, 3, 0, 0), StepReport(2, 9, 1, 0)]
-    reps[0].ready = [["a", 4, 1], ["b", 2, 1], ["c", 2, 2]]
-    leader.collect(reps, queue.Queue())
+    _ready_at_rank_0(leader, [StepReport(0, 50, 3, 0), StepReport(1, 3, 0, 0), StepReport(2, 9, 1, 0)],
+                     [["a", 4, 1], ["b", 2, 1], ["c", 2, 2]])
     *_, moves, _ = leader.next_step({})
     # a needs 4 blocks: only rank 2 has them (then 5 left and one seat); b fits rank 1; c's two samples need two
     # seats: rank 1 has one left, rank 2 one: c waits
@@ -117,12 +122,8 @@ def test_a_request_aborted_in_the_step_or_no_longer_on_its_rank_does_not_move():
     move too (a lost prefill rank would otherwise bring it back); a ready list that names a request the leader
     now has elsewhere (after a handover) is stale for it."""
     leader = _leader(3, prefill=1)
-    for rid in "abc":
-        leader.pending.append(_req(rid, [1, 2, 3]))
-    leader.next_step({})
-    reps = [StepReport(0, 50, 3, 0), StepReport(1, 50, 0, 0), StepReport(2, 50, 0, 0)]
-    reps[0].ready = [["a", 1, 1], ["b", 1, 1], ["c", 1, 1]]
-    leader.collect(reps, queue.Queue())
+    _ready_at_rank_0(leader, [StepReport(0, 50, 3, 0), StepReport(1, 50, 0, 0), StepReport(2, 50, 0, 0)],
+                     [["a", 1, 1], ["b", 1, 1], ["c", 1, 1]])
     leader.req2rank["c"] = 2          # handed over since the report
     *_, moves, _ = leader.next_step({"0": ["a"]})
     assert [rid for _, _, rids in moves for rid in rids] == ["b"]
