@@ -325,7 +325,7 @@ class Leader:
         self.final_only.discard(rid)
 
     def regroup(self, keep: list[int], kv_blocks: list[int] = (), handover: dict[int, int] | None = None,
-                held: dict[int, list[str]] | None = None) -> None:
+                held: dict[int, list[str]] | None = None, prefill_ranks: int | None = None) -> None:
         """The attention pool is now keep (keep[i]: the old rank of new rank i, -1 for a rank that joined; rank
         0 stays); kv_blocks: the KV pool size of each joining rank, in order. handover: old rank -> the old
         rank that took over its requests (a graceful scale-in: they stay there). Requests of the other ranks
@@ -334,7 +334,8 @@ class Leader:
         per-rank table move to the new rank numbers. Aborts for a moved request end it here. held: old rank -> the
         requests it holds, as the ranks said after a planned change failed between steps (a handover may have
         moved some, or dropped them on the way): each request is where a rank holds it, and one that no rank
-        holds goes back to the queue like a lost rank's."""
+        holds goes back to the queue like a lost rank's. prefill_ranks: PD's in the new pool (the plan's; None: the
+        kept prefill ranks, 0 if no decode rank is kept)."""
         new_rank = {old: new for new, old in enumerate(keep) if old >= 0}
         handover = handover or {}
         header = self.inflight
@@ -352,8 +353,10 @@ class Leader:
                         self.unheld.add(rid)
         if header is not None:
             header.moves = []      # carried out or not, where each request is is settled above
-        kept_prefill = sum(0 <= old < self.prefill_ranks for old in keep)
-        self.prefill_ranks = kept_prefill if kept_prefill < len(keep) else 0   # no decode rank left: colocated
+        if prefill_ranks is None:   # the kept ones (planning.plan_attention says so for every plan)
+            kept_prefill = sum(0 <= old < self.prefill_ranks for old in keep)
+            prefill_ranks = kept_prefill if kept_prefill < len(keep) else 0   # no decode rank left: colocated
+        self.prefill_ranks = prefill_ranks
         for rid, rank in self.req2rank.items():
             if rank in handover:
                 self.req2rank[rid] = handover[rank]

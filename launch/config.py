@@ -22,7 +22,8 @@ TRANSPORTS = ("auto", "shm", "cuda_ipc", "collective")
 IN_BAND_COUNTS = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ROLES = ("attention", "expert")
+ROLES = ("attention", "prefill", "decode", "expert")
+ATTENTION_ROLES = ("attention", "prefill", "decode")   # prefill, decode: an attention rank joining PD's pool
 
 
 def option(default=MISSING, help: str = "", **meta) -> Field:
@@ -208,8 +209,9 @@ class EngineConfig:
                                       "sync per timed call; the comm profiling tool turns it on)")
     # Separate pool launches (launch/runtime/membership.py, "Joining"): this process's pool and the store that the
     # pools rendezvous through, which the attention pool's first rank (the leader) serves. None: roles by rank.
-    role: str | None = option(None, "separate pool launches: this launch's pool (with pool_addr); without it, "
-                                    "one launch holds both pools (roles by rank)", choices=ROLES)
+    role: str | None = option(None, "separate pool launches: this launch's pool (with pool_addr): attention, "
+                                    "expert, or with PD prefill or decode (attention ranks joining that pool); "
+                                    "without it, one launch holds both pools (roles by rank)", choices=ROLES)
     pool_addr: str | None = option(None, "HOST:PORT of the job's store, served by the attention pool's rank 0 "
                                          "(the leader); every pool launch, and every rank joining later, points "
                                          "here")
@@ -236,10 +238,11 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: pass True or False")
         if self.role is not None and self.role not in ROLES:
-            raise ValueError(f"role={self.role!r} is invalid: choose attention or expert")
+            raise ValueError(f"role={self.role!r} is invalid: choose attention, prefill, decode or expert")
         if (self.role is None) != (self.pool_addr is None):
             raise ValueError(f"role={self.role!r} and pool_addr={self.pool_addr!r}: separate pool launches need "
-                             f"both (--role attention|expert --pool-addr HOST:PORT), a single launch neither")
+                             f"both (--role attention|prefill|decode|expert --pool-addr HOST:PORT), a single launch "
+                             f"neither")
         if self.pool_addr is not None:
             self.pool_host_port()
         if self.parallel.prefill_ranks and self.scheduler.speculative_config is not None:

@@ -15,6 +15,7 @@ from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
 from .procs import Outbox, free_port, rank_main
+from .runtime.planning import scale_joiners
 from .samples import Sample, chosen, split_id
 
 logger = logging.getLogger("afserve")
@@ -86,7 +87,8 @@ class LLM:
         self._ctx = ctx = mp.get_context("spawn")
         world = self.config.parallel.world_size
         self._port = port = free_port()
-        self.pools = [self.config.parallel.attention_ranks, self.config.parallel.expert_ranks]
+        par = self.config.parallel
+        self.pools = [par.attention_ranks, par.expert_ranks, par.prefill_ranks]   # as this process spawned them
         self._inbox, self._outbox, self._status = ctx.Queue(), Outbox(ctx), ctx.Queue()
         for rank in range(world):
             p = ctx.Process(target=rank_main, name=f"afserve-rank{rank}", daemon=True,
@@ -271,39 +273,30 @@ class LLM:
         return self._reply("comm_stats")
 
     def scale(self, attention_ranks: int | None = None, expert_ranks: int | None = None,
-              retire: list[int] | None = None) -> dict:
+              retire: list[int] | None = None, prefill_ranks: int | None = None,
+              decode_ranks: int | None = None) -> dict:
         """Resize the pools between steps. Growing a pool spawns ranks that join the job (an expert rank takes
         its experts from peers or the checkpoint); shrinking one retires its last ranks (they exit with status
-        0), and `retire` names ranks to remove (any but rank 0). EPLB re-places the experts over the new expert
+        0), and `retire` names ranks to remove (any but rank 0). A PD job sizes its two attention pools with
+        prefill_ranks and decode_ranks instead of attention_ranks. EPLB re-places the experts over the new expert
         pool; a retired attention rank hands its requests over to the others with their KV blocks.
         Returns the membership change's record (as in stats()["membership_changes"]). Requests in flight keep
         going; call it between generate() calls (it waits on the same queue). Spawned ranks only."""
-        self.request_scale(attention_ranks, expert_ranks, retire)
+        self.request_scale(attention_ranks, expert_ranks, retire, prefill_ranks, decode_ranks)
         return self.take_scale_result(self._reply("scale", self.config.startup_timeout_s))
 
     def request_scale(self, attention_ranks: int | None = None, expert_ranks: int | None = None,
-                      retire: list[int] | None = None) -> None:
+                      retire: list[int] | None = None, prefill_ranks: int | None = None,
+                      decode_ranks: int | None = None) -> None:
         """Ask for scale(...) without waiting, spawning the ranks that will join: the leader answers ("scale",
         record) on outbox between steps; pass that record to take_scale_result."""
         if self.runtime is not None:
             raise ValueError("scale() needs ranks spawned by LLM; under torchrun launch more ranks against the "
                              "job's --pool-addr, or drain ranks through the server's /admin/drain")
-        for name, v in (("attention_ranks", attention_ranks), ("expert_ranks", expert_ranks)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name}={v!r} is invalid: pass an integer >= 1 (or None to keep the pool)")
-        if expert_ranks is not None and expert_ranks > self.spec.num_experts:
-            raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; use "
-                             f"at most {self.spec.num_experts}")
-        retire = list(retire or [])
-        A, E = self.pools
-        if any(isinstance(r, bool) or not isinstance(r, int) or not 0 < r < A + E for r in retire):
-            raise ValueError(f"retire={retire!r} is invalid: name ranks 1..{A + E - 1} (rank 0 leads the job)")
-        self._inbox.put(("scale", {"attention_ranks": attention_ranks, "expert_ranks": expert_ranks,
-                                   "retire": retire}))
-        kept_a = A - sum(r < A for r in retire)
-        kept_e = E - sum(r >= A for r in retire)
-        roles = ["attention"] * max(0, (attention_ranks or kept_a) - kept_a) + \
-            ["expert"] * max(0, (expert_ranks or kept_e) - kept_e)
+        request = {"attention_ranks": attention_ranks, "expert_ranks": expert_ranks, "prefill_ranks": prefill_ranks,
+                   "decode_ranks": decode_ranks, "retire": list(retire or [])}
+        roles = scale_joiners(request, *self.pools, self.config.parallel.prefill_ranks > 0, self.spec.num_experts)
+        self._inbox.put(("scale", request))
         for role in roles:
             self._spawn_joiner(role)
 
@@ -323,7 +316,7 @@ class LLM:
             raise ValueError(result["error"])
         self.retired_ranks += result.get("lost_members", [])
         if "attention_ranks" in result:
-            self.pools = [result["attention_ranks"], result["expert_ranks"]]
+            self.pools = [result["attention_ranks"], result["expert_ranks"], result["prefill_ranks"]]
         return result
 
     def _reply(self, kind: str, timeout_s: float = 60) -> dict:

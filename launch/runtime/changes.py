@@ -36,6 +36,7 @@ class MembershipChange:
     joined_members: list[int] = field(default_factory=list)  # members that joined
     attention_ranks: int = 0       # the new generation's pools
     expert_ranks: int = 0
+    prefill_ranks: int = 0         # PD: how many of the attention ranks only prefill (0: no PD)
     detect_s: float = 0.0          # from the first failed exchange to every member accounted for (a planned
                                    # change: from publishing the plan to every rank out of the old generation)
     groups_s: float = 0.0          # forming the new generation's process groups and data plane

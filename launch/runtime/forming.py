@@ -127,7 +127,8 @@ class GenerationForming:
             if self.leader is not None:
                 handover = {int(src): dst for src, dst in plan.get("handover", {}).items()}
                 held = {int(r): ids for r, ids in plan["held"].items()} if "held" in plan else None
-                self.leader.regroup(plan["attention_keep"], plan["kv_blocks"], handover, held)
+                self.leader.regroup(plan["attention_keep"], plan["kv_blocks"], handover, held,
+                                    plan.get("prefill_ranks"))
                 self.leader.num_expert_ranks = topo.num_expert_ranks
         else:
             state.staged = {}

@@ -245,6 +245,7 @@ class Generations:
         change.slots_from_peers, change.slots_from_checkpoint = plan["from_peers"], plan["from_checkpoint"]
         change.attention_ranks = plan["attention_ranks"]
         change.expert_ranks = len(plan["members"]) - plan["attention_ranks"]
+        change.prefill_ranks = plan["prefill_ranks"]
         self.changes.append(change)
 
     def _ready(self, gen: int) -> bool:

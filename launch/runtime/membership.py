@@ -105,8 +105,9 @@ class Membership(Generations):
 
     def scale_as_leader(self, request: dict) -> dict | None:
         """Leader, between steps: carry out a scale request {"attention_ranks": n or None, "expert_ranks": n
-        or None, "retire": [ranks] or None, "retire_hosts": [hostnames] or None, "deadline": monotonic time,
-        optionally "cause" for the record}: retire the given ranks, then the last ranks of a pool above its
+        or None, PD's "prefill_ranks" and "decode_ranks" (n or None) instead of attention_ranks, "retire":
+        [ranks] or None, "retire_hosts": [hostnames] or None, "deadline": monotonic time, optionally "cause" for
+        the record}: retire the given ranks, then the last ranks of a pool above its
         target; admit registered joiners up to a pool's target. Returns the change's record, {"error": why}
         (nothing changes then), or None while joiners it needs have not registered yet (the caller asks again;
         past the deadline the request fails)."""
@@ -126,35 +127,54 @@ class Membership(Generations):
                                  f"job and holds its requests)"}
             request["retire_members"] = [rt.members[r] for r in retire]
         retire = [r for r, m in enumerate(rt.members) if m in request["retire_members"]]
-        attention = [r for r in range(1, A) if r not in retire]
-        experts = [r for r in range(A, W) if r not in retire]
-        want_a = request.get("attention_ranks") or len(attention) + 1
-        want_e = request.get("expert_ranks") or len(experts)
-        retire += attention[max(0, want_a - 1):] + experts[want_e:]
-        if want_e < 1:
+        pools = self._pools(request, A, W)
+        if isinstance(pools, str):
+            return {"error": pools}
+        waiting, join, needs = self.joiners(), [], []
+        for name, ranks, want, roles in pools:
+            staying = [r for r in ranks if r not in retire]
+            if want is not None:
+                retire += staying[want:]        # rank 0 is the first pool's first rank, and want >= 1
+            need = max(0, (want or len(staying)) - len(staying))
+            fits = [j for j in waiting if j[1]["role"] in roles and j not in join][:need]
+            join += fits
+            needs.append((name, want or len(staying), need, len(fits)))
+        if needs[-1][1] < 1:     # the expert pool's target
             return {"error": f"retiring ranks {sorted(retire)} would leave no expert rank; one must stay"}
-        need_a, need_e = max(0, want_a - 1 - len(attention)), max(0, want_e - len(experts))
-        waiting = self.joiners()
-        join = [j for j in waiting if j[1]["role"] == "attention"][:need_a] + \
-            [j for j in waiting if j[1]["role"] == "expert"][:need_e]
-        if len(join) < need_a + need_e:
+        if any(got < need for _, _, need, got in needs):
+            want = " + ".join(f"{n} {name}" for name, n, _, _ in needs)
+            missing = ", ".join(f"{need} {name}" for name, _, need, got in needs if got < need)
+            got = sum(got for *_, got in needs)
             if time.monotonic() < request["deadline"]:
                 return None
             if request.get("interrupted"):
                 return {"error": f"a rank was lost while the job changed (it went on with {A} + {W - A} ranks): "
-                                 f"scaling to {want_a} attention + {want_e} expert ranks now needs {need_a} "
-                                 f"attention and {need_e} expert rank(s) to join, but {len(join)} registered; "
-                                 f"scale again"}
-            return {"error": f"scaling to {want_a} attention + {want_e} expert ranks needs {need_a} attention and "
-                             f"{need_e} expert rank(s) to join, but {len(join)} registered in time; launch them "
-                             f"against the job's pool address (serve.py --role ... --pool-addr)"}
+                                 f"scaling to {want} ranks now needs {missing} rank(s) to join, but {got} "
+                                 f"registered; scale again"}
+            return {"error": f"scaling to {want} ranks needs {missing} rank(s) to join, but {got} registered in "
+                             f"time; launch them against the job's pool address (serve.py --role ... --pool-addr)"}
         if not retire and not join:
-            return {"unchanged": True, "attention_ranks": A, "expert_ranks": W - A}
+            return {"unchanged": True, "attention_ranks": A, "expert_ranks": W - A,
+                    "prefill_ranks": rt.leader.prefill_ranks}
         record = self.change_as_leader([rt.members[r] for r in sorted(set(retire))], join,
                                        request.get("cause", "scale"))
         if record is None and rt.generation >= 0:   # the job re-formed: ask again once the joiners are back
             request.update(interrupted=True, deadline=min(request["deadline"], time.monotonic() + REJOIN_GRACE_S))
         return record
+
+    def _pools(self, request: dict, A: int, W: int) -> list[tuple[str, range, int | None, tuple[str, ...]]] | str:
+        """A scale request's pools: (name, their ranks now, the target or None to keep, the joiner roles that
+        fill it), or why the request is refused. A PD job's attention pool is two, prefill_ranks and decode_ranks
+        (one left without decode ranks has every rank in its prefill pool until one joins)."""
+        pd = self._rt.config.parallel.prefill_ranks > 0
+        if why := planning.pools_refusal(request, pd):
+            return why
+        experts = ("expert", range(A, W), request.get("expert_ranks"), ("expert",))
+        if not pd:
+            return [("attention", range(A), request.get("attention_ranks"), ("attention", "decode")), experts]
+        cut = min(self._rt.leader.prefill_ranks, A) or A    # the pool leader alone at start-up: min
+        return [("prefill", range(cut), request.get("prefill_ranks"), ("prefill", "attention")),
+                ("decode", range(cut, A), request.get("decode_ranks"), ("decode",)), experts]
 
     def ranks_on(self, hosts: list[str]) -> list[int]:
         """The ranks whose process runs on one of hosts (hostnames, as the process's host sees its own)."""
@@ -195,8 +215,12 @@ class Membership(Generations):
 
     def form_pool(self, attention_ranks: int, expert_ranks: int) -> None:
         """The leader of separate pool launches, alone at start-up: a scale request to this many ranks of each
-        pool, waited for until its ranks have registered (within startup_timeout_s): generation 0."""
-        request = {"attention_ranks": attention_ranks, "expert_ranks": expert_ranks, "cause": "start",
+        pool, waited for until its ranks have registered (within startup_timeout_s): generation 0. With PD the
+        attention ranks are prefill_ranks prefill ranks (the leader's own launch, then --role prefill launches) and
+        the rest decode ranks (--role decode or attention launches)."""
+        P = self._rt.config.parallel.prefill_ranks
+        pools = {"prefill_ranks": P, "decode_ranks": attention_ranks - P} if P else {"attention_ranks": attention_ranks}
+        request = {**pools, "expert_ranks": expert_ranks, "cause": "start",
                    "deadline": time.monotonic() + self.settings.startup_timeout_s}
         while (record := self.scale_as_leader(request)) is None:
             time.sleep(0.05)
@@ -279,7 +303,8 @@ class Membership(Generations):
     def _plan_handover(self, retire: list[int]) -> dict[str, int]:
         members = self._rt.members
         return planning.plan_handover(self._rt.attention_blocks(),
-                                      [r for r in range(len(members)) if members[r] in retire])
+                                      [r for r in range(len(members)) if members[r] in retire],
+                                      self._rt.leader.prefill_ranks)
 
     def _hand_over(self, plan: dict) -> None:
         """Between steps, in the old generation: each retiring attention rank sends its live requests and their

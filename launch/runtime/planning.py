@@ -30,6 +30,8 @@ class Job:
     redundant_experts: int
     bytes_per_slot: int      # one expert's weights in this job's dtype
     nodes: list[int] | None = None   # the node of each rank (None: consecutive blocks of ranks_per_node)
+    prefill_ranks: int = 0   # PD: the attention ranks below this number only prefill
+    pd: bool = False         # the job was started with PD (prefill_ranks may have dropped to 0 with its decode ranks)
 
 
 def grown_ranks_per_node(ranks_per_node: int, configured: bool, num_nodes: int, new_world: int) -> int:
@@ -77,14 +79,13 @@ def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: lis
     cannot serve.
 
     Keys: gen, members (member ids by new rank), attention_ranks, attention_keep (old attention rank of each
-    new one, -1: joined), keep (old expert index of each new expert rank, -1: joined), staged, joined,
-    kv_blocks (of joining attention ranks), ranks_per_node, slot2expert `[L, n, S]`, moves (balancer/replan.py),
-    from_peers, from_checkpoint."""
+    new one, -1: joined), prefill_ranks (plan_attention), keep (old expert index of each new expert rank, -1:
+    joined), staged, joined, kv_blocks (of joining attention ranks, in their new order), ranks_per_node,
+    slot2expert `[L, n, S]`, moves (balancer/replan.py), from_peers, from_checkpoint."""
     A, members = job.num_attention_ranks, job.members
     gone = [members.index(m) for m in lost]
-    new_attention = [m for m, info in joined if info["role"] == "attention"]
+    attention_keep, new_attention, prefill_ranks = plan_attention(job, set(gone), joined)
     new_experts = [(m, info) for m, info in joined if info["role"] == "expert"]
-    attention_keep = [r for r in range(A) if members[r] not in lost] + [-1] * len(new_attention)
     assert attention_keep[0] == 0, "the leader plans only while it lives"
     experts = members[A:]
     keep = [i for i, m in enumerate(experts) if m not in lost] + [-1] * len(new_experts)
@@ -111,13 +112,15 @@ def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: lis
                 f"the expert ranks cannot hold every expert: {was} would need {S * job.bytes_per_slot / 2**20:.1f} "
                 f"MiB for {S} slots of {job.num_experts} experts but may hold {budget / 2**20:.1f} MiB; add an "
                 f"expert rank or give each more memory (expert_memory)")
-    new_members = [members[r] for r in attention_keep if r >= 0] + new_attention + expert_members
+    joiners = iter(new_attention)
+    new_members = [members[r] if r >= 0 else next(joiners) for r in attention_keep] + expert_members
     donors = [i for i, m in enumerate(experts) if m in lost]
     staged, handoff = staged_moves(job.placement, replan, keep, donors) if retiring and job.placement is not None \
         else ([], [])
+    joined_info = dict(joined)
     return {"gen": generation, "members": new_members, "attention_ranks": A2, "attention_keep": attention_keep,
-            "keep": keep, "staged": staged, "joined": [m for m, _ in joined],
-            "kv_blocks": [info.get("kv_blocks", 0) for m, info in joined if info["role"] == "attention"],
+            "prefill_ranks": prefill_ranks, "keep": keep, "staged": staged, "joined": [m for m, _ in joined],
+            "kv_blocks": [joined_info[m].get("kv_blocks", 0) for m in new_attention],
             "ranks_per_node": job.ranks_per_node, "nodes": nodes,
             "slot2expert": replan.placement.slot2expert.tolist(),
             "moves": [list(m) for m in replan.moves], "handoff": handoff,
@@ -139,21 +142,52 @@ def keep_nodes(nodes: list[int], ranks_per_node: int) -> list[int] | None:
     return None if out == [r // ranks_per_node for r in range(len(out))] else out
 
 
-def plan_handover(blocks: list[tuple[int, int]], retiring: list[int]) -> dict[str, int]:
+def plan_attention(job: Job, gone: set[int], joined: list[tuple[int, dict]]) -> tuple[list[int], list[int], int]:
+    """The next generation's attention ranks -> (attention_keep: the old rank of each, -1 for a joiner; the
+    joining members in their new order; its prefill_ranks). gone: old ranks that leave; joined: (member, info)
+    with info["role"] attention, prefill, decode or expert.
+
+    Roles are positional (PD's prefill ranks are the first prefill_ranks), so with PD the kept prefill ranks come
+    first, then the prefill joiners (role prefill, or attention: the leader's launch and the pool it leads),
+    then the kept decode ranks, then the decode joiners. A PD job left without a decode rank runs colocated
+    (prefill_ranks 0) until one joins; then all its kept ranks prefill again. A job started without PD takes
+    attention and decode joiners as attention ranks, and refuses prefill joiners."""
+    A = job.num_attention_ranks
+    kept = [r for r in range(A) if r not in gone]
+    if not job.pd:
+        prefill = [m for m, info in joined if info["role"] == "prefill"]
+        if prefill:
+            raise MembershipError(f"member {prefill[0]} joins as a prefill rank, but the job runs without PD "
+                                  f"(prefill_ranks=0): launch it with --role attention, or start the job with "
+                                  f"--prefill-ranks")
+        others = [m for m, info in joined if info["role"] in ("attention", "decode")]
+        return kept + [-1] * len(others), others, 0
+    prefill = [m for m, info in joined if info["role"] in ("attention", "prefill")]
+    decode = [m for m, info in joined if info["role"] == "decode"]
+    cut = job.prefill_ranks or A
+    keep = [r for r in kept if r < cut] + [-1] * len(prefill) + [r for r in kept if r >= cut] + [-1] * len(decode)
+    num_prefill = sum(r < cut for r in kept) + len(prefill)
+    return keep, prefill + decode, num_prefill if num_prefill < len(keep) else 0
+
+
+def plan_handover(blocks: list[tuple[int, int]], retiring: list[int], prefill_ranks: int = 0) -> dict[str, int]:
     """For each retiring attention rank, the staying one that takes over its requests and KV blocks ->
     {str(leaving rank): taking rank}. blocks: (free, total) KV blocks of each attention rank, as last reported.
-    The taker's pool must be at least as large as the leaving rank's, so every sequence that fitted there fits
-    (one needing more blocks than a pool holds would wait there for good); among those the most free blocks,
-    charged for what it takes. With no pool that large, the largest. retiring: the ranks that leave; expert
-    ranks among them (ranks past the attention ranks) hold no requests."""
+    With PD (prefill_ranks > 0) a rank of the same role takes over while one stays (a prefill rank's unfinished
+    prompts stay off the decode ranks). The taker's pool must be at least as large as the leaving rank's, so
+    every sequence that fitted there fits (one needing more blocks than a pool holds would wait there for good);
+    among those the most free blocks, charged for what it takes. With no pool that large, the largest.
+    retiring: the ranks that leave; expert ranks among them (ranks past the attention ranks) hold no requests."""
     retiring = [r for r in retiring if r < len(blocks)]
     staying = [r for r in range(len(blocks)) if r not in retiring]
     free = {r: blocks[r][0] for r in staying}
     out = {}
     for r in retiring:
         num_free, num_blocks = blocks[r]
-        large = [k for k in staying if blocks[k][1] >= num_blocks]
-        dst = max(large, key=lambda k: (free[k], -k)) if large else max(staying, key=lambda k: (blocks[k][1], -k))
+        same = [k for k in staying if (k < prefill_ranks) == (r < prefill_ranks)]
+        takers = same or staying
+        large = [k for k in takers if blocks[k][1] >= num_blocks]
+        dst = max(large, key=lambda k: (free[k], -k)) if large else max(takers, key=lambda k: (blocks[k][1], -k))
         free[dst] -= num_blocks - num_free
         out[str(r)] = dst
     return out
@@ -197,3 +231,46 @@ def staged_moves(placement: Placement, replan: Replan, keep: list[int], donors: 
                     handoff.append([layer, dst, dslot, d, row.index(e)])
                 break
     return staged, handoff
+
+
+def scale_joiners(request: dict, attention_ranks: int, expert_ranks: int, prefill_ranks: int, pd: bool,
+                  num_experts: int) -> list[str]:
+    """LLM.scale's request (attention_ranks, expert_ranks, prefill_ranks, decode_ranks: a target or None;
+    retire: ranks) checked against the pools it spawned (PD's prefill_ranks of its attention_ranks; pd: the job
+    was started with PD, whose attention pool is then sized as two, prefill_ranks and decode_ranks) -> the roles
+    of the ranks it must spawn to join. Raises ValueError naming a bad value."""
+    targets = {k: request.get(k) for k in ("attention_ranks", "expert_ranks", "prefill_ranks", "decode_ranks")}
+    for name, v in targets.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r} is invalid: pass an integer >= 1 (or None to keep the pool)")
+    if targets["expert_ranks"] is not None and targets["expert_ranks"] > num_experts:
+        raise ValueError(f"expert_ranks={targets['expert_ranks']} exceeds the model's {num_experts} experts; use at "
+                         f"most {num_experts}")
+    if why := pools_refusal(targets, pd):
+        raise ValueError(why)
+    retire = request.get("retire") or []
+    A, E = attention_ranks, expert_ranks
+    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 < r < A + E for r in retire):
+        raise ValueError(f"retire={retire!r} is invalid: name ranks 1..{A + E - 1} (rank 0 leads the job)")
+    kept_e = E - sum(r >= A for r in retire)
+    roles = ["expert"] * max(0, (targets["expert_ranks"] or kept_e) - kept_e)
+    if not pd:
+        kept_a = A - sum(r < A for r in retire)
+        return ["attention"] * max(0, (targets["attention_ranks"] or kept_a) - kept_a) + roles
+    cut = prefill_ranks or A          # a PD job left without decode ranks: every rank prefills once one joins
+    kept_p = cut - sum(r < cut for r in retire)
+    kept_d = A - cut - sum(cut <= r < A for r in retire)
+    return ["prefill"] * max(0, (targets["prefill_ranks"] or kept_p) - kept_p) + \
+        ["decode"] * max(0, (targets["decode_ranks"] or kept_d) - kept_d) + roles
+
+
+def pools_refusal(targets: dict, pd: bool) -> str | None:
+    """Why a scale request's pool targets do not fit the job (None: they do): a PD job sizes prefill_ranks and
+    decode_ranks, any other job attention_ranks."""
+    if pd and targets.get("attention_ranks") is not None:
+        return (f"attention_ranks={targets['attention_ranks']} for a PD job: size its pools with prefill_ranks and "
+                f"decode_ranks")
+    if not pd and (targets.get("prefill_ranks") is not None or targets.get("decode_ranks") is not None):
+        return ("prefill_ranks/decode_ranks for a job without PD (prefill_ranks=0): scale its attention pool with "
+                "attention_ranks, or start the job with prefill_ranks")
+    return None

@@ -26,7 +26,7 @@ from expert_nodes.slots import ExpertSlots
 from expert_nodes.worker import ExpertWorker
 from models.checkpoint import Checkpoint
 
-from ..config import EngineConfig
+from ..config import ATTENTION_ROLES, EngineConfig
 from . import collectives, handoff, memory, planning, step_protocol
 from .changes import MembershipSettings
 from .dataplane import make_data_plane
@@ -157,7 +157,7 @@ class Runtime(GenerationForming):
         self.dev = set_device(config, par.world_size)
         self.membership = self._membership(host, port)
         desc = f"member {self.member} ({config.role})"
-        if config.role == "attention":
+        if config.role in ATTENTION_ROLES:
             self._build_attention(None, desc, None)
             blocks = self.worker.block_pool.num_blocks
         else:
@@ -264,7 +264,8 @@ class Runtime(GenerationForming):
                                             self.topo.num_nodes, new_world)
         job = planning.Job(self.members, self.topo.num_attention_ranks, rpn, state.placement,
                            state.load_ema, spec.num_experts, spec.num_moe_layers, par.redundant_experts,
-                           self._bytes_per_slot(), self.topo.rank_nodes())
+                           self._bytes_per_slot(), self.topo.rank_nodes(), self.leader.prefill_ranks,
+                           par.prefill_ranks > 0)
         return planning.plan_generation(job, generation, infos, lost, joined, retiring)
 
     def barrier(self) -> None:

@@ -127,3 +127,4 @@ def test_a_request_aborted_in_the_step_or_no_longer_on_its_rank_does_not_move():
     leader.req2rank["c"] = 2          # handed over since the report
     *_, moves, _ = leader.next_step({"0": ["a"]})
     assert [rid for _, _, rids in moves for rid in rids] == ["b"]
+

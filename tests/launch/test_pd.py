@@ -107,23 +107,22 @@ def test_a_rank_lost_during_pd_costs_no_request(tiny_checkpoint, monkeypatch, fa
 
 
 def test_the_decode_pool_grows_and_shrinks_with_requests_in_flight(tiny_checkpoint):
-    """1 prefill + 1 decode + 1 expert rank; mid-stream, LLM.scale(attention_ranks=3) adds an attention rank,
-    which joins as a decode rank (prefill ranks are the first prefill_ranks) and takes moved requests over in
-    the next run; then, mid-stream again,
-    attention_ranks=2 retires it: it hands its requests over with their KV (to whichever rank the plan names: a
-    prefill rank moves them on to the decode rank). Every output is transformers'."""
+    """1 prefill + 1 decode + 1 expert rank; mid-stream, LLM.scale(decode_ranks=2) adds a decode rank (rank 2:
+    the prefill ranks are the first prefill_ranks), which takes moved requests over in the next run; then,
+    mid-stream again, decode_ranks=1 retires it: it hands its requests over with their KV to the other decode
+    rank (a rank of its role). Every output is transformers'."""
     from tests.launch.runtime.test_elastic import _stream_scaling
     path = tiny_checkpoint("qwen3_moe")
     prompts = make_prompts(8, 256, 3, 11, seed=9)
     expected = hf_greedy(path, prompts, 24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     with LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=1, block_size=BS) as llm:
-        grown, answer = _stream_scaling(llm, prompts, params, {"attention_ranks": 3}, after_tokens=20)
+        grown, answer = _stream_scaling(llm, prompts, params, {"decode_ranks": 2}, after_tokens=20)
         assert "error" not in answer and answer["attention_ranks"] == 3, answer
         mid = llm.stats()
         again = [o.token_ids for o in llm.generate(prompts, params)]     # the new decode rank takes some over
         taken = llm.stats()["pd"]["requests_taken_over"]
-        shrunk, answer = _stream_scaling(llm, prompts, params, {"attention_ranks": 2}, after_tokens=40)
+        shrunk, answer = _stream_scaling(llm, prompts, params, {"decode_ranks": 1}, after_tokens=40)
         assert "error" not in answer and answer["attention_ranks"] == 2, answer
         end = llm.stats()
     assert grown == again == shrunk == expected
@@ -131,6 +130,46 @@ def test_the_decode_pool_grows_and_shrinks_with_requests_in_flight(tiny_checkpoi
     assert mid["pool_ranks"] == {"attention": 3, "expert": 1, "prefill": 1, "decode": 2}
     assert end["pool_ranks"] == {"attention": 2, "expert": 1, "prefill": 1, "decode": 1}
     assert end["pd"]["requests_transferred"] >= 2 * len(prompts)
+
+
+def test_the_prefill_pool_grows_and_shrinks_and_pd_comes_back(tiny_checkpoint):
+    """1 prefill + 1 decode + 1 expert rank. Mid-stream, LLM.scale(prefill_ranks=2) spawns a rank that joins as
+    a prefill rank (rank 1: roles are positional, so the decode rank becomes rank 2), and the next prompts are
+    prefilled on both prefill ranks, never on the decode rank. Mid-stream again, prefill_ranks=1 retires it (a
+    prefill rank takes its requests over: two decode seats, so prefilled requests wait there). Retiring the
+    decode rank leaves the job colocated (prefill_ranks 0); scale(decode_ranks=1) brings PD back, the kept rank a
+    prefill rank again. Every output is transformers'."""
+    from tests.launch.runtime.test_elastic import _stream_scaling
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(8, 256, 3, 11, seed=9)
+    expected = hf_greedy(path, prompts, 24)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    with LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=1, block_size=BS, max_num_seqs=2) as llm:
+        grown, answer = _stream_scaling(llm, prompts, params, {"prefill_ranks": 2}, after_tokens=20)
+        assert "error" not in answer and (answer["attention_ranks"], answer["prefill_ranks"]) == (3, 2), answer
+        before = llm.stats()["pd"]["prompt_tokens_computed"]
+        again = [o.token_ids for o in llm.generate(prompts, params)]
+        mid = llm.stats()
+        shrunk, answer = _stream_scaling(llm, prompts, params, {"prefill_ranks": 1}, after_tokens=20)
+        assert "error" not in answer and (answer["attention_ranks"], answer["prefill_ranks"]) == (2, 1), answer
+        handed = llm.stats()["num_handed_over_requests"]
+        colocated = llm.scale(retire=[1])
+        alone = [o.token_ids for o in llm.generate(prompts[:2], params)]
+        back = llm.scale(decode_ranks=1)
+        moved = llm.stats()["pd"]["requests_transferred"]
+        last = [o.token_ids for o in llm.generate(prompts, params)]
+        end = llm.stats()
+    assert grown == again == shrunk == last == expected and alone == expected[:2]
+    computed = [now - was for now, was in zip(mid["pd"]["prompt_tokens_computed"], before)]
+    assert computed[0] > 0 and computed[1] > 0 and computed[2] == 0, computed
+    taken = mid["pd"]["requests_taken_over"]    # the joiner (rank 1) prefills; the decode rank it pushed on decodes
+    assert taken[1] == 0 and taken[2] >= 2 * len(prompts), taken
+    assert mid["pool_ranks"] == {"attention": 3, "expert": 1, "prefill": 2, "decode": 1}
+    assert handed > 0
+    assert (colocated["attention_ranks"], colocated["prefill_ranks"]) == (1, 0)
+    assert (back["attention_ranks"], back["prefill_ranks"]) == (2, 1)
+    assert end["pool_ranks"] == {"attention": 2, "expert": 1, "prefill": 1, "decode": 1}
+    assert end["pd"]["requests_transferred"] - moved == len(prompts)
 
 
 def test_features_with_pd_equal_the_outputs_without(tiny_checkpoint):

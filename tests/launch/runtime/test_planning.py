@@ -7,7 +7,8 @@ import torch
 
 from balancer.placement import Placement
 from launch.runtime.handoff import side_moves
-from launch.runtime.planning import Job, MembershipError, grown_ranks_per_node, plan_generation, plan_handover
+from launch.runtime.planning import (Job, MembershipError, grown_ranks_per_node, plan_generation, plan_handover,
+                                     scale_joiners)
 
 L, E = 2, 8
 BIG = {"expert_budget": 2**40}
@@ -18,7 +19,8 @@ def make_job(num_attention: int = 1, num_expert: int = 3, **kw) -> Job:
     placement = Placement.identity(L, E, num_expert)
     return Job(members, num_attention, ranks_per_node=kw.get("ranks_per_node", len(members)), placement=placement,
                load_ema=None, num_experts=E, num_moe_layers=L, redundant_experts=0,
-               bytes_per_slot=kw.get("bytes_per_slot", 1), nodes=kw.get("nodes"))
+               bytes_per_slot=kw.get("bytes_per_slot", 1), nodes=kw.get("nodes"),
+               prefill_ranks=kw.get("prefill_ranks", 0), pd=kw.get("pd", kw.get("prefill_ranks", 0) > 0))
 
 
 def held(job: Job, expert_index: int) -> set[int]:
@@ -133,3 +135,63 @@ def test_a_retiring_attention_ranks_requests_go_to_a_pool_that_can_hold_them():
     assert plan_handover([(90, 100), (5, 100), (40, 100)], [1]) == {"1": 0}   # equal pools: most free
     assert plan_handover(blocks, [1, 5]) == {"1": 0}   # rank 5, an expert rank, retires too: it hands nothing over
     assert plan_handover(blocks, [4]) == {}
+
+
+def test_pd_roles_stay_positional_as_ranks_join_and_leave():
+    """PD's prefill ranks are the first prefill_ranks, so a plan puts prefill joiners after the kept prefill ranks
+    and decode joiners after the kept decode ranks. Job: attention members 0, 1 (prefill), 2, 3 (decode), experts
+    4-6. Member 1 retires, member 9 joins as prefill, 10 as attention (the prefill pool: the leader's launch's
+    role), 8 as decode, 7 as an expert."""
+    job = make_job(4, 3, prefill_ranks=2)
+    joined = [(8, {"role": "decode", "kv_blocks": 80}), (9, {"role": "prefill", "kv_blocks": 90}),
+              (7, {"role": "expert", **BIG}), (10, {"role": "attention", "kv_blocks": 100})]
+    plan = plan_generation(job, 1, {m: BIG for m in job.members}, [1], joined, retiring=True)
+    assert plan["attention_keep"] == [0, -1, -1, 2, 3, -1] and plan["prefill_ranks"] == 3
+    assert plan["members"] == [0, 9, 10, 2, 3, 8, 4, 5, 6, 7]
+    assert plan["kv_blocks"] == [90, 100, 80]            # the joiners' pools, in their new order
+    # the decode ranks retire: no decode rank is left, the job runs colocated
+    assert plan_generation(job, 1, {m: BIG for m in job.members}, [2, 3], retiring=True)["prefill_ranks"] == 0
+    # ... and once a decode rank joins such a job again, every rank it kept prefills
+    gone = make_job(2, 3, prefill_ranks=0, pd=True)
+    plan = plan_generation(gone, 1, {m: BIG for m in gone.members}, [], [(9, {"role": "decode"})])
+    assert plan["attention_keep"] == [0, 1, -1] and plan["prefill_ranks"] == 2
+    # without PD: an attention or decode joiner is an attention rank; a prefill joiner is refused by name
+    plain = make_job(2, 3)
+    plan = plan_generation(plain, 1, {m: BIG for m in plain.members}, [], [(9, {"role": "decode"})])
+    assert plan["attention_keep"] == [0, 1, -1] and plan["prefill_ranks"] == 0
+    with pytest.raises(MembershipError, match="member 9 joins as a prefill rank.*--prefill-ranks"):
+        plan_generation(plain, 1, {m: BIG for m in plain.members}, [], [(9, {"role": "prefill"})])
+
+
+def test_with_pd_a_retiring_rank_hands_over_to_a_rank_of_its_role():
+    """Ranks 0, 1 prefill, 2, 3 decode. Rank 2 has the most free blocks of all, but a retiring prefill rank's
+    unfinished prompts go to the other prefill rank; a retiring decode rank's requests go to the other decode
+    rank even though rank 0 has more free. With no rank of its role staying, any rank takes them."""
+    blocks = [(50, 100), (60, 100), (90, 100), (10, 100)]
+    assert plan_handover(blocks, [1], prefill_ranks=2) == {"1": 0}
+    assert plan_handover(blocks, [3], prefill_ranks=2) == {"3": 2}
+    assert plan_handover(blocks, [1], prefill_ranks=0) == {"1": 2}    # no PD: the most free
+    # both decode ranks leave: rank 1 (60 free) takes rank 2's 10 used blocks, then rank 0 and 1 tie at 50
+    assert plan_handover(blocks, [2, 3], prefill_ranks=2) == {"2": 1, "3": 0}
+
+
+def test_scale_requests_spawn_the_roles_they_need_and_bad_values_are_named():
+    """LLM.scale's arithmetic over the pools it spawned (A attention ranks, E expert, P of the A prefill; pd: a
+    job started with PD)."""
+    def ask(**kw):
+        return {"attention_ranks": None, "expert_ranks": None, "prefill_ranks": None, "decode_ranks": None,
+                "retire": [], **kw}
+    assert scale_joiners(ask(attention_ranks=3, expert_ranks=2), 1, 1, 0, False, 8) == \
+        ["attention", "attention", "expert"]
+    assert scale_joiners(ask(prefill_ranks=2, decode_ranks=3), 3, 1, 1, True, 8) == ["prefill", "decode"]
+    assert scale_joiners(ask(prefill_ranks=2, retire=[1]), 3, 1, 2, True, 8) == ["prefill"]   # 1 was a prefill rank
+    assert scale_joiners(ask(decode_ranks=1), 2, 1, 0, True, 8) == ["decode"]   # PD left without decode ranks
+    assert scale_joiners(ask(decode_ranks=1, prefill_ranks=1), 3, 1, 1, True, 8) == []     # a shrink: no spawn
+    for bad, pd, match in [(ask(prefill_ranks=0), True, "prefill_ranks=0 is invalid"),
+                           (ask(decode_ranks=True), True, "decode_ranks=True is invalid"),
+                           (ask(attention_ranks=2), True, "attention_ranks=2 for a PD job"),
+                           (ask(decode_ranks=2), False, "for a job without PD"),
+                           (ask(expert_ranks=9), True, "expert_ranks=9 exceeds the model's 8 experts"),
+                           (ask(retire=[0]), True, r"retire=\[0\] is invalid")]:
+        with pytest.raises(ValueError, match=match):
+            scale_joiners(bad, 2, 1, 1, pd, 8)

@@ -180,6 +180,47 @@ def test_separate_pool_launches_serve_and_survive(model_dir):
     assert experts[0].proc.returncode == 0, experts[0].log()[-3000:]   # both its ranks left cleanly (one drained)
 
 
+def test_pd_pools_launch_separately_and_a_prefill_rank_joins_the_running_job(model_dir):
+    """PD over separate pool launches: the leader's launch (--role attention --prefill-ranks 1, two attention
+    ranks in all) is the prefill rank, a --role decode launch the decode rank, an expert launch the expert pool;
+    the job forms once both have registered. A --role prefill launch then joins the running job as a second
+    prefill rank (the pool gauges say 2 prefill + 1 decode). Every completion is transformers' greedy text, and
+    every request moved from a prefill rank to the decode rank."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [[5 + i, 17, 33 + 2 * i, 9, 71 + i, 12 + 3 * i] for i in range(6)]
+    expected = [tok.decode(t, skip_special_tokens=True) for t in hf_greedy(model_dir, prompts, MAX_NEW)]
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--max-model-len", "128", "--heartbeat-s", "0.5"]
+    launches = [PoolLaunch(model_dir, "expert", addr, *common), PoolLaunch(model_dir, "decode", addr, *common)]
+    srv = LocalServer(model_dir, nproc=1, args=["--role", "attention", "--pool-addr", addr, "--attention-ranks", "2",
+                                                "--prefill-ranks", "1", "--expert-ranks", "1", "--api-key", KEY,
+                                                "--served-model-name", "tiny", *common])
+    try:
+        srv.start()
+        wait_for_pools(srv, 2, 1)
+        assert [gauge(srv, "afserve_pool_ranks", f'{{pool="{p}"}}') for p in ("prefill", "decode")] == [1, 1]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=240)
+
+        def complete(p):
+            return client.completions.create(model="tiny", prompt=p, max_tokens=MAX_NEW, temperature=0,
+                                             extra_body={"ignore_eos": True}).choices[0].text
+        assert [complete(p) for p in prompts[:2]] == expected[:2]
+        launches.append(PoolLaunch(model_dir, "prefill", addr, *common))
+        wait_for_pools(srv, 3, 1)
+        assert [gauge(srv, "afserve_pool_ranks", f'{{pool="{p}"}}') for p in ("prefill", "decode")] == [2, 1]
+        out = stream_through(srv, prompts[2:], 1, lambda: None)
+        assert out == [(e, "length") for e in expected[2:]]
+        assert gauge(srv, "afserve_pd_requests_transferred_total") == len(prompts)
+    finally:
+        srv.stop()
+        for p in launches:
+            if p.wait(20) is None:
+                p.stop()
+    assert "the engine failed" not in srv.log(), srv.log()[-3000:]
+    assert all(p.proc.returncode == 0 for p in launches), [p.log()[-2000:] for p in launches]
+
+
 def test_drain_a_host_then_the_leader_dying_ends_the_other_launches(model_dir):
     """A pod's preStop drain names its host: every rank there leaves between steps and its launch ends cleanly.
     The leader is the one single point of failure: when its process dies, the expert launch left (whose second
