@@ -1,6 +1,7 @@
-"""deploy/k8s: every manifest validates against the Kubernetes schema (kubernetes-validate's bundled copy, no
-network), the two pools are two workloads each scaled by its own HPA on a gauge that /metrics exports, the
-pools meet at the leader's store, and the probes ask the leader's /health."""
+"""deploy/k8s (and deploy/k8s-pd, PD's prefill and decode pools over the same Services and expert pool): every
+manifest validates against the Kubernetes schema (kubernetes-validate's bundled copy, no network), each pool is a
+workload scaled by its own HPA on a gauge that /metrics exports, the pools meet at the leader's store, and the
+probes ask the leader's /health."""
 from __future__ import annotations
 
 import contextlib
@@ -19,22 +20,35 @@ from launch.frontend.metrics import _EngineSeries
 from tests.launch.frontend.test_http_metrics import make_comm, make_stats
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+PD = K8S.parent / "k8s-pd"
+# what each deployment applies (deploy/README.md): PD swaps the attention pool and the adapter rules for its own
+DEPLOYMENTS = {"colocated": [K8S], "pd": [PD, K8S / "services.yaml", K8S / "expert-pool.yaml"]}
+ROLES = {"colocated": {"attention", "expert"}, "pd": {"attention", "decode", "expert"}}
 K8S_VERSION = "1.30"     # a version whose schema kubernetes-validate bundles (1.25 to 1.37 in 1.37.0)
 ENTRY = "launch.serve"
 POD_NAME = "statefulset.kubernetes.io/pod-name"
 
 
-def load_docs() -> list[tuple[str, dict]]:
+def load_docs(parts: list[Path]) -> list[tuple[str, dict]]:
+    """(path relative to its directory, document) of every manifest in parts (directories, searched recursively,
+    and files)."""
     docs = []
-    for path in sorted(K8S.rglob("*.yaml")):
-        with open(path) as f:
-            docs += [(path.relative_to(K8S).as_posix(), d) for d in yaml.safe_load_all(f) if d is not None]
+    for part in parts:
+        base = part if part.is_dir() else part.parent
+        for path in sorted(part.rglob("*.yaml")) if part.is_dir() else [part]:
+            with open(path) as f:
+                docs += [(path.relative_to(base).as_posix(), d) for d in yaml.safe_load_all(f) if d is not None]
     return docs
 
 
+@pytest.fixture(scope="module", params=list(DEPLOYMENTS))
+def deployment(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def docs() -> list[tuple[str, dict]]:
-    return load_docs()
+def docs(deployment) -> list[tuple[str, dict]]:
+    return load_docs(DEPLOYMENTS[deployment])
 
 
 def of_kind(docs, kind: str) -> list[dict]:
@@ -90,9 +104,11 @@ def leader_labels(attention: dict) -> dict:
 
 
 def exported_gauges() -> dict[str, list]:
-    """name -> samples of every gauge family one /metrics scrape yields on hand-made stats."""
+    """name -> samples of every gauge family one /metrics scrape yields on hand-made stats (with PD: one prefill
+    rank of the two)."""
+    pd = {**make_stats()["pd"], "prefill_ranks": 1}
     reg = CollectorRegistry()
-    reg.register(_EngineSeries(make_stats(), make_comm()))
+    reg.register(_EngineSeries(make_stats(pd=pd), make_comm()))
     return {fam.name: fam.samples for fam in reg.collect() if fam.type == "gauge"}
 
 
@@ -109,12 +125,12 @@ def test_the_schema_check_catches_a_misspelt_field(docs):
         kubernetes_validate.validate(workload, K8S_VERSION, strict=True)
 
 
-def test_two_pool_workloads_each_scaled_by_its_own_hpa(docs):
+def test_each_pool_is_a_workload_scaled_by_its_own_hpa(docs, deployment):
     by_role = pools(docs)
-    assert set(by_role) == {"attention", "expert"}
+    assert set(by_role) == ROLES[deployment]
     assert by_role["attention"]["kind"] == "StatefulSet"   # pod 0 is the leader and keeps its name
     hpas = of_kind(docs, "HorizontalPodAutoscaler")
-    assert len(hpas) == 2
+    assert len(hpas) == len(by_role)
     targets = {(h["spec"]["scaleTargetRef"]["kind"], h["spec"]["scaleTargetRef"]["name"]) for h in hpas}
     assert targets == {(w["kind"], w["metadata"]["name"]) for w in by_role.values()}
     for h in hpas:
@@ -123,19 +139,35 @@ def test_two_pool_workloads_each_scaled_by_its_own_hpa(docs):
         assert 1 <= h["spec"]["minReplicas"] <= h["spec"]["maxReplicas"]   # the leader never scales away
 
 
-def test_hpa_metrics_are_the_pool_gauges_that_metrics_exports(docs):
+def hpa_series(hpa: dict) -> tuple[str, dict]:
+    """The series an HPA scales on: the metric's name and its selector's labels beyond service (a pool's)."""
+    (m,) = hpa["spec"]["metrics"]
+    assert m["type"] == "External" and m["external"]["target"]["type"] == "Value"
+    labels = dict(m["external"]["metric"]["selector"]["matchLabels"])
+    assert labels.pop("service") == "afserve"
+    return m["external"]["metric"]["name"], labels
+
+
+def test_hpa_metrics_are_the_pool_gauges_that_metrics_exports(docs, deployment):
     gauges = exported_gauges()
-    single = {name for name, samples in gauges.items() if len(samples) == 1 and not samples[0].labels}
-    pool_gauges = {name for name in single if "_pool_" in name}
-    by_target = {}
-    for h in of_kind(docs, "HorizontalPodAutoscaler"):
-        (m,) = h["spec"]["metrics"]
-        assert m["type"] == "External" and m["external"]["target"]["type"] == "Value"
-        by_target[h["spec"]["scaleTargetRef"]["name"]] = m["external"]["metric"]["name"]
-    assert set(by_target.values()) == pool_gauges and len(pool_gauges) == 2
-    by_role = pools(docs)
-    for role, w in by_role.items():   # each pool scales on its own pool's gauge
-        assert f"_{role}_pool_" in by_target[w["metadata"]["name"]]
+    by_target = {h["spec"]["scaleTargetRef"]["name"]: hpa_series(h) for h in of_kind(docs, "HorizontalPodAutoscaler")}
+    for name, labels in by_target.values():   # a gauge /metrics exports, with exactly those labels
+        assert "_pool_" in name and any(s.labels == labels for s in gauges.get(name, [])), (name, labels)
+    assert len({(n, tuple(sorted(lb.items()))) for n, lb in by_target.values()}) == len(by_target)
+    for role, w in pools(docs).items():   # each pool scales on its own pool's gauge
+        name, labels = by_target[w["metadata"]["name"]]
+        if deployment == "pd" and role != "expert":   # the attention StatefulSet is PD's prefill pool
+            assert labels == {"pool": {"attention": "prefill", "decode": "decode"}[role]}, (role, labels)
+        else:
+            assert f"_{role}_pool_" in name and not labels, (role, name)
+
+
+def test_the_pd_leader_forms_a_job_with_a_decode_pool():
+    by_role = pools(load_docs(DEPLOYMENTS["pd"]))
+    args = serve_args(by_role["attention"])
+    assert 1 <= int(flag(args, "--prefill-ranks")) < int(flag(args, "--attention-ranks"))
+    assert flag(serve_args(by_role["decode"]), "--role") == "decode"
+    assert flag(args, "--leader-host") == "$(AFSERVE_LEADER_POD)"
 
 
 def test_prometheus_adapter_serves_the_hpa_metrics_under_their_own_names(docs):
@@ -148,12 +180,17 @@ def test_prometheus_adapter_serves_the_hpa_metrics_under_their_own_names(docs):
     for name, rule in served.items():
         assert rule["seriesQuery"].startswith(name + "{")
         assert rule["resources"]["overrides"]["namespace"] == {"resource": "namespace"}
+    for h in of_kind(docs, "HorizontalPodAutoscaler"):   # a pool label an HPA selects on survives the query
+        name, labels = hpa_series(h)
+        for label in labels:
+            assert f'{label}!=""' in served[name]["seriesQuery"], (name, label)
+            assert re.search(rf"by \((\w+, )*{label}", served[name]["metricsQuery"]), (name, label)
 
 
-def test_both_pools_join_the_leader_store(docs):
+def test_every_pool_joins_the_leader_store(docs):
     by_role = pools(docs)
     addrs = {role: flag(serve_args(w), "--pool-addr") for role, w in by_role.items()}
-    assert addrs["attention"] == addrs["expert"]
+    assert len(set(addrs.values())) == 1, addrs
     host, port = addrs["attention"].rsplit(":", 1)
     svc = named(docs, "Service", host)
     assert svc["spec"].get("clusterIP") == "None" and svc["spec"].get("publishNotReadyAddresses") is True
