@@ -38,9 +38,10 @@ HOLD_STEPS = 8     # at most this many steps' outputs of requests added with "st
 
 
 def micro_batches_for(tokens: int, configured: int, min_tokens: int) -> int:
-    """The micro-batches a step runs: the configured number when the least busy attention rank carries at least
-    min_tokens per micro-batch from its running sequences alone, else 1 (one whole batch: below that, two
-    small forwards cost more per op than their overlap saves)."""
+    """The micro-batches a step runs: the configured number when the least busy attention rank that runs any
+    token carries at least min_tokens per micro-batch, else 1 (one whole batch: below that, two small forwards
+    cost more per op than their overlap saves). A rank with nothing to run joins each micro-batch's exchanges
+    empty either way (an idle PD prefill rank does not keep the decode ranks from splitting)."""
     return configured if configured > 1 and tokens >= configured * min_tokens else 1
 
 
@@ -227,7 +228,8 @@ class Leader:
         capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new or moves))
         is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running + r.num_draft_tokens
                                     for r in self.reports)
-        running = min([r.max_next_tokens for r in self.reports] or [0])
+        running = min([r.max_next_tokens + sum(len(q["prompt"]) for q in new.get(str(i), []))
+                       for i, r in enumerate(self.reports) if r.max_next_tokens or str(i) in new] or [0])
         split = micro_batches_for(running, self.micro_batches, self.micro_batch_min_tokens)
         self.num_split_steps += split > 1
         off = self.disable_by_batch_size

@@ -128,3 +128,20 @@ def test_a_request_aborted_in_the_step_or_no_longer_on_its_rank_does_not_move():
     *_, moves, _ = leader.next_step({"0": ["a"]})
     assert [rid for _, _, rids in moves for rid in rids] == ["b"]
 
+
+def test_an_idle_rank_does_not_keep_the_busy_ones_from_splitting_into_micro_batches():
+    """micro_batches=2 with at least 16 tokens per micro-batch: a decode rank running 40 sequences splits the step
+    while the prefill rank runs nothing (it joins both micro-batches' exchanges empty); once the prefill rank
+    gets a 3-token prompt it is the least busy rank that runs tokens, and the step runs whole; so does a decode
+    rank with 20 sequences (10 per micro-batch)."""
+    worker = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=64),
+                             report=lambda: StepReport(0, 100, 0, 0, num_blocks=100),
+                             kv=SimpleNamespace(bytes_per_token=0))
+    leader = Leader(worker, 2, block_size=BS, micro_batches=2, micro_batch_min_tokens=16, prefill_ranks=1)
+    leader.reports = [StepReport(0, 100, 0, 0, max_next_tokens=0, num_blocks=100),
+                      StepReport(1, 100, 40, 0, max_next_tokens=40, num_blocks=100)]
+    assert leader.next_step({})[5] == 2
+    leader.pending.append(_req("a", [1, 2, 3]))
+    assert leader.next_step({})[5] == 1
+    leader.reports[0].max_next_tokens, leader.reports[1].max_next_tokens = 0, 20
+    assert leader.next_step({})[5] == 1
