@@ -6,11 +6,19 @@ generator's state) and the KV blocks they hold, each block once even when forked
 receiving rank allocates blocks for them, copies the KV in and schedules the sequences as if they had always
 run there. What does not fit (KV blocks, or running seats: max_num_seqs) is taken as waiting and recomputed
 from its tokens, like a preempted sequence; no request is lost either way.
+
+Over a KVTransfer (comm/kv_transfer.py) the receiving rank first reads the description and asks only for the
+blocks it needs (`receive_sequences`): with prefix caching on, a full computed block whose tokens its own cache
+holds is taken from there instead (a PD decode rank chosen for its cached prefix gets only the rest), and
+sequences that cannot keep their KV here need none.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from .block_pool import chain_hashes
 from .sampling_params import SamplingParams
 from .scheduler import seats_of
 from .sequence import Sequence, SequenceStatus
@@ -36,38 +44,85 @@ def pack_sequences(worker, chosen: list[Sequence] | None = None) -> tuple[dict, 
     return {"seqs": seqs, "num_blocks": len(blocks), "shape": list(kv.shape)}, kv
 
 
-def unpack_sequences(worker, meta: dict, kv: torch.Tensor) -> int:
-    """Take the sequences of pack_sequences into this worker's scheduler -> the number of KV blocks taken
-    over. Running sequences keep their KV when every block fits and they fit max_num_seqs; the others wait
-    and are recomputed. With prefix caching on, the full blocks received become this rank's cached blocks."""
+@dataclass(slots=True)
+class TakeOver:
+    """What a receiving rank does with a pack_sequences description: seqs (as they were there, holding nothing),
+    keep_kv (the running ones keep their KV: their seats and blocks fit), have (packed block index -> this rank's
+    cached block with the same tokens, reused), need (the packed block indices to receive, in order)."""
+
+    seqs: list[Sequence]
+    keep_kv: bool
+    have: dict[int, int]
+    need: list[int]
+
+
+def plan_take_over(worker, meta: dict, reuse: bool = True) -> TakeOver:
+    """Which of meta's blocks this worker needs. reuse: look the sequences' full computed blocks up in this rank's
+    prefix cache (when it is on); the rest come over the transfer."""
     sched, pool = worker.scheduler, worker.block_pool
     seqs = [_sequence(d, worker.device) for d in meta["seqs"]]
     running = [(s, d) for s, d in zip(seqs, meta["seqs"]) if d["running"]]
     # a request still to fork takes a seat per sample (as the scheduler counts them)
     seats = sched.max_num_seqs - sum(map(seats_of, sched.running))
+    have: dict[int, int] = {}
+    if reuse and sched.enable_prefix_caching:
+        for _, d in running:
+            keys = chain_hashes(d["token_ids"], pool.block_size, limit=d["num_computed_tokens"] // pool.block_size)
+            for i, b in zip(d["blocks"], pool.lookup(keys)):
+                have.setdefault(i, b)
+    need = [i for i in range(meta["num_blocks"]) if i not in have]
     keep_kv = bool(running) and sum(seats_of(s) for s, _ in running) <= seats and \
-        pool.can_allocate(meta["num_blocks"])
+        pool.num_free_blocks - pool.num_revived(set(have.values())) >= len(need)
+    return TakeOver(seqs, True, have, need) if keep_kv else TakeOver(seqs, False, {}, [])
+
+
+def receive_sequences(worker, transfer, src: int) -> tuple[dict, TakeOver, int]:
+    """Take over what attention rank src sends through transfer, asking only for the blocks this rank needs ->
+    (the description, the plan it followed, the KV bytes received)."""
+    plan = []
+
+    def wanted(meta: dict) -> list[int]:
+        plan.append(plan_take_over(worker, meta))
+        return plan[0].need
+    meta, kv = transfer.recv(src, wanted)
+    unpack_sequences(worker, meta, kv, plan[0])
+    return meta, plan[0], kv.numel() * kv.element_size()
+
+
+def unpack_sequences(worker, meta: dict, kv: torch.Tensor, take: TakeOver | None = None) -> int:
+    """Take the sequences of pack_sequences into this worker's scheduler -> the number of KV blocks received into
+    its pool. take: plan_take_over's plan, kv then holding its `need` blocks in order (None: kv holds every
+    packed block, none reused). Running sequences keep their KV when every block fits and they fit max_num_seqs;
+    the others wait and are recomputed. With prefix caching on, the full blocks received become this rank's
+    cached blocks."""
+    sched, pool = worker.scheduler, worker.block_pool
+    take = take or plan_take_over(worker, meta, reuse=False)
+    running = [(s, d) for s, d in zip(take.seqs, meta["seqs"]) if d["running"]]
     moved = 0
-    if keep_kv:
-        new_ids = pool.allocate(meta["num_blocks"])
+    if take.keep_kv:
+        holders = [0] * meta["num_blocks"]
+        for _, d in running:
+            for i in d["blocks"]:
+                holders[i] += 1
+        # one reference per holder; the reused blocks first, so that allocating cannot evict them
+        pool.take([b for i, b in take.have.items() for _ in range(holders[i])])
+        new_ids = pool.allocate(len(take.need))
         if pool.host is not None:    # evictions queue saves of the old contents: run them before overwriting
             worker.kv.copy_blocks(pool.host.take_ops())
         dst = torch.tensor(new_ids, dtype=torch.int64, device=worker.kv.tensor.device)
         worker.kv.tensor[:, :, dst] = kv.to(worker.kv.tensor.device)
-        holders = [0] * len(new_ids)
+        local = {**take.have, **dict(zip(take.need, new_ids))}
         for seq, d in running:
-            seq.replace_blocks([new_ids[i] for i in d["blocks"]])
+            seq.replace_blocks([local[i] for i in d["blocks"]])
             seq.num_computed_tokens = d["num_computed_tokens"]
             seq.status = SequenceStatus.RUNNING
             if sched.enable_prefix_caching:
                 sched.register_full_blocks(seq)
-            for i in d["blocks"]:
-                holders[i] += 1
-        # allocate gave each block one reference; a block forked samples share gets one per holder
-        pool.incref([b for b, n in zip(new_ids, holders) for _ in range(n - 1)])
+        # allocate gave each new block one reference; a block forked samples share gets one per holder
+        pool.incref([b for i, b in zip(take.need, new_ids) for _ in range(holders[i] - 1)])
         moved = len(new_ids)
-    sched.take_over([s for s in seqs if s.status is SequenceStatus.RUNNING],
-                    [s for s in seqs if s.status is SequenceStatus.WAITING], worker.next_arrival)
+    sched.take_over([s for s in take.seqs if s.status is SequenceStatus.RUNNING],
+                    [s for s in take.seqs if s.status is SequenceStatus.WAITING], worker.next_arrival)
     return moved
 
 

@@ -7,9 +7,10 @@ MoE layer's exchanges with the one expert pool. A prefill rank's scheduler keeps
 the next step's header: [prefill rank, decode rank, [request ids]]. At the start of that step, before the
 forward, the two ranks carry it out: the prefill rank packs the request's samples and the KV blocks they hold
 (attention_nodes/handover.py, as a leaving rank's handover does), drops them, and sends them through the
-KVTransfer (comm/kv_transfer.py); the decode rank takes them over (its prefix cache learns the full blocks) and
-decodes them in that same step. A request no decode rank has room for stays where it is and is offered again
-after the next step.
+KVTransfer (comm/kv_transfer.py); the decode rank asks only for the blocks its own prefix cache does not hold
+(the leader prefers the decode rank caching the longest prefix), takes the requests over (its prefix cache
+learns the full blocks) and decodes them in that same step. A request no decode rank has room for stays where it
+is and is offered again after the next step.
 
 Every rank goes through the header's moves in order, so the sends and receives pair up without a deadlock.
 If a peer is lost during a step with moves, the leader re-forms with every attention rank saying which requests
@@ -21,40 +22,43 @@ from __future__ import annotations
 import bisect
 import time
 
-from .handover import pack_sequences, unpack_sequences
+from .handover import pack_sequences, receive_sequences
 
 # Upper bounds (seconds) of the KV transfer latency histogram's buckets, as afserve's latency histograms have them.
 TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class TransferStats:
-    """A decode rank's moves taken over, cumulative: requests, KV blocks, KV bytes, seconds (from the start of the
-    receive to the blocks in place), and the seconds per move as histogram bucket counts (TRANSFER_BUCKETS, then
-    one for longer). to_list() is what the step report carries."""
+    """A decode rank's moves taken over, cumulative: requests, KV blocks received, KV bytes, seconds (from the
+    start of the receive to the blocks in place), KV blocks reused from its prefix cache instead, and the seconds
+    per move as histogram bucket counts (TRANSFER_BUCKETS, then one for longer). to_list() is what the step
+    report carries."""
 
     def __init__(self) -> None:
-        self.requests = self.blocks = self.bytes = 0
+        self.requests = self.blocks = self.bytes = self.reused = 0
         self.seconds = 0.0
         self.buckets = [0] * (len(TRANSFER_BUCKETS) + 1)
 
-    def add(self, requests: int, blocks: int, nbytes: int, seconds: float) -> None:
+    def add(self, requests: int, blocks: int, nbytes: int, seconds: float, reused: int = 0) -> None:
         self.requests += requests
         self.blocks += blocks
         self.bytes += nbytes
         self.seconds += seconds
+        self.reused += reused
         self.buckets[bisect.bisect_left(TRANSFER_BUCKETS, seconds)] += 1
 
     def to_list(self) -> list:
-        return [self.requests, self.blocks, self.bytes, self.seconds, *self.buckets]
+        return [self.requests, self.blocks, self.bytes, self.seconds, self.reused, *self.buckets]
 
 
 def summed(reports: list[list]) -> dict:
     """The attention ranks' TransferStats lists -> the leader's totals (requests_transferred, kv_blocks_transferred,
-    kv_bytes_transferred, kv_transfer_seconds, kv_transfer_buckets: counts per bucket of TRANSFER_BUCKETS + 1)."""
-    width = 4 + len(TRANSFER_BUCKETS) + 1
+    kv_bytes_transferred, kv_transfer_seconds, kv_blocks_reused, kv_transfer_buckets: counts per bucket of
+    TRANSFER_BUCKETS + 1)."""
+    width = 5 + len(TRANSFER_BUCKETS) + 1
     total = [sum(r[i] for r in reports if r) for i in range(width)]
     return {"requests_transferred": total[0], "kv_blocks_transferred": total[1], "kv_bytes_transferred": total[2],
-            "kv_transfer_seconds": total[3], "kv_transfer_buckets": total[4:]}
+            "kv_transfer_seconds": total[3], "kv_blocks_reused": total[4], "kv_transfer_buckets": total[5:]}
 
 
 def ready_requests(worker) -> list[list]:
@@ -86,9 +90,7 @@ def apply_moves(worker, moves: list[list], transfer, sent_meta=None) -> None:
             transfer.send(meta, kv, dst, sent_meta)
         elif worker.rank == dst:
             t0 = time.perf_counter()
-            meta, kv = transfer.recv(src)
-            blocks = unpack_sequences(worker, meta, kv)
+            meta, take, nbytes = receive_sequences(worker, transfer, src)
             # requests, not samples (an aborted one was dropped by the prefill rank, not sent)
             taken = {d["group_id"] or d["request_id"] for d in meta["seqs"]}
-            worker.pd_stats.add(len(taken), blocks, kv.numel() * kv.element_size() if meta["num_blocks"] else 0,
-                                time.perf_counter() - t0)
+            worker.pd_stats.add(len(taken), len(take.need), nbytes, time.perf_counter() - t0, len(take.have))

@@ -11,7 +11,7 @@ from comm.control import StepReport
 
 from .batch import ForwardBatch, order_for_batch, split_micro_batches
 from .block_pool import BlockPool
-from .handover import pack_sequences, unpack_sequences
+from .handover import pack_sequences, receive_sequences
 from .input_batch import InputBatch
 from .kv_cache import KVCache
 from .logits_process import shape_logits, token_logprobs
@@ -97,9 +97,11 @@ class AttentionWorker:
         if header.moves:
             apply_moves(self, header.moves, transfer(), sent_meta)
 
-    def take_over(self, meta: dict, kv: torch.Tensor) -> None:
-        """Take the sequences a leaving rank handed over (with their KV blocks where they fit)."""
-        self.num_kv_blocks_received += unpack_sequences(self, meta, kv)
+    def take_over(self, transfer, src: int) -> None:
+        """Take the sequences leaving rank src hands over through transfer (with their KV blocks where they fit;
+        those this rank's prefix cache holds are not sent)."""
+        _, take, _ = receive_sequences(self, transfer, src)
+        self.num_kv_blocks_received += len(take.need) + len(take.have)
 
     @property
     def block_pool(self) -> BlockPool:

@@ -2,10 +2,12 @@
 of a leaving rank (attention_nodes/handover.py) and the prefill-to-decode move of PD (attention_nodes/pd.py).
 
 A move is a msgpack description of the sequences (their tokens, progress, sampling state, which packed block
-each holds) and one KV tensor of the distinct blocks, `[layers, c, n, block_size, heads, dim]`. `KVTransfer` is
-the interface; `GroupTransfer` sends both over torch.distributed groups (gloo on CPU; the description always
-over the CPU control group, the KV over the data group, where a CUDA build's NCCL takes device tensors). The
-transfer knows nothing of sequences: the packing and unpacking are the attention side's.
+each holds) and one KV tensor of the distinct blocks, `[layers, c, n, block_size, heads, dim]`, of which the
+receiver asks for the ones it needs once it has read the description (a receiver that caches some of them, or
+cannot keep the KV at all, asks for fewer or none). `KVTransfer` is the interface; `GroupTransfer` sends both over
+torch.distributed groups (gloo on CPU; the description and the indices always over the CPU control group, the
+KV over the data group, where a CUDA build's NCCL takes device tensors). The transfer knows nothing of
+sequences: the packing and unpacking are the attention side's.
 """
 from __future__ import annotations
 
@@ -18,31 +20,39 @@ from . import p2p
 
 
 class KVTransfer(Protocol):
-    def send(self, meta: dict, kv: torch.Tensor, dst: int, between: Callable[[], None] | None = None) -> None:
-        """meta (with "num_blocks" and "shape", the KV's) and kv to attention rank dst; returns when sent.
-        between(): called once meta is sent, before the KV (a fault-injection point)."""
+    def send(self, meta: dict, kv: torch.Tensor, dst: int, between: Callable[[], None] | None = None) -> list[int]:
+        """meta (with "num_blocks" and "shape", the KV's) to attention rank dst, then the blocks of kv (dim 2) that
+        dst asks for; returns their indices once sent. between(): called once meta is sent, before the KV (a
+        fault-injection point)."""
 
-    def recv(self, src: int) -> tuple[dict, torch.Tensor]:
-        """What src sent: (meta, kv on this rank's device)."""
+    def recv(self, src: int, wanted: Callable[[dict], list[int]] | None = None) -> tuple[dict, torch.Tensor]:
+        """What src sends: (meta, the KV blocks asked for, in that order, on this rank's device). wanted(meta) ->
+        the block indices to ask for (None: every block)."""
 
 
 class GroupTransfer:
-    """KVTransfer over process groups: meta by the control plane's send_object, kv by a point-to-point send on
-    `group` (ranks are the world's: attention rank r is world rank r)."""
+    """KVTransfer over process groups: meta and the indices asked for by the control plane's send_object, kv by
+    a point-to-point send on `group` (ranks are the world's: attention rank r is world rank r)."""
 
     def __init__(self, control, group, dtype: torch.dtype, device: torch.device):
         self.control, self.group, self.dtype, self.device = control, group, dtype, device
 
-    def send(self, meta: dict, kv: torch.Tensor, dst: int, between: Callable[[], None] | None = None) -> None:
+    def send(self, meta: dict, kv: torch.Tensor, dst: int, between: Callable[[], None] | None = None) -> list[int]:
         self.control.send_object(meta, dst)
         if between is not None:
             between()
-        if meta["num_blocks"]:
-            p2p.send(kv, dst, self.group)
+        need = self.control.recv_object(dst)
+        if need:
+            p2p.send(kv if len(need) == kv.shape[2] else kv[:, :, need].contiguous(), dst, self.group)
+        return need
 
-    def recv(self, src: int) -> tuple[dict, torch.Tensor]:
+    def recv(self, src: int, wanted: Callable[[dict], list[int]] | None = None) -> tuple[dict, torch.Tensor]:
         meta = self.control.recv_object(src)
-        kv = torch.empty(meta["shape"], dtype=self.dtype, device=self.device)
-        if meta["num_blocks"]:
+        need = list(range(meta["num_blocks"])) if wanted is None else list(wanted(meta))
+        self.control.send_object(need, src)
+        shape = list(meta["shape"])
+        shape[2] = len(need)
+        kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if need:
             p2p.recv(kv, src, self.group)
         return meta, kv

@@ -292,7 +292,7 @@ class Runtime(GenerationForming):
                                 lambda: step_protocol.fault_point("mid_handover", self.member, self.generation + 1))
 
     def receive_requests(self, src: int) -> None:
-        self.worker.take_over(*self.kv_transfer().recv(src))
+        self.worker.take_over(self.kv_transfer(), src)
 
     def hand_off_experts(self, plan: dict) -> None:
         """A retiring expert rank, out of the old generation: send the joiners the experts only it held

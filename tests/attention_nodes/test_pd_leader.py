@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import torch
 
 from attention_nodes.block_pool import BlockPool, chain_hashes
-from attention_nodes.handover import pack_sequences, unpack_sequences
+from attention_nodes.handover import pack_sequences, plan_take_over, unpack_sequences
 from attention_nodes.leader import Leader
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
-from comm.control import StepHeader, StepReport
+from comm.control import StepHeader, StepReport, pack, unpack
 
 BS = 4
 
@@ -94,27 +94,72 @@ def test_a_failed_step_with_moves_settles_them_where_ranks_hold_them():
     assert back["id"] == "b" and back["resume"] == {"0": [8]}
 
 
+def _worker(num_blocks: int = 8):
+    """What pack_sequences / plan_take_over / unpack_sequences touch of an attention worker, prefix caching on."""
+    pool = BlockPool(num_blocks, BS)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    kv = SimpleNamespace(tensor=torch.randn(1, 2, num_blocks, BS, 1, 2))
+    count = iter(range(1, 100))
+    return SimpleNamespace(scheduler=sched, block_pool=pool, kv=kv, device=torch.device("cpu"),
+                           next_arrival=lambda: next(count))
+
+
+def _prefilled(worker, rid: str, prompt: list[int]) -> Sequence:
+    seq = Sequence.from_request(rid, prompt, SamplingParams(max_tokens=4), worker.next_arrival())
+    worker.scheduler.add(seq)
+    worker.scheduler.update(worker.scheduler.schedule(), [42], frozenset(), 64)
+    return seq
+
+
+def _move(src, dst, seqs: list[Sequence]):
+    """pack on src; dst reads the description (through msgpack, as over the control group), asks for the blocks
+    it needs and takes them over -> its plan."""
+    meta, kv = pack_sequences(src, seqs)
+    for seq in seqs:      # as the prefill rank does: dropped there (its blocks stay cached)
+        src.scheduler.abort(seq.request_id)
+    meta = unpack(pack(meta))
+    take = plan_take_over(dst, meta)
+    unpack_sequences(dst, meta, kv[:, :, take.need].clone(), take)
+    return take
+
+
 def test_the_decode_ranks_prefix_cache_learns_the_blocks_it_takes_over():
     """A sequence of 9 computed tokens (two full blocks) packed on one rank and taken over by another with
     prefix caching on: the second rank's pool finds both blocks under the prompt's keys."""
-    def worker():
-        pool = BlockPool(8, BS)
-        sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
-        kv = SimpleNamespace(tensor=torch.randn(1, 2, 8, BS, 1, 2))
-        count = iter(range(1, 100))
-        return SimpleNamespace(scheduler=sched, block_pool=pool, kv=kv, device=torch.device("cpu"),
-                               next_arrival=lambda: next(count))
-    src, dst = worker(), worker()
-    seq = Sequence.from_request("r", list(range(3, 12)), SamplingParams(max_tokens=4), 1)
-    src.scheduler.add(seq)
-    out = src.scheduler.schedule()
-    src.scheduler.update(out, [42], frozenset(), 64)
+    src, dst = _worker(), _worker()
+    seq = _prefilled(src, "r", list(range(3, 12)))
     meta, kv = pack_sequences(src, [seq])
     assert unpack_sequences(dst, meta, kv) == 3
     keys = chain_hashes(seq.token_ids, BS, limit=2)
     (moved,) = dst.scheduler.running
     assert dst.block_pool.lookup(keys) == moved.block_table[:2]
     assert torch.equal(dst.kv.tensor[:, :, moved.block_table], src.kv.tensor[:, :, seq.block_table])
+
+
+def test_a_move_sends_only_the_blocks_the_decode_rank_does_not_cache():
+    """Request a (9 tokens: two full blocks and a partial one) moves first: all three blocks go. Request b shares
+    a's first 8 tokens: the decode rank holds those two blocks in its prefix cache, so only b's third block goes,
+    b shares a's two blocks there (two holders each), and every block b holds has src's KV for it. With the
+    decode rank's pool too full for c's two blocks, c's KV is not asked for at all (c waits, recomputed)."""
+    src, dst = _worker(), _worker()
+    a = _prefilled(src, "a", list(range(3, 12)))
+    first = _move(src, dst, [a])
+    assert first.need == [0, 1, 2] and first.have == {}
+    b = _prefilled(src, "b", list(range(3, 11)) + [77, 78])
+    b_kv = src.kv.tensor[:, :, b.block_table].clone()     # src drops b's blocks as it sends them
+    second = _move(src, dst, [b])
+    assert second.need == [2] and sorted(second.have) == [0, 1]
+    pool = dst.block_pool
+    on_a, on_b = (next(q for q in dst.scheduler.running if q.request_id == r) for r in "ab")
+    assert on_b.block_table[:2] == on_a.block_table[:2] and on_b.block_table[2] != on_a.block_table[2]
+    assert [pool.refcount(x) for x in on_b.block_table] == [2, 2, 1]
+    assert torch.equal(dst.kv.tensor[:, :, on_b.block_table], b_kv)
+    full = _worker(num_blocks=6)
+    full.block_pool.allocate(5)         # held by other requests: one block free, c needs two
+    c = _prefilled(src, "c", [9, 9, 9, 9, 9])
+    third = _move(src, full, [c])
+    assert third.need == [] and not third.keep_kv
+    assert [q.request_id for q in full.scheduler.waiting] == ["c"]
 
 
 def test_a_request_aborted_in_the_step_or_no_longer_on_its_rank_does_not_move():
