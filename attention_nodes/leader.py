@@ -35,13 +35,17 @@ from .speculation import summed as spec_summed
 from .worker import AttentionWorker
 
 HOLD_STEPS = 8     # at most this many steps' outputs of requests added with "stream": False are held back
+# stats(): engine counters summed over the attention ranks' reports (name -> StepReport field)
+SUMMED = {"num_preemptions": "num_preemptions", "num_prefill_chunks": "num_prefill_chunks",
+          "num_running": "num_running", "prefix_cache_queries": "prefix_queries", "prefix_cache_hits": "prefix_hits",
+          "prompt_tokens_computed": "prompt_tokens_computed", "kv_offload_saved_blocks": "offload_saved",
+          "kv_offload_restored_blocks": "offload_restored", "kv_blocks_handed_over": "kv_blocks_received"}
 
 
 def micro_batches_for(tokens: int, configured: int, min_tokens: int) -> int:
     """The micro-batches a step runs: the configured number when the least busy attention rank that runs any
-    token carries at least min_tokens per micro-batch, else 1 (one whole batch: below that, two small forwards
-    cost more per op than their overlap saves). A rank with nothing to run joins each micro-batch's exchanges
-    empty either way (an idle PD prefill rank does not keep the decode ranks from splitting)."""
+    token carries at least min_tokens per micro-batch, else 1 (below that, two small forwards cost more per op
+    than their overlap saves). An idle rank joins each micro-batch's exchanges empty: it does not count."""
     return configured if configured > 1 and tokens >= configured * min_tokens else 1
 
 
@@ -166,6 +170,12 @@ class Leader:
             hits.append(n)
         return hits
 
+    def _prompt_tokens(self, rank: int, requests: list[dict]) -> int:
+        """The prompt tokens rank computes for these new requests: their prompts less its cached prefixes."""
+        bs = self.block_size
+        return sum(len(q["prompt"]) - (self._cached_prefix(q["prompt"])[rank] * bs if self.cache_aware else 0)
+                   for q in requests)
+
     def handle(self, cmd: tuple, aborts: dict[str, list[str]], outbox) -> bool:
         """Apply one inbox command; returns False on shutdown."""
         kind = cmd[0]
@@ -228,7 +238,7 @@ class Leader:
         capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new or moves))
         is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running + r.num_draft_tokens
                                     for r in self.reports)
-        running = min([r.max_next_tokens + sum(len(q["prompt"]) for q in new.get(str(i), []))
+        running = min([min(self.token_budget, r.max_next_tokens + self._prompt_tokens(i, new.get(str(i), [])))
                        for i, r in enumerate(self.reports) if r.max_next_tokens or str(i) in new] or [0])
         split = micro_batches_for(running, self.micro_batches, self.micro_batch_min_tokens)
         self.num_split_steps += split > 1
@@ -241,21 +251,13 @@ class Leader:
         blocks, and the KV-cache bytes one token takes per layer (every attention rank holds the same layout)."""
         return {"steps": self.step_id,
                 "num_micro_batched_steps": self.num_split_steps,
-                "num_preemptions": sum(r.num_preemptions for r in self.reports),
-                "num_prefill_chunks": sum(r.num_prefill_chunks for r in self.reports),
-                "num_running": sum(r.num_running for r in self.reports),
+                **{name: sum(getattr(r, field) for r in self.reports) for name, field in SUMMED.items()},
                 "num_waiting": sum(r.num_waiting for r in self.reports) + len(self.pending),
                 "free_kv_blocks": [r.num_free_blocks for r in self.reports],
                 "kv_blocks": [r.num_blocks for r in self.reports],
-                "prefix_cache_queries": sum(r.prefix_queries for r in self.reports),
-                "prefix_cache_hits": sum(r.prefix_hits for r in self.reports),
-                "prompt_tokens_computed": sum(r.prompt_tokens_computed for r in self.reports),
-                "kv_offload_saved_blocks": sum(r.offload_saved for r in self.reports),
-                "kv_offload_restored_blocks": sum(r.offload_restored for r in self.reports),
                 "num_routed_to_cache": self.num_routed_to_cache,
                 "num_moved_requests": self.num_moved_requests,
                 "num_handed_over_requests": self.num_handed_over,
-                "kv_blocks_handed_over": sum(r.kv_blocks_received for r in self.reports),
                 "spec_decode": spec_summed([r.spec_decode for r in self.reports]),
                 "pd": {"prefill_ranks": self.prefill_ranks, **pd_summed([r.pd for r in self.reports]),
                        "requests_taken_over": [r.pd[0] if r.pd else 0 for r in self.reports],

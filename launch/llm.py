@@ -15,7 +15,7 @@ from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
 from .procs import Outbox, free_port, rank_main
-from .runtime.planning import scale_joiners
+from .runtime.planning import check_scale
 from .samples import Sample, chosen, split_id
 
 logger = logging.getLogger("afserve")
@@ -87,8 +87,6 @@ class LLM:
         self._ctx = ctx = mp.get_context("spawn")
         world = self.config.parallel.world_size
         self._port = port = free_port()
-        par = self.config.parallel
-        self.pools = [par.attention_ranks, par.expert_ranks, par.prefill_ranks]   # as this process spawned them
         self._inbox, self._outbox, self._status = ctx.Queue(), Outbox(ctx), ctx.Queue()
         for rank in range(world):
             p = ctx.Process(target=rank_main, name=f"afserve-rank{rank}", daemon=True,
@@ -289,16 +287,16 @@ class LLM:
                       retire: list[int] | None = None, prefill_ranks: int | None = None,
                       decode_ranks: int | None = None) -> None:
         """Ask for scale(...) without waiting, spawning the ranks that will join: the leader answers ("scale",
-        record) on outbox between steps; pass that record to take_scale_result."""
+        record) on outbox between steps (reading the outbox through _poll spawns the ranks it asks for); pass that
+        record to take_scale_result."""
         if self.runtime is not None:
             raise ValueError("scale() needs ranks spawned by LLM; under torchrun launch more ranks against the "
                              "job's --pool-addr, or drain ranks through the server's /admin/drain")
         request = {"attention_ranks": attention_ranks, "expert_ranks": expert_ranks, "prefill_ranks": prefill_ranks,
                    "decode_ranks": decode_ranks, "retire": list(retire or [])}
-        roles = scale_joiners(request, *self.pools, self.config.parallel.prefill_ranks > 0, self.spec.num_experts)
-        self._inbox.put(("scale", request))
-        for role in roles:
-            self._spawn_joiner(role)
+        check_scale(request, self.spec.num_experts, self.config.parallel.prefill_ranks > 0)
+        # the leader, which knows the pools as they are now, answers ("spawn", roles) for the ranks to start
+        self._inbox.put(("scale", {**request, "spawn": True}))
 
     def _spawn_joiner(self, role: str) -> None:
         """A rank that joins the running job as a new member (its member id: its index among the processes)."""
@@ -315,8 +313,6 @@ class LLM:
         if "error" in result:
             raise ValueError(result["error"])
         self.retired_ranks += result.get("lost_members", [])
-        if "attention_ranks" in result:
-            self.pools = [result["attention_ranks"], result["expert_ranks"], result["prefill_ranks"]]
         return result
 
     def _reply(self, kind: str, timeout_s: float = 60) -> dict:
@@ -333,10 +329,16 @@ class LLM:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _poll(self, q, deadline: float | None, what: str):
-        """Wait on q while watching the ranks: a dead rank raises within ~0.2 s and takes the others down."""
+        """Wait on q while watching the ranks: a dead rank raises within ~0.2 s and takes the others down. The
+        leader's ("spawn", roles) on the outbox (a scale request's joiners) starts those ranks here."""
         while True:
             try:
-                return q.get(timeout=0.2)
+                msg = q.get(timeout=0.2)
+                if msg[0] != "spawn" or q is not self._outbox:
+                    return msg
+                for role in msg[1]:
+                    self._spawn_joiner(role)
+                continue
             except queue.Empty:
                 pass
             self.check_alive(what)

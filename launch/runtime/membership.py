@@ -77,7 +77,7 @@ class Membership(Generations):
         if a peer is lost. Returns whether the job changed."""
         gen = self._rt.generation
         while scales:
-            record = guard(lambda: self.scale_as_leader(scales[0]))
+            record = guard(lambda: self.scale_as_leader(scales[0], outbox))
             if record is None:
                 return self._rt.generation != gen
             scales.pop(0)
@@ -86,6 +86,13 @@ class Membership(Generations):
         if now - self._last_poll >= JOIN_POLL_S:
             self._last_poll = now
             joiners = self.joiners()
+            pd = self._rt.config.parallel.prefill_ranks > 0
+            refused = [(m, why) for m, info in joiners if (why := planning.joiner_refusal(m, info, pd))]
+            for m, why in refused:        # refused by name; the others still join
+                logger.error("rank %s cannot join: %s", m, why)
+                self._admit([m], why)
+            self._waiting = [j for j in self._waiting if j[0] not in dict(refused)]
+            joiners = [j for j in joiners if j[0] not in dict(refused)]
             if joiners:
                 record = guard(lambda: self.change_as_leader([], joiners, "join"))
                 if record is not None and "error" in record:   # tell them, so they exit instead of waiting
@@ -103,12 +110,13 @@ class Membership(Generations):
         self._waiting = [(m, i) for m, i in self._waiting if not self._peers.process_gone(m)]
         return list(self._waiting)
 
-    def scale_as_leader(self, request: dict) -> dict | None:
+    def scale_as_leader(self, request: dict, outbox=None) -> dict | None:
         """Leader, between steps: carry out a scale request {"attention_ranks": n or None, "expert_ranks": n
         or None, PD's "prefill_ranks" and "decode_ranks" (n or None) instead of attention_ranks, "retire":
         [ranks] or None, "retire_hosts": [hostnames] or None, "deadline": monotonic time, optionally "cause" for
-        the record}: retire the given ranks, then the last ranks of a pool above its
-        target; admit registered joiners up to a pool's target. Returns the change's record, {"error": why}
+        the record, "spawn": True when the asker starts the joiners}: retire the given ranks, then the last ranks
+        of a pool above its target; admit registered joiners up to a pool's target (with "spawn", first answer
+        ("spawn", [the role of each joiner missing]) on outbox, once). Returns the change's record, {"error": why}
         (nothing changes then), or None while joiners it needs have not registered yet (the caller asks again;
         past the deadline the request fails)."""
         rt = self._rt
@@ -139,6 +147,9 @@ class Membership(Generations):
             fits = [j for j in waiting if j[1]["role"] in roles and j not in join][:need]
             join += fits
             needs.append((name, want or len(staying), need, len(fits)))
+        if request.get("spawn") and not request.get("spawned") and outbox is not None:
+            request["spawned"] = True     # from the pools as they are now, which only the leader knows
+            outbox.put(("spawn", [name for name, _, need, got in needs for _ in range(need - got)]))
         if needs[-1][1] < 1:     # the expert pool's target
             return {"error": f"retiring ranks {sorted(retire)} would leave no expert rank; one must stay"}
         if any(got < need for _, _, need, got in needs):
@@ -216,8 +227,8 @@ class Membership(Generations):
     def form_pool(self, attention_ranks: int, expert_ranks: int) -> None:
         """The leader of separate pool launches, alone at start-up: a scale request to this many ranks of each
         pool, waited for until its ranks have registered (within startup_timeout_s): generation 0. With PD the
-        attention ranks are prefill_ranks prefill ranks (the leader's own launch, then --role prefill launches) and
-        the rest decode ranks (--role decode or attention launches)."""
+        attention ranks are prefill_ranks prefill ranks (the leader's own launch, then --role prefill or attention
+        launches) and the rest decode ranks (--role decode launches)."""
         P = self._rt.config.parallel.prefill_ranks
         pools = {"prefill_ranks": P, "decode_ranks": attention_ranks - P} if P else {"attention_ranks": attention_ranks}
         request = {**pools, "expert_ranks": expert_ranks, "cause": "start",

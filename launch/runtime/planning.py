@@ -155,11 +155,9 @@ def plan_attention(job: Job, gone: set[int], joined: list[tuple[int, dict]]) -> 
     A = job.num_attention_ranks
     kept = [r for r in range(A) if r not in gone]
     if not job.pd:
-        prefill = [m for m, info in joined if info["role"] == "prefill"]
-        if prefill:
-            raise MembershipError(f"member {prefill[0]} joins as a prefill rank, but the job runs without PD "
-                                  f"(prefill_ranks=0): launch it with --role attention, or start the job with "
-                                  f"--prefill-ranks")
+        for m, info in joined:
+            if why := joiner_refusal(m, info, False):
+                raise MembershipError(why)
         others = [m for m, info in joined if info["role"] in ("attention", "decode")]
         return kept + [-1] * len(others), others, 0
     prefill = [m for m, info in joined if info["role"] in ("attention", "prefill")]
@@ -170,13 +168,21 @@ def plan_attention(job: Job, gone: set[int], joined: list[tuple[int, dict]]) -> 
     return keep, prefill + decode, num_prefill if num_prefill < len(keep) else 0
 
 
+def joiner_refusal(member: int, info: dict, pd: bool) -> str | None:
+    """Why a registered rank cannot join the job (None: it can): a prefill rank for a job without PD."""
+    if info["role"] == "prefill" and not pd:
+        return (f"member {member} joins as a prefill rank, but the job runs without PD (prefill_ranks=0): launch it "
+                f"with --role attention, or start the job with --prefill-ranks")
+    return None
+
+
 def plan_handover(blocks: list[tuple[int, int]], retiring: list[int], prefill_ranks: int = 0) -> dict[str, int]:
     """For each retiring attention rank, the staying one that takes over its requests and KV blocks ->
     {str(leaving rank): taking rank}. blocks: (free, total) KV blocks of each attention rank, as last reported.
-    With PD (prefill_ranks > 0) a rank of the same role takes over while one stays (a prefill rank's unfinished
-    prompts stay off the decode ranks). The taker's pool must be at least as large as the leaving rank's, so
-    every sequence that fitted there fits (one needing more blocks than a pool holds would wait there for good);
-    among those the most free blocks, charged for what it takes. With no pool that large, the largest.
+    The taker's pool must be at least as large as the leaving rank's, so every sequence that fitted there fits
+    (one needing more blocks than a pool holds would wait there for good); among those the most free blocks,
+    charged for what it takes, and with PD (prefill_ranks > 0) one of the same role first (a prefill rank's
+    unfinished prompts stay off the decode ranks). With no pool that large, the largest.
     retiring: the ranks that leave; expert ranks among them (ranks past the attention ranks) hold no requests."""
     retiring = [r for r in retiring if r < len(blocks)]
     staying = [r for r in range(len(blocks)) if r not in retiring]
@@ -184,10 +190,10 @@ def plan_handover(blocks: list[tuple[int, int]], retiring: list[int], prefill_ra
     out = {}
     for r in retiring:
         num_free, num_blocks = blocks[r]
-        same = [k for k in staying if (k < prefill_ranks) == (r < prefill_ranks)]
-        takers = same or staying
-        large = [k for k in takers if blocks[k][1] >= num_blocks]
-        dst = max(large, key=lambda k: (free[k], -k)) if large else max(takers, key=lambda k: (blocks[k][1], -k))
+        large = [k for k in staying if blocks[k][1] >= num_blocks]
+        same = [k for k in large if (k < prefill_ranks) == (r < prefill_ranks)]
+        dst = max(same or large, key=lambda k: (free[k], -k)) if large else \
+            max(staying, key=lambda k: (blocks[k][1], -k))
         free[dst] -= num_blocks - num_free
         out[str(r)] = dst
     return out
@@ -233,12 +239,11 @@ def staged_moves(placement: Placement, replan: Replan, keep: list[int], donors: 
     return staged, handoff
 
 
-def scale_joiners(request: dict, attention_ranks: int, expert_ranks: int, prefill_ranks: int, pd: bool,
-                  num_experts: int) -> list[str]:
+def check_scale(request: dict, num_experts: int, pd: bool) -> None:
     """LLM.scale's request (attention_ranks, expert_ranks, prefill_ranks, decode_ranks: a target or None;
-    retire: ranks) checked against the pools it spawned (PD's prefill_ranks of its attention_ranks; pd: the job
-    was started with PD, whose attention pool is then sized as two, prefill_ranks and decode_ranks) -> the roles
-    of the ranks it must spawn to join. Raises ValueError naming a bad value."""
+    retire: ranks) checked before it goes to the leader (pd: the job was started with PD, whose attention pool is
+    then sized as two, prefill_ranks and decode_ranks). Raises ValueError naming a bad value; the leader, which
+    knows the pools as they are now, checks the rest and names the ranks to spawn."""
     targets = {k: request.get(k) for k in ("attention_ranks", "expert_ranks", "prefill_ranks", "decode_ranks")}
     for name, v in targets.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -249,19 +254,8 @@ def scale_joiners(request: dict, attention_ranks: int, expert_ranks: int, prefil
     if why := pools_refusal(targets, pd):
         raise ValueError(why)
     retire = request.get("retire") or []
-    A, E = attention_ranks, expert_ranks
-    if any(isinstance(r, bool) or not isinstance(r, int) or not 0 < r < A + E for r in retire):
-        raise ValueError(f"retire={retire!r} is invalid: name ranks 1..{A + E - 1} (rank 0 leads the job)")
-    kept_e = E - sum(r >= A for r in retire)
-    roles = ["expert"] * max(0, (targets["expert_ranks"] or kept_e) - kept_e)
-    if not pd:
-        kept_a = A - sum(r < A for r in retire)
-        return ["attention"] * max(0, (targets["attention_ranks"] or kept_a) - kept_a) + roles
-    cut = prefill_ranks or A          # a PD job left without decode ranks: every rank prefills once one joins
-    kept_p = cut - sum(r < cut for r in retire)
-    kept_d = A - cut - sum(cut <= r < A for r in retire)
-    return ["prefill"] * max(0, (targets["prefill_ranks"] or kept_p) - kept_p) + \
-        ["decode"] * max(0, (targets["decode_ranks"] or kept_d) - kept_d) + roles
+    if any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in retire):
+        raise ValueError(f"retire={retire!r} is invalid: name ranks 1 and up (rank 0 leads the job)")
 
 
 def pools_refusal(targets: dict, pd: bool) -> str | None:
@@ -270,7 +264,8 @@ def pools_refusal(targets: dict, pd: bool) -> str | None:
     if pd and targets.get("attention_ranks") is not None:
         return (f"attention_ranks={targets['attention_ranks']} for a PD job: size its pools with prefill_ranks and "
                 f"decode_ranks")
-    if not pd and (targets.get("prefill_ranks") is not None or targets.get("decode_ranks") is not None):
-        return ("prefill_ranks/decode_ranks for a job without PD (prefill_ranks=0): scale its attention pool with "
-                "attention_ranks, or start the job with prefill_ranks")
+    given = [f"{k}={targets[k]!r}" for k in ("prefill_ranks", "decode_ranks") if targets.get(k) is not None]
+    if not pd and given:
+        return (f"{' and '.join(given)} for a job without PD (prefill_ranks=0): scale its attention pool with "
+                f"attention_ranks, or start the job with prefill_ranks")
     return None

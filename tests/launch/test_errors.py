@@ -50,7 +50,7 @@ def test_scale_requests_are_checked_before_they_reach_the_ranks(llm):
     for kwargs, words in (({"expert_ranks": 0}, "expert_ranks=0 is invalid"),
                           ({"attention_ranks": True}, "attention_ranks=True is invalid"),
                           ({"expert_ranks": 99}, "expert_ranks=99 exceeds the model's 8 experts"),
-                          ({"retire": [0]}, "retire=[0] is invalid: name ranks 1..")):
+                          ({"retire": [0]}, "retire=[0] is invalid: name ranks 1 and up")):
         with pytest.raises(ValueError, match=re.escape(words)):
             llm.scale(**kwargs)
 

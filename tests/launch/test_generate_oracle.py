@@ -58,22 +58,24 @@ def test_ping_pong_micro_batches_match_transformers(tiny_checkpoint, arch, atten
 
 
 def test_micro_batches_split_only_steps_with_enough_tokens(tiny_checkpoint):
-    """The defaults, micro_batches=2 and micro_batch_min_tokens=16: a step splits only when the attention rank's
-    running sequences bring at least 2 x 16 tokens; a small batch runs whole. Tokens equal transformers' either
-    way."""
+    """The defaults, micro_batches=2 and micro_batch_min_tokens=16: a step splits only when the attention rank
+    runs at least 2 x 16 tokens (its running sequences' and its new prompts'); a small batch runs whole. Tokens
+    equal transformers' either way."""
     path = tiny_checkpoint("qwen3_moe")
     prompts = make_prompts(40, 256, 2, 12, seed=6)
     expected = hf_greedy(path, prompts, MAX_NEW)
     greedy = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, ignore_eos=True)
     with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
         small = llm.generate(prompts[:3], greedy)
         after_small = llm.stats()
-        outs = llm.generate(prompts, greedy)
+        outs = llm.generate(prompts, [greedy] * 20 + [short] * 20)    # 40 rows for two steps, then 20
         after_all = llm.stats()
-    assert [o.token_ids for o in small] == expected[:3] and [o.token_ids for o in outs] == expected
+    assert [o.token_ids for o in small] == expected[:3]
+    assert [o.token_ids for o in outs] == expected[:20] + [e[:2] for e in expected[20:]]
     assert after_small["num_micro_batched_steps"] == 0                    # 3 running sequences: never split
     split = after_all["num_micro_batched_steps"]
-    assert 0 < split < after_all["steps"] - after_small["steps"]         # 40 decode rows split, the tail does not
+    assert split == 2 and after_all["steps"] - after_small["steps"] == MAX_NEW   # the prompts' step and 40 rows
 
 
 @pytest.mark.parametrize("arch,transport,attention_ranks,expert_ranks,ranks_per_node", [

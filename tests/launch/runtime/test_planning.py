@@ -7,8 +7,8 @@ import torch
 
 from balancer.placement import Placement
 from launch.runtime.handoff import side_moves
-from launch.runtime.planning import (Job, MembershipError, grown_ranks_per_node, plan_generation, plan_handover,
-                                     scale_joiners)
+from launch.runtime.planning import (Job, MembershipError, check_scale, grown_ranks_per_node, joiner_refusal,
+                                     plan_generation, plan_handover)
 
 L, E = 2, 8
 BIG = {"expert_budget": 2**40}
@@ -166,32 +166,39 @@ def test_pd_roles_stay_positional_as_ranks_join_and_leave():
 def test_with_pd_a_retiring_rank_hands_over_to_a_rank_of_its_role():
     """Ranks 0, 1 prefill, 2, 3 decode. Rank 2 has the most free blocks of all, but a retiring prefill rank's
     unfinished prompts go to the other prefill rank; a retiring decode rank's requests go to the other decode
-    rank even though rank 0 has more free. With no rank of its role staying, any rank takes them."""
+    rank even though rank 0 has more free. With no rank of its role staying, or none of its role with a pool as
+    large, any rank takes them."""
     blocks = [(50, 100), (60, 100), (90, 100), (10, 100)]
     assert plan_handover(blocks, [1], prefill_ranks=2) == {"1": 0}
     assert plan_handover(blocks, [3], prefill_ranks=2) == {"3": 2}
     assert plan_handover(blocks, [1], prefill_ranks=0) == {"1": 2}    # no PD: the most free
     # both decode ranks leave: rank 1 (60 free) takes rank 2's 10 used blocks, then rank 0 and 1 tie at 50
     assert plan_handover(blocks, [2, 3], prefill_ranks=2) == {"2": 1, "3": 0}
+    # the pool must be large enough first: the 100-block decode rank cannot hold all a 200-block one held
+    assert plan_handover([(200, 200), (10, 100), (50, 200)], [2], prefill_ranks=1) == {"2": 0}
 
 
-def test_scale_requests_spawn_the_roles_they_need_and_bad_values_are_named():
-    """LLM.scale's arithmetic over the pools it spawned (A attention ranks, E expert, P of the A prefill; pd: a
-    job started with PD)."""
+def test_scale_requests_are_checked_by_name_before_they_reach_the_leader():
+    """LLM.scale's own checks (the leader, which knows the pools as they are, checks the rest and names the ranks
+    to spawn; pd: a job started with PD)."""
     def ask(**kw):
         return {"attention_ranks": None, "expert_ranks": None, "prefill_ranks": None, "decode_ranks": None,
                 "retire": [], **kw}
-    assert scale_joiners(ask(attention_ranks=3, expert_ranks=2), 1, 1, 0, False, 8) == \
-        ["attention", "attention", "expert"]
-    assert scale_joiners(ask(prefill_ranks=2, decode_ranks=3), 3, 1, 1, True, 8) == ["prefill", "decode"]
-    assert scale_joiners(ask(prefill_ranks=2, retire=[1]), 3, 1, 2, True, 8) == ["prefill"]   # 1 was a prefill rank
-    assert scale_joiners(ask(decode_ranks=1), 2, 1, 0, True, 8) == ["decode"]   # PD left without decode ranks
-    assert scale_joiners(ask(decode_ranks=1, prefill_ranks=1), 3, 1, 1, True, 8) == []     # a shrink: no spawn
+    check_scale(ask(attention_ranks=3, expert_ranks=2, retire=[1]), 8, False)
+    check_scale(ask(prefill_ranks=2, decode_ranks=3), 8, True)
     for bad, pd, match in [(ask(prefill_ranks=0), True, "prefill_ranks=0 is invalid"),
                            (ask(decode_ranks=True), True, "decode_ranks=True is invalid"),
                            (ask(attention_ranks=2), True, "attention_ranks=2 for a PD job"),
-                           (ask(decode_ranks=2), False, "for a job without PD"),
+                           (ask(decode_ranks=2), False, "decode_ranks=2 for a job without PD"),
+                           (ask(prefill_ranks=1, decode_ranks=2), False,
+                            "prefill_ranks=1 and decode_ranks=2 for a job without PD"),
                            (ask(expert_ranks=9), True, "expert_ranks=9 exceeds the model's 8 experts"),
                            (ask(retire=[0]), True, r"retire=\[0\] is invalid")]:
         with pytest.raises(ValueError, match=match):
-            scale_joiners(bad, 2, 1, 1, pd, 8)
+            check_scale(bad, 8, pd)
+
+
+def test_a_prefill_joiner_is_refused_by_name_only_by_a_job_without_pd():
+    assert joiner_refusal(9, {"role": "prefill"}, pd=False).startswith("member 9 joins as a prefill rank")
+    assert joiner_refusal(9, {"role": "prefill"}, pd=True) is None
+    assert joiner_refusal(9, {"role": "decode"}, pd=False) is None
