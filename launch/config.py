@@ -245,9 +245,11 @@ class EngineConfig:
                              f"neither")
         if self.pool_addr is not None:
             self.pool_host_port()
-        if self.parallel.prefill_ranks and self.scheduler.speculative_config is not None:
-            raise ValueError(f"prefill_ranks={self.parallel.prefill_ranks} with speculative_config: speculative "
-                             f"decoding does not run with PD yet; pass prefill_ranks=0 or no speculative_config")
+        method = (self.scheduler.speculative_config or {}).get("method")
+        if self.parallel.prefill_ranks and method not in (None, "ngram"):
+            raise ValueError(f"prefill_ranks={self.parallel.prefill_ranks} with speculative method {method!r}: its "
+                             f"draft KV does not move with a request from a prefill rank to a decode rank yet; use "
+                             f"method 'ngram' with PD, or prefill_ranks=0")
         if self.heartbeat_s >= self.collective_timeout_s:
             raise ValueError(f"heartbeat_s={self.heartbeat_s} must be below collective_timeout_s="
                              f"{self.collective_timeout_s}: idle ranks would time out between heartbeats")

@@ -74,15 +74,31 @@ def test_requests_wait_at_the_prefill_rank_for_a_decode_seat(tiny_checkpoint):
     assert stats["prompt_tokens_computed"] == sum(map(len, prompts))
 
 
-def test_pd_is_refused_without_a_decode_rank_and_with_speculation(tiny_checkpoint):
+def test_pd_is_refused_without_a_decode_rank_and_with_a_stateful_draft(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_moe")
     with pytest.raises(ValueError, match=r"prefill_ranks=2 with attention_ranks=2 leaves no decode rank"):
         LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=2)
     with pytest.raises(ValueError, match=r"prefill_ranks=-1 is invalid"):
         LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=-1)
-    with pytest.raises(ValueError, match=r"prefill_ranks=1 with speculative_config"):
+    with pytest.raises(ValueError, match=r"prefill_ranks=1 with speculative method 'mtp': its draft KV"):
         LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=1,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match=r"speculative method 'draft_model'"):
+        LLM(path, attention_ranks=2, expert_ranks=1, prefill_ranks=1,
+            speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+
+
+def test_pd_with_ngram_speculation_equals_transformers(tiny_checkpoint):
+    """1 prefill + 2 decode ranks with n-gram drafts (stateless: a request's drafts come from its tokens, which
+    move with it): prompts that repeat themselves, so drafts are accepted on the decode ranks; every token is
+    transformers' greedy one."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = [p * 3 for p in make_prompts(8, 256, 3, 10, seed=3)]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    got, stats = _run(path, prompts, 3, 1, 1, speculative_config=ngram)
+    assert got == hf_greedy(path, prompts, MAX_NEW)
+    assert stats["pd"]["requests_transferred"] == len(prompts)
+    assert stats["spec_decode"]["num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("fault,victim", [("pd_move:1:2,pd_move:1:3,pd_move:1:4", 1),
