@@ -7,7 +7,7 @@ import os
 import signal
 
 import pytest
-from conftest import hf_greedy, make_prompts, wider
+from conftest import FULL, hf_greedy, make_prompts, wider
 
 from launch.llm import LLM, SamplingParams
 from models.checkpoint import Checkpoint
@@ -127,6 +127,7 @@ def test_a_rank_lost_during_pd_costs_no_request(tiny_checkpoint, monkeypatch, fa
     assert stats["num_moved_requests"] > 0
 
 
+@FULL   # make test: the prefill pool's test below scales both pools
 def test_the_decode_pool_grows_and_shrinks_with_requests_in_flight(tiny_checkpoint):
     """1 prefill + 1 decode + 1 expert rank; mid-stream, LLM.scale(decode_ranks=2) adds a decode rank (rank 2:
     the prefill ranks are the first prefill_ranks), which takes moved requests over in the next run; then,
