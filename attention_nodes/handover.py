@@ -76,15 +76,18 @@ def plan_take_over(worker, meta: dict, reuse: bool = True) -> TakeOver:
     return TakeOver(seqs, True, have, need) if keep_kv else TakeOver(seqs, False, {}, [])
 
 
-def receive_sequences(worker, transfer, src: int) -> tuple[dict, TakeOver, int]:
+def receive_sequences(worker, transfer, src: int, refuse: bool = False) -> tuple[dict, TakeOver | None, int]:
     """Take over what attention rank src sends through transfer, asking only for the blocks this rank needs ->
-    (the description, the plan it followed, the KV bytes received)."""
+    (the description, the plan it followed, the KV bytes received). refuse: when the sequences cannot keep their
+    KV here, refuse the move instead (src keeps them; the plan is then None)."""
     plan = []
 
-    def wanted(meta: dict) -> list[int]:
+    def wanted(meta: dict) -> list[int] | None:
         plan.append(plan_take_over(worker, meta))
-        return plan[0].need
+        return None if refuse and not plan[0].keep_kv else plan[0].need
     meta, kv = transfer.recv(src, wanted)
+    if kv is None:
+        return meta, None, 0
     unpack_sequences(worker, meta, kv, plan[0])
     return meta, plan[0], kv.numel() * kv.element_size()
 

@@ -25,6 +25,7 @@ is the leader's request state.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from comm.control import StepReport
 
@@ -65,10 +66,9 @@ class Leader:
         self.membership_changes: list = []   # the job's MembershipChange records (launch/runtime/membership.py)
         self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
         self.scales: list[dict] = []    # membership changes asked for since the last step
-        self.rebalance_interval = rebalance_interval
+        self.rebalance_interval, self.block_size = rebalance_interval, block_size
         self.num_attention_ranks = num_attention_ranks
         self.num_expert_ranks = 0        # kept current by the runtime (stats only)
-        self.block_size = block_size
         self.token_budget = worker.scheduler.max_num_batched_tokens
         self.step_id = 0
         self.num_split_steps = 0         # steps run as more than one micro-batch
@@ -85,16 +85,13 @@ class Leader:
         self.held: list[list] = []           # their outputs not yet put on the outbox, in order
         self.held_steps = 0                  # steps whose outputs are in held
         self.inflight = None             # the header of the step in flight (re-sent after a membership change)
-        self.outbox = None               # set by the loop (launch/runtime/step_protocol.py); regroup ends aborted
-                                         # moves here
+        self.outbox = None               # set by the loop (step_protocol.py); regroup ends aborted moves here
         self.num_moved_requests = 0      # requests re-queued from a lost attention rank (recomputed)
         self.num_handed_over = 0         # requests a leaving attention rank handed over with their KV
         self.cache_aware = cache_aware
         self.cached: list[set[int]] = [set() for _ in range(num_attention_ranks)]   # each rank's cached keys
         self.num_routed_to_cache = 0     # requests sent to a rank that caches a prefix of their prompt
-        self.reports = [worker.report() for _ in range(num_attention_ranks)]
-        for r, rep in enumerate(self.reports):
-            rep.rank = r
+        self.reports = [replace(worker.report(), rank=r) for r in range(num_attention_ranks)]
 
     @property
     def has_work(self) -> bool:
@@ -275,7 +272,10 @@ class Leader:
         return pools
 
     def collect(self, reports: list[StepReport], outbox) -> None:
-        """Take one step's reports (in attention-rank order) and pass their outputs on."""
+        """Take one step's reports (in attention-rank order) and pass their outputs on. A request the step moved
+        that its prefill rank reports ready again was refused by its decode rank: it is still there."""
+        for src, _, rids in self.inflight.moves if self.inflight is not None else ():
+            self.req2rank.update((rid, src) for rid in set(rids) & {r for r, _, _ in reports[src].ready})
         self.reports = reports
         self.inflight = None
         for cached, rep in zip(self.cached, reports):

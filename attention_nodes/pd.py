@@ -78,19 +78,25 @@ def ready_requests(worker) -> list[list]:
 def apply_moves(worker, moves: list[list], transfer, sent_meta=None) -> None:
     """This rank's part of a step header's moves ([src, dst, [request ids]], in order): send the requests
     named (a prefill rank; one aborted in this step's header is gone and not sent) or take them over (a decode
-    rank). A decode rank counts the moves it takes over in its pd_stats.
+    rank). A decode rank without the seats or blocks for them (its report was older than what it admitted since)
+    refuses the move: the prefill rank keeps them, still ready, and the leader offers them again. A decode rank
+    counts the moves it takes over in its pd_stats.
     sent_meta(): called on a prefill rank between a move's description and its KV (fault injection)."""
     for src, dst, rids in moves:
         if worker.rank == src:
             wanted = set(rids)
             seqs = [s for s in worker.scheduler.running if (s.group_id or s.request_id) in wanted]
             meta, kv = pack_sequences(worker, seqs)
-            for seq in seqs:      # dropped before the send: if it fails, the leader finds who holds what
-                worker.scheduler.abort(seq.request_id)
-            transfer.send(meta, kv, dst, sent_meta)
+
+            def drop(seqs=seqs):      # accepted: dropped before the KV goes (if it fails, the leader finds who
+                for seq in seqs:      # holds what)
+                    worker.scheduler.abort(seq.request_id)
+            transfer.send(meta, kv, dst, sent_meta, drop)
         elif worker.rank == dst:
             t0 = time.perf_counter()
-            meta, take, nbytes = receive_sequences(worker, transfer, src)
+            meta, take, nbytes = receive_sequences(worker, transfer, src, refuse=True)
+            if take is None:
+                continue
             # requests, not samples (an aborted one was dropped by the prefill rank, not sent)
             taken = {d["group_id"] or d["request_id"] for d in meta["seqs"]}
             worker.pd_stats.add(len(taken), len(take.need), nbytes, time.perf_counter() - t0, len(take.have))

@@ -20,14 +20,18 @@ from . import p2p
 
 
 class KVTransfer(Protocol):
-    def send(self, meta: dict, kv: torch.Tensor, dst: int, between: Callable[[], None] | None = None) -> list[int]:
+    def send(self, meta: dict, kv: torch.Tensor, dst: int, between: Callable[[], None] | None = None,
+             accepted: Callable[[], None] | None = None) -> list[int] | None:
         """meta (with "num_blocks" and "shape", the KV's) to attention rank dst, then the blocks of kv (dim 2) that
-        dst asks for; returns their indices once sent. between(): called once meta is sent, before the KV (a
-        fault-injection point)."""
+        dst asks for; returns their indices once sent, or None when dst refused the move (nothing more is sent).
+        between(): called once meta is sent (a fault-injection point); accepted(): once dst has asked for the KV,
+        before it goes."""
 
-    def recv(self, src: int, wanted: Callable[[dict], list[int]] | None = None) -> tuple[dict, torch.Tensor]:
+    def recv(self, src: int, wanted: Callable[[dict], list[int] | None] | None = None
+             ) -> tuple[dict, torch.Tensor | None]:
         """What src sends: (meta, the KV blocks asked for, in that order, on this rank's device). wanted(meta) ->
-        the block indices to ask for (None: every block)."""
+        the block indices to ask for (None from it: refuse the move, and the KV is None; no wanted: every
+        block)."""
 
 
 class GroupTransfer:
@@ -37,19 +41,25 @@ class GroupTransfer:
     def __init__(self, control, group, dtype: torch.dtype, device: torch.device):
         self.control, self.group, self.dtype, self.device = control, group, dtype, device
 
-    def send(self, meta: dict, kv: torch.Tensor, dst: int, between: Callable[[], None] | None = None) -> list[int]:
+    def send(self, meta: dict, kv: torch.Tensor, dst: int, between: Callable[[], None] | None = None,
+             accepted: Callable[[], None] | None = None) -> list[int] | None:
         self.control.send_object(meta, dst)
         if between is not None:
             between()
         need = self.control.recv_object(dst)
+        if need is not None and accepted is not None:
+            accepted()
         if need:
             p2p.send(kv if len(need) == kv.shape[2] else kv[:, :, need].contiguous(), dst, self.group)
         return need
 
-    def recv(self, src: int, wanted: Callable[[dict], list[int]] | None = None) -> tuple[dict, torch.Tensor]:
+    def recv(self, src: int, wanted: Callable[[dict], list[int] | None] | None = None
+             ) -> tuple[dict, torch.Tensor | None]:
         meta = self.control.recv_object(src)
-        need = list(range(meta["num_blocks"])) if wanted is None else list(wanted(meta))
+        need = list(range(meta["num_blocks"])) if wanted is None else wanted(meta)
         self.control.send_object(need, src)
+        if need is None:
+            return meta, None
         shape = list(meta["shape"])
         shape[2] = len(need)
         kv = torch.empty(shape, dtype=self.dtype, device=self.device)

@@ -6,6 +6,7 @@ prefix cache learns the blocks it takes over."""
 from __future__ import annotations
 
 import queue
+import threading
 from types import SimpleNamespace
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from attention_nodes.block_pool import BlockPool, chain_hashes
 from attention_nodes.handover import pack_sequences, plan_take_over, unpack_sequences
 from attention_nodes.leader import Leader
+from attention_nodes.pd import TransferStats, apply_moves, ready_requests
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
@@ -190,3 +192,73 @@ def test_an_idle_rank_does_not_keep_the_busy_ones_from_splitting_into_micro_batc
     assert leader.next_step({})[5] == 1
     leader.reports[0].max_next_tokens, leader.reports[1].max_next_tokens = 0, 20
     assert leader.next_step({})[5] == 1
+
+
+class QueueTransfer:
+    """A KVTransfer between two workers of one process, each side in its own thread: what one side sends, the
+    other receives (meta through msgpack, as over the control group)."""
+
+    def __init__(self, inbox: queue.Queue, outbox: queue.Queue):
+        self.inbox, self.outbox = inbox, outbox
+
+    def send(self, meta, kv, dst, between=None, accepted=None):
+        self.outbox.put(pack(meta))
+        need = self.inbox.get(timeout=10)
+        if need is not None:
+            if accepted is not None:
+                accepted()
+            self.outbox.put(kv[:, :, need].clone())
+        return need
+
+    def recv(self, src, wanted=None):
+        meta = unpack(self.inbox.get(timeout=10))
+        need = wanted(meta)
+        self.outbox.put(need)
+        return meta, None if need is None else self.inbox.get(timeout=10)
+
+
+def _run_moves(src, dst, moves) -> None:
+    """apply_moves on both ranks at once, as the step's start runs it on each."""
+    a, b = queue.Queue(), queue.Queue()
+    errors = []
+
+    def side(worker, transfer):
+        try:
+            apply_moves(worker, moves, transfer)
+        except Exception as e:     # surfaced below
+            errors.append(e)
+    threads = [threading.Thread(target=side, args=(src, QueueTransfer(a, b))),
+               threading.Thread(target=side, args=(dst, QueueTransfer(b, a)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not errors, errors
+
+
+def test_a_decode_rank_without_room_refuses_the_move_and_the_prefill_rank_keeps_the_request():
+    """The leader's view of the decode rank was older than its last admissions: it has no seat for request a
+    when the move comes. It refuses before any KV goes: a stays on the prefill rank with its blocks, still ready
+    (never recomputed), and the leader takes it as there again (so it offers it next step). With a seat free,
+    the same move goes through."""
+    src, dst = _worker(), _worker()
+    src.rank, dst.rank = 0, 1
+    src.pd_stats, dst.pd_stats = TransferStats(), TransferStats()
+    src.scheduler.prefill_only = True
+    dst.scheduler.max_num_seqs = 1
+    busy = _prefilled(dst, "busy", [5, 6, 7])         # the decode rank's one seat
+    a = _prefilled(src, "a", list(range(3, 12)))
+    held = list(a.block_table)
+    _run_moves(src, dst, [[0, 1, ["a"]]])
+    assert [q.request_id for q in src.scheduler.running] == ["a"] and a.block_table == held
+    assert ready_requests(src) == [["a", 3, 1]] and dst.pd_stats.requests == 0
+    assert [q.request_id for q in dst.scheduler.running] == ["busy"] and dst.scheduler.num_waiting == 0
+    leader = _leader(2, prefill=1)
+    leader.req2rank["a"] = 1                           # where plan_moves sent it
+    leader.inflight = StepHeader("step", step=1, capacity=8, moves=[[0, 1, ["a"]]])
+    leader.collect([StepReport(0, 50, 1, 0, ready=ready_requests(src)), StepReport(1, 50, 1, 0)], queue.Queue())
+    assert leader.req2rank["a"] == 0
+    dst.scheduler.abort(busy.request_id)
+    _run_moves(src, dst, [[0, 1, ["a"]]])
+    assert not src.scheduler.running and [q.request_id for q in dst.scheduler.running] == ["a"]
+    assert dst.pd_stats.requests == 1 and dst.pd_stats.blocks == 3
