@@ -31,12 +31,13 @@ def _run(path: str, prompts, attention: int, prefill: int, experts: int, **optio
         return [o.token_ids for o in outs], llm.stats()
 
 
-@pytest.mark.parametrize("arch,attention,prefill,experts,comm", [
-    ("qwen3_moe", 2, 1, 1, "direct"),
-    ("deepseek_v3", 3, 1, 2, "two_phase"),
-    ("olmoe", 3, 2, 1, "direct"),
-    wider("qwen3_moe", 3, 1, 2, "direct"), wider("qwen3_moe", 3, 2, 1, "two_phase"),
-    wider("deepseek_v3", 2, 1, 1, "direct"), *[wider(a, 2, 1, 1, "two_phase") for a in ARCHS]])
+CORE = [("qwen3_moe", 2, 1, 1, "direct"), ("deepseek_v3", 3, 1, 2, "two_phase"), ("olmoe", 3, 2, 1, "direct")]
+# make test-full: every architecture at 1P+1D, 1P+2D and 2P+1D, each with direct and two_phase
+WIDER = [(a, A, P, E, c) for a in ARCHS for A, P, E in ((2, 1, 1), (3, 1, 2), (3, 2, 1))
+         for c in ("direct", "two_phase") if (a, A, P, E, c) not in CORE]
+
+
+@pytest.mark.parametrize("arch,attention,prefill,experts,comm", CORE + [wider(*case) for case in WIDER])
 def test_pd_tokens_equal_transformers(tiny_checkpoint, arch, attention, prefill, experts, comm):
     """Every request is prefilled on a prefill rank (chunked: a 12-token budget) and moves with its KV to a decode
     rank, which computes no prompt token; the tokens are transformers'. Each request moved once, with its
