@@ -56,16 +56,16 @@ class TakeOver:
     need: list[int]
 
 
-def plan_take_over(worker, meta: dict, reuse: bool = True) -> TakeOver:
-    """Which of meta's blocks this worker needs. reuse: look the sequences' full computed blocks up in this rank's
-    prefix cache (when it is on); the rest come over the transfer."""
+def plan_take_over(worker, meta: dict) -> TakeOver:
+    """Which of meta's blocks this worker needs: with prefix caching on, the sequences' full computed blocks are
+    looked up in this rank's prefix cache; the rest come over the transfer."""
     sched, pool = worker.scheduler, worker.block_pool
     seqs = [_sequence(d, worker.device) for d in meta["seqs"]]
     running = [(s, d) for s, d in zip(seqs, meta["seqs"]) if d["running"]]
     # a request still to fork takes a seat per sample (as the scheduler counts them)
     seats = sched.max_num_seqs - sum(map(seats_of, sched.running))
     have: dict[int, int] = {}
-    if reuse and sched.enable_prefix_caching:
+    if sched.enable_prefix_caching:
         for _, d in running:
             keys = chain_hashes(d["token_ids"], pool.block_size, limit=d["num_computed_tokens"] // pool.block_size)
             for i, b in zip(d["blocks"], pool.lookup(keys)):
@@ -92,14 +92,12 @@ def receive_sequences(worker, transfer, src: int, refuse: bool = False) -> tuple
     return meta, plan[0], kv.numel() * kv.element_size()
 
 
-def unpack_sequences(worker, meta: dict, kv: torch.Tensor, take: TakeOver | None = None) -> int:
+def unpack_sequences(worker, meta: dict, kv: torch.Tensor, take: TakeOver) -> int:
     """Take the sequences of pack_sequences into this worker's scheduler -> the number of KV blocks received into
-    its pool. take: plan_take_over's plan, kv then holding its `need` blocks in order (None: kv holds every
-    packed block, none reused). Running sequences keep their KV when every block fits and they fit max_num_seqs;
-    the others wait and are recomputed. With prefix caching on, the full blocks received become this rank's
-    cached blocks."""
+    its pool. take: plan_take_over's plan, kv holding its `need` blocks in order. Running sequences keep their KV
+    when every block fits and they fit max_num_seqs; the others wait and are recomputed. With prefix caching on,
+    the full blocks received become this rank's cached blocks."""
     sched, pool = worker.scheduler, worker.block_pool
-    take = take or plan_take_over(worker, meta, reuse=False)
     running = [(s, d) for s, d in zip(take.seqs, meta["seqs"]) if d["running"]]
     moved = 0
     if take.keep_kv:

@@ -97,23 +97,26 @@ class Leader:
     def has_work(self) -> bool:
         return bool(self.pending) or any(r.num_running or r.num_waiting for r in self.reports)
 
-    def _assign(self) -> dict[str, list[dict]]:
+    def _assign(self) -> tuple[dict[str, list[dict]], dict[int, int]]:
         """The rank caching the longest prefix if it has room for the prompt, else the most free KV blocks; the
-        free-block estimate is charged for what is assigned this step."""
+        free-block estimate is charged for what is assigned this step. -> (the new requests per rank, the prompt
+        tokens they bring each rank: their prompts less its cached prefixes)."""
         free = [r.num_free_blocks for r in self.reports]
         out: dict[str, list[dict]] = {}
+        tokens: dict[int, int] = {}
         while self.pending:
             req = self.pending.popleft()
             need = -(-len(req["prompt"]) // self.block_size)
             ranks = range(self.prefill_ranks or self.num_attention_ranks)   # PD: the prefill ranks take them in
             rank = max(ranks, key=lambda r: (free[r], -r))
+            hit = self._cached_prefix(req["prompt"]) if self.cache_aware else [0] * self.num_attention_ranks
             if self.cache_aware and len(ranks) > 1:
-                hit = self._cached_prefix(req["prompt"])
                 best = max(ranks, key=lambda r: (hit[r], free[r], -r))
                 if hit[best] > hit[rank] and free[best] >= need:
                     rank = best
                 self.num_routed_to_cache += hit[rank] > 0
             free[rank] -= need
+            tokens[rank] = tokens.get(rank, 0) + len(req["prompt"]) - hit[rank] * self.block_size
             rid = req["id"]
             self.req2rank[rid] = rank
             self.open_samples.setdefault(rid, _num_samples(req))
@@ -121,7 +124,7 @@ class Leader:
             self.streamed.setdefault(rid, {})
             self.finished.setdefault(rid, set())
             out.setdefault(str(rank), []).append(req)
-        return out
+        return out, tokens
 
     def plan_moves(self, aborted: frozenset[str] = frozenset()) -> list[list]:
         """PD: the moves of the next step, [prefill rank, decode rank, [request ids]], for the requests the prefill
@@ -166,12 +169,6 @@ class Leader:
                 n += 1
             hits.append(n)
         return hits
-
-    def _prompt_tokens(self, rank: int, requests: list[dict]) -> int:
-        """The prompt tokens rank computes for these new requests: their prompts less its cached prefixes."""
-        bs = self.block_size
-        return sum(len(q["prompt"]) - (self._cached_prefix(q["prompt"])[rank] * bs if self.cache_aware else 0)
-                   for q in requests)
 
     def handle(self, cmd: tuple, aborts: dict[str, list[str]], outbox) -> bool:
         """Apply one inbox command; returns False on shutdown."""
@@ -224,7 +221,7 @@ class Leader:
         one token left to compute, plus its drafts (a running sequence has at least one, so that is when their
         sum is their count plus the drafts)."""
         self.step_id += 1
-        new = self._assign()
+        new, prompt_tokens = self._assign()
         moves = self.plan_moves(frozenset(request_of(i) for ids in aborts.values() for i in ids))
         for src, dst, rids in moves:      # until dst reports: what it takes over, one token per sample
             samples = {rid: n for rid, _, n in self.reports[src].ready}
@@ -235,8 +232,8 @@ class Leader:
         capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new or moves))
         is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running + r.num_draft_tokens
                                     for r in self.reports)
-        running = min([min(self.token_budget, r.max_next_tokens + self._prompt_tokens(i, new.get(str(i), [])))
-                       for i, r in enumerate(self.reports) if r.max_next_tokens or str(i) in new] or [0])
+        running = min([min(self.token_budget, r.max_next_tokens + prompt_tokens.get(i, 0))
+                       for i, r in enumerate(self.reports) if r.max_next_tokens or i in prompt_tokens] or [0])
         split = micro_batches_for(running, self.micro_batches, self.micro_batch_min_tokens)
         self.num_split_steps += split > 1
         off = self.disable_by_batch_size

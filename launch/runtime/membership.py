@@ -91,8 +91,9 @@ class Membership(Generations):
             for m, why in refused:        # refused by name; the others still join
                 logger.error("rank %s cannot join: %s", m, why)
                 self._admit([m], why)
-            self._waiting = [j for j in self._waiting if j[0] not in dict(refused)]
-            joiners = [j for j in joiners if j[0] not in dict(refused)]
+            gone = {m for m, _ in refused}
+            self._waiting = [j for j in self._waiting if j[0] not in gone]
+            joiners = [j for j in joiners if j[0] not in gone]
             if joiners:
                 record = guard(lambda: self.change_as_leader([], joiners, "join"))
                 if record is not None and "error" in record:   # tell them, so they exit instead of waiting

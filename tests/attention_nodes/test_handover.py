@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attention_nodes.block_pool import BlockPool
-from attention_nodes.handover import pack_sequences, unpack_sequences
+from attention_nodes.handover import pack_sequences, plan_take_over, unpack_sequences
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler, SchedulerOutput
@@ -104,7 +104,8 @@ def hand_over(src, dst) -> int:
     meta = msg_unpack(msg_pack(meta))
     received = torch.empty(meta["shape"], dtype=dst.kv.tensor.dtype)
     received.copy_(kv)
-    return unpack_sequences(dst, meta, received)
+    take = plan_take_over(dst, meta)       # what dst asks for: it has no prefix cache here, so every block it keeps
+    return unpack_sequences(dst, meta, received[:, :, take.need], take)
 
 
 def by_id(sched: Scheduler) -> dict[str, Sequence]:

@@ -131,7 +131,7 @@ def test_the_decode_ranks_prefix_cache_learns_the_blocks_it_takes_over():
     src, dst = _worker(), _worker()
     seq = _prefilled(src, "r", list(range(3, 12)))
     meta, kv = pack_sequences(src, [seq])
-    assert unpack_sequences(dst, meta, kv) == 3
+    assert unpack_sequences(dst, meta, kv, plan_take_over(dst, meta)) == 3
     keys = chain_hashes(seq.token_ids, BS, limit=2)
     (moved,) = dst.scheduler.running
     assert dst.block_pool.lookup(keys) == moved.block_table[:2]
