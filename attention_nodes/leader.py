@@ -30,6 +30,7 @@ from dataclasses import replace
 from comm.control import StepReport
 
 from .block_pool import chain_hashes
+from .passes import PassPlanner, step_shape
 from .pd import summed as pd_summed
 from .sequence import request_of, sample_ids, split_sample_id
 from .speculation import summed as spec_summed
@@ -43,22 +44,17 @@ SUMMED = {"num_preemptions": "num_preemptions", "num_prefill_chunks": "num_prefi
           "kv_offload_restored_blocks": "offload_restored", "kv_blocks_handed_over": "kv_blocks_received"}
 
 
-def micro_batches_for(tokens: int, configured: int, min_tokens: int) -> int:
-    """The micro-batches a step runs: the configured number when the least busy attention rank that runs any
-    token carries at least min_tokens per micro-batch, else 1 (below that, two small forwards cost more per op
-    than their overlap saves). An idle rank joins each micro-batch's exchanges empty: it does not count."""
-    return configured if configured > 1 and tokens >= configured * min_tokens else 1
-
-
 class Leader:
     def __init__(self, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
                  rebalance_interval: int = 0, cache_aware: bool = False, micro_batches: int = 1,
                  micro_batch_min_tokens: int = 0, draft_passes: int = 0, disable_by_batch_size: int | None = None,
-                 prefill_ranks: int = 0):
+                 prefill_ranks: int = 0, max_decode_passes: int = 1):
         """draft_passes: the MTP passes of a step (speculative method "mtp"), none while every rank runs
-        disable_by_batch_size sequences or more. prefill_ranks: PD's prefill ranks (0: none)."""
+        disable_by_batch_size sequences or more. prefill_ranks: PD's prefill ranks (0: none), whose decode ranks
+        run up to max_decode_passes forwards a step (attention_nodes/passes.py)."""
         self.worker = worker
         self.prefill_ranks = prefill_ranks
+        self.pass_planner = PassPlanner(max_decode_passes)
         self.num_waiting_for_decode = 0  # PD: prefilled requests no decode rank had room for, at the last step
         self.unheld: set[str] = set()    # PD: requests of a failed step's moves that no rank said it holds
         self.draft_passes, self.disable_by_batch_size = draft_passes, disable_by_batch_size
@@ -214,9 +210,10 @@ class Leader:
         return out
 
     def next_step(self, aborts: dict[str, list[str]]
-                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int, int, list, int]:
+                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int, int, list, int, int]:
         """(step id, capacity, new requests per rank, aborts per rank, is_decode, micro-batches, draft passes, PD
-        moves, prefill ranks) of the next step's header. Moved requests decode on their new rank in this step.
+        moves, prefill ranks, decode passes) of the next step's header. Moved requests decode on their new rank in
+        this step.
         is_decode: no rank gets new requests or has any waiting, none moves any, and each running sequence has
         one token left to compute, plus its drafts (a running sequence has at least one, so that is when their
         sum is their count plus the drafts)."""
@@ -232,13 +229,13 @@ class Leader:
         capacity = max([r.max_next_tokens for r in self.reports] + [self.token_budget] * bool(new or moves))
         is_decode = not new and all(not r.num_waiting and r.max_next_tokens == r.num_running + r.num_draft_tokens
                                     for r in self.reports)
-        running = min([min(self.token_budget, r.max_next_tokens + prompt_tokens.get(i, 0))
-                       for i, r in enumerate(self.reports) if r.max_next_tokens or i in prompt_tokens] or [0])
-        split = micro_batches_for(running, self.micro_batches, self.micro_batch_min_tokens)
+        split, decode_passes = step_shape(self.reports, prompt_tokens, self.token_budget, self.prefill_ranks,
+                                          self.pass_planner, self.micro_batches, self.micro_batch_min_tokens)
         self.num_split_steps += split > 1
         off = self.disable_by_batch_size
         passes = 0 if off is not None and all(r.num_running >= off for r in self.reports) else self.draft_passes
-        return self.step_id, capacity, new, aborts, is_decode and not moves, split, passes, moves, self.prefill_ranks
+        return (self.step_id, capacity, new, aborts, is_decode and not moves, split, passes, moves,
+                self.prefill_ranks, decode_passes)
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV
@@ -256,6 +253,7 @@ class Leader:
                 "pd": {"prefill_ranks": self.prefill_ranks, **pd_summed([r.pd for r in self.reports]),
                        "requests_taken_over": [r.pd[0] if r.pd else 0 for r in self.reports],
                        "requests_waiting_for_decode": self.num_waiting_for_decode,
+                       "multi_pass_steps": self.pass_planner.num_multi_pass_steps,
                        "prompt_tokens_computed": [r.prompt_tokens_computed for r in self.reports]},
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
                 "pool_ranks": self._pool_ranks(),
@@ -274,6 +272,7 @@ class Leader:
         for src, _, rids in self.inflight.moves if self.inflight is not None else ():
             self.req2rank.update((rid, src) for rid in set(rids) & {r for r, _, _ in reports[src].ready})
         self.reports = reports
+        self.pass_planner.observe(reports, self.prefill_ranks)
         self.inflight = None
         for cached, rep in zip(self.cached, reports):
             cached.difference_update(rep.cache_evicted)   # within a step, blocks are evicted (schedule) first

@@ -178,10 +178,11 @@ class Scheduler:
             self._live[child.request_id] = child
         return [ScheduledSeq(child, sched.num_new_tokens, sched.start, is_fork=True) for child in children]
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's work within max_num_batched_tokens tokens and max_num_seqs sequences."""
+    def schedule(self, budget: int | None = None) -> SchedulerOutput:
+        """Pick this step's work within max_num_batched_tokens tokens (or budget, when smaller: a PD decode pass
+        after the step's first, bound by the header's capacity) and max_num_seqs sequences."""
         pool = self.block_pool
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
         out = SchedulerOutput.empty()
         # Step 1: running sequences, oldest first; preempt the newest when blocks run out.
         i = 0

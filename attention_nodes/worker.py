@@ -16,6 +16,7 @@ from .input_batch import InputBatch
 from .kv_cache import KVCache
 from .logits_process import shape_logits, token_logprobs
 from .model import AttentionModel, MoEContext
+from .passes import StretchedMoE
 from .pd import TransferStats, apply_moves, ready_requests
 from .sampler import Sampler
 from .sampling_params import SamplingParams
@@ -48,6 +49,7 @@ class AttentionWorker:
         # finished, its report, and a batch whose forward has not passed every exchange yet.
         self.started_step = self.done_step = 0
         self.last_report: StepReport | None = None
+        self.pass_reports: list[StepReport] = []   # the started step's committed PD decode passes' reports
         self._inflight = None
         self.is_decode_step = False   # the last step run computed only one-token decodes (or nothing)
         self.forward_s = 0.0          # the last step's forward (wall seconds): the rest of a step is host work
@@ -130,14 +132,17 @@ class AttentionWorker:
                 ids = sample_ids(seq.group_id, seq.params.num_samples) if seq.needs_fork else [seq.request_id]
                 self._aborted += [[i, [], "abort", None, None] for i in ids]
 
-    def step(self, capacity: int, micro_batches: int = 1) -> StepReport:
-        """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages);
-        micro_batches: the header's number of ping-pong micro-batches for this step (at most the configured).
+    def step(self, capacity: int, micro_batches: int = 1, stretch: int = 1) -> StepReport:
+        """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages; a PD
+        decode rank's later passes schedule within it); micro_batches: the header's number of ping-pong
+        micro-batches for this step (at most the configured); stretch: a PD prefill rank's forward in a step of
+        that many decode passes, its MoE layers spread over their rounds (attention_nodes/passes.py).
         Nothing is committed until the forward has passed every exchange: when one fails (a lost peer), the
         next call runs the same scheduled batch again (the block copies, done before the forward, are not
         redone)."""
+        t0 = self.moe.dispatcher.stats.now()     # (synced with timing_sync on CUDA)
         if self._inflight is None:
-            out = order_for_batch(self.scheduler.schedule())
+            out = order_for_batch(self.scheduler.schedule(capacity))
             host = self.block_pool.host
             if host is not None:
                 self.kv.copy_blocks(host.take_ops())   # saves before this step overwrites, restores before it reads
@@ -153,7 +158,7 @@ class AttentionWorker:
         self.inputs.begin_step()
         batches = [self.inputs.prepare(part, self.model.kernel_backend)
                    for part in split_micro_batches(out.scheduled, micro_batches)]
-        logits = self._forward(batches)
+        logits = self._forward(batches, stretch)
         self._inflight = None
         # The logit rows hold, per scheduled sequence in order, its prompt-logprob rows, then its sampled row (with
         # speculative drafts: one per draft, then the last token's).
@@ -212,7 +217,7 @@ class AttentionWorker:
         reported = {id(seq) for seq, _ in produced}
         outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq), None] for seq, _, _ in scored
                     if id(seq) not in reported]
-        return self.report(outputs)
+        return replace(self.report(outputs), wall_s=self.moe.dispatcher.stats.now() - t0)
 
     def _emit(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
               ) -> tuple[list[list[int]], list[int]]:
@@ -241,20 +246,30 @@ class AttentionWorker:
         s = self.scheduler
         return replace(self.last_report, max_next_tokens=s.max_next_tokens(), num_draft_tokens=s.num_draft_tokens)
 
-    def join_exchanges(self, capacity: int, micro_batches: int = 1, draft_passes: int = 0) -> None:
+    def join_exchanges(self, capacity: int, micro_batches: int = 1, draft_passes: int = 0, passes: int = 1) -> None:
         """Run a forward over no tokens: join every MoE layer's dispatch and combine of a step, as a rank with
-        nothing scheduled does, and change nothing. A step re-sent after the job re-formed is run by every
-        rank: one that had finished it joins its exchanges this way, so that the expert ranks and the ranks
-        that had not finished it see every source (launch/runtime/step_protocol.py)."""
+        nothing scheduled does, and change nothing; passes: as many forwards (PD decode passes). A step re-sent
+        after the job re-formed is run by every rank: one that had finished it joins its exchanges this way, so
+        that the expert ranks and the ranks that had not finished it see every source
+        (launch/runtime/step_protocol.py)."""
         self.moe.dispatcher.set_capacity(capacity)
-        self._forward([ForwardBatch.empty(self.device) for _ in range(micro_batches)])
+        for _ in range(passes):
+            self._forward([ForwardBatch.empty(self.device) for _ in range(micro_batches)])
         if draft_passes:
             self.mtp.join(draft_passes, self.moe)
 
-    def _forward(self, batches: list[ForwardBatch]) -> torch.Tensor:
-        """The model's forward over the micro-batches, its wall time kept in forward_s."""
+    def _forward(self, batches: list[ForwardBatch], stretch: int = 1) -> torch.Tensor:
+        """The model's forward over the micro-batches (stretch: over that many decode passes' rounds), its wall
+        time kept in forward_s."""
         t0 = time.perf_counter()
-        logits = self.model.forward(batches, self.kv, self.moe)
+        moe = self.moe
+        if stretch > 1:
+            assert len(batches) == 1, "a stretched forward runs one micro-batch"
+            spec = self.model.spec
+            moe = StretchedMoE(self.moe, spec.num_moe_layers - spec.num_mtp_layers, stretch)
+        logits = self.model.forward(batches, self.kv, moe)
+        if stretch > 1:
+            moe.close()
         self.forward_s = time.perf_counter() - t0
         return logits
 

@@ -31,7 +31,10 @@ class StepHeader:
     draft_passes: after the step's forward, every attention rank runs this many passes of the MTP layer
     (speculative decoding method "mtp", attention_nodes/mtp.py), each one more dispatch and combine.
     moves (PD): [prefill rank, decode rank, [request ids]] carried out before the forward (attention_nodes/pd.py);
-    prefill_ranks: attention ranks below this number only prefill (0: every rank does both)."""
+    prefill_ranks: attention ranks below this number only prefill (0: every rank does both).
+    decode_passes (PD): the forwards each decode rank runs in the step while each prefill rank runs one, its MoE
+    layers spread over theirs (attention_nodes/passes.py); expert ranks serve decode_passes x the MoE layers'
+    rounds."""
 
     kind: str
     step: int = 0
@@ -43,6 +46,7 @@ class StepHeader:
     draft_passes: int = 0
     moves: list[list] = field(default_factory=list)
     prefill_ranks: int = 0
+    decode_passes: int = 1
     request_ranks: list[int] = field(default_factory=list)   # on the wire: the ranks that get new requests
 
     def thin(self) -> StepHeader:
@@ -88,6 +92,8 @@ class StepReport:
     num_draft_tokens: int = 0           # draft tokens the running sequences carry into the next step
     ready: list[list] = field(default_factory=list)      # PD, a prefill rank: [request id, blocks, samples] to move
     pd: list = field(default_factory=list)   # PD, cumulative: what this rank took over (attention_nodes/pd.py)
+    wall_s: float = 0.0                 # this step's forwards and sampling, wall seconds (PD's PassPlanner)
+    passes: int = 1                     # the forwards this rank ran in the step (PD decode passes)
 
 
 def pack(obj) -> torch.Tensor:

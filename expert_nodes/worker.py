@@ -18,6 +18,7 @@ class ExpertWorker:
         self.num_moe_layers, self.num_mtp_layers = num_moe_layers, num_mtp_layers
         self.micro_batches = micro_batches
         self.load = LoadTracker(num_moe_layers, slots.num_slots, device=slots.w13.device)
+        self.multi_pass_steps = 0     # steps served with several PD decode passes
 
     def adopt(self, slots: ExpertSlots, dispatcher: Dispatcher) -> None:
         """A new generation of the job: serve these slots through its dispatcher (load counts start over)."""
@@ -35,21 +36,26 @@ class ExpertWorker:
         return self.slots.move(moves, slot2expert, me, world_rank, group)
 
     @torch.inference_mode()
-    def step(self, capacity: int, micro_batches: int = 1, draft_passes: int = 0, before_drafts=None) -> None:
+    def step(self, capacity: int, micro_batches: int = 1, draft_passes: int = 0, before_drafts=None,
+             passes: int = 1, before_pass=None) -> None:
         """Serve one engine step: per MoE layer of the target, the dispatches of every micro-batch, then for each
-        in turn the grouped FFN and its combine (the attention ranks issue the collectives in the same order); then
-        the MTP layers' MoE once per draft pass (pass j: MTP layer j mod num_mtp_layers, one micro-batch).
-        capacity: the step header's bound on any attention rank's tokens; micro_batches: the header's number
-        of micro-batches this step (at most the configured one, which sized the data plane). before_drafts: called
-        between the target's layers and the draft passes (fault injection)."""
+        in turn the grouped FFN and its combine (the attention ranks issue the collectives in the same order), all
+        that once per decode pass (PD, attention_nodes/passes.py); then the MTP layers' MoE once per draft pass
+        (pass j: MTP layer j mod num_mtp_layers, one micro-batch). capacity: the step header's bound on any
+        attention rank's tokens; micro_batches: the header's number of micro-batches this step (at most the
+        configured one, which sized the data plane). before_drafts: called between the target's layers and the
+        draft passes, before_pass: before each decode pass after the first (fault injection)."""
         assert 1 <= micro_batches <= self.micro_batches, (micro_batches, self.micro_batches)
         assert not draft_passes or self.num_mtp_layers, "draft passes without MTP layers"
         self.dispatcher.set_capacity(capacity)
+        self.multi_pass_steps += passes > 1
         first_mtp = self.num_moe_layers - self.num_mtp_layers
-        layers = [(layer, micro_batches) for layer in range(first_mtp)]
+        layers = [(layer, micro_batches) for _ in range(passes) for layer in range(first_mtp)]
         layers += [(first_mtp + j % self.num_mtp_layers, 1) for j in range(draft_passes)]
         for n, (layer, rounds) in enumerate(layers):
-            if n == first_mtp and before_drafts is not None:
+            if 0 < n < passes * first_mtp and n % first_mtp == 0 and before_pass is not None:
+                before_pass()
+            if n == passes * first_mtp and before_drafts is not None:
                 before_drafts()
             pending = [self.dispatcher.start_dispatch(layer, *self.dispatcher.empty_tokens()) for _ in range(rounds)]
             for p in pending:

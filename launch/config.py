@@ -43,6 +43,10 @@ class ParallelConfig:
     prefill_ranks: int = option(0, "PD on AF: this many of the attention ranks (the first) only prefill and the "
                                    "others only decode, a request moving with its KV at the end of its prefill "
                                    "(0: every attention rank does both)")
+    max_decode_passes: int = option(8, "PD: the most forwards a decode rank runs in a step while each prefill "
+                                       "rank runs one (its MoE layers spread over theirs), the leader sizing each "
+                                       "step's from measured forward times; 1: decode and prefill ranks in "
+                                       "lockstep")
     expert_ranks: int = option(1, "ranks that hold the experts and compute them", flag_default=None,
                                flag_default_text="world size - attention ranks under torchrun, 2 otherwise")
     ranks_per_node: int | None = option(None, "ranks per node (default: torchrun's LOCAL_WORLD_SIZE, or all "
@@ -81,6 +85,7 @@ class ParallelConfig:
         _int("micro_batch_min_tokens", self.micro_batch_min_tokens, 0)
         _int("expert_ranks", self.expert_ranks, 1)
         _int("prefill_ranks", self.prefill_ranks, 0)
+        _int("max_decode_passes", self.max_decode_passes, 1)
         if self.prefill_ranks and self.prefill_ranks >= self.attention_ranks:
             raise ValueError(f"prefill_ranks={self.prefill_ranks} with attention_ranks={self.attention_ranks} leaves "
                              f"no decode rank: pass prefill_ranks below attention_ranks (e.g. "

@@ -78,7 +78,9 @@ def pd_series(stats: dict):
         ("afserve_pd_kv_blocks_transferred", "KV blocks those moves carried", "kv_blocks_transferred"),
         ("afserve_pd_kv_transfer_bytes", "KV bytes those moves carried", "kv_bytes_transferred"),
         ("afserve_pd_kv_blocks_reused", "KV blocks of moved requests that the decode rank's prefix cache held (not "
-         "sent)", "kv_blocks_reused")])
+         "sent)", "kv_blocks_reused"),
+        ("afserve_pd_multi_pass_steps", "Steps in which the decode ranks ran several forwards beside a prefill "
+         "(decode passes)", "multi_pass_steps")])
     counts, cumulative, buckets = pd["kv_transfer_buckets"], 0, []
     for bound, n in zip([*map(str, TRANSFER_BUCKETS), "+Inf"], counts):
         cumulative += n

@@ -30,8 +30,10 @@ import queue
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
+from attention_nodes.passes import merge_reports
 from comm.control import ControlPlane, StepHeader, StepReport
 from comm.failures import is_peer_failure
 from comm.sync_audit import SyncTally
@@ -77,16 +79,30 @@ def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = Non
     report, an unfinished one re-runs its batch (a re-sent header carries no PD moves: the leader took the
     requests as where the ranks said they hold them). tally: the sync audit's, when on: the forward and sampling
     run under it; a decode step is one whose own batch is (worker.is_decode_step). member: this rank's, for
-    fault_point. transfer() -> the KVTransfer of PD moves."""
+    fault_point. transfer() -> the KVTransfer of PD moves.
+    A header with several decode passes (PD, attention_nodes/passes.py): a prefill rank runs one forward over
+    their rounds; every other rank runs one forward per pass, each committed as it ends, so a re-sent step joins
+    the passes this rank committed with no tokens and runs the rest."""
+    passes = header.decode_passes
     if header.step == worker.done_step:
-        worker.join_exchanges(header.capacity, header.micro_batches, header.draft_passes)
+        worker.join_exchanges(header.capacity, header.micro_batches, header.draft_passes, passes)
         return worker.last_report
     if header.step != worker.started_step:
-        worker.started_step = header.step
+        worker.started_step, worker.pass_reports = header.step, []
         worker.begin_step(header, transfer, lambda: fault_point("pd_move", member, header.step))
 
     def run() -> StepReport:
-        report = worker.step(header.capacity, header.micro_batches)
+        if worker.rank < header.prefill_ranks and passes > 1:   # PD prefill rank: one forward over the passes
+            worker.pass_reports = [replace(worker.step(header.capacity, header.micro_batches, passes), passes=0)]
+        else:
+            # One forward per pass, each committed (a re-sent step joins the committed ones' exchanges empty).
+            worker.join_exchanges(header.capacity, header.micro_batches, 0, len(worker.pass_reports))
+            forward_s = 0.0
+            for _ in range(len(worker.pass_reports), passes):
+                worker.pass_reports.append(worker.step(header.capacity, header.micro_batches))
+                forward_s += worker.forward_s
+            worker.forward_s = forward_s     # the step's (comm stats)
+        report = merge_reports(worker.pass_reports)
         # Committed: if a peer is lost in the MTP passes, the re-sent step joins its exchanges with this report.
         worker.done_step, worker.last_report = header.step, report
         if header.draft_passes:
@@ -100,7 +116,9 @@ def run_expert_step(worker, header: StepHeader, tally: SyncTally | None = None, 
     """What every expert rank does with a STEP header: serve its dispatches. tally: as for attention ranks;
     a decode step is one the header calls so (an expert rank does not see the batches)."""
     _audited(tally, lambda: worker.step(header.capacity, header.micro_batches, header.draft_passes,
-                                        lambda: fault_point("draft_passes", member, header.step)),
+                                        lambda: fault_point("draft_passes", member, header.step),
+                                        header.decode_passes,
+                                        lambda: fault_point("expert_pass", member, worker.multi_pass_steps)),
              lambda: header.is_decode)
 
 
@@ -268,7 +286,8 @@ def fault_point(name: str, member: int, step: int) -> None:
     "admitted" (a joiner told its generation, before it forms it). "draft_passes": in a step with MTP passes, a
     rank past the step's target layers, before its passes (an attention rank: its step committed). "pd_move": a
     prefill rank in a step moving requests to decode ranks, between a move's description and its KV (it has
-    dropped the requests)."""
+    dropped the requests). "expert_pass": an expert rank before each decode pass after the first of its n-th
+    step with several (PD, attention_nodes/passes.py); `step` is n (which step that is depends on timing)."""
     spec = os.environ.get("AFSERVE_FAULT")
     if spec and f"{name}:{member}:{step}" in spec.split(","):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -56,7 +56,7 @@ def test_prompts_go_to_prefill_ranks_and_move_to_the_decode_rank_with_room():
     reps[0].ready = [["a", 5, 1]]
     reps[1].ready = [["b", 1, 1], ["c", 1, 1], ["d", 4, 1]]
     leader.collect(reps, queue.Queue())
-    *_, moves, prefill = leader.next_step({})
+    *_, moves, prefill, _ = leader.next_step({})
     # a and d go to rank 2 for its cached prefix; b and c to rank 3, which has the most free blocks
     assert prefill == 2 and sorted(moves) == [[0, 2, ["a"]], [1, 2, ["d"]], [1, 3, ["b", "c"]]]
     assert leader.req2rank == {"a": 2, "b": 3, "c": 3, "d": 2}
@@ -66,7 +66,7 @@ def test_a_request_no_decode_rank_has_room_for_waits():
     leader = _leader(3, prefill=1, max_num_seqs=2)
     _ready_at_rank_0(leader, [StepReport(0, 50, 3, 0), StepReport(1, 3, 0, 0), StepReport(2, 9, 1, 0)],
                      [["a", 4, 1], ["b", 2, 1], ["c", 2, 2]])
-    *_, moves, _ = leader.next_step({})
+    *_, moves, _, _ = leader.next_step({})
     # a needs 4 blocks: only rank 2 has them (then 5 left and one seat); b fits rank 1; c's two samples need two
     # seats: rank 1 has one left, rank 2 one: c waits
     assert sorted(moves) == [[0, 1, ["b"]], [0, 2, ["a"]]]
@@ -172,7 +172,7 @@ def test_a_request_aborted_in_the_step_or_no_longer_on_its_rank_does_not_move():
     _ready_at_rank_0(leader, [StepReport(0, 50, 3, 0), StepReport(1, 50, 0, 0), StepReport(2, 50, 0, 0)],
                      [["a", 1, 1], ["b", 1, 1], ["c", 1, 1]])
     leader.req2rank["c"] = 2          # handed over since the report
-    *_, moves, _ = leader.next_step({"0": ["a"]})
+    *_, moves, _, _ = leader.next_step({"0": ["a"]})
     assert [rid for _, _, rids in moves for rid in rids] == ["b"]
 
 

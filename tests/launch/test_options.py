@@ -19,7 +19,8 @@ from models import SHIPPED_MODEL
 # A value other than the default for every option (the flag's argv is "--" + name with "_" -> "-", then the value,
 # but for the booleans below). A new option must be added here: test_every_option_has_a_test_value.
 VALUES = {
-    "model": "/checkpoints/other", "attention_ranks": 3, "prefill_ranks": 1, "expert_ranks": 5, "ranks_per_node": 4,
+    "model": "/checkpoints/other", "attention_ranks": 3, "prefill_ranks": 1, "max_decode_passes": 3,
+    "expert_ranks": 5, "ranks_per_node": 4,
     "comm": "two_phase", "balancer": "least_loaded", "micro_batches": 3, "micro_batch_min_tokens": 4,
     "transport": "shm", "in_band_counts": "on",
     "redundant_experts": 4, "rebalance_interval": 16, "comm_calibration": "/tmp/calibration.json",

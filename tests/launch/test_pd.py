@@ -128,6 +128,66 @@ def test_a_rank_lost_during_pd_costs_no_request(tiny_checkpoint, monkeypatch, fa
     assert stats["num_moved_requests"] > 0
 
 
+# A wider Qwen3-MoE (hidden 512) whose prompt tokens cost enough that a 512-token chunk takes a prefill rank several
+# of a decode rank's passes (the tiny one's passes are mostly fixed costs, as long as a few hundred prompt tokens).
+WIDE = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_attention_heads=8, head_dim=64)
+
+
+def _long_prompts() -> list[list[int]]:
+    """Prompts of 250-400 tokens (up to 512 a step)."""
+    return make_prompts(8, 256, 250, 400, seed=11)
+
+
+def _warm_up(llm: LLM, path: str) -> None:
+    """Short requests first, whose decode steps (without prefill work) give the leader a decode pass's time."""
+    prompts = make_prompts(3, 256, 4, 8, seed=12)
+    got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))]
+    assert got == hf_greedy(path, prompts, 12)
+
+
+@pytest.mark.parametrize("attention,prefill,experts,comm", [(2, 1, 1, "direct"), wider(3, 1, 2, "two_phase")])
+def test_decode_passes_equal_transformers(tiny_checkpoint, attention, prefill, experts, comm):
+    """After a few short requests, while the prefill rank prefills long prompts, the decode ranks run several
+    forwards per step (the prefill rank's MoE layers spread over their rounds); the tokens are transformers', and
+    the decode ranks compute no prompt token. With max_decode_passes=1 no step has more than one."""
+    path = tiny_checkpoint("qwen3_moe", **WIDE)
+    prompts = _long_prompts()
+    expected = hf_greedy(path, prompts, 24)
+    for max_passes in (8, 1):
+        with LLM(path, attention_ranks=attention, expert_ranks=experts, prefill_ranks=prefill, block_size=BS,
+                 max_num_batched_tokens=512, max_decode_passes=max_passes, comm=comm,
+                 ranks_per_node=2 if comm == "two_phase" else None) as llm:
+            _warm_up(llm, path)
+            got = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+            stats = llm.stats()
+        assert got == expected, max_passes
+        assert (stats["pd"]["multi_pass_steps"] > 0) == (max_passes > 1), stats["pd"]["multi_pass_steps"]
+        assert not any(stats["pd"]["prompt_tokens_computed"][prefill:])
+
+
+def test_an_expert_rank_lost_between_decode_passes_costs_no_request(tiny_checkpoint, monkeypatch):
+    """1 prefill + 1 decode + 2 expert ranks: expert rank 3 dies before the second pass of the first step with
+    several (the decode rank has committed that step's first pass, the prefill rank is half way through its
+    forward). The job re-forms with one expert rank and re-sends the step: the decode rank joins the pass it
+    committed with no tokens and runs the rest, the prefill rank runs its forward again. Every output is
+    transformers', within a watchdog."""
+    from tests.dist_utils import alive
+    from tests.launch.runtime.test_elastic import _stream
+    path = tiny_checkpoint("qwen3_moe", **WIDE)
+    prompts = _long_prompts()
+    expected = hf_greedy(path, prompts, 24)
+    monkeypatch.setenv("AFSERVE_FAULT", "expert_pass:3:1")
+    with LLM(path, attention_ranks=2, expert_ranks=2, prefill_ranks=1, block_size=BS,
+             max_num_batched_tokens=512) as llm:
+        pid = llm.worker_pids[3]
+        _warm_up(llm, path)
+        got = _stream(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), None, 0, deadline_s=120)
+        stats = llm.stats()
+    assert not alive(pid) and got == expected
+    change, = stats["membership_changes"]
+    assert change["lost"] == [3] and stats["pd"]["multi_pass_steps"] > 0
+
+
 @FULL   # make test: the prefill pool's test below scales both pools
 def test_the_decode_pool_grows_and_shrinks_with_requests_in_flight(tiny_checkpoint):
     """1 prefill + 1 decode + 1 expert rank; mid-stream, LLM.scale(decode_ranks=2) adds a decode rank (rank 2:
