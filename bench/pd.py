@@ -4,7 +4,10 @@ short prompts only (where PD is expected to lose), and the KV transfer's share o
 
 Two servers side by side (launch/serve.py under torchrun on loopback, the shipped Shakespeare MoE or --model):
 colocated, A attention + E expert ranks (--split, default 2+1), every attention rank prefilling and decoding; and
-PD, the same ranks with --prefill-ranks P (default 1). Both with the same limits (max-num-seqs 64,
+PD, the same ranks with --prefill-ranks P (default 1), its decode ranks running up to 8 decode passes a step while
+the prefill rank runs one (max_decode_passes, the default); and pd_lockstep, the same PD server with
+--max-decode-passes 1 (every rank one forward a step), which shows what the decode passes change. All with the
+same limits (max-num-seqs 64,
 max-num-batched-tokens 512). Requests: bench/serve_load.py's client (streaming, greedy, ignore_eos), token-id
 prompts from the held-out play. Mixed: a --long-share of prompts of 512-896 tokens, the rest 16-64; outputs 16-128
 tokens, long-tailed (and within the model's 1024 positions). Short: prompts of 16-64 tokens. Each workload runs at
@@ -75,19 +78,22 @@ def pd_transfer(url: str) -> tuple[float, float]:
 def run_workload(urls: dict[str, str], prompts, olens, concurrency: int, repeats: int) -> dict[str, dict]:
     names = list(urls)
     runs: dict[str, list] = {name: [] for name in urls}
-    before = pd_transfer(urls["pd"])
+    pd = [name for name in names if name.startswith("pd")]
+    before = {name: pd_transfer(urls[name]) for name in pd}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
             runs[name].append(asyncio.run(run_level(urls[name], concurrency, prompts, olens)))
-    after = pd_transfer(urls["pd"])
-    moves = after[1] - before[1]
-    per_move_ms = 1e3 * (after[0] - before[0]) / moves if moves else 0.0
     out = {}
     for name in urls:
         ranked = sorted(runs[name], key=lambda x: x["tok_s"])
         out[name] = {**ranked[len(ranked) // 2], "runs": [x["tok_s"] for x in runs[name]]}
-    out["pd"]["kv_transfer_ms_per_move"] = per_move_ms
-    out["pd"]["kv_transfer_share_of_ttft_p50"] = per_move_ms / out["pd"]["ttft_p50"] if out["pd"]["ttft_p50"] else 0
+    for name in pd:
+        after = pd_transfer(urls[name])
+        moves = after[1] - before[name][1]
+        per_move_ms = 1e3 * (after[0] - before[name][0]) / moves if moves else 0.0
+        out[name]["kv_transfer_ms_per_move"] = per_move_ms
+        out[name]["kv_transfer_share_of_ttft_p50"] = per_move_ms / out[name]["ttft_p50"] if out[name]["ttft_p50"] \
+            else 0
     return out
 
 
@@ -113,7 +119,8 @@ def main() -> None:
     if not 0 < args.prefill_ranks < split[0]:
         ap.error(f"--prefill-ranks {args.prefill_ranks} with {split[0]} attention ranks: pass 1 to {split[0] - 1}")
     base = ["--attention-ranks", str(split[0]), *LIMITS]
-    configs = {"colocated": base, "pd": base + ["--prefill-ranks", str(args.prefill_ranks)]}
+    pd = base + ["--prefill-ranks", str(args.prefill_ranks)]
+    configs = {"colocated": base, "pd": pd, "pd_lockstep": pd + ["--max-decode-passes", "1"]}
     workloads = {"mixed": requests(args.requests, args.long_share, 0, args.model),
                  "short": requests(args.requests, 0.0, 1, args.model)}
     with contextlib.ExitStack() as stack:
@@ -134,7 +141,7 @@ def main() -> None:
             r = res[name]
             extra = (f"{c['tpot_p99'] / r['tpot_p99']:.2f}x | {r['tok_s'] / c['tok_s']:.2f}x | "
                      f"{r['kv_transfer_ms_per_move']:.2f} | {100 * r['kv_transfer_share_of_ttft_p50']:.1f}%"
-                     if name == "pd" else "1.00x | 1.00x | - | -")
+                     if name.startswith("pd") else "1.00x | 1.00x | - | -")
             print(f"| {w} | {name} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['tpot_p50']:.2f} | "
                   f"{r['tpot_p99']:.2f} | {r['tok_s']:.0f} | {extra} |", flush=True)
     if args.out:
