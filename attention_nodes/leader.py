@@ -369,6 +369,7 @@ class Leader:
         aborted: set[str] = set()
         if header is not None:
             header.prefill_ranks = self.prefill_ranks
+            header.decode_passes = header.decode_passes if self.prefill_ranks else 1   # no decode rank committed any
             for r, ids in header.aborts.items():
                 if int(r) not in new_rank:
                     aborted.update(request_of(i) for i in ids)

@@ -55,6 +55,7 @@ class MoEContext:
     attention_group: object
     source: int         # this rank's index among the attention ranks
     counts: torch.Tensor | None = None      # `[A * E]` int64 every attention rank's counts, made on first use
+    waited_s: float = 0.0                   # seconds this rank's forwards have waited for the experts, so far
 
     def start(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
         """Send x `[T, H]` to the replicas of its experts ids `[T, K]` (router weights `[T, K]`), not waiting."""
@@ -75,11 +76,16 @@ class MoEContext:
         dst = self.num_attention_ranks + phy // self.num_slots
         return self.dispatcher.start_dispatch(moe_layer, x, dst, phy % self.num_slots, weights)
 
-    def finish(self, pending: PendingDispatch) -> torch.Tensor:
-        """Wait for the experts -> routed-expert output `[T, H]`."""
+    def finish(self, pending: PendingDispatch, timed: bool = True) -> torch.Tensor:
+        """Wait for the experts -> routed-expert output `[T, H]`. timed: count the wait in waited_s (not for the
+        empty rounds a helper thread joins beside the forward, attention_nodes/passes.py)."""
+        t0 = self.dispatcher.stats.now() if timed else 0.0
         rows, handle = self.dispatcher.finish_dispatch(pending)
         assert rows.hidden.shape[0] == 0, "attention ranks hold no experts"
-        return self.dispatcher.combine(rows.hidden, handle)
+        out = self.dispatcher.combine(rows.hidden, handle)
+        if timed:
+            self.waited_s += self.dispatcher.stats.now() - t0
+        return out
 
 
 class AttentionModel:

@@ -6,12 +6,18 @@ one, over the one expert pool and its one data plane.
 Every MoE layer's exchange is a round that every rank joins (launch/runtime/step_protocol.py): the expert ranks
 serve, per step, `passes` x L rounds (L: the target's MoE layers), pass j's round l for MoE layer l. A decode
 rank runs one forward per pass, sampling and committing between them. A prefill rank runs its one forward with
-its MoE layers spread over the passes (`StretchedMoE`): layer l goes in pass l * passes // L, and in the
-rounds in between it joins with no tokens. So a decode pass waits for about L / passes of the prefill's layers,
-not all of them, and a long prompt's chunk no longer sets the decode ranks' time per token: the leader picks the
-passes (`PassPlanner`) so that the prefill's forward and the decode ranks' passes take about as long.
+its MoE layers spread over the passes (`StretchedMoE`): layer l goes in pass l * passes // L, and it joins the
+rounds in between with no tokens, on a helper thread while it computes its next layer. So the decode ranks'
+passes go on while the prefill computes, waiting for it only in the rounds that carry its layers, and a long
+prompt's chunk no longer sets the decode ranks' time per token: the leader picks the passes (`PassPlanner`) so
+that the prefill's forward and the decode ranks' passes take about as long.
 """
 from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 from comm.control import StepReport
 
@@ -26,66 +32,101 @@ def round_of(layer: int, num_layers: int, passes: int) -> int:
 class StretchedMoE:
     """A prefill rank's MoEContext for a step of `passes` decode passes: each MoE layer's dispatch goes in its
     round (`round_of`), and this rank joins every other round with no tokens (as `join_exchanges` does: the
-    replica counts' gather over the attention group too). `close()` after the forward joins the rounds left.
+    replica counts' gather over the attention group too). It joins them on a helper thread while it computes: the
+    rounds between a layer's combine and the next layer's dispatch are joined while the next layer's attention
+    runs, so the decode ranks' passes go on beside it (the thread and this one never use the data plane at the same
+    time: the next dispatch waits for the thread). `close()` after the forward joins the rounds left.
     Everything else is the wrapped context's."""
 
     def __init__(self, moe, num_layers: int, passes: int):
         self.moe, self.num_layers, self.passes = moe, num_layers, passes
         self.next_round = 0
+        self._layer = -1
         self._empty = None    # (x, ids, weights) with no rows, shaped as this rank's last dispatch
+        self._joiner = ThreadPoolExecutor(1, thread_name_prefix="afserve-passes")
+        self._joining = None  # the helper thread's joins in flight (a Future)
 
     def __getattr__(self, name):
         return getattr(self.moe, name)
 
     def start(self, moe_layer: int, x, ids, weights):
-        self._empty = (x[:0], ids[:0], weights[:0])
+        self._wait()
+        self._empty, self._layer = (x[:0], ids[:0], weights[:0]), moe_layer
         self._join_until(round_of(moe_layer, self.num_layers, self.passes))
         self.next_round += 1
         return self.moe.start(moe_layer, x, ids, weights)
 
     def finish(self, pending):
-        return self.moe.finish(pending)
+        out = self.moe.finish(pending)
+        if self._layer + 1 < self.num_layers:     # the rounds before the next layer's, joined while it computes
+            end = round_of(self._layer + 1, self.num_layers, self.passes)
+            if end > self.next_round:
+                self._joining = self._joiner.submit(self._join_in_background, end)
+        return out
 
     def close(self) -> None:
         """After the forward: join the rounds of the step this rank has not joined yet."""
-        self._join_until(self.passes * self.num_layers)
+        try:
+            self._wait()
+            self._join_until(self.passes * self.num_layers)
+        finally:
+            self._joiner.shutdown(wait=False)
 
-    def _join_until(self, end: int) -> None:
+    def abandon(self) -> None:
+        """The forward failed (a lost peer): leave the helper thread to end on its own (the job re-forms with a new
+        data plane; its waits on this one end with the peer's loss or the generation's abort)."""
+        self._joiner.shutdown(wait=False)
+
+    def _wait(self) -> None:
+        if self._joining is not None:
+            joining, self._joining = self._joining, None
+            t0 = time.perf_counter()
+            joining.result()      # raises what the thread raised (a lost peer)
+            self.moe.waited_s += time.perf_counter() - t0
+
+    def _join_in_background(self, end: int) -> None:
+        with torch.inference_mode():
+            self._join_until(end, timed=False)
+
+    def _join_until(self, end: int, timed: bool = True) -> None:
         while self.next_round < end:
-            self.moe.finish(self.moe.start(self.next_round % self.num_layers, *self._empty))
+            self.moe.finish(self.moe.start(self.next_round % self.num_layers, *self._empty), timed)
             self.next_round += 1
 
 
 def merge_reports(reports: list[StepReport]) -> StepReport:
     """One report for a step's passes (each a full StepReport of one forward, in order): the outputs and prefix
-    cache events of all of them, the rest (cumulative counts, state) as the last one says; wall seconds summed."""
+    cache events of all of them, the rest (cumulative counts, state) as the last one says; seconds summed."""
     last = reports[-1]
     if len(reports) == 1:
         return last
     out = StepReport(**{f: getattr(last, f) for f in last.__dataclass_fields__})
     out.outputs = [o for r in reports for o in r.outputs]
-    out.cache_added = [k for r in reports for k in r.cache_added]
-    out.cache_evicted = [k for r in reports for k in r.cache_evicted]
+    # The leader applies a report's evictions, then its additions: a key added in one pass and evicted in a later
+    # one must not stay added, one evicted and added again must.
+    last: dict[int, bool] = {}     # key -> added (its last event)
+    for r in reports:
+        last.update((k, False) for k in r.cache_evicted)
+        last.update((k, True) for k in r.cache_added)
+    out.cache_added = [k for k, added in last.items() if added]
+    out.cache_evicted = sorted({k for r in reports for k in r.cache_evicted})
+    out.busy_s = sum(r.busy_s for r in reports)
     out.wall_s = sum(r.wall_s for r in reports)
     out.passes = sum(r.passes for r in reports)
     return out
 
 
 class PassPlanner:
-    """The leader's choice of a step's decode passes: about as many as the prefill's forward takes decode passes,
-    so that the decode ranks go on while it runs, without the passes outlasting it. Exponential averages of:
-    - a decode pass's wall time alone, from the decode ranks' steps of one pass in which no prefill rank
-      computed (the fixed cost of a forward through every layer's exchange);
-    - a prompt token's, from the prefill ranks' steps of one pass: their wall time beyond that fixed cost, per
-      prompt token; so a prefill's forward is predicted at the fixed cost plus its tokens';
-    - a decode pass's wall time in steps of several (where the prefill runs beside it: slower when the two share
-      the machine's cores, or when a pass waits for the prefill layers it holds).
-    The passes: the predicted prefill forward over the last (the alone one until a step of several has run). One
-    pass when either side has no work, before both have been measured, or with max_passes 1."""
+    """The leader's choice of a step's decode passes: about as many as the prefill's compute takes decode passes,
+    so that the decode ranks go on while it runs, without the passes outlasting it. Two exponential averages,
+    neither depending on the passes chosen: a prompt token's compute (the prefill ranks' busy seconds, their
+    waits on the data plane left out, per prompt token computed) and a decode pass's wall time alone (the decode
+    ranks' steps of one pass in which no prefill rank computed). One pass when either side has no work, before
+    both have been measured, or with max_passes 1."""
 
     def __init__(self, max_passes: int):
         self.max_passes = max_passes
-        self.s_per_prompt_token = self.s_per_decode_pass = self.s_per_shared_pass = None
+        self.s_per_prompt_token = self.s_per_decode_pass = None
         self.prompt_tokens: list[int] = []    # each rank's prompt_tokens_computed at its last report
         self.num_multi_pass_steps = 0
 
@@ -96,18 +137,13 @@ class PassPlanner:
             return
         tokens = [r.prompt_tokens_computed - before for r, before in zip(reports, self.prompt_tokens)]
         self.prompt_tokens = [r.prompt_tokens_computed for r in reports]
-        for r in reports[prefill_ranks:]:
-            if r.num_running and r.passes > 1 and r.wall_s > 0:
-                self.s_per_shared_pass = _ema(self.s_per_shared_pass, r.wall_s / r.passes)
-        if not any(tokens[:prefill_ranks]):
+        for r, n in zip(reports[:prefill_ranks], tokens):
+            if n > 0 and r.busy_s > 0:
+                self.s_per_prompt_token = _ema(self.s_per_prompt_token, r.busy_s / n)
+        if not any(n > 0 for n in tokens[:prefill_ranks]):
             for r in reports[prefill_ranks:]:
                 if r.num_running and r.passes == 1 and r.wall_s > 0:
                     self.s_per_decode_pass = _ema(self.s_per_decode_pass, r.wall_s)
-        elif self.s_per_decode_pass is not None:
-            for r, n in zip(reports[:prefill_ranks], tokens):
-                if n > 0 and r.passes == 1:     # (a stretched forward's wall is the passes')
-                    self.s_per_prompt_token = _ema(self.s_per_prompt_token,
-                                                   max(0.0, r.wall_s - self.s_per_decode_pass) / n)
 
     def choose(self, prefill_tokens: int, decoding: bool) -> int:
         """The passes of a step whose busiest prefill rank computes about prefill_tokens prompt tokens
@@ -115,8 +151,7 @@ class PassPlanner:
         if self.max_passes <= 1 or not prefill_tokens or not decoding or not self.s_per_decode_pass or \
                 self.s_per_prompt_token is None:
             return 1
-        prefill_s = self.s_per_decode_pass + prefill_tokens * self.s_per_prompt_token
-        passes = round(prefill_s / (self.s_per_shared_pass or self.s_per_decode_pass))
+        passes = round(prefill_tokens * self.s_per_prompt_token / self.s_per_decode_pass)
         passes = max(1, min(self.max_passes, passes))
         self.num_multi_pass_steps += passes > 1
         return passes

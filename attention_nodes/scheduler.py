@@ -192,9 +192,10 @@ class Scheduler:
                 i += 1
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # a decode with drafts runs them too, as many as the budget leaves room for, and only when the blocks
-            # they reach are free now: drafts never cost another sequence its blocks
-            drafts = seq.spec_tokens[:budget - 1] if num_new == 1 else []
+            # a decode with drafts runs them too, as many as the budget leaves room for once each later running
+            # sequence has its one token, and only when the blocks they reach are free now: drafts never cost
+            # another sequence its blocks or its token
+            drafts = seq.spec_tokens[:max(0, budget - len(self._running) + i)] if num_new == 1 else []
             if drafts and not self._drafts_fit(seq, len(drafts)):
                 drafts = []
             num_new += len(drafts)

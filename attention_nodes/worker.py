@@ -140,7 +140,7 @@ class AttentionWorker:
         Nothing is committed until the forward has passed every exchange: when one fails (a lost peer), the
         next call runs the same scheduled batch again (the block copies, done before the forward, are not
         redone)."""
-        t0 = self.moe.dispatcher.stats.now()     # (synced with timing_sync on CUDA)
+        t0, waited0 = self.moe.dispatcher.stats.now(), self.moe.waited_s    # (synced with timing_sync on CUDA)
         if self._inflight is None:
             out = order_for_batch(self.scheduler.schedule(capacity))
             host = self.block_pool.host
@@ -217,7 +217,8 @@ class AttentionWorker:
         reported = {id(seq) for seq, _ in produced}
         outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq), None] for seq, _, _ in scored
                     if id(seq) not in reported]
-        return replace(self.report(outputs), wall_s=self.moe.dispatcher.stats.now() - t0)
+        wall = self.moe.dispatcher.stats.now() - t0
+        return replace(self.report(outputs), wall_s=wall, busy_s=max(0.0, wall - (self.moe.waited_s - waited0)))
 
     def _emit(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
               ) -> tuple[list[list[int]], list[int]]:
@@ -267,7 +268,12 @@ class AttentionWorker:
             assert len(batches) == 1, "a stretched forward runs one micro-batch"
             spec = self.model.spec
             moe = StretchedMoE(self.moe, spec.num_moe_layers - spec.num_mtp_layers, stretch)
-        logits = self.model.forward(batches, self.kv, moe)
+        try:
+            logits = self.model.forward(batches, self.kv, moe)
+        except BaseException:
+            if stretch > 1:
+                moe.abandon()
+            raise
         if stretch > 1:
             moe.close()
         self.forward_s = time.perf_counter() - t0

@@ -26,7 +26,7 @@ class StepHeader:
     is_decode: the leader expects every attention rank to run one token per running sequence and nothing new
     (the sync audit's decode steps on expert ranks, which do not see the batches).
     micro_batches: how many ping-pong micro-batches every rank runs this step (1..the configured number; the
-    leader's choice, attention_nodes/leader.py `micro_batches_for`), so that expert ranks expect as many
+    leader's choice, attention_nodes/passes.py `micro_batches_for`), so that expert ranks expect as many
     dispatch rounds per layer as the attention ranks send.
     draft_passes: after the step's forward, every attention rank runs this many passes of the MTP layer
     (speculative decoding method "mtp", attention_nodes/mtp.py), each one more dispatch and combine.
@@ -92,7 +92,8 @@ class StepReport:
     num_draft_tokens: int = 0           # draft tokens the running sequences carry into the next step
     ready: list[list] = field(default_factory=list)      # PD, a prefill rank: [request id, blocks, samples] to move
     pd: list = field(default_factory=list)   # PD, cumulative: what this rank took over (attention_nodes/pd.py)
-    wall_s: float = 0.0                 # this step's forwards and sampling, wall seconds (PD's PassPlanner)
+    wall_s: float = 0.0                 # this step's forwards and sampling, wall seconds (PD's PassPlanner),
+    busy_s: float = 0.0                 # and those less their waits on the data plane
     passes: int = 1                     # the forwards this rank ran in the step (PD decode passes)
 
 

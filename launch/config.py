@@ -43,10 +43,11 @@ class ParallelConfig:
     prefill_ranks: int = option(0, "PD on AF: this many of the attention ranks (the first) only prefill and the "
                                    "others only decode, a request moving with its KV at the end of its prefill "
                                    "(0: every attention rank does both)")
-    max_decode_passes: int = option(8, "PD: the most forwards a decode rank runs in a step while each prefill "
+    max_decode_passes: int = option(1, "PD: the most forwards a decode rank runs in a step while each prefill "
                                        "rank runs one (its MoE layers spread over theirs), the leader sizing each "
-                                       "step's from measured forward times; 1: decode and prefill ranks in "
-                                       "lockstep")
+                                       "step's from measured times (e.g. 8); 1: decode and prefill ranks in "
+                                       "lockstep (on ranks sharing CPU cores the passes lengthen TTFT without "
+                                       "lowering TPOT: measured)")
     expert_ranks: int = option(1, "ranks that hold the experts and compute them", flag_default=None,
                                flag_default_text="world size - attention ranks under torchrun, 2 otherwise")
     ranks_per_node: int | None = option(None, "ranks per node (default: torchrun's LOCAL_WORLD_SIZE, or all "

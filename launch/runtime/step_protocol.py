@@ -4,8 +4,9 @@ kinds; how the job re-forms when its membership changes is launch/runtime/member
 Each step the leader (attention rank 0) broadcasts a `StepHeader` (comm/control.py) on the control group:
 - STEP: every attention rank admits its new requests, applies its aborts and runs one forward (joining each
   MoE layer's dispatch and combine), samples, and sends its `StepReport` back; expert ranks serve the step's
-  dispatches. IDLE: a heartbeat, nothing to run. PAUSE: a generate() call under torchrun is done.
-  SHUTDOWN: leave.
+  dispatches. With PD's decode passes (attention_nodes/passes.py), decode ranks run several forwards and
+  prefill ranks one spread over their rounds. IDLE: a heartbeat, nothing to run. PAUSE: a generate() call
+  under torchrun is done. SHUTDOWN: leave.
 - REBALANCE, COLLECT_STATS, COLLECT_EVENTS: every rank (the leader too) joins the collective for it, between
   steps (launch/runtime/collectives.py: live re-placement, stats).
 - RESHAPE: a planned membership change (a scale request, or ranks joining): the leader has published the

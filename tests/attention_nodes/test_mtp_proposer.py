@@ -41,6 +41,7 @@ class LocalExperts:
         self.slots = ExpertSlots.load(ckpt, everyone, torch.float32, torch.device("cpu"))
         self.dispatcher = SimpleNamespace(stats=CommStats(), set_capacity=lambda capacity: None)
         self.layers: list[int] = []
+        self.waited_s = 0.0
 
     def start(self, moe_layer, x, ids, weights):
         self.layers.append(moe_layer)

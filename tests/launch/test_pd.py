@@ -178,7 +178,7 @@ def test_an_expert_rank_lost_between_decode_passes_costs_no_request(tiny_checkpo
     expected = hf_greedy(path, prompts, 24)
     monkeypatch.setenv("AFSERVE_FAULT", "expert_pass:3:1")
     with LLM(path, attention_ranks=2, expert_ranks=2, prefill_ranks=1, block_size=BS,
-             max_num_batched_tokens=512) as llm:
+             max_num_batched_tokens=512, max_decode_passes=8) as llm:
         pid = llm.worker_pids[3]
         _warm_up(llm, path)
         got = _stream(llm, prompts, SamplingParams(max_tokens=24, ignore_eos=True), None, 0, deadline_s=120)
