@@ -2,23 +2,21 @@
 throughput of the OpenAI-compatible server on a mixed workload (a share of long prompts among short ones) and on
 short prompts only (where PD is expected to lose), and the KV transfer's share of TTFT.
 
-Two servers side by side (launch/serve.py under torchrun on loopback, the shipped Shakespeare MoE or --model):
-colocated, A attention + E expert ranks (--split, default 2+1), every attention rank prefilling and decoding; and
-PD, the same ranks with --prefill-ranks P (default 1), its decode ranks running up to 8 decode passes a step while
-the prefill rank runs one (max_decode_passes, the default); and pd_lockstep, the same PD server with
---max-decode-passes 1 (every rank one forward a step), which shows what the decode passes change. All with the
-same limits (max-num-seqs 64,
-max-num-batched-tokens 512). Requests: bench/serve_load.py's client (streaming, greedy, ignore_eos), token-id
-prompts from the held-out play. Mixed: a --long-share of prompts of 512-896 tokens, the rest 16-64; outputs 16-128
-tokens, long-tailed (and within the model's 1024 positions). Short: prompts of 16-64 tokens. Each workload runs at
---concurrency (default 8) for --repeats rounds after a warm-up; a round sends it to each server in turn (the order
-rotating every round, so the VM's drift falls on both alike), and the median run (by throughput) is printed.
-TTFT: request sent -> first streamed chunk; TPOT: (last chunk - first) / (tokens - 1), per request.
-The KV transfer's share of TTFT: the PD server's mean seconds per move (afserve_pd_kv_transfer_seconds, on the
-decode rank, over the timed runs) over the median run's mean TTFT. The peer is the colocated server, measured in
-the same run: the ratio columns are colocated / PD for latencies (higher is better for PD) and PD / colocated
-for throughput.
-"""
+Three servers side by side (launch/serve.py under torchrun on loopback, the shipped Shakespeare MoE or --model):
+colocated, A attention + E expert ranks (--split, default 2+1), every attention rank prefilling and decoding; PD,
+the same ranks with --prefill-ranks P (default 1), every rank one forward a step (max_decode_passes 1, the
+default); and pd_passes, the same PD server with --max-decode-passes 8 (decode ranks running up to 8 forwards a
+step while the prefill rank runs one), which shows what the decode passes change. All with the same limits
+(max-num-seqs 64, max-num-batched-tokens 512). Requests: bench/serve_load.py's client (streaming, greedy,
+ignore_eos), token-id prompts from the held-out play. Mixed: a --long-share of prompts of 512-896 tokens, the rest
+16-64; outputs 16-128 tokens, long-tailed (and within the model's 1024 positions). Short: prompts of 16-64 tokens.
+Each workload runs at --concurrency (default 8) for --repeats rounds after a warm-up; a round sends it to each
+server in turn (the order rotating every round, so the VM's drift falls on both alike), and the median run (by
+throughput) is printed. TTFT: request sent -> first streamed chunk; TPOT: (last chunk - first) / (tokens - 1), per
+request. The KV transfer's share of TTFT: the PD server's mean seconds per move (afserve_pd_kv_transfer_seconds, on
+the decode rank, over the timed runs) over the median run's mean TTFT. The peer is the colocated server, measured
+in the same run: the ratio columns are colocated / PD for latencies (higher is better for PD) and PD / colocated
+for throughput."""
 from __future__ import annotations
 
 import argparse
@@ -120,7 +118,7 @@ def main() -> None:
         ap.error(f"--prefill-ranks {args.prefill_ranks} with {split[0]} attention ranks: pass 1 to {split[0] - 1}")
     base = ["--attention-ranks", str(split[0]), *LIMITS]
     pd = base + ["--prefill-ranks", str(args.prefill_ranks)]
-    configs = {"colocated": base, "pd": pd, "pd_lockstep": pd + ["--max-decode-passes", "1"]}
+    configs = {"colocated": base, "pd": pd, "pd_passes": pd + ["--max-decode-passes", "8"]}
     workloads = {"mixed": requests(args.requests, args.long_share, 0, args.model),
                  "short": requests(args.requests, 0.0, 1, args.model)}
     with contextlib.ExitStack() as stack:
