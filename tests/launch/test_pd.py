@@ -165,7 +165,7 @@ def test_decode_passes_equal_transformers(tiny_checkpoint, attention, prefill, e
         assert not any(stats["pd"]["prompt_tokens_computed"][prefill:])
 
 
-@FULL   # make test keeps its 30-minute budget; the re-sent step's passes are unit-tested in make test too
+@FULL   # make test keeps its 30-minute budget (the passes' token test above stays there)
 def test_an_expert_rank_lost_between_decode_passes_costs_no_request(tiny_checkpoint, monkeypatch):
     """1 prefill + 1 decode + 2 expert ranks: expert rank 3 dies before the second pass of the first step with
     several (the decode rank has committed that step's first pass, the prefill rank is half way through its
