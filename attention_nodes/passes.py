@@ -14,8 +14,8 @@ that the prefill's forward and the decode ranks' passes take about as long.
 """
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -80,9 +80,9 @@ class StretchedMoE:
     def _wait(self) -> None:
         if self._joining is not None:
             joining, self._joining = self._joining, None
-            t0 = time.perf_counter()
+            t0 = self.moe.dispatcher.stats.now()
             joining.result()      # raises what the thread raised (a lost peer)
-            self.moe.waited_s += time.perf_counter() - t0
+            self.moe.waited_s += self.moe.dispatcher.stats.now() - t0
 
     def _join_in_background(self, end: int) -> None:
         with torch.inference_mode():
@@ -97,23 +97,19 @@ class StretchedMoE:
 def merge_reports(reports: list[StepReport]) -> StepReport:
     """One report for a step's passes (each a full StepReport of one forward, in order): the outputs and prefix
     cache events of all of them, the rest (cumulative counts, state) as the last one says; seconds summed."""
-    last = reports[-1]
     if len(reports) == 1:
-        return last
-    out = StepReport(**{f: getattr(last, f) for f in last.__dataclass_fields__})
-    out.outputs = [o for r in reports for o in r.outputs]
+        return reports[0]
     # The leader applies a report's evictions, then its additions: a key added in one pass and evicted in a later
     # one must not stay added, one evicted and added again must.
-    last: dict[int, bool] = {}     # key -> added (its last event)
+    added: dict[int, bool] = {}     # key -> whether its last event was an addition
     for r in reports:
-        last.update((k, False) for k in r.cache_evicted)
-        last.update((k, True) for k in r.cache_added)
-    out.cache_added = [k for k, added in last.items() if added]
-    out.cache_evicted = sorted({k for r in reports for k in r.cache_evicted})
-    out.busy_s = sum(r.busy_s for r in reports)
-    out.wall_s = sum(r.wall_s for r in reports)
-    out.passes = sum(r.passes for r in reports)
-    return out
+        added.update((k, False) for k in r.cache_evicted)
+        added.update((k, True) for k in r.cache_added)
+    return replace(reports[-1], outputs=[o for r in reports for o in r.outputs],
+                   cache_added=[k for k, a in added.items() if a],
+                   cache_evicted=sorted({k for r in reports for k in r.cache_evicted}),
+                   busy_s=sum(r.busy_s for r in reports), wall_s=sum(r.wall_s for r in reports),
+                   passes=sum(r.passes for r in reports))
 
 
 class PassPlanner:

@@ -153,7 +153,9 @@ def test_a_step_with_several_passes_runs_one_micro_batch():
     assert step_shape(reports, {0: 300}, 512, 0, planner, 2, 1) == (2, 1)   # no PD
 
 
-def test_the_leader_names_the_passes_in_the_header():
+def _leader_with_a_prompt_to_prefill() -> Leader:
+    """1 prefill + 1 decode rank, the decode rank running 2 sequences, a 40-token prompt pending; measured: 0.1 ms
+    a prompt token, 1 ms a decode pass."""
     worker = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4),
                              report=lambda: StepReport(0, 100, 0, 0, num_blocks=100),
                              kv=SimpleNamespace(bytes_per_token=0))
@@ -161,6 +163,11 @@ def test_the_leader_names_the_passes_in_the_header():
     leader.pass_planner.s_per_prompt_token, leader.pass_planner.s_per_decode_pass = 1e-4, 1e-3
     leader.reports[1].num_running = leader.reports[1].max_next_tokens = 2
     leader.pending.append({"id": "a", "prompt": list(range(40)), "params": {"max_tokens": 4}})
+    return leader
+
+
+def test_the_leader_names_the_passes_in_the_header():
+    leader = _leader_with_a_prompt_to_prefill()
     step = leader.next_step({})
     assert step[-1] == 4 and step[5] == 1          # 40 tokens x 0.1 ms over 1 ms a pass; one micro-batch
 
@@ -169,13 +176,7 @@ def test_a_step_re_sent_without_decode_ranks_runs_one_pass():
     """Review finding: the decode rank is lost in a step of several passes; the re-formed job has no decode rank
     (prefill_ranks 0), so the re-sent header runs one pass (no surviving rank committed any decode pass), not
     the former prefill rank's k forwards."""
-    worker = SimpleNamespace(scheduler=SimpleNamespace(max_num_batched_tokens=64, max_num_seqs=4),
-                             report=lambda: StepReport(0, 100, 0, 0, num_blocks=100),
-                             kv=SimpleNamespace(bytes_per_token=0))
-    leader = Leader(worker, 2, block_size=4, prefill_ranks=1, max_decode_passes=8)
-    leader.pass_planner.s_per_prompt_token, leader.pass_planner.s_per_decode_pass = 1e-4, 1e-3
-    leader.reports[1].num_running = leader.reports[1].max_next_tokens = 2
-    leader.pending.append({"id": "a", "prompt": list(range(40)), "params": {"max_tokens": 4}})
+    leader = _leader_with_a_prompt_to_prefill()
     leader.inflight = StepHeader("step", *leader.next_step({}))
     assert leader.inflight.decode_passes == 4
     leader.regroup([0])
