@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from balancer.policy import ReplicaPolicy
+from comm import p2p
 from comm.dispatcher import Dispatcher, PendingDispatch
 from kernels import cpu_ops, ops
 from models.spec import ModelSpec
@@ -43,9 +43,10 @@ class MoEContext:
     """How a MoE layer reaches its experts: the balancer's replica choice and the dispatcher.
     phy ids from the policy map to (world rank, slot) via num_attention_ranks and num_slots.
     Policies that need every attention rank's per-expert counts get them by one all_gather of `[E]`
-    int64 over the attention group per layer and micro-batch (every attention rank joins, in the same
-    order as its dispatches), on the ids' device into a persistent `[A * E]` buffer. No copy to the host
-    here; a gloo attention group on CUDA still stages the tensors through host memory itself."""
+    int64 over attention_group per layer and micro-batch (every attention rank joins, in the same order as its
+    dispatches), on the ids' device into a persistent `[A * E]` buffer. attention_group is on the data plane's
+    backend (ProcessGroups.attention_data): NCCL takes the GPU's tensors as they are; only gloo over GPUs that
+    ranks share goes through host memory (p2p.all_gather_into)."""
 
     dispatcher: Dispatcher
     policy: ReplicaPolicy
@@ -68,7 +69,7 @@ class MoEContext:
             if self.num_attention_ranks > 1:
                 if self.counts is None:
                     self.counts = mine.new_empty(self.num_attention_ranks * self.num_experts)
-                dist.all_gather_single(self.counts, mine, group=self.attention_group)
+                p2p.all_gather_into(self.counts, mine, self.attention_group)
                 counts = self.counts.view(self.num_attention_ranks, self.num_experts)
             else:
                 counts = mine[None]

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 
@@ -99,14 +100,15 @@ class Topology:
 
 @dataclass(slots=True)
 class ProcessGroups:
-    """world (data plane, default group), control (gloo, CPU, always), attention (gloo: per-step output
-    gather), node (intra-node), local (same local index across nodes: inter-node)."""
+    """world (the data plane, default group: NCCL when each rank has a GPU of its own, else gloo), control (gloo,
+    CPU, always), attention (gloo: the per-step output gather), attention_data (the attention ranks on the data
+    plane's backend: the balancer's per-layer count gather of device tensors). The last two are None on an
+    expert rank."""
 
     world: dist.ProcessGroup
     control: dist.ProcessGroup
     attention: dist.ProcessGroup | None
-    node: dist.ProcessGroup | None
-    local: dist.ProcessGroup | None
+    attention_data: dist.ProcessGroup | None
 
     @classmethod
     def form(cls, store: dist.Store, topo: Topology, backend: str, device, rendezvous_s: float,
@@ -122,10 +124,10 @@ class ProcessGroups:
         groups = cls.create(topo, timeout=bound)
         c10d = dist.distributed_c10d
         c10d._set_pg_timeout(timedelta(seconds=collective_timeout_s), groups.world)
-        for g, kind in ((groups.control, "gloo"), (groups.attention, "gloo"), (groups.node, backend),
-                        (groups.local, backend)):
+        for g, kind in ((groups.control, "gloo"), (groups.attention, "gloo"), (groups.attention_data, backend)):
             if g is not None:
                 c10d._set_pg_timeout(c10d._get_default_timeout(kind), g)
+        groups.join_first_collectives(device)
         return groups
 
     @classmethod
@@ -136,13 +138,19 @@ class ProcessGroups:
         control = dist.new_group(list(range(W)), backend="gloo", timeout=timeout)
         attn_ranks = list(range(topo.num_attention_ranks))
         attention = dist.new_group(attn_ranks, backend="gloo", timeout=timeout)
-        node = local = None
-        for n in topo.node_ids:
-            g = dist.new_group([r for r in range(W) if topo.node_of(r) == n], timeout=timeout)
-            if topo.node_of(topo.rank) == n:
-                node = g
-        for i in range(max(topo.local_index(r) for r in range(W)) + 1):   # a node may be missing ranks
-            g = dist.new_group([r for r in range(W) if topo.local_index(r) == i], timeout=timeout)
-            if topo.local_index(topo.rank) == i:
-                local = g
-        return cls(dist.group.WORLD, control, attention if topo.is_attention else None, node, local)
+        attention_data = dist.new_group(attn_ranks, timeout=timeout)
+        if not topo.is_attention:
+            return cls(dist.group.WORLD, control, None, None)
+        return cls(dist.group.WORLD, control, attention, attention_data)
+
+    def data_groups(self) -> list[dist.ProcessGroup]:
+        """The groups on the data plane's backend that this rank belongs to."""
+        return [g for g in (self.world, self.attention_data) if g is not None]
+
+    def join_first_collectives(self, device) -> None:
+        """One all_reduce on each data-plane group, every member joining, before anything else runs on it.
+        NCCL's batch_isend_irecv (two_phase's messages, expert moves) lets a subset of a group's ranks take part
+        only once a first collective of the whole group has run; this is that collective, at formation, where
+        every member is present."""
+        for g in self.data_groups():
+            dist.all_reduce(torch.zeros(1, device=device), group=g)

@@ -136,7 +136,7 @@ class ExpertSlots:
         sends what peers need from its slots, receives what arrives for it and copies what moves within it ->
         ((layer, dst slot) -> the expert's tensors that land there, how many came from peers, the (layer, dst
         slot) whose source is the checkpoint). Nothing of this object changes."""
-        works, landed, received, from_checkpoint = [], {}, 0, []
+        sends, recvs, landed, received, from_checkpoint = [], [], {}, 0, []
         for layer, dst, dslot, src, sslot in moves:
             if dst == me:
                 if src == -1:
@@ -145,13 +145,12 @@ class ExpertSlots:
                     landed[(layer, dslot)] = [t[layer, sslot].clone() for t in self._per_slot()]
                 else:
                     bufs = [t.new_empty(t.shape[2:]) for t in self._per_slot()]   # S may be 0 (a joiner)
-                    works += [p2p.irecv(b, world_rank(src), group) for b in bufs]
+                    recvs += [(b, world_rank(src)) for b in bufs]
                     landed[(layer, dslot)] = bufs
                     received += 1
             elif src == me:
-                works += [p2p.isend(t[layer, sslot], world_rank(dst), group) for t in self._per_slot()]
-        for w in works:
-            w.wait()
+                sends += [(t[layer, sslot], world_rank(dst)) for t in self._per_slot()]
+        p2p.exchange(sends, recvs, group)    # one batch: ranks swapping experts both send first
         return landed, received, from_checkpoint
 
     def _per_slot(self) -> list[torch.Tensor]:

@@ -85,6 +85,7 @@ class Runtime(GenerationForming):
         self.members = list(range(self.topo.world_size))
         if dist.is_initialized():   # the caller formed the groups: no store of ours, so no re-forming
             self.groups = ProcessGroups.create(self.topo)
+            self.groups.join_first_collectives(self.dev.device)
             self.control = ControlPlane(self.groups.control, self.groups.attention, self.topo.rank,
                                         par.attention_ranks)
         else:
@@ -212,8 +213,8 @@ class Runtime(GenerationForming):
     def _moe_context(self) -> MoEContext:
         spec, placement = self.ckpt.spec, self.experts.placement
         return MoEContext(self.dispatcher, make_policy(self.config.parallel.balancer, placement, self.dev.device),
-                          self.topo.num_attention_ranks, placement.num_slots, spec.num_experts, self.groups.attention,
-                          self.topo.rank)
+                          self.topo.num_attention_ranks, placement.num_slots, spec.num_experts,
+                          self.groups.attention_data, self.topo.rank)
 
     def interrupt_generation(self, store_port: int) -> int:
         """From the heartbeat thread, when a peer has left the generation this rank is still in: end this rank's

@@ -26,3 +26,28 @@ def test_nodes_named_per_rank():
 def test_a_node_list_of_the_wrong_length_is_refused():
     with pytest.raises(ValueError, match="nodes of 4 ranks in a world of 5"):
         Topology(0, 5, 2, ranks_per_node=2, nodes=[0, 0, 1, 1])
+
+
+def _form(rank: int, world: int) -> list[tuple[int, int]]:
+    """ProcessGroups.form on 2 attention + 1 expert ranks over gloo; the all_reduce calls it makes, as (group
+    size, whether this rank is in that group)."""
+    import os
+
+    import torch.distributed as dist
+
+    from comm.topology import ProcessGroups
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda t, *a, group=None, **kw: calls.append(dist.get_world_size(group)) or real(
+        t, *a, group=group, **kw)
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0)
+    groups = ProcessGroups.form(store, Topology(rank, world, 2, ranks_per_node=world), "gloo", "cpu", 60, 60)
+    assert (groups.attention_data is None) == (rank == 2)
+    return calls
+
+
+def test_forming_runs_a_first_collective_of_each_data_group_with_every_member():
+    """NCCL's batched point-to-point lets part of a group take part only after a first collective of the whole
+    group: form() makes it, on the world (all three ranks) and on the attention ranks' data group."""
+    from tests.dist_utils import run_ranks
+    assert run_ranks(_form, 3) == [[3, 2], [3, 2], [3]]
