@@ -14,7 +14,7 @@ from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
-from .procs import Outbox, free_port, rank_main
+from .procs import Outbox, free_port, free_slot, rank_main
 from .runtime.planning import check_scale
 from .samples import Sample, chosen, split_id
 
@@ -88,6 +88,7 @@ class LLM:
         world = self.config.parallel.world_size
         self._port = port = free_port()
         self._inbox, self._outbox, self._status = ctx.Queue(), Outbox(ctx), ctx.Queue()
+        self._slots = list(range(world))     # each process's local rank (rank_env)
         for rank in range(world):
             p = ctx.Process(target=rank_main, name=f"afserve-rank{rank}", daemon=True,
                             args=(rank, world, port, self.config, self._inbox, self._outbox, self._status))
@@ -299,12 +300,14 @@ class LLM:
         self._inbox.put(("scale", {**request, "spawn": True}))
 
     def _spawn_joiner(self, role: str) -> None:
-        """A rank that joins the running job as a new member (its member id: its index among the processes)."""
-        member = len(self._procs)
-        config = replace(self.config, role=role, pool_addr=f"127.0.0.1:{self._port}")
+        """A rank that joins the running job as a new member (its member id: its index among the processes), in
+        the lowest local slot (GPU) no live rank holds."""
+        member, config = len(self._procs), replace(self.config, role=role, pool_addr=f"127.0.0.1:{self._port}")
+        slot = free_slot([s for s, p in zip(self._slots, self._procs) if p.is_alive()])
+        self._slots.append(slot)
         p = self._ctx.Process(target=rank_main, name=f"afserve-member{member}", daemon=True,
                               args=(member, self.config.parallel.world_size, self._port, config, self._inbox,
-                                    self._outbox, self._status, True))
+                                    self._outbox, self._status, True, slot))
         p.start()
         self._procs.append(p)
 

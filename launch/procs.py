@@ -97,23 +97,32 @@ def leave_process(code: int = 0) -> None:
     os._exit(code)
 
 
-def rank_env(rank: int, world_size: int, port: int, join: bool) -> dict[str, str]:
+def rank_env(rank: int, world_size: int, port: int, join: bool, slot: int | None = None) -> dict[str, str]:
     """The environment torchrun would give a spawned rank (a fresh interpreter). A joiner's `rank` is its member
-    id, which grows past the first launch's world size: the node then counts at least rank + 1 local ranks, so
-    its LOCAL_RANK stays inside LOCAL_WORLD_SIZE (on CUDA it picks its GPU from them)."""
-    env = dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(max(world_size, rank + 1) if join else world_size),
+    id, which grows past the first launch's world size; its LOCAL_RANK is `slot` (free_slot: a place on the node
+    no live rank holds; on CUDA it picks its GPU by it), and the node then counts at least slot + 1 local ranks."""
+    local = rank if slot is None else slot
+    env = dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
+               LOCAL_WORLD_SIZE=str(max(world_size, local + 1) if join else world_size),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if join:
         env["AFSERVE_MEMBER"] = str(rank)
     return env
 
 
-def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False) -> None:
+def free_slot(held: list[int]) -> int:
+    """The lowest local rank that no live rank of this machine holds (held: theirs): a joiner takes the GPU of a
+    rank that has left before a GPU no rank ever had, and member ids, which only grow, never decide it."""
+    return min(set(range(len(held) + 1)) - set(held))
+
+
+def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False,
+              slot: int | None = None) -> None:
     """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status.
-    join: a rank that joins the running job (config has its role and the pool address), `rank` its member id."""
+    join: a rank that joins the running job (config has its role and the pool address), `rank` its member id,
+    `slot` its local rank (rank_env)."""
     die_with_parent()
-    os.environ.update(rank_env(rank, world_size, port, join))
+    os.environ.update(rank_env(rank, world_size, port, join, slot))
     from .runtime import Runtime, follow, lead
 
     runtime = None

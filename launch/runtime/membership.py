@@ -149,8 +149,11 @@ class Membership(Generations):
             join += fits
             needs.append((name, want or len(staying), need, len(fits)))
         if request.get("spawn") and not request.get("spawned") and outbox is not None:
+            spawn = [name for name, _, need, got in needs for _ in range(need - got)]
+            if why := planning.gpu_room_refusal(rt.dev.backend, rt.dev.gpus, W, len(spawn)):
+                return {"error": why}
             request["spawned"] = True     # from the pools as they are now, which only the leader knows
-            outbox.put(("spawn", [name for name, _, need, got in needs for _ in range(need - got)]))
+            outbox.put(("spawn", spawn))
         if needs[-1][1] < 1:     # the expert pool's target
             return {"error": f"retiring ranks {sorted(retire)} would leave no expert rank; one must stay"}
         if any(got < need for _, _, need, got in needs):

@@ -269,3 +269,15 @@ def pools_refusal(targets: dict, pd: bool) -> str | None:
         return (f"{' and '.join(given)} for a job without PD (prefill_ranks=0): scale its attention pool with "
                 f"attention_ranks, or start the job with prefill_ranks")
     return None
+
+
+def gpu_room_refusal(backend: str, gpus: int, ranks: int, joiners: int) -> str | None:
+    """Why this machine cannot hold `joiners` more ranks spawned beside the job's `ranks` (None: it can). Ranks
+    with a GPU each (backend nccl) need a free GPU per joiner, and ranks that retire keep theirs until the new
+    generation has formed; ranks that share GPUs (gloo) share them with joiners too."""
+    if backend != "nccl" or ranks + joiners <= gpus:
+        return None
+    return (f"{joiners} more rank(s) beside the job's {ranks} need {ranks + joiners} GPUs while the job changes "
+            f"(each rank has a GPU of its own: NCCL), but this machine shows {gpus}; retire ranks in a scale of "
+            f"their own first (scale(retire=[...])), or launch more ranks than GPUs with transport='cuda_ipc' so "
+            f"that ranks share them")

@@ -28,6 +28,7 @@ class DeviceSettings:
     kernel_backend: str
     backend: str                # torch.distributed backend: nccl on CUDA, gloo on CPU or on GPUs shared by ranks
     gpu_sharers: int = 1        # ranks of this node on this rank's GPU (1: a GPU of its own)
+    gpus: int = 0               # GPUs this rank's machine shows it
 
 
 def gpu_placement(local_rank: int, local_world_size: int, device_count: int, transport: str, comm: str,
@@ -64,14 +65,14 @@ def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
                                        torch.cuda.device_count(), par.transport, par.comm, one_node)
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
-        backend = "nccl" if sharers == 1 else "gloo"
+        backend, gpus = "nccl" if sharers == 1 else "gloo", torch.cuda.device_count()
     else:
-        device, sharers, backend = torch.device("cpu"), 1, "gloo"
+        device, sharers, backend, gpus = torch.device("cpu"), 1, "gloo", 0
         tune_allocator()
         cores = os.cpu_count() or 1
         torch.set_num_threads(config.threads_per_rank or max(1, cores // world_size))
     return DeviceSettings(device, config.torch_dtype(device), resolve_backend(config.kernel_backend, device),
-                          backend, sharers)
+                          backend, sharers, gpus)
 
 
 DECODE_THREADS_MAX = 16   # the default's cap: the decode is memory-bound, and a wake-up per thread costs per call

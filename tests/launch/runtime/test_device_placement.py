@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from launch.procs import rank_env
+from launch.procs import free_slot, rank_env
+from launch.runtime.planning import gpu_room_refusal
 from launch.runtime.sizing import gpu_placement
 
 
@@ -41,9 +42,28 @@ def test_a_joiner_spawned_by_scale_places_itself_among_the_nodes_ranks():
     through cuda_ipc like the first ranks."""
     first = rank_env(2, 3, 1234, join=False)
     assert (first["LOCAL_RANK"], first["LOCAL_WORLD_SIZE"]) == ("2", "3") and "AFSERVE_MEMBER" not in first
-    env = rank_env(5, 3, 1234, join=True)
-    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["AFSERVE_MEMBER"]) == ("5", "6", "5")
-    assert gpu_placement(int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), 1, "auto", "direct", True) == (0, 6)
+    env = rank_env(5, 3, 1234, join=True, slot=3)
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"], env["AFSERVE_MEMBER"]) == ("3", "4", "5")
+    assert gpu_placement(int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), 1, "auto", "direct", True) == (0, 4)
+
+
+def test_a_joiner_takes_the_gpu_a_departed_rank_left_not_one_past_the_machines():
+    """4 GPUs, a 1+1 job (GPUs 0 and 1); rank 1 died, members 2 and 3 joined (slots 1 and 2), member 2 left:
+    member 4 takes slot 1 and GPU 1, with a GPU of its own (NCCL like the rest). By member id it would have
+    been LOCAL_RANK 4 of 5 > 4 GPUs: a GPU shared over gloo in a job whose other ranks talk NCCL."""
+    assert free_slot([0, 2]) == 1 and free_slot([0, 1, 2]) == 3 and free_slot([]) == 0
+    env = rank_env(4, 2, 1234, join=True, slot=free_slot([0, 2]))
+    assert gpu_placement(int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), 4, "auto", "two_phase", True) == \
+        (1, 1)
+
+
+def test_a_scale_that_needs_more_gpus_than_the_machine_has_is_refused_with_the_numbers():
+    """Ranks with a GPU each: the joiners need free GPUs while the retiring ranks still hold theirs. Ranks that
+    share GPUs (gloo) and CPU jobs are never refused for it."""
+    assert gpu_room_refusal("nccl", 4, 2, 2) is None
+    why = gpu_room_refusal("nccl", 4, 3, 2)
+    assert "2 more rank(s) beside the job's 3 need 5 GPUs" in why and "shows 4" in why and "cuda_ipc" in why
+    assert gpu_room_refusal("gloo", 1, 4, 3) is None and gpu_room_refusal("gloo", 0, 2, 5) is None
 
 
 def test_no_gpu_and_a_bad_local_rank_are_named():
