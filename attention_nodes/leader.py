@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
-from comm.control import StepReport
+from comm.control import StepHeader, StepReport
 
 from .block_pool import chain_hashes
 from .passes import PassPlanner, step_shape
@@ -209,11 +209,10 @@ class Leader:
         out, self.queries = self.queries, []
         return out
 
-    def next_step(self, aborts: dict[str, list[str]]
-                  ) -> tuple[int, int, dict[str, list[dict]], dict[str, list[str]], bool, int, int, list, int, int]:
-        """(step id, capacity, new requests per rank, aborts per rank, is_decode, micro-batches, draft passes, PD
-        moves, prefill ranks, decode passes) of the next step's header. Moved requests decode on their new rank in
-        this step.
+    def next_step(self, aborts: dict[str, list[str]]) -> StepHeader:
+        """The next step's header ("step": its id, capacity, new requests per rank, aborts per rank, is_decode,
+        micro-batches, draft passes, PD moves, prefill ranks, decode passes). Moved requests decode on their new
+        rank in this step.
         is_decode: no rank gets new requests or has any waiting, none moves any, and each running sequence has
         one token left to compute, plus its drafts (a running sequence has at least one, so that is when their
         sum is their count plus the drafts)."""
@@ -234,8 +233,8 @@ class Leader:
         self.num_split_steps += split > 1
         off = self.disable_by_batch_size
         passes = 0 if off is not None and all(r.num_running >= off for r in self.reports) else self.draft_passes
-        return (self.step_id, capacity, new, aborts, is_decode and not moves, split, passes, moves,
-                self.prefill_ranks, decode_passes)
+        return StepHeader("step", self.step_id, capacity, new, aborts, is_decode and not moves, split, passes, moves,
+                          self.prefill_ranks, decode_passes)
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV

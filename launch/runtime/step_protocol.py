@@ -171,7 +171,7 @@ def lead(rt: StepRuntime, inbox, outbox, heartbeat_s: float, stop_when_idle: boo
                 return PAUSE
             continue
         t0 = time.perf_counter()
-        leader.inflight = StepHeader(STEP, *leader.next_step(aborts))
+        leader.inflight = leader.next_step(aborts)
         reports = guard(lambda: _step(rt))
         leader.collect(reports, outbox)
         _timed_step(rt, t0)

@@ -9,7 +9,7 @@ from attention_nodes.leader import Leader
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
-from comm.control import StepHeader, StepReport
+from comm.control import StepReport
 
 EOS = frozenset({2})
 
@@ -47,12 +47,12 @@ def test_the_header_says_decode_when_no_rank_takes_a_prompt():
                              kv=SimpleNamespace(bytes_per_token=0))
     leader = Leader(worker, 2, block_size=16)
     leader.reports = [report(0, 3, 3), report(1, 0, 0)]
-    assert StepHeader("step", *leader.next_step({})).is_decode
+    assert leader.next_step({}).is_decode
     leader.reports = [report(0, 3, 3), report(1, 2, 9)]          # rank 1 has prompt chunks left
-    assert not StepHeader("step", *leader.next_step({})).is_decode
+    assert not leader.next_step({}).is_decode
     leader.reports = [report(0, 3, 3), report(1, 0, 4, waiting=1)]
-    assert not StepHeader("step", *leader.next_step({})).is_decode
+    assert not leader.next_step({}).is_decode
     leader.reports = [report(0, 3, 3), report(1, 0, 0)]
     leader.pending.append({"id": "a", "prompt": [5, 6], "params": SamplingParams().to_dict()})
-    header = StepHeader("step", *leader.next_step({}))
+    header = leader.next_step({})
     assert header.new_requests and not header.is_decode

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from attention_nodes.leader import Leader
 from attention_nodes.sampling_params import SamplingParams
-from comm.control import StepHeader, StepReport
+from comm.control import StepReport
 
 
 def _leader(num_ranks: int) -> Leader:
@@ -42,7 +42,7 @@ def test_lost_rank_requests_resume_and_ranks_are_renumbered():
     leader.reports[0].num_free_blocks = 0      # so g goes to rank 1 (rank 2 has fewer free blocks: 90 - 1)
     leader.reports[2].num_free_blocks = 80
     leader.pending.append(_req("g"))
-    leader.inflight = StepHeader("step", *leader.next_step({"1": ["e"], "2": ["f"]}))
+    leader.inflight = leader.next_step({"1": ["e"], "2": ["f"]})
     assert leader.req2rank["g"] == 1 and list(leader.inflight.new_requests) == ["1"]
     leader.regroup([0, 2])                     # rank 1 was lost; rank 2 becomes rank 1
 

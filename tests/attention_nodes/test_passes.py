@@ -16,7 +16,7 @@ from attention_nodes.passes import PassPlanner, StretchedMoE, merge_reports, ste
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
-from comm.control import StepHeader, StepReport
+from comm.control import StepReport
 
 H, K = 8, 2
 
@@ -169,7 +169,7 @@ def _leader_with_a_prompt_to_prefill() -> Leader:
 def test_the_leader_names_the_passes_in_the_header():
     leader = _leader_with_a_prompt_to_prefill()
     step = leader.next_step({})
-    assert step[-1] == 4 and step[5] == 1          # 40 tokens x 0.1 ms over 1 ms a pass; one micro-batch
+    assert step.decode_passes == 4 and step.micro_batches == 1          # 40 tokens x 0.1 ms over 1 ms a pass; one micro-batch
 
 
 def test_a_step_re_sent_without_decode_ranks_runs_one_pass():
@@ -177,7 +177,7 @@ def test_a_step_re_sent_without_decode_ranks_runs_one_pass():
     (prefill_ranks 0), so the re-sent header runs one pass (no surviving rank committed any decode pass), not
     the former prefill rank's k forwards."""
     leader = _leader_with_a_prompt_to_prefill()
-    leader.inflight = StepHeader("step", *leader.next_step({}))
+    leader.inflight = leader.next_step({})
     assert leader.inflight.decode_passes == 4
     leader.regroup([0])
     assert leader.prefill_ranks == leader.inflight.prefill_ranks == 0 and leader.inflight.decode_passes == 1

@@ -49,14 +49,15 @@ def test_prompts_go_to_prefill_ranks_and_move_to_the_decode_rank_with_room():
     for rid, prompt in (("a", x), ("b", [1, 2, 3]), ("c", [4, 5, 6]), ("d", x[:12] + [99])):
         leader.pending.append(_req(rid, prompt))
     step = leader.next_step({})
-    assert set(step[2]) == {"0", "1"} and leader.req2rank == {"a": 0, "b": 1, "c": 1, "d": 1}   # most free
+    assert set(step.new_requests) == {"0", "1"} and leader.req2rank == {"a": 0, "b": 1, "c": 1, "d": 1}   # most free
     reps = [StepReport(r, 50, 2, 0) for r in range(4)]
     reps[2].num_free_blocks, reps[3].num_free_blocks = 40, 60
     reps[2].cache_added = chain_hashes(x, BS, limit=3)     # rank 2 caches a's first 3 blocks (d's too)
     reps[0].ready = [["a", 5, 1]]
     reps[1].ready = [["b", 1, 1], ["c", 1, 1], ["d", 4, 1]]
     leader.collect(reps, queue.Queue())
-    *_, moves, prefill, _ = leader.next_step({})
+    step = leader.next_step({})
+    moves, prefill = step.moves, step.prefill_ranks
     # a and d go to rank 2 for its cached prefix; b and c to rank 3, which has the most free blocks
     assert prefill == 2 and sorted(moves) == [[0, 2, ["a"]], [1, 2, ["d"]], [1, 3, ["b", "c"]]]
     assert leader.req2rank == {"a": 2, "b": 3, "c": 3, "d": 2}
@@ -66,7 +67,7 @@ def test_a_request_no_decode_rank_has_room_for_waits():
     leader = _leader(3, prefill=1, max_num_seqs=2)
     _ready_at_rank_0(leader, [StepReport(0, 50, 3, 0), StepReport(1, 3, 0, 0), StepReport(2, 9, 1, 0)],
                      [["a", 4, 1], ["b", 2, 1], ["c", 2, 2]])
-    *_, moves, _, _ = leader.next_step({})
+    moves = leader.next_step({}).moves
     # a needs 4 blocks: only rank 2 has them (then 5 left and one seat); b fits rank 1; c's two samples need two
     # seats: rank 1 has one left, rank 2 one: c waits
     assert sorted(moves) == [[0, 1, ["b"]], [0, 2, ["a"]]]
@@ -86,7 +87,7 @@ def test_a_failed_step_with_moves_settles_them_where_ranks_hold_them():
     reps[0].ready, reps[1].ready = [["a", 1, 1]], [["b", 1, 1]]
     reps[0].outputs, reps[1].outputs = [["a", [7], None, None, None]], [["b", [8], None, None, None]]
     leader.collect(reps, outbox)
-    leader.inflight = StepHeader("step", *leader.next_step({}))
+    leader.inflight = leader.next_step({})
     assert sorted(leader.inflight.moves) == [[0, 2, ["a"]], [1, 2, ["b"]]]
     leader.regroup([0, 2], held={0: [], 2: ["a"]})
     assert leader.inflight.moves == [] and leader.inflight.prefill_ranks == leader.prefill_ranks == 1
@@ -172,7 +173,7 @@ def test_a_request_aborted_in_the_step_or_no_longer_on_its_rank_does_not_move():
     _ready_at_rank_0(leader, [StepReport(0, 50, 3, 0), StepReport(1, 50, 0, 0), StepReport(2, 50, 0, 0)],
                      [["a", 1, 1], ["b", 1, 1], ["c", 1, 1]])
     leader.req2rank["c"] = 2          # handed over since the report
-    *_, moves, _, _ = leader.next_step({"0": ["a"]})
+    moves = leader.next_step({"0": ["a"]}).moves
     assert [rid for _, _, rids in moves for rid in rids] == ["b"]
 
 
@@ -187,11 +188,11 @@ def test_an_idle_rank_does_not_keep_the_busy_ones_from_splitting_into_micro_batc
     leader = Leader(worker, 2, block_size=BS, micro_batches=2, micro_batch_min_tokens=16, prefill_ranks=1)
     leader.reports = [StepReport(0, 100, 0, 0, max_next_tokens=0, num_blocks=100),
                       StepReport(1, 100, 40, 0, max_next_tokens=40, num_blocks=100)]
-    assert leader.next_step({})[5] == 2
+    assert leader.next_step({}).micro_batches == 2
     leader.pending.append(_req("a", [1, 2, 3]))
-    assert leader.next_step({})[5] == 1
+    assert leader.next_step({}).micro_batches == 1
     leader.reports[0].max_next_tokens, leader.reports[1].max_next_tokens = 0, 20
-    assert leader.next_step({})[5] == 1
+    assert leader.next_step({}).micro_batches == 1
 
 
 class QueueTransfer:
