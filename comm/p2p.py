@@ -131,11 +131,11 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
 
 
 def all_gather_into(out: torch.Tensor, mine: torch.Tensor, group=None) -> None:
-    """dist.all_gather_into_tensor that any backend can carry: every rank's `mine` into `out`, in group order."""
+    """dist.all_gather_single that any backend can carry: every rank's `mine` into `out`, in group order."""
     via = wire(mine, group)
     if via is None:
-        dist.all_gather_into_tensor(out, mine, group=group)
+        dist.all_gather_single(out, mine, group=group)
         return
     buf = torch.empty(out.shape, dtype=out.dtype, device=via)
-    dist.all_gather_into_tensor(buf, mine.to(via), group=group)
+    dist.all_gather_single(buf, mine.to(via), group=group)
     out.copy_(buf)

@@ -14,7 +14,7 @@ from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
-from .procs import Outbox, free_port, free_slot, rank_main
+from .procs import Outbox, free_port, joiner_slot, rank_main, visible_gpus
 from .runtime.planning import check_scale
 from .samples import Sample, chosen, split_id
 
@@ -303,7 +303,7 @@ class LLM:
         """A rank that joins the running job as a new member (its member id: its index among the processes), in
         the lowest local slot (GPU) no live rank holds."""
         member, config = len(self._procs), replace(self.config, role=role, pool_addr=f"127.0.0.1:{self._port}")
-        slot = free_slot([s for s, p in zip(self._slots, self._procs) if p.is_alive()])
+        slot = joiner_slot(self._slots, self._procs, visible_gpus(self.config), self.config.parallel.world_size)
         self._slots.append(slot)
         p = self._ctx.Process(target=rank_main, name=f"afserve-member{member}", daemon=True,
                               args=(member, self.config.parallel.world_size, self._port, config, self._inbox,

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import fcntl
 import logging
+import time
 import os
 import queue
 import signal
@@ -114,6 +115,31 @@ def free_slot(held: list[int]) -> int:
     """The lowest local rank that no live rank of this machine holds (held: theirs): a joiner takes the GPU of a
     rank that has left before a GPU no rank ever had, and member ids, which only grow, never decide it."""
     return min(set(range(len(held) + 1)) - set(held))
+
+
+def visible_gpus(config) -> int:
+    """The GPUs this process sees for a CUDA job (0 for any other)."""
+    if config.device_type() != "cuda":
+        return 0
+    import torch
+    return torch.cuda.device_count()
+
+
+def joiner_slot(slots: list[int], procs: list, gpus: int, first_world: int, wait_s: float = 10.0) -> int:
+    """The local rank of a joiner spawned beside procs (slots: theirs): free_slot of the live ones. With a GPU per
+    rank (CUDA, gpus >= the first launch's world: NCCL), a slot past the GPUs would share one over gloo, so it
+    waits up to wait_s for a rank that retired to exit, then raises RuntimeError with the counts."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        slot = free_slot([s for s, p in zip(slots, procs) if p.is_alive()])
+        own_gpus = 0 < first_world <= gpus
+        if not own_gpus or slot < gpus:
+            return slot
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no free GPU for a joining rank: the {gpus} GPU(s) each hold a live rank of this job "
+                               f"(one GPU per rank: NCCL) after {wait_s:.0f} s; retire ranks first, or launch more "
+                               f"ranks than GPUs with transport='cuda_ipc' so that ranks share them")
+        time.sleep(0.05)
 
 
 def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False,

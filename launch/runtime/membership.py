@@ -150,7 +150,8 @@ class Membership(Generations):
             needs.append((name, want or len(staying), need, len(fits)))
         if request.get("spawn") and not request.get("spawned") and outbox is not None:
             spawn = [name for name, _, need, got in needs for _ in range(need - got)]
-            if why := planning.gpu_room_refusal(rt.dev.backend, rt.dev.gpus, W, len(spawn)):
+            # the generation's ranks and the registered joiners (admitted or not) each hold a GPU already
+            if why := planning.gpu_room_refusal(rt.dev.backend, rt.dev.gpus, W + len(waiting), len(spawn)):
                 return {"error": why}
             request["spawned"] = True     # from the pools as they are now, which only the leader knows
             outbox.put(("spawn", spawn))

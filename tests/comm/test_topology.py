@@ -29,8 +29,8 @@ def test_a_node_list_of_the_wrong_length_is_refused():
 
 
 def _form(rank: int, world: int) -> list[tuple[int, int]]:
-    """ProcessGroups.form on 2 attention + 1 expert ranks over gloo; the all_reduce calls it makes, as (group
-    size, whether this rank is in that group)."""
+    """ProcessGroups.form on 2 attention + 1 expert ranks over gloo -> the sizes of the groups of the all_reduce
+    calls it makes on this rank, in order."""
     import os
 
     import torch.distributed as dist

@@ -4,11 +4,12 @@ timers synchronise before reading the clock; and on CPU, how many threads the C 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
 
-from launch.procs import free_slot, rank_env
+from launch.procs import free_slot, joiner_slot, rank_env
 from launch.runtime.planning import gpu_room_refusal
 from launch.runtime.sizing import gpu_placement
 
@@ -55,6 +56,29 @@ def test_a_joiner_takes_the_gpu_a_departed_rank_left_not_one_past_the_machines()
     env = rank_env(4, 2, 1234, join=True, slot=free_slot([0, 2]))
     assert gpu_placement(int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), 4, "auto", "two_phase", True) == \
         (1, 1)
+
+
+class _Proc:
+    def __init__(self, alive: bool = True):
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_a_joiner_waits_for_a_retired_rank_to_free_its_gpu_and_is_refused_past_the_gpus():
+    """4 GPUs, 4 live ranks each with its own (NCCL): a joiner would take slot 4, past the GPUs. It waits for a
+    retired rank to exit and takes its slot; if none exits in time, the spawn fails naming the GPUs. A CPU job
+    (no GPUs counted) or ranks launched sharing GPUs take the next slot at once."""
+    procs = [_Proc() for _ in range(4)]
+    with pytest.raises(RuntimeError, match=r"the 4 GPU\(s\) each hold a live rank of this job"):
+        joiner_slot([0, 1, 2, 3], procs, 4, 2, wait_s=0.1)
+    timer = threading.Timer(0.1, lambda: setattr(procs[2], "alive", False))
+    timer.start()
+    assert joiner_slot([0, 1, 2, 3], procs, 4, 2, wait_s=5) == 2
+    procs[2].alive = True
+    assert joiner_slot([0, 1, 2, 3], procs, 0, 2, wait_s=5) == 4
+    assert joiner_slot([0, 1, 2, 3], procs, 2, 4, wait_s=5) == 4
 
 
 def test_a_scale_that_needs_more_gpus_than_the_machine_has_is_refused_with_the_numbers():
