@@ -157,6 +157,10 @@ class BlockPool:
             out.append(b)
         return out
 
+    def holds(self, key: int) -> bool:
+        """Whether a block of this pool is findable under key."""
+        return key in self._block_of
+
     def num_revived(self, block_ids: Iterable[int]) -> int:
         """How many of these cached blocks are free now (taking them lowers num_free_blocks)."""
         return sum(self._refcounts[b] == 0 for b in block_ids)

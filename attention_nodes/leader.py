@@ -31,6 +31,7 @@ from comm.control import StepHeader, StepReport
 
 from .block_pool import chain_hashes
 from .passes import PassPlanner, step_shape
+from .pd import KVStream, plan_moves
 from .pd import summed as pd_summed
 from .sequence import request_of, sample_ids, split_sample_id
 from .speculation import summed as spec_summed
@@ -48,12 +49,14 @@ class Leader:
     def __init__(self, worker: AttentionWorker, num_attention_ranks: int, block_size: int,
                  rebalance_interval: int = 0, cache_aware: bool = False, micro_batches: int = 1,
                  micro_batch_min_tokens: int = 0, draft_passes: int = 0, disable_by_batch_size: int | None = None,
-                 prefill_ranks: int = 0, max_decode_passes: int = 1):
+                 prefill_ranks: int = 0, max_decode_passes: int = 1, stream_kv: bool = False):
         """draft_passes: the MTP passes of a step (speculative method "mtp"), none while every rank runs
         disable_by_batch_size sequences or more. prefill_ranks: PD's prefill ranks (0: none), whose decode ranks
-        run up to max_decode_passes forwards a step (attention_nodes/passes.py)."""
+        run up to max_decode_passes forwards a step (attention_nodes/passes.py); stream_kv: with prefix caching,
+        a request's full prompt blocks go to its decode rank as its prefill chunks complete (pd.KVStream)."""
         self.worker = worker
         self.prefill_ranks = prefill_ranks
+        self.kv_stream = KVStream() if stream_kv else None
         self.pass_planner = PassPlanner(max_decode_passes)
         self.num_waiting_for_decode = 0  # PD: prefilled requests no decode rank had room for, at the last step
         self.unheld: set[str] = set()    # PD: requests of a failed step's moves that no rank said it holds
@@ -123,36 +126,17 @@ class Leader:
         return out, tokens
 
     def plan_moves(self, aborted: frozenset[str] = frozenset()) -> list[list]:
-        """PD: the moves of the next step, [prefill rank, decode rank, [request ids]], for the requests the prefill
-        ranks reported done with their prefill, oldest first per rank. A request goes to the decode rank with a
-        seat and its blocks free that caches the longest prefix of its prompt, then has the most free blocks;
-        none has room: it waits at its prefill rank (num_waiting_for_decode) and is offered again next step. A
-        request is moved only while the leader has it on that prefill rank and no abort for it is in the step
-        (aborted: request ids); a decode rank needs its blocks plus one per sample free (the next token's)."""
-        P, A = self.prefill_ranks, self.num_attention_ranks
-        if not P:
+        """PD: the moves of the next step (pd.plan_moves; aborted: request ids with an abort in the step)."""
+        if not self.prefill_ranks:
             return []
-        free = {d: self.reports[d].num_free_blocks for d in range(P, A)}
-        max_seqs = self.worker.scheduler.max_num_seqs     # every rank has the same
-        seats = {d: max_seqs - self.reports[d].num_running - self.reports[d].num_waiting
-                 for d in range(P, A)}
-        moves: dict[tuple[int, int], list[str]] = {}
-        self.num_waiting_for_decode = 0
-        for src in range(P):
-            for rid, blocks, samples in self.reports[src].ready:
-                if self.req2rank.get(rid) != src or rid in aborted:
-                    continue
-                room = [d for d in free if free[d] >= blocks + samples and seats[d] >= samples]
-                if not room:
-                    self.num_waiting_for_decode += 1
-                    continue
-                hit = self._cached_prefix(self.assigned[rid]["prompt"]) if self.cache_aware else [0] * A
-                dst = max(room, key=lambda d: (hit[d], free[d], -d))
-                free[dst] -= blocks
-                seats[dst] -= samples
-                self.req2rank[rid] = dst
-                moves.setdefault((src, dst), []).append(rid)
-        return [[src, dst, rids] for (src, dst), rids in moves.items()]
+        hits = self._prompt_hits if self.cache_aware else None
+        moves, self.num_waiting_for_decode = plan_moves(self.reports, self.prefill_ranks,
+                                                        self.worker.scheduler.max_num_seqs, self.req2rank, hits,
+                                                        aborted)
+        return moves
+
+    def _prompt_hits(self, rid: str) -> list[int]:
+        return self._cached_prefix(self.assigned[rid]["prompt"])
 
     def _cached_prefix(self, prompt: list[int]) -> list[int]:
         """Per rank, how many leading full blocks of prompt its prefix cache holds (the last token never counts:
@@ -218,7 +202,11 @@ class Leader:
         sum is their count plus the drafts)."""
         self.step_id += 1
         new, prompt_tokens = self._assign()
-        moves = self.plan_moves(frozenset(request_of(i) for ids in aborts.values() for i in ids))
+        aborted = frozenset(request_of(i) for ids in aborts.values() for i in ids)
+        moves = self.plan_moves(aborted)
+        streams = self.kv_stream is not None and self.prefill_ranks and self.cache_aware
+        pushes = self.kv_stream.plan(self.reports, self.prefill_ranks, self.req2rank, self._prompt_hits,
+                                     aborted) if streams else []
         for src, dst, rids in moves:      # until dst reports: what it takes over, one token per sample
             samples = {rid: n for rid, _, n in self.reports[src].ready}
             rep = self.reports[dst]
@@ -234,7 +222,7 @@ class Leader:
         off = self.disable_by_batch_size
         passes = 0 if off is not None and all(r.num_running >= off for r in self.reports) else self.draft_passes
         return StepHeader("step", self.step_id, capacity, new, aborts, is_decode and not moves, split, passes, moves,
-                          self.prefill_ranks, decode_passes)
+                          self.prefill_ranks, decode_passes, pushes=pushes)
 
     def stats(self) -> dict:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV
@@ -351,7 +339,9 @@ class Leader:
                         del self.req2rank[rid]
                         self.unheld.add(rid)
         if header is not None:
-            header.moves = []      # carried out or not, where each request is is settled above
+            header.moves = header.pushes = []    # carried out or not, where each request is is settled above
+        if self.kv_stream is not None:
+            self.kv_stream.sent = {}             # rank numbers change; the next pushes start over
         if prefill_ranks is None:   # the kept ones (planning.plan_attention says so for every plan)
             kept_prefill = sum(0 <= old < self.prefill_ranks for old in keep)
             prefill_ranks = kept_prefill if kept_prefill < len(keep) else 0   # no decode rank left: colocated

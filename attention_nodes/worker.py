@@ -17,7 +17,7 @@ from .kv_cache import KVCache
 from .logits_process import shape_logits, token_logprobs
 from .model import AttentionModel, MoEContext
 from .passes import StretchedMoE
-from .pd import TransferStats, apply_moves, ready_requests
+from .pd import TransferStats, apply_moves, apply_pushes, prefilling_requests, ready_requests
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -91,13 +91,15 @@ class AttentionWorker:
 
     def begin_step(self, header, transfer, sent_meta=None) -> None:
         """A new step's header: take its new requests and aborts, then (PD) play this rank's role and its part
-        of the header's moves (transfer: a callable giving the KVTransfer, asked only when there are moves;
-        sent_meta: pd.apply_moves')."""
+        of the header's moves and pushes (transfer: a callable giving the KVTransfer, asked only when there are
+        some; sent_meta: pd.apply_moves')."""
         self.add_requests(header.requests_for(self.rank))
         self.abort(header.aborts_for(self.rank))
         self.scheduler.prefill_only = self.rank < header.prefill_ranks
         if header.moves:
             apply_moves(self, header.moves, transfer(), sent_meta)
+        if header.pushes:
+            apply_pushes(self, header.pushes, transfer())
 
     def take_over(self, transfer, src: int) -> None:
         """Take the sequences leaving rank src hands over through transfer (with their KV blocks where they fit;
@@ -289,7 +291,7 @@ class AttentionWorker:
                           host.num_saved if host else 0, host.num_restored if host else 0, added, evicted,
                           self.num_kv_blocks_received, self.spec_stats.to_list() if self.drafter else [],
                           s.num_draft_tokens, ready_requests(self) if s.prefill_only else [],
-                          self.pd_stats.to_list())
+                          self.pd_stats.to_list(), prefilling=prefilling_requests(self) if s.prefill_only else [])
 
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:

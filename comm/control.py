@@ -34,7 +34,10 @@ class StepHeader:
     prefill_ranks: attention ranks below this number only prefill (0: every rank does both).
     decode_passes (PD): the forwards each decode rank runs in the step while each prefill rank runs one, its MoE
     layers spread over theirs (attention_nodes/passes.py); expert ranks serve decode_passes x the MoE layers'
-    rounds."""
+    rounds.
+    pushes (PD, streamed KV): [prefill rank, decode rank, [[request id, first block, end block], ...]] carried out
+    after the moves: the full blocks of requests mid-prefill that went into the decode rank's prefix cache ahead
+    of their move (attention_nodes/pd.py)."""
 
     kind: str
     step: int = 0
@@ -48,6 +51,7 @@ class StepHeader:
     prefill_ranks: int = 0
     decode_passes: int = 1
     request_ranks: list[int] = field(default_factory=list)   # on the wire: the ranks that get new requests
+    pushes: list[list] = field(default_factory=list)
 
     def thin(self) -> StepHeader:
         """What crosses to every rank: this header without the requests' contents (prompts reach only the
@@ -95,6 +99,7 @@ class StepReport:
     wall_s: float = 0.0                 # this step's forwards and sampling, wall seconds (PD's PassPlanner),
     busy_s: float = 0.0                 # and those less their waits on the data plane
     passes: int = 1                     # the forwards this rank ran in the step (PD decode passes)
+    prefilling: list[list] = field(default_factory=list)   # PD, a prefill rank: [request id, full blocks] mid-prefill
 
 
 def pack(obj) -> torch.Tensor:

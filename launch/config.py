@@ -48,6 +48,9 @@ class ParallelConfig:
                                        "step's from measured times (e.g. 8); 1: decode and prefill ranks in "
                                        "lockstep (on ranks sharing CPU cores the passes lengthen TTFT without "
                                        "lowering TPOT: measured)")
+    stream_kv: bool = option(True, "PD with prefix caching: a request's prompt KV goes to its decode rank block by "
+                                   "block as its prefill chunks complete (into that rank's prefix cache), so that "
+                                   "its move sends only what its last chunk added; False: every block at the move")
     expert_ranks: int = option(1, "ranks that hold the experts and compute them", flag_default=None,
                                flag_default_text="world size - attention ranks under torchrun, 2 otherwise")
     ranks_per_node: int | None = option(None, "ranks per node (default: torchrun's LOCAL_WORLD_SIZE, or all "

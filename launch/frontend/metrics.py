@@ -69,8 +69,8 @@ def pd_pool_kv_usage(stats: dict) -> dict[str, float]:
 
 
 def pd_series(stats: dict):
-    """PD on AF's series: moves and their KV (bytes; seconds per move, a histogram), requests waiting for a decode
-    seat, and each role's KV usage (an autoscaling signal per pool)."""
+    """PD on AF's series: moves and their KV (bytes; seconds per move, a histogram), the KV streamed ahead of them,
+    requests waiting for a decode seat, and each role's KV usage (an autoscaling signal per pool)."""
     pd = stats["pd"]
     yield from _counters(pd, [
         ("afserve_pd_requests_transferred", "Requests moved from a prefill rank to a decode rank with their KV",
@@ -79,6 +79,9 @@ def pd_series(stats: dict):
         ("afserve_pd_kv_transfer_bytes", "KV bytes those moves carried", "kv_bytes_transferred"),
         ("afserve_pd_kv_blocks_reused", "KV blocks of moved requests that the decode rank's prefix cache held (not "
          "sent)", "kv_blocks_reused"),
+        ("afserve_pd_kv_blocks_streamed", "KV blocks sent to decode ranks while their requests were still "
+         "prefilling (ahead of the moves)", "kv_blocks_streamed"),
+        ("afserve_pd_kv_stream_bytes", "KV bytes of those blocks", "kv_bytes_streamed"),
         ("afserve_pd_multi_pass_steps", "Steps in which the decode ranks ran several forwards beside a prefill "
          "(decode passes)", "multi_pass_steps")])
     counts, cumulative, buckets = pd["kv_transfer_buckets"], 0, []

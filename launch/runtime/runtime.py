@@ -195,7 +195,7 @@ class Runtime(GenerationForming):
             self.leader = Leader(self.worker, self.topo.num_attention_ranks, self.config.cache.block_size,
                                  par.rebalance_interval, self.worker.block_pool.track_events,
                                  par.micro_batches, par.micro_batch_min_tokens, *draft_passes(config),
-                                 par.prefill_ranks, par.max_decode_passes)
+                                 par.prefill_ranks, par.max_decode_passes, par.stream_kv)
             self.leader.num_expert_ranks = self.topo.num_expert_ranks
             if self.membership is not None:
                 self.leader.membership_changes = self.membership.changes

@@ -14,7 +14,7 @@ import torch
 from attention_nodes.block_pool import BlockPool, chain_hashes
 from attention_nodes.handover import pack_sequences, plan_take_over, unpack_sequences
 from attention_nodes.leader import Leader
-from attention_nodes.pd import TransferStats, apply_moves, ready_requests
+from attention_nodes.pd import KVStream, TransferStats, apply_moves, apply_pushes, prefilling_requests, ready_requests
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
@@ -263,3 +263,68 @@ def test_a_decode_rank_without_room_refuses_the_move_and_the_prefill_rank_keeps_
     _run_moves(src, dst, [[0, 1, ["a"]]])
     assert not src.scheduler.running and [q.request_id for q in dst.scheduler.running] == ["a"]
     assert dst.pd_stats.requests == 1 and dst.pd_stats.blocks == 3
+
+
+def test_kv_stream_pushes_each_requests_new_blocks_to_one_decode_rank():
+    """KVStream: a request mid-prefill streams to the decode rank caching the longest prefix of it, else with the
+    most free blocks, chosen once (it keeps that rank when another frees more); each push carries the full
+    blocks completed since the last; a request no longer reported, aborted in the step, or now on another rank
+    pushes nothing, and one no longer mid-prefill is forgotten."""
+    stream = KVStream()
+    reports = [StepReport(0, 50, 2, 0), StepReport(1, 10, 0, 0), StepReport(2, 20, 0, 0)]
+    reports[0].prefilling = [["a", 3], ["b", 2]]
+    owner, cached = {"a": 0, "b": 0, "c": 0}, {"c": [0, 4, 0]}
+    hits = lambda rid: cached.get(rid, [0, 0, 0])    # noqa: E731
+    assert stream.plan(reports, 1, owner, hits, frozenset()) == [[0, 2, [["a", 0, 3], ["b", 0, 2]]]]
+    reports[2].num_free_blocks = 5                   # rank 1 has more free now: a stays with rank 2
+    reports[0].prefilling = [["a", 5], ["b", 2], ["c", 1]]
+    assert stream.plan(reports, 1, owner, hits, frozenset()) == [[0, 2, [["a", 3, 5]]], [0, 1, [["c", 0, 1]]]]
+    owner["c"] = 2
+    reports[0].prefilling = [["a", 6], ["b", 4], ["c", 2]]
+    assert stream.plan(reports, 1, owner, hits, frozenset({"b"})) == [[0, 2, [["a", 5, 6]]]]
+    assert set(stream.sent) == {"a"}
+    reports[0].prefilling = []
+    assert stream.plan(reports, 1, owner, hits, frozenset()) == [] and stream.sent == {}
+
+
+class _Loopback:
+    """A KVTransfer between two in-process workers: the receiver's wanted() picks from what was sent."""
+
+    def send(self, meta, kv, dst, between=None, accepted=None):
+        self.meta, self.kv = unpack(pack(meta)), kv
+
+    def recv(self, src, wanted=None):
+        need = wanted(self.meta)
+        return self.meta, self.kv[:, :, need].clone()
+
+
+def test_a_push_lands_in_the_decode_ranks_prefix_cache_and_the_move_sends_the_rest():
+    """A 14-token prompt prefilled 8 tokens at a time: after the first chunk its two full blocks go to the decode
+    rank, which caches them unheld (free, findable under the prompt's keys, src's KV); the move at the end of
+    the prefill then asks only for blocks 2 and 3, and the request holds src's KV in all four. A second push of
+    blocks the decode rank caches already asks for none."""
+    src, dst = _worker(), _worker()
+    src.scheduler.max_num_batched_tokens = 8
+    prompt = list(range(3, 17))
+    seq = Sequence.from_request("r", prompt, SamplingParams(max_tokens=4), src.next_arrival())
+    src.scheduler.add(seq)
+    src.scheduler.update(src.scheduler.schedule(), [None], frozenset(), 64)
+    assert prefilling_requests(src) == [["r", 2]]
+    link = _Loopback()
+    src.rank, dst.rank, dst.pd_stats = 0, 1, TransferStats()
+    apply_pushes(src, [[0, 1, [["r", 0, 2]]]], link)
+    apply_pushes(dst, [[0, 1, [["r", 0, 2]]]], link)
+    pool, keys = dst.block_pool, chain_hashes(prompt, BS, limit=2)
+    cached = pool.lookup(keys)
+    assert len(cached) == 2 and [pool.refcount(b) for b in cached] == [0, 0] and pool.num_free_blocks == 8
+    assert torch.equal(dst.kv.tensor[:, :, cached], src.kv.tensor[:, :, seq.block_table[:2]])
+    assert dst.pd_stats.streamed == 2 and dst.pd_stats.streamed_bytes == src.kv.tensor[:, :, :2].numel() * 4
+    apply_pushes(src, [[0, 1, [["r", 0, 2]]]], link)
+    apply_pushes(dst, [[0, 1, [["r", 0, 2]]]], link)
+    assert dst.pd_stats.streamed == 2 and link.meta["num_blocks"] == 2     # sent, but not asked for
+    src.scheduler.update(src.scheduler.schedule(), [42], frozenset(), 64)
+    src_kv = src.kv.tensor[:, :, seq.block_table].clone()
+    take = _move(src, dst, [seq])
+    assert take.need == [2, 3] and take.have == {0: cached[0], 1: cached[1]}
+    (moved,) = dst.scheduler.running
+    assert moved.block_table[:2] == cached and torch.equal(dst.kv.tensor[:, :, moved.block_table], src_kv)

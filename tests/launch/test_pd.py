@@ -75,6 +75,27 @@ def test_requests_wait_at_the_prefill_rank_for_a_decode_seat(tiny_checkpoint):
     assert stats["prompt_tokens_computed"] == sum(map(len, prompts))
 
 
+@pytest.mark.parametrize("attention,prefill,experts", [(2, 1, 1), wider(3, 1, 2)])
+def test_streamed_kv_goes_ahead_of_the_move(tiny_checkpoint, attention, prefill, experts):
+    """Prompts of 30-60 tokens through a 12-token budget: each prefill takes several chunks. Streamed (the
+    default), each chunk's full blocks go to the request's decode rank as they complete and its move sends only
+    the rest: fewer blocks at the moves than stop-and-copy sends, every block sent once either way (streamed +
+    at the moves = stop-and-copy's), and the same tokens as transformers."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(3, 256, 40, 60, seed=11)
+    expected = hf_greedy(path, prompts, MAX_NEW)
+    streamed, on = _run(path, prompts, attention, prefill, experts)
+    whole, off = _run(path, prompts, attention, prefill, experts, stream_kv=False)
+    assert streamed == whole == expected
+    on, off = on["pd"], off["pd"]
+    assert off["kv_blocks_streamed"] == 0 and on["kv_blocks_streamed"] > 0
+    assert on["kv_blocks_transferred"] < off["kv_blocks_transferred"]
+    assert on["kv_blocks_streamed"] + on["kv_blocks_transferred"] == off["kv_blocks_transferred"]
+    assert on["kv_bytes_streamed"] * off["kv_blocks_transferred"] == \
+        on["kv_blocks_streamed"] * off["kv_bytes_transferred"]
+    assert on["requests_transferred"] == off["requests_transferred"] == len(prompts)
+
+
 def test_pd_is_refused_without_a_decode_rank_and_with_a_stateful_draft(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_moe")
     with pytest.raises(ValueError, match=r"prefill_ranks=2 with attention_ranks=2 leaves no decode rank"):

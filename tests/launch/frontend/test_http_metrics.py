@@ -13,7 +13,8 @@ def make_stats(free_kv_blocks=(40, 10), kv_blocks=(100, 50), num_running=3, num_
     with the series' zero values)."""
     none = {"prefill_ranks": 0, "requests_transferred": 0, "kv_blocks_transferred": 0, "kv_bytes_transferred": 0,
             "kv_transfer_seconds": 0.0, "kv_blocks_reused": 0, "kv_transfer_buckets": [0] * (len(TRANSFER_BUCKETS) + 1),
-            "requests_waiting_for_decode": 0, "multi_pass_steps": 0}
+            "requests_waiting_for_decode": 0, "multi_pass_steps": 0, "kv_blocks_streamed": 0, "kv_bytes_streamed": 0,
+            "kv_stream_seconds": 0.0}
     return {"steps": 12, "num_preemptions": 0, "num_running": num_running, "num_waiting": num_waiting,
             "free_kv_blocks": list(free_kv_blocks), "kv_blocks": list(kv_blocks),
             "prefix_cache_queries": 0, "prefix_cache_hits": 0, "pool_ranks": {"attention": 2, "expert": 2},
@@ -109,6 +110,8 @@ def test_pd_series_sum_the_ranks_moves_into_a_histogram():
     a.add(2, 5, 4096, 0.0003)
     a.add(1, 3, 2048, 0.0003, reused=4)
     b.add(1, 2, 1024, 3.0, reused=1)
+    a.add_streamed(3, 1536, 0.001)
+    b.add_streamed(4, 2048, 0.002)
     pd = {"prefill_ranks": 1, **summed([[], a.to_list(), b.to_list()]), "requests_waiting_for_decode": 2,
           "multi_pass_steps": 6}
     got = scraped(make_stats(pd=pd), make_comm())
@@ -116,6 +119,7 @@ def test_pd_series_sum_the_ranks_moves_into_a_histogram():
             got["afserve_pd_kv_transfer_bytes_total"], got["afserve_pd_kv_blocks_reused_total"],
             got["afserve_pd_requests_waiting_for_decode"], got["afserve_pd_multi_pass_steps_total"]) == (4, 10, 7168, 5,
                                                                                                        2, 6)
+    assert (got["afserve_pd_kv_blocks_streamed_total"], got["afserve_pd_kv_stream_bytes_total"]) == (7, 3584)
     assert got["afserve_pd_kv_transfer_seconds_count"] == 3
     assert got["afserve_pd_kv_transfer_seconds_sum"] == pytest.approx(3.0006)
     reg = CollectorRegistry()
