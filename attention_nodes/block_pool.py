@@ -70,7 +70,7 @@ class BlockPool:
         self._block_of: dict[int, int] = {}
         self.host = host
         self.track_events = track_events
-        self._added: list[int] = []
+        self._added: dict[int, None] = {}      # an ordered set: a key added, then evicted, is in neither list
         self._evicted: list[int] = []
         self._copies: list[tuple[int, int]] = []
 
@@ -181,13 +181,14 @@ class BlockPool:
         self._key_of[block_id] = key
         self._block_of[key] = block_id
         if self.track_events:
-            self._added.append(key)
+            self._added[key] = None
         return True
 
     def take_events(self) -> tuple[list[int], list[int]]:
-        """(keys added, keys evicted) since the last call, in order."""
-        added, evicted = self._added, self._evicted
-        self._added, self._evicted = [], []
+        """(keys added, keys evicted) since the last call, in order; a key added and evicted again since then is
+        in neither (a reader that applies the evictions first, then the additions, sees the pool as it is)."""
+        added, evicted = list(self._added), self._evicted
+        self._added, self._evicted = {}, []
         return added, evicted
 
     def _evict(self, b: int) -> None:
@@ -197,6 +198,9 @@ class BlockPool:
         self._key_of[b] = None
         del self._block_of[key]
         if self.track_events:
-            self._evicted.append(key)
+            if key in self._added:
+                del self._added[key]
+            else:
+                self._evicted.append(key)
         if self.host is not None:
             self.host.save(key, b)

@@ -206,6 +206,7 @@ class Leader:
         moves = self.plan_moves(aborted)
         streams = self.kv_stream is not None and self.prefill_ranks and self.cache_aware
         pushes = self.kv_stream.plan(self.reports, self.prefill_ranks, self.req2rank, self._prompt_hits,
+                                     lambda rid: -(-len(self.assigned[rid]["prompt"]) // self.block_size),
                                      aborted) if streams else []
         for src, dst, rids in moves:      # until dst reports: what it takes over, one token per sample
             samples = {rid: n for rid, _, n in self.reports[src].ready}

@@ -22,7 +22,7 @@ Every rank goes through the header's moves and pushes in order, so the sends and
 deadlock.
 If a peer is lost during a step with moves, the leader re-forms with every attention rank saying which requests
 it holds, and takes each request as being where a rank holds it (or queues it again when none does): the re-sent
-step carries no moves (launch/runtime/step_protocol.py).
+step carries no moves and no pushes (launch/runtime/step_protocol.py; the next pushes start over).
 """
 from __future__ import annotations
 
@@ -158,20 +158,22 @@ def plan_moves(reports, prefill_ranks: int, max_seqs: int, owner: dict[str, int]
 
 class KVStream:
     """The leader's record of the streamed transfer: for each request mid-prefill on a prefill rank, the decode
-    rank its prompt's KV goes to (chosen at its first push, as a move would choose with no room check: the longest
-    cached prefix, then the most free blocks) and how many of its full blocks have gone. plan() turns the prefill
-    ranks' reports (`prefilling`: [request id, full blocks computed]) into the next step's pushes."""
+    rank its prompt's KV goes to and how many of its full blocks have gone. The rank is chosen at the request's
+    first push, as a move chooses (the longest cached prefix, then the most free blocks, a request placed in the
+    step counting its prompt's blocks against its rank) but with no room check: the move checks. plan() turns the
+    prefill ranks' reports (`prefilling`: [request id, full blocks computed]) into the next step's pushes."""
 
     def __init__(self) -> None:
         self.sent: dict[str, tuple[int, int]] = {}      # request id -> (decode rank, full blocks pushed)
 
     def plan(self, reports, prefill_ranks: int, owner: dict[str, int], hits: Callable[[str], list[int]],
-             aborted: frozenset[str]) -> list[list]:
+             prompt_blocks: Callable[[str], int], aborted: frozenset[str]) -> list[list]:
         """-> [[prefill rank, decode rank, [[request id, first block, end block], ...]], ...]: the blocks each
         request completed since its last push. A request no longer mid-prefill is forgotten (its move, or its
         end, follows)."""
         P, A = prefill_ranks, len(reports)
         sent, pushes = {}, {}
+        free = {d: reports[d].num_free_blocks for d in range(P, A)}
         for src in range(P if P < A else 0):      # no decode rank: nowhere to push
             for rid, full in reports[src].prefilling:
                 if owner.get(rid) != src or rid in aborted:
@@ -180,7 +182,8 @@ class KVStream:
                     dst, done = self.sent[rid]
                 else:
                     hit = hits(rid)
-                    dst, done = max(range(P, A), key=lambda d: (hit[d], reports[d].num_free_blocks, -d)), 0
+                    dst, done = max(free, key=lambda d: (hit[d], free[d], -d)), 0
+                    free[dst] -= prompt_blocks(rid)
                 sent[rid] = (dst, max(done, full))
                 if full > done:
                     pushes.setdefault((src, dst), []).append([rid, done, full])
@@ -191,20 +194,21 @@ class KVStream:
 # ----- the ranks' part ------------------------------------------------------------------------------------------
 def prefilling_requests(worker) -> list[list]:
     """A prefill rank's requests mid-prefill: [[request id, full blocks of its prompt computed so far], ...]
-    (those with at least one)."""
+    (those with at least one, and that will move: not max_tokens=0)."""
     bs, out = worker.block_pool.block_size, {}
     for seq in worker.scheduler.running:
         full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // bs
-        if seq.num_computed_tokens < seq.num_prompt_tokens and full:
+        if seq.num_computed_tokens < seq.num_prompt_tokens and full and seq.params.max_tokens != 0:
             out[seq.group_id or seq.request_id] = full
     return [[rid, full] for rid, full in out.items()]
 
 
 def pack_blocks(worker, items: list[list]) -> tuple[dict, torch.Tensor]:
     """A prefill rank's part of a push, items [[request id, first block, end block], ...] -> (meta {"spans":
-    [[the tokens of the request's first `end` blocks, first, end], ...], "num_blocks", "shape"}, the KV of each
-    span's blocks first..end-1 `[layers, c, n, block_size, heads, dim]`). A request no longer here, or not
-    computed that far, sends nothing."""
+    [[the prefix-cache keys of the request's blocks 0..end-1, first], ...], "num_blocks", "shape"}, the KV of
+    each span's blocks first..end-1 `[layers, c, n, block_size, heads, dim]`). The keys come from the sequence's
+    own memo (no token is sent or hashed again). A request no longer here, or not computed that far, sends
+    nothing."""
     bs = worker.block_pool.block_size
     held = {s.group_id or s.request_id: s for s in worker.scheduler.running}
     spans, ids = [], []
@@ -212,7 +216,7 @@ def pack_blocks(worker, items: list[list]) -> tuple[dict, torch.Tensor]:
         seq = held.get(rid)
         if seq is None or seq.num_computed_tokens < end * bs or len(seq.block_table) < end:
             continue
-        spans.append([seq.token_ids[:end * bs], first, end])
+        spans.append([chain_hashes(seq.token_ids, bs, seq.block_keys, limit=end)[:end], first])
         ids += seq.block_table[first:end]
     kv = worker.kv.tensor[:, :, torch.tensor(ids, dtype=torch.int64, device=worker.kv.tensor.device)].contiguous()
     return {"spans": spans, "num_blocks": len(ids), "shape": list(kv.shape)}, kv
@@ -221,22 +225,27 @@ def pack_blocks(worker, items: list[list]) -> tuple[dict, torch.Tensor]:
 def receive_blocks(worker, transfer, src: int) -> tuple[int, int]:
     """A decode rank's part of a push from src: ask for the blocks its prefix cache lacks (none when its free
     blocks cannot take them all), write them into fresh blocks and register them in the prefix cache, unheld
-    (evictable like any cached block; the request's move finds them there) -> (blocks received, KV bytes)."""
-    pool, keys = worker.block_pool, {}      # key -> packed index, in the order asked for
+    (evictable like any cached block; the request's move finds them there) -> (blocks received, KV bytes). The
+    request's blocks cached here already (earlier pushes) are held while the new ones are allocated, so that
+    these do not evict them (they were freed longest ago)."""
+    pool, keys, kept = worker.block_pool, {}, []      # keys: key -> packed index, in the order asked for
 
     def wanted(meta: dict) -> list[int]:
         i = 0
-        for tokens, first, end in meta["spans"]:
-            for key in chain_hashes(tokens, pool.block_size, limit=end)[first:end]:
+        for chain, first in meta["spans"]:
+            kept.extend(pool.lookup(chain[:first]))
+            for key in chain[first:]:
                 if not pool.holds(key):
                     keys.setdefault(key, i)
                 i += 1
         need = list(keys.values())
-        return need if len(need) <= pool.num_free_blocks else []
+        return need if len(need) <= pool.num_free_blocks - pool.num_revived(set(kept)) else []
     _, kv = transfer.recv(src, wanted)
     n = 0 if kv is None else kv.shape[2]
     if not n:
         return 0, 0
+    kept[:] = list(dict.fromkeys(kept))       # a block two spans share is held once
+    pool.take(kept)
     new = pool.allocate(n)
     if pool.host is not None:    # evictions queue saves of the old contents: run them before overwriting
         worker.kv.copy_blocks(pool.host.take_ops())
@@ -244,7 +253,7 @@ def receive_blocks(worker, transfer, src: int) -> tuple[int, int]:
         kv.to(worker.kv.tensor.device)
     for block, key in zip(new, keys):
         pool.register(block, key)
-    pool.free(reversed(new))
+    pool.free(reversed(kept + new))
     return n, kv.numel() * kv.element_size()
 
 

@@ -77,10 +77,10 @@ def run_attention_step(worker, header: StepHeader, tally: SyncTally | None = Non
                        transfer: Callable = lambda: None) -> StepReport:
     """What every attention rank does with a STEP header. Re-sent headers (the same step, after the job
     re-formed) are idempotent: a finished step joins the step's exchanges with no tokens and re-sends its
-    report, an unfinished one re-runs its batch (a re-sent header carries no PD moves: the leader took the
-    requests as where the ranks said they hold them). tally: the sync audit's, when on: the forward and sampling
+    report, an unfinished one re-runs its batch (a re-sent header carries no PD moves or pushes: the leader took
+    the requests as where the ranks said they hold them). tally: the sync audit's, when on: the forward and sampling
     run under it; a decode step is one whose own batch is (worker.is_decode_step). member: this rank's, for
-    fault_point. transfer() -> the KVTransfer of PD moves.
+    fault_point. transfer() -> the KVTransfer of PD moves and pushes.
     A header with several decode passes (PD, attention_nodes/passes.py): a prefill rank runs one forward over
     their rounds; every other rank runs one forward per pass, each committed as it ends, so a re-sent step joins
     the passes this rank committed with no tokens and runs the rest."""

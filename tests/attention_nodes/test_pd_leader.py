@@ -267,24 +267,61 @@ def test_a_decode_rank_without_room_refuses_the_move_and_the_prefill_rank_keeps_
 
 def test_kv_stream_pushes_each_requests_new_blocks_to_one_decode_rank():
     """KVStream: a request mid-prefill streams to the decode rank caching the longest prefix of it, else with the
-    most free blocks, chosen once (it keeps that rank when another frees more); each push carries the full
-    blocks completed since the last; a request no longer reported, aborted in the step, or now on another rank
-    pushes nothing, and one no longer mid-prefill is forgotten."""
+    most free blocks, a request placed in the same step counting its prompt's blocks against its rank; the rank
+    is chosen once (kept when another frees more); each push carries the full blocks completed since the last; a
+    request no longer reported, aborted in the step, or now on another rank pushes nothing, and one no longer
+    mid-prefill is forgotten."""
     stream = KVStream()
     reports = [StepReport(0, 50, 2, 0), StepReport(1, 10, 0, 0), StepReport(2, 20, 0, 0)]
     reports[0].prefilling = [["a", 3], ["b", 2]]
     owner, cached = {"a": 0, "b": 0, "c": 0}, {"c": [0, 4, 0]}
     hits = lambda rid: cached.get(rid, [0, 0, 0])    # noqa: E731
-    assert stream.plan(reports, 1, owner, hits, frozenset()) == [[0, 2, [["a", 0, 3], ["b", 0, 2]]]]
+    blocks = {"a": 8, "b": 4, "c": 2}.get
+    # a (8 blocks) goes to rank 2 (20 free), which then has 12 free against rank 1's 10: b goes there too
+    assert stream.plan(reports, 1, owner, hits, blocks, frozenset()) == [[0, 2, [["a", 0, 3], ["b", 0, 2]]]]
     reports[2].num_free_blocks = 5                   # rank 1 has more free now: a stays with rank 2
     reports[0].prefilling = [["a", 5], ["b", 2], ["c", 1]]
-    assert stream.plan(reports, 1, owner, hits, frozenset()) == [[0, 2, [["a", 3, 5]]], [0, 1, [["c", 0, 1]]]]
+    assert stream.plan(reports, 1, owner, hits, blocks, frozenset()) == [[0, 2, [["a", 3, 5]]], [0, 1, [["c", 0, 1]]]]
     owner["c"] = 2
     reports[0].prefilling = [["a", 6], ["b", 4], ["c", 2]]
-    assert stream.plan(reports, 1, owner, hits, frozenset({"b"})) == [[0, 2, [["a", 5, 6]]]]
+    assert stream.plan(reports, 1, owner, hits, blocks, frozenset({"b"})) == [[0, 2, [["a", 5, 6]]]]
     assert set(stream.sent) == {"a"}
     reports[0].prefilling = []
-    assert stream.plan(reports, 1, owner, hits, frozenset()) == [] and stream.sent == {}
+    assert stream.plan(reports, 1, owner, hits, blocks, frozenset()) == [] and stream.sent == {}
+
+
+def test_requests_starting_to_stream_in_one_step_spread_over_the_decode_ranks():
+    """Three requests of 8 blocks start streaming together, decode ranks with 20 and 18 free blocks: 2, 1, 2 (the
+    free blocks each placement leaves), not all three to rank 2."""
+    stream = KVStream()
+    reports = [StepReport(0, 50, 3, 0), StepReport(1, 18, 0, 0), StepReport(2, 20, 0, 0)]
+    reports[0].prefilling = [["a", 1], ["b", 1], ["c", 1]]
+    pushes = stream.plan(reports, 1, dict.fromkeys("abc", 0), lambda rid: [0, 0, 0], lambda rid: 8, frozenset())
+    assert pushes == [[0, 2, [["a", 0, 1], ["c", 0, 1]]], [0, 1, [["b", 0, 1]]]]
+
+
+def _mid_prefill_step(stream: bool) -> Leader:
+    """A 1P+1D leader (stream_kv or not) whose prefill rank reported request a with 2 full blocks computed; its
+    next header in flight."""
+    leader = _leader(2, prefill=1)
+    leader.kv_stream = KVStream() if stream else None
+    leader.pending.append(_req("a", list(range(20))))
+    leader.next_step({})
+    reports = [StepReport(0, 50, 1, 0, 64), StepReport(1, 50, 0, 0)]
+    reports[0].prefilling = [["a", 2]]
+    leader.collect(reports, queue.Queue())
+    leader.inflight = leader.next_step({})
+    return leader
+
+
+def test_the_leader_streams_only_with_stream_kv_and_a_re_formed_job_starts_over():
+    """Leader(stream_kv=True): a prefill rank's report of a request mid-prefill gives the next header a push;
+    without stream_kv none. A regroup empties the in-flight header's pushes and the record of what went where."""
+    assert _mid_prefill_step(False).inflight.pushes == []
+    leader = _mid_prefill_step(True)
+    assert leader.inflight.pushes == [[0, 1, [["a", 0, 2]]]] and leader.kv_stream.sent == {"a": (1, 2)}
+    leader.regroup([0, 1])
+    assert leader.inflight.pushes == [] and leader.kv_stream.sent == {}
 
 
 class _Loopback:
@@ -328,3 +365,26 @@ def test_a_push_lands_in_the_decode_ranks_prefix_cache_and_the_move_sends_the_re
     assert take.need == [2, 3] and take.have == {0: cached[0], 1: cached[1]}
     (moved,) = dst.scheduler.running
     assert moved.block_table[:2] == cached and torch.equal(dst.kv.tensor[:, :, moved.block_table], src_kv)
+
+
+def test_a_later_push_does_not_evict_the_requests_earlier_pushed_blocks():
+    """A decode pool of 4 blocks: blocks 0-1 of r pushed, then another request takes and frees the other two (so
+    r's are the least recently freed), then blocks 2-3 pushed: the new blocks must not evict 0-1 (a cache lookup
+    walks from block 0, so all four would be lost). The two others are the ones reused."""
+    src, dst = _worker(), _worker(num_blocks=4)
+    src.scheduler.max_num_batched_tokens = 16
+    prompt = list(range(3, 21))
+    seq = Sequence.from_request("r", prompt, SamplingParams(max_tokens=4), src.next_arrival())
+    src.scheduler.add(seq)
+    src.scheduler.update(src.scheduler.schedule(), [None], frozenset(), 64)
+    link = _Loopback()
+    src.rank, dst.rank, dst.pd_stats = 0, 1, TransferStats()
+    for push in ([[0, 1, [["r", 0, 2]]]], None, [[0, 1, [["r", 2, 4]]]]):
+        if push is None:
+            dst.block_pool.free(dst.block_pool.allocate(2))
+            continue
+        apply_pushes(src, push, link)
+        apply_pushes(dst, push, link)
+    cached = dst.block_pool.lookup(chain_hashes(prompt, BS, limit=4))
+    assert len(cached) == 4 and dst.pd_stats.streamed == 4
+    assert torch.equal(dst.kv.tensor[:, :, cached], src.kv.tensor[:, :, seq.block_table[:4]])

@@ -37,8 +37,31 @@ def test_cached_blocks_survive_free_and_are_evicted_least_recently_freed_first()
     assert pool.refcount(seq_a[0]) == 1 and pool.num_free_blocks == 1
     assert pool.allocate(1) == [seq_a[1]]               # the only free block: evicts key 101
     assert pool.lookup([100, 101]) == [seq_a[0]]
-    assert pool.take_events() == ([100, 101], [101])
+    assert pool.take_events() == ([100], [])           # 101 came and went since the last call: neither
     assert pool.take_events() == ([], [])
+    pool.free([seq_a[0]])
+    pool.allocate(1)                                    # evicts 100, added before the last call
+    assert pool.take_events() == ([], [100])
+
+
+def test_events_applied_evictions_first_give_the_pool_as_it_is():
+    """The leader mirrors a rank's cache by removing the evicted keys, then adding the added ones. A key added and
+    evicted since the last report (a PD push, then this step's schedule) must not stay in the mirror; one
+    evicted, added again and kept must."""
+    pool = BlockPool(3, 1, track_events=True)
+    a = pool.allocate(1)
+    pool.register(a[0], 7)
+    pool.free(a)
+    mirror = set(pool.take_events()[0])
+    b = pool.allocate(3)                                # evicts 7, then 7 comes back in another block
+    pool.register(b[1], 7)
+    pool.register(b[2], 8)
+    pool.free([b[2]])
+    pool.allocate(1)                                    # evicts 8, added since the last call
+    added, evicted = pool.take_events()
+    mirror.difference_update(evicted)
+    mirror.update(added)
+    assert mirror == {7} and pool.holds(7) and not pool.holds(8)
 
 
 def test_free_order_decides_which_cached_block_goes_first():

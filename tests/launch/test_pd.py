@@ -77,7 +77,7 @@ def test_requests_wait_at_the_prefill_rank_for_a_decode_seat(tiny_checkpoint):
 
 @pytest.mark.parametrize("attention,prefill,experts", [(2, 1, 1), wider(3, 1, 2)])
 def test_streamed_kv_goes_ahead_of_the_move(tiny_checkpoint, attention, prefill, experts):
-    """Prompts of 30-60 tokens through a 12-token budget: each prefill takes several chunks. Streamed (the
+    """Prompts of 40-60 tokens through a 12-token budget: each prefill takes several chunks. Streamed (the
     default), each chunk's full blocks go to the request's decode rank as they complete and its move sends only
     the rest: fewer blocks at the moves than stop-and-copy sends, every block sent once either way (streamed +
     at the moves = stop-and-copy's), and the same tokens as transformers."""
