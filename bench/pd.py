@@ -2,11 +2,13 @@
 throughput of the OpenAI-compatible server on a mixed workload (a share of long prompts among short ones) and on
 short prompts only (where PD is expected to lose), and the KV transfer's share of TTFT.
 
-Three servers side by side (launch/serve.py under torchrun on loopback, the shipped Shakespeare MoE or --model):
+Servers side by side (launch/serve.py under torchrun on loopback, the shipped Shakespeare MoE or --model):
 colocated, A attention + E expert ranks (--split, default 2+1), every attention rank prefilling and decoding; PD,
 the same ranks with --prefill-ranks P (default 1), every rank one forward a step (max_decode_passes 1, the
-default); and pd_passes, the same PD server with --max-decode-passes 8 (decode ranks running up to 8 forwards a
-step while the prefill rank runs one), which shows what the decode passes change. All with the same limits
+default) and the KV streamed to the decode rank as the prefill's chunks complete (stream_kv, the default); pd_copy,
+the same with --no-stream-kv (every block at the move: stop-and-copy); and, with --configs, pd_passes, the PD
+server with --max-decode-passes 8 (decode ranks running up to 8 forwards a step while the prefill rank runs one),
+which shows what the decode passes change. All with the same limits
 (max-num-seqs 64, max-num-batched-tokens 512). Requests: bench/serve_load.py's client (streaming, greedy,
 ignore_eos), token-id prompts from the held-out play. Mixed: a --long-share of prompts of 512-896 tokens, the rest
 16-64; outputs 16-128 tokens, long-tailed (and within the model's 1024 positions). Short: prompts of 16-64 tokens.
@@ -61,16 +63,20 @@ def requests(n: int, long_share: float, seed: int, model: str) -> tuple[list[lis
     return prompts, olens
 
 
-def pd_transfer(url: str) -> tuple[float, float]:
-    """The server's afserve_pd_kv_transfer_seconds (sum, count) so far."""
+SERIES = ("afserve_pd_kv_transfer_seconds_sum", "afserve_pd_kv_transfer_seconds_count",
+          "afserve_pd_kv_blocks_transferred_total", "afserve_pd_kv_blocks_streamed_total")
+
+
+def pd_transfer(url: str) -> dict[str, float]:
+    """The server's move series so far: afserve_pd_kv_transfer_seconds (sum, count), and the KV blocks sent at
+    the moves and streamed ahead of them."""
     text = urllib.request.urlopen(url + "/metrics", timeout=60).read().decode()
-    values = {}
+    values = dict.fromkeys(SERIES, 0.0)
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name in ("afserve_pd_kv_transfer_seconds_sum", "afserve_pd_kv_transfer_seconds_count"):
+        if name in values:
             values[name] = float(value)
-    return values.get("afserve_pd_kv_transfer_seconds_sum", 0.0), values.get("afserve_pd_kv_transfer_seconds_count",
-                                                                              0.0)
+    return values
 
 
 def run_workload(urls: dict[str, str], prompts, olens, concurrency: int, repeats: int) -> dict[str, dict]:
@@ -87,11 +93,15 @@ def run_workload(urls: dict[str, str], prompts, olens, concurrency: int, repeats
         out[name] = {**ranked[len(ranked) // 2], "runs": [x["tok_s"] for x in runs[name]]}
     for name in pd:
         after = pd_transfer(urls[name])
-        moves = after[1] - before[name][1]
-        per_move_ms = 1e3 * (after[0] - before[name][0]) / moves if moves else 0.0
+        delta = {k: after[k] - before[name][k] for k in SERIES}
+        moves = delta["afserve_pd_kv_transfer_seconds_count"]
+        per_move_ms = 1e3 * delta["afserve_pd_kv_transfer_seconds_sum"] / moves if moves else 0.0
         out[name]["kv_transfer_ms_per_move"] = per_move_ms
         out[name]["kv_transfer_share_of_ttft_p50"] = per_move_ms / out[name]["ttft_p50"] if out[name]["ttft_p50"] \
             else 0
+        out[name]["kv_blocks_per_move"] = delta["afserve_pd_kv_blocks_transferred_total"] / moves if moves else 0.0
+        out[name]["kv_blocks_streamed_per_move"] = \
+            delta["afserve_pd_kv_blocks_streamed_total"] / moves if moves else 0.0
     return out
 
 
@@ -104,6 +114,9 @@ def main() -> None:
     ap.add_argument("--long-share", type=float, default=0.25, help="share of long prompts in the mixed workload")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3, help="runs per workload and server (default 3)")
+    ap.add_argument("--configs", default="colocated,pd,pd_copy",
+                    help="servers to compare (colocated always runs): pd (streamed KV, the default), pd_copy "
+                         "(--no-stream-kv: every block at the move), pd_passes (--max-decode-passes 8)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--smoke", action="store_true", help="8 requests, one run: a quick run that checks the bench "
                     "works (its figures mean little)")
@@ -118,7 +131,12 @@ def main() -> None:
         ap.error(f"--prefill-ranks {args.prefill_ranks} with {split[0]} attention ranks: pass 1 to {split[0] - 1}")
     base = ["--attention-ranks", str(split[0]), *LIMITS]
     pd = base + ["--prefill-ranks", str(args.prefill_ranks)]
-    configs = {"colocated": base, "pd": pd, "pd_passes": pd + ["--max-decode-passes", "8"]}
+    every = {"colocated": base, "pd": pd, "pd_copy": pd + ["--no-stream-kv"],
+             "pd_passes": pd + ["--max-decode-passes", "8"]}
+    unknown = [c for c in args.configs.split(",") if c not in every]
+    if unknown:
+        ap.error(f"--configs: unknown {unknown}; choose from {', '.join(every)}")
+    configs = {c: every[c] for c in ["colocated"] + [c for c in args.configs.split(",") if c != "colocated"]}
     workloads = {"mixed": requests(args.requests, args.long_share, 0, args.model),
                  "short": requests(args.requests, 0.0, 1, args.model)}
     with contextlib.ExitStack() as stack:
@@ -131,15 +149,17 @@ def main() -> None:
     print(f"{'+'.join(map(str, split))} ranks, PD: {args.prefill_ranks} prefill + {split[0] - args.prefill_ranks} "
           f"decode; {args.requests} requests at concurrency {args.concurrency}; median of {args.repeats} run(s)")
     print("| workload | config | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s | "
-          "TPOT p99 coloc/PD | tok/s PD/coloc | KV transfer ms/move | share of TTFT p50 |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "TPOT p99 coloc/PD | tok/s PD/coloc | KV transfer ms/move | share of TTFT p50 | blocks/move: at the "
+          "move, streamed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w, res in results.items():
         c = res["colocated"]
         for name in configs:
             r = res[name]
             extra = (f"{c['tpot_p99'] / r['tpot_p99']:.2f}x | {r['tok_s'] / c['tok_s']:.2f}x | "
-                     f"{r['kv_transfer_ms_per_move']:.2f} | {100 * r['kv_transfer_share_of_ttft_p50']:.1f}%"
-                     if name.startswith("pd") else "1.00x | 1.00x | - | -")
+                     f"{r['kv_transfer_ms_per_move']:.2f} | {100 * r['kv_transfer_share_of_ttft_p50']:.1f}% | "
+                     f"{r['kv_blocks_per_move']:.1f}, {r['kv_blocks_streamed_per_move']:.1f}"
+                     if name.startswith("pd") else "1.00x | 1.00x | - | - | -")
             print(f"| {w} | {name} | {r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['tpot_p50']:.2f} | "
                   f"{r['tpot_p99']:.2f} | {r['tok_s']:.0f} | {extra} |", flush=True)
     if args.out:
