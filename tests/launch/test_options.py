@@ -19,7 +19,7 @@ from models import SHIPPED_MODEL
 # A value other than the default for every option (the flag's argv is "--" + name with "_" -> "-", then the value,
 # but for the booleans below). A new option must be added here: test_every_option_has_a_test_value.
 VALUES = {
-    "model": "/checkpoints/other", "attention_ranks": 3, "prefill_ranks": 1, "max_decode_passes": 3,
+    "model": "/checkpoints/other", "attention_ranks": 3, "prefill_ranks": 1, "max_decode_passes": 3, "stream_kv": False,
     "expert_ranks": 5, "ranks_per_node": 4,
     "comm": "two_phase", "balancer": "least_loaded", "micro_batches": 3, "micro_batch_min_tokens": 4,
     "transport": "shm", "in_band_counts": "on",
@@ -37,7 +37,7 @@ VALUES = {
     "pool_addr": "10.0.0.5:29400", "leader_host": "node-0",
 }
 BOOL_FLAGS = {"enable_prefix_caching": ["--no-prefix-caching"], "load_progress": ["--no-load-progress"],
-              "sync_audit": ["--sync-audit"], "timing_sync": ["--timing-sync"]}
+              "sync_audit": ["--sync-audit"], "timing_sync": ["--timing-sync"], "stream_kv": ["--no-stream-kv"]}
 # valid only together (prefill_ranks needs more attention ranks than its value)
 COMPANIONS = {"role": ["pool_addr"], "pool_addr": ["role"], "prefill_ranks": ["attention_ranks"]}
 NAMES = [o.name for o in all_options()]
