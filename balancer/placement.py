@@ -242,11 +242,17 @@ def expert_load(slot2expert: torch.Tensor, slot_counts: torch.Tensor, num_expert
     return out[:, :num_experts]
 
 
+def step_balance(step_loads: torch.Tensor) -> torch.Tensor:
+    """Per-rank, per-step, per-layer pair counts `[n, steps, L]` -> max rank load / mean rank load `[steps, L]`
+    (0 for a step without load in that layer)."""
+    loads = step_loads.to(torch.float64)
+    mean, peak = loads.mean(dim=0), loads.max(dim=0).values            # [steps, L]
+    return torch.where(mean > 0, peak / mean.clamp(min=1e-12), 0.0)
+
+
 def load_balance(step_loads: torch.Tensor) -> list[float]:
     """Per-rank, per-step, per-layer pair counts `[n, steps, L]` -> per layer, the mean over steps with any
     load of (max rank load / mean rank load)."""
-    loads = step_loads.to(torch.float64)
-    mean, peak = loads.mean(dim=0), loads.max(dim=0).values            # [steps, L]
-    busy = mean > 0
-    ratio = torch.where(busy, peak / mean.clamp(min=1e-12), 0.0)
+    ratio = step_balance(step_loads)
+    busy = ratio > 0
     return (ratio.sum(dim=0) / busy.sum(dim=0).clamp(min=1)).tolist()

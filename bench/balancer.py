@@ -10,6 +10,11 @@ Decision time: the median per layer of every policy's choose() (what the runtime
 plan from the per-expert counts, then each (token, expert) pair to a replica), and of least_loaded's plan alone
 (the balanced split, identical on every attention rank; "cold" is its first call after the other policies ran,
 "warm" the median of 10 calls back to back).
+A second table follows the drift with three re-placement schemes for least_loaded at 25% redundancy: EPLB from
+scratch every 4 steps (as above), EPLB every step, and balancer/drift.py's incremental moves (at most 8 slots a
+step, on the steps whose predicted max/mean is above 1.10); per scheme the mean max/mean, its floor (the heaviest
+replica's even share of its expert's load over the mean rank load, at least 1: what no replica choice gets below
+on that placement), the slot copies per step and the re-placement's time.
 """
 from __future__ import annotations
 
@@ -23,8 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
 
+from balancer.drift import incremental_replan
 from balancer.placement import eplb, slot_capacities
 from balancer.policy import LeastLoadedPolicy, make_policy
+from balancer.replan import plan_rebalance
 
 E, K = 256, 8
 POLICIES = ("static", "round_robin", "random", "least_loaded")
@@ -85,6 +92,47 @@ def run_cell(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, r
             {p: statistics.median(v) * 1e6 for p, v in times.items()})
 
 
+SCHEMES = {"EPLB every 4 steps": ("every", 4), "EPLB every step": ("every", 1),
+           "incremental, <= 8 slots a step when predicted > 1.10": ("incremental", 8)}
+
+
+def run_replacement(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, scheme: tuple[str, int]
+                    ) -> dict[str, float]:
+    """least_loaded under a re-placement scheme (placement from the load EMA: EPLB from scratch every k steps,
+    slots kept where experts stay; or balancer/drift.py's incremental moves of at most k slots, on the steps its
+    predicted max/mean is above 1.10) -> mean max/mean, mean of the floor (the heaviest replica's even share over
+    the mean rank load, at least 1: no replica choice gets below it on that placement), mean slot copies per step,
+    median re-placement ms."""
+    cap = slot_capacities(E, redundant, n)
+    counts = [torch.bincount(ids.flatten(), minlength=E) for ids in routing]
+    ema = placement = None
+    ratios, floors, moved, plan_s = [], [], [], []
+    for t, ids in enumerate(routing):
+        if t >= warmup:
+            t0, m = time.perf_counter(), 0
+            if placement is None:
+                placement = eplb(ema[None], cap)
+            elif scheme[0] == "every" and (t - warmup) % scheme[1] == 0:
+                replan = plan_rebalance(placement, ema[None], cap, [0] * n)
+                placement, m = replan.placement, len(replan.moves)
+            elif scheme[0] == "incremental":
+                replan = incremental_replan(placement, ema[None], scheme[1], threshold=1.10)
+                placement, m = replan.placement, len(replan.moves)
+            if t > warmup:
+                plan_s.append(time.perf_counter() - t0)
+                moved.append(m)
+            c = counts[t][None]
+            phy = make_policy("least_loaded", placement).choose(0, ids, c, 0)
+            load = torch.bincount(phy.flatten() // placement.num_slots, minlength=n).double()
+            ratios.append(float(load.max() / load.mean()))
+            replicas = torch.bincount(placement.slot2expert[0][placement.slot2expert[0] >= 0], minlength=E)
+            floors.append(max(1.0, float((counts[t] / replicas).max() / load.mean())))
+        obs = counts[t].double()
+        ema = obs if ema is None else 0.5 * ema + 0.5 * obs
+    return {"max_mean": statistics.mean(ratios), "floor": statistics.mean(floors),
+            "slots_moved": statistics.mean(moved), "plan_ms": statistics.median(plan_s) * 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
@@ -116,6 +164,19 @@ def main() -> None:
                       + " | " + " | ".join(f"{times[p]:.0f}" for p in POLICIES)
                       + f" | {times['plan']:.0f} / {times['warm']:.0f} |",
                       flush=True)
+    print()
+    print("Re-placement under drift (least_loaded; the placement from the EMA of the counts; slots moved per step "
+          "over the measured steps after the first)")
+    print("| routing | ranks | redundancy | scheme | max/mean | floor | slots moved per step | re-placement ms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind in ("drift", "zipf1.0"):
+        routing = trace(kind, warmup + args.steps, args.tokens)
+        for n in args.ranks:
+            R = int(E * 0.25)
+            for name, scheme in SCHEMES.items():
+                r = run_replacement(routing, n, R, warmup, scheme)
+                print(f"| {kind} | {n} | 25.0% ({R}) | {name} | {r['max_mean']:.3f} | {r['floor']:.3f} | "
+                      f"{r['slots_moved']:.1f} | {r['plan_ms']:.1f} |", flush=True)
     print()
     for n in args.ranks:
         if ("zipf1.0", n, 0.25) in summary:

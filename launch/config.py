@@ -78,6 +78,10 @@ class ParallelConfig:
     redundant_experts: int = option(0, "extra expert slots in all, for replicas of the busiest experts")
     rebalance_interval: int = option(0, "recompute the expert placement from observed load every N steps "
                                         "(0: never)")
+    rebalance_max_slots: int = option(0, "live re-placement moves at most this many expert slots per MoE layer "
+                                         "each time, on the layers whose predicted max/mean load is above 1.10 "
+                                         "(incremental: cheap enough for rebalance_interval=1, bytes bounded); 0: "
+                                         "EPLB from scratch each time")
     comm_calibration: str | None = option(None, "comm=auto: alpha-beta calibration JSON to load (or to write "
                                                 "after measuring)")
     expert_memory: int | None = option(None, "bytes of expert weights one expert rank may hold (default: what "
@@ -96,6 +100,7 @@ class ParallelConfig:
                              f"attention_ranks={self.prefill_ranks + 1}), or 0 for no PD")
         _int("redundant_experts", self.redundant_experts, 0)
         _int("rebalance_interval", self.rebalance_interval, 0)
+        _int("rebalance_max_slots", self.rebalance_max_slots, 0)
         if self.expert_memory is not None:
             _int("expert_memory", self.expert_memory, 1)
         if self.ranks_per_node is not None:

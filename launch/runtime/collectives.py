@@ -7,7 +7,8 @@ import logging
 import torch
 import torch.distributed as dist
 
-from balancer.placement import expert_load, load_balance
+from balancer.drift import incremental_replan
+from balancer.placement import expert_load, load_balance, step_balance
 from balancer.replan import plan_rebalance
 from comm.control import ControlPlane
 from comm.dispatcher import Dispatcher
@@ -18,13 +19,16 @@ from ..config import ParallelConfig
 from .planning import PlacementState
 
 logger = logging.getLogger("afserve")
+DRIFT_THRESHOLD = 1.10    # incremental re-placement: the predicted max/mean above which a layer's slots move
 
 
-def rebalance(topo: Topology, groups: ProcessGroups, worker, state: PlacementState, num_experts: int) -> None:
+def rebalance(topo: Topology, groups: ProcessGroups, worker, state: PlacementState, num_experts: int,
+              max_slots: int = 0) -> None:
     """Live re-placement, on every rank at once: gather what each expert slot served since the last one, fold
-    it into the load EMA, recompute the placement (every rank gets the same answer), move the expert weights
-    that change rank with send/recv, and adopt the new placement. worker: this rank's AttentionWorker or
-    ExpertWorker."""
+    it into the load EMA, recompute the placement (every rank gets the same answer: EPLB from scratch, or with
+    max_slots at most that many slot moves per layer on the layers predicted above 1.10 max/mean,
+    balancer/drift.py), move the expert weights that change rank with send/recv, and adopt the new placement.
+    worker: this rank's AttentionWorker or ExpertWorker."""
     A = topo.num_attention_ranks
     L, S = state.placement.num_layers, state.placement.num_slots
     mine = torch.zeros(L, S, dtype=torch.int64) if topo.is_attention else worker.load.take_slot_counts()
@@ -35,7 +39,8 @@ def rebalance(topo: Topology, groups: ProcessGroups, worker, state: PlacementSta
     if float(observed.sum()) == 0:
         return
     state.load_ema = observed if state.load_ema is None else 0.5 * state.load_ema + 0.5 * observed
-    replan = plan_rebalance(state.placement, state.load_ema, state.capacity, state.rank_node)
+    replan = incremental_replan(state.placement, state.load_ema, max_slots, DRIFT_THRESHOLD) if max_slots else \
+        plan_rebalance(state.placement, state.load_ema, state.capacity, state.rank_node)
     if torch.equal(replan.placement.slot2expert, state.placement.slot2expert):
         return
     state.placement = replan.placement
@@ -73,6 +78,7 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
     L = state.placement.num_layers
     stacked = torch.stack([t[t.shape[0] - steps:].reshape(steps, L) for t in loads])     # [n, steps, L]
     balance = load_balance(stacked)
+    by_step = step_balance(stacked)                                                      # [steps, L]
     totals = stacked.sum(dim=1)                                                          # [n, L]
     return {"comm": par.comm, "comm_mode": dispatcher.describe(),
             "balancer": par.balancer, "redundant_experts": par.redundant_experts,
@@ -82,4 +88,5 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
                                                          "steps", "events", "host_syncs") if k in r}
                       for r in every},
             "expert_load": {"steps": steps, "layers": {str(layer): {
-                "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist()} for layer in range(L)}}}
+                "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist(),
+                "max_mean_by_step": by_step[:, layer].tolist()} for layer in range(L)}}}

@@ -327,7 +327,8 @@ class Runtime(GenerationForming):
 
     # ----- the between-step collectives (step_protocol.StepRuntime) -----------------------------------------
     def rebalance(self) -> None:
-        collectives.rebalance(self.topo, self.groups, self.worker, self.experts, self.ckpt.spec.num_experts)
+        collectives.rebalance(self.topo, self.groups, self.worker, self.experts, self.ckpt.spec.num_experts,
+                              self.config.parallel.rebalance_max_slots)
 
     def gather_stats(self, events: bool = False) -> dict | None:
         return collectives.gather_stats(self.topo, self.control, self.dispatcher, self.worker, self.experts,
