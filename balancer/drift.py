@@ -42,45 +42,52 @@ def _rank_loads(slots: np.ndarray, load: np.ndarray) -> np.ndarray:
     return share.sum(axis=1)
 
 
-def incremental_replan(old: Placement, load: torch.Tensor, max_moves: int, threshold: float = 0.0) -> Replan:
+def incremental_replan(old: Placement, load: torch.Tensor, max_moves: int, capacity: list[int],
+                       threshold: float = 0.0) -> Replan:
     """At most max_moves slot copies per layer towards load `[L, E]` (see the module docstring), on the layers
-    whose predicted imbalance is above threshold -> the placement and its moves (replan.plan_moves: the source
-    of each copy is a rank that holds the expert)."""
+    whose predicted imbalance is above threshold, within each rank's capacity (capacity[r] slots: the ones past
+    it are padding and stay empty) -> the placement and its moves (replan.plan_moves: the source of each copy is
+    a rank that holds the expert)."""
     new = old.slot2expert.clone()
+    cap = np.asarray(capacity)
     for layer, predicted in enumerate(imbalance(old, load)):
         if predicted > threshold:
             new[layer] = torch.from_numpy(_one_layer(old.slot2expert[layer].numpy().copy(),
-                                                     load[layer].double().numpy(), max_moves))
+                                                     load[layer].double().numpy(), max_moves, cap))
     return Replan(Placement(new, old.num_experts, load), plan_moves(old.slot2expert, new))
 
 
-def _one_layer(slots: np.ndarray, load: np.ndarray, max_moves: int) -> np.ndarray:
+def _one_layer(slots: np.ndarray, load: np.ndarray, max_moves: int, capacity: np.ndarray) -> np.ndarray:
     """Greedy: each move gives the expert with the highest load per replica (that some rank lacks) a replica in
-    the slot whose loss costs least (an empty one, or one of an expert that keeps another replica: its new load
-    per replica), on the least loaded rank lacking the expert among equal costs; it stops when no slot lowers the
-    highest load per replica. (Ranking the slots by the rank's load after the move instead gave the same
-    bench/balancer.py drift figures.)"""
-    n, _ = slots.shape
+    the slot whose loss costs least (an empty one within the rank's capacity, or one of an expert that keeps
+    another replica: its new load per replica), on the least loaded rank lacking the expert among equal costs;
+    it stops when no slot lowers the highest load per replica. (Ranking the slots by the rank's load after the
+    move instead gave the same bench/balancer.py drift figures.) It only adds replicas: a layer unbalanced by
+    single-replica experts that share a rank stays so (a full EPLB, rebalance_max_slots=0, moves them)."""
+    n, S = slots.shape
     counts = np.bincount(slots[slots >= 0], minlength=load.shape[0])
+    rank_of, slot_of = np.divmod(np.arange(n * S), S)
+    inside = (slot_of < capacity[rank_of]).reshape(n, S)
     for _ in range(max_moves):
         per = load / np.maximum(counts, 1)
         hot = int(np.argmax(np.where(counts < n, per, -np.inf)))
         if counts[hot] >= n:
             break
         gain = load[hot] / (counts[hot] + 1)
-        cost = np.where(counts >= 2, load / np.maximum(counts - 1, 1), np.inf)
-        ranks = _rank_loads(slots, load)
-        best = None
-        for r in range(n):
-            if (slots[r] == hot).any():
-                continue
-            for s, e in enumerate(slots[r]):
-                key = (max(0.0 if e < 0 else cost[e], gain), 0.0 if e < 0 else cost[e], ranks[r], r, s)
-                if best is None or key < best:
-                    best = key
-        if best is None or best[0] >= per[hot]:
+        held = np.where(slots >= 0, slots, 0)
+        cost = np.where(slots < 0, 0.0, np.where(counts[held] >= 2, load[held] / np.maximum(counts[held] - 1, 1),
+                                                 np.inf))
+        ok = inside & ~(slots == hot).any(axis=1, keepdims=True) & np.isfinite(cost)
+        if not ok.any():
             break
-        r, s = best[-2], best[-1]
+        ranks = _rank_loads(slots, load)
+        c, r = cost.reshape(-1), rank_of
+        first = np.maximum(c, gain)
+        order = np.lexsort((slot_of, r, ranks[r], c, first, ~ok.reshape(-1)))
+        best = order[0]
+        if first[best] >= per[hot]:
+            break       # no slot lowers the highest load per replica
+        r, s = rank_of[best], slot_of[best]
         if slots[r, s] >= 0:
             counts[slots[r, s]] -= 1
         slots[r, s] = hot

@@ -102,7 +102,8 @@ def run_replacement(routing: list[torch.Tensor], n: int, redundant: int, warmup:
     slots kept where experts stay; or balancer/drift.py's incremental moves of at most k slots, on the steps its
     predicted max/mean is above 1.10) -> mean max/mean, mean of the floor (the heaviest replica's even share over
     the mean rank load, at least 1: no replica choice gets below it on that placement), mean slot copies per step,
-    median re-placement ms."""
+    median ms of the steps that ran a re-placement (the incremental one: every step; it moves nothing when the
+    prediction is below the threshold)."""
     cap = slot_capacities(E, redundant, n)
     counts = [torch.bincount(ids.flatten(), minlength=E) for ids in routing]
     ema = placement = None
@@ -116,10 +117,13 @@ def run_replacement(routing: list[torch.Tensor], n: int, redundant: int, warmup:
                 replan = plan_rebalance(placement, ema[None], cap, [0] * n)
                 placement, m = replan.placement, len(replan.moves)
             elif scheme[0] == "incremental":
-                replan = incremental_replan(placement, ema[None], scheme[1], threshold=1.10)
+                replan = incremental_replan(placement, ema[None], scheme[1], cap, threshold=1.10)
                 placement, m = replan.placement, len(replan.moves)
+            else:
+                t0 = None     # no re-placement this step
             if t > warmup:
-                plan_s.append(time.perf_counter() - t0)
+                if t0 is not None:
+                    plan_s.append(time.perf_counter() - t0)
                 moved.append(m)
             c = counts[t][None]
             phy = make_policy("least_loaded", placement).choose(0, ids, c, 0)

@@ -39,8 +39,8 @@ def rebalance(topo: Topology, groups: ProcessGroups, worker, state: PlacementSta
     if float(observed.sum()) == 0:
         return
     state.load_ema = observed if state.load_ema is None else 0.5 * state.load_ema + 0.5 * observed
-    replan = incremental_replan(state.placement, state.load_ema, max_slots, DRIFT_THRESHOLD) if max_slots else \
-        plan_rebalance(state.placement, state.load_ema, state.capacity, state.rank_node)
+    replan = incremental_replan(state.placement, state.load_ema, max_slots, state.capacity, DRIFT_THRESHOLD) \
+        if max_slots else plan_rebalance(state.placement, state.load_ema, state.capacity, state.rank_node)
     if torch.equal(replan.placement.slot2expert, state.placement.slot2expert):
         return
     state.placement = replan.placement

@@ -121,6 +121,9 @@ class GenerationForming:
         state.placement = Placement(slot2expert, spec.num_experts, load)
         state.capacity = slot_capacities(spec.num_experts, par.redundant_experts, topo.num_expert_ranks)
         state.rank_node = self._expert_nodes()
+        # every rank starts its load EMA afresh (a joiner has none; the plan used the old one), so that all compute
+        # the same re-placements; the expert ranks' slot counts start afresh with their new slots too
+        state.load_ema = None
         if topo.is_attention:
             self.worker.rank = topo.rank
             self.worker.adopt(self._moe_context())

@@ -26,10 +26,10 @@ def test_the_hot_expert_takes_the_slot_that_costs_least_and_the_copy_comes_from_
     from rank 0, slot 0. Every expert stays placed."""
     p = _placement([[0, 1], [1, 2], [2, 3], [3, 4]], 5)
     load = torch.tensor([[90.0, 4.0, 6.0, 2.0, 1.0]])
-    one = incremental_replan(p, load, 1)
+    one = incremental_replan(p, load, 1, [2, 2, 2, 2])
     assert one.placement.slot2expert[0].tolist() == [[0, 1], [1, 2], [2, 3], [0, 4]]
     assert one.moves == [(0, 3, 0, 0, 0)]
-    two = incremental_replan(p, load, 2)
+    two = incremental_replan(p, load, 2, [2, 2, 2, 2])
     assert two.placement.slot2expert[0].tolist() == [[0, 1], [0, 2], [2, 3], [0, 4]]
     assert sorted(two.moves) == [(0, 1, 0, 0, 0), (0, 3, 0, 0, 0)]
 
@@ -38,8 +38,20 @@ def test_a_balanced_placement_moves_nothing_and_the_moves_stay_within_the_bound(
     """Equal loads on one replica each: no move lowers the highest load per replica. A skewed load with a bound
     of 2 moves at most 2 slots per layer."""
     p = Placement(torch.tensor([[[0, 1], [2, 3]], [[3, 2], [1, 0]]]), 4)
-    assert incremental_replan(p, torch.ones(2, 4), 8).moves == []
+    assert incremental_replan(p, torch.ones(2, 4), 8, [2, 2]).moves == []
     q = Placement(torch.tensor([[[0, 1, 2], [3, 4, 5], [6, 7, 1]]]), 8)
     skewed = torch.tensor([[50.0, 1.0, 30.0, 20.0, 1.0, 1.0, 1.0, 1.0]])
-    replan = incremental_replan(q, skewed, 2)
+    replan = incremental_replan(q, skewed, 2, [3, 3, 3])
     assert len(replan.moves) <= 2 and set(replan.placement.slot2expert.flatten().tolist()) == set(range(8))
+
+
+def test_a_ranks_padding_slot_stays_empty_and_an_only_replica_is_never_taken():
+    """8 experts on 3 ranks without redundant slots: capacities 3, 3, 2, the third rank's last slot is padding.
+    However hot expert 0 is, no slot may take a replica of it: the padding slot is not the rank's, and every
+    other slot holds an expert's only replica. With one redundant slot (capacities 3, 3, 3) it goes there."""
+    p = Placement.identity(1, 8, 3)
+    assert p.slot2expert[0].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, -1]]
+    hot = torch.tensor([[100.0] + [1.0] * 7])
+    assert incremental_replan(p, hot, 4, [3, 3, 2]).moves == []
+    replan = incremental_replan(p, hot, 4, [3, 3, 3])
+    assert replan.placement.slot2expert[0].tolist() == [[0, 1, 2], [3, 4, 5], [6, 7, 0]]

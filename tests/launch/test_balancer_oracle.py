@@ -2,6 +2,8 @@
 re-placements in the middle of generation; comm_stats reports the expert-rank load balance."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from launch import LLM, SamplingParams
@@ -74,8 +76,9 @@ def _two_phases(path: str, **options) -> tuple[list, dict, dict]:
 def test_incremental_rebalancing_follows_a_routing_shift(tiny_checkpoint):
     """With a re-placement every step moving at most 2 slots per layer (rebalance_max_slots=2), the expert ranks'
     max/mean load comes down to <= 1.10 within 5 steps of phase A's start and within 3 of phase B's, and stays
-    there; with no re-placement phase A stays above it (the hot experts share a rank). Each re-placement moved at
-    most 2 slots a layer, some after the shift, and the tokens are transformers' either way."""
+    there; with no re-placement phase A's later steps average above it (the hot experts share a rank). The
+    re-placements moved at most 2 slots a layer on average (comm_stats counts them in all), some after the
+    shift, and the tokens are transformers' either way."""
     path = tiny_checkpoint("qwen3_moe")
     expected = hf_greedy(path, [[5 + i % 2] * 24 for i in range(8)] + [[200 + i % 2] * 24 for i in range(8)], 16)
     tokens, after_a, after_b = _two_phases(path, rebalance_interval=1, rebalance_max_slots=2)
@@ -88,5 +91,5 @@ def test_incremental_rebalancing_follows_a_routing_shift(tiny_checkpoint):
     assert after_b["slots_moved"] <= 2 * len(layers) * after_b["replacements"]
     tokens, after_a, _ = _two_phases(path)
     assert tokens == expected
-    assert max(max(v["max_mean_by_step"][5:after_a["expert_load"]["steps"]])
+    assert max(statistics.mean(v["max_mean_by_step"][5:after_a["expert_load"]["steps"]])
                for v in after_a["expert_load"]["layers"].values()) > 1.10
