@@ -134,7 +134,7 @@ def run_replacement(routing: list[torch.Tensor], n: int, redundant: int, warmup:
         obs = counts[t].double()
         ema = obs if ema is None else 0.5 * ema + 0.5 * obs
     return {"max_mean": statistics.mean(ratios), "floor": statistics.mean(floors),
-            "slots_moved": statistics.mean(moved), "plan_ms": statistics.median(plan_s) * 1e3}
+            "slots_moved": statistics.mean(moved), "plan_ms": statistics.median(plan_s) * 1e3 if plan_s else None}
 
 
 def main() -> None:
@@ -179,8 +179,9 @@ def main() -> None:
             R = int(E * 0.25)
             for name, scheme in SCHEMES.items():
                 r = run_replacement(routing, n, R, warmup, scheme)
+                ms = "-" if r["plan_ms"] is None else f"{r['plan_ms']:.1f}"
                 print(f"| {kind} | {n} | 25.0% ({R}) | {name} | {r['max_mean']:.3f} | {r['floor']:.3f} | "
-                      f"{r['slots_moved']:.1f} | {r['plan_ms']:.1f} |", flush=True)
+                      f"{r['slots_moved']:.1f} | {ms} |", flush=True)
     print()
     for n in args.ranks:
         if ("zipf1.0", n, 0.25) in summary:

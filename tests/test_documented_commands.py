@@ -146,7 +146,7 @@ RUN_BY = {
     "bench/sync_audit.py": "tests/bench/test_bench_smoke.py (--smoke)",
     "bench/serve_load.py": "tests/bench/test_bench_smoke.py (--smoke; --peer vllm needs .venv-vllm: make peers)",
     "bench/elastic.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
-    "bench/spec_decode.py": "tests/bench/test_bench_smoke.py (--smoke)",
+    "bench/spec_decode.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
     "bench/pd.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
     "bench/chaos.py": "tests/bench/test_chaos.py (two seeded trials; eight in make test-full)",
     "bench/kernels.py": "tests/bench/test_kernels_bench.py (--smoke)",

@@ -65,6 +65,7 @@ def test_serve_load_smoke():
     assert 0 < ttft50 <= ttft99 and 0 < tpot50 <= tpot99 and float(row.group(6)) > 0, out
 
 
+@FULL        # 40 s: make test stays under its 30 minutes
 def test_spec_decode_smoke():
     """Off, n-gram drafts and the shipped draft model at concurrency 2: a row each with its TPOT and throughput,
     ratios that are theirs against off, and for the two speculative ones an acceptance rate per draft position."""
