@@ -10,7 +10,8 @@
 #      cache sized by the GPU memory plan;
 #   5. the GPU memory plan alone on the GPU (tests/gpu/test_memory_plan.py reads the whole GPU's use).
 # Usage, from the repository root: bash scripts/gpu_check.sh [stage ...]
-#   (stages: tests kernels comm throughput memory)
+#   (stages: tests kernels comm throughput memory; gpu: tests/gpu alone, for a run whose Triton kernels have not
+#   changed since their last GPU run)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 PY=${PY:-python3}
@@ -33,6 +34,8 @@ for stage in $STAGES; do
     case $stage in
     tests) run tests 330 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/kernels tests/gpu \
                --ignore=tests/gpu/test_memory_plan.py ;;
+    gpu) run gpu 240 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 8 tests/gpu \
+             --ignore=tests/gpu/test_memory_plan.py ;;
     memory) run memory 200 $PY -m pytest -q -p no:cacheprovider -rfEPs -s tests/gpu/test_memory_plan.py ;;
     kernels) run kernels 150 $PY bench/kernels.py --out "$OUT/kernels.json" ;;
     comm) run comm 120 $PY -m launch.comm_profile --device cuda --attention-ranks 1 --expert-ranks 3 \
