@@ -107,11 +107,7 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor, take: TakeOver) -> in
                 holders[i] += 1
         # one reference per holder; the reused blocks first, so that allocating cannot evict them
         pool.take([b for i, b in take.have.items() for _ in range(holders[i])])
-        new_ids = pool.allocate(len(take.need))
-        if pool.host is not None:    # evictions queue saves of the old contents: run them before overwriting
-            worker.kv.copy_blocks(pool.host.take_ops())
-        dst = torch.tensor(new_ids, dtype=torch.int64, device=worker.kv.tensor.device)
-        worker.kv.tensor[:, :, dst] = kv.to(worker.kv.tensor.device)
+        new_ids = write_new_blocks(worker, kv)
         local = {**take.have, **dict(zip(take.need, new_ids))}
         for seq, d in running:
             seq.replace_blocks([local[i] for i in d["blocks"]])
@@ -125,6 +121,19 @@ def unpack_sequences(worker, meta: dict, kv: torch.Tensor, take: TakeOver) -> in
     sched.take_over([s for s in take.seqs if s.status is SequenceStatus.RUNNING],
                     [s for s in take.seqs if s.status is SequenceStatus.WAITING], worker.next_arrival)
     return moved
+
+
+def write_new_blocks(worker, kv: torch.Tensor) -> list[int]:
+    """Allocate a fresh block of this worker's pool for each of kv's blocks `[L, 2, n, ...]` and write them in
+    -> the block ids, in kv's order, each with one reference. Blocks the caller holds stay; the allocation may
+    evict cached ones, whose host-tier saves run before their contents are overwritten."""
+    pool = worker.block_pool
+    new = pool.allocate(kv.shape[2])
+    if pool.host is not None:
+        worker.kv.copy_blocks(pool.host.take_ops())
+    cache = worker.kv.tensor
+    cache[:, :, torch.tensor(new, dtype=torch.int64, device=cache.device)] = kv.to(cache.device)
+    return new
 
 
 def _sequence(d: dict, device: torch.device) -> Sequence:

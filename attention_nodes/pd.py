@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from .block_pool import chain_hashes
-from .handover import pack_sequences, receive_sequences
+from .handover import pack_sequences, receive_sequences, write_new_blocks
 
 # Upper bounds (seconds) of the KV transfer latency histogram's buckets, as afserve's latency histograms have them.
 TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -246,11 +246,7 @@ def receive_blocks(worker, transfer, src: int) -> tuple[int, int]:
         return 0, 0
     kept[:] = list(dict.fromkeys(kept))       # a block two spans share is held once
     pool.take(kept)
-    new = pool.allocate(n)
-    if pool.host is not None:    # evictions queue saves of the old contents: run them before overwriting
-        worker.kv.copy_blocks(pool.host.take_ops())
-    worker.kv.tensor[:, :, torch.tensor(new, dtype=torch.int64, device=worker.kv.tensor.device)] = \
-        kv.to(worker.kv.tensor.device)
+    new = write_new_blocks(worker, kv)
     for block, key in zip(new, keys):
         pool.register(block, key)
     pool.free(reversed(kept + new))
