@@ -124,6 +124,13 @@ def apply_moves(worker, moves: list[list], transfer, sent_meta=None) -> None:
 
 
 # ----- the leader's plans ---------------------------------------------------------------------------------------
+def choose_decode_rank(candidates, hit: list[int], free: dict[int, int]) -> int:
+    """The decode rank a request's KV goes to, among candidates: the one caching the longest prefix of its prompt
+    (hit: leading full blocks cached, by rank), then with the most free blocks, then the lowest rank. Moves and
+    pushes choose alike, so that a request's move goes where its pushes went."""
+    return max(candidates, key=lambda d: (hit[d], free[d], -d))
+
+
 def plan_moves(reports, prefill_ranks: int, max_seqs: int, owner: dict[str, int],
                hits: Callable[[str], list[int]] | None, aborted: frozenset[str]) -> tuple[list[list], int]:
     """The moves of the next step, [prefill rank, decode rank, [request ids]], for the requests the prefill ranks
@@ -148,7 +155,7 @@ def plan_moves(reports, prefill_ranks: int, max_seqs: int, owner: dict[str, int]
                 waiting += 1
                 continue
             hit = hits(rid) if hits is not None else [0] * A
-            dst = max(room, key=lambda d: (hit[d], free[d], -d))
+            dst = choose_decode_rank(room, hit, free)
             free[dst] -= blocks
             seats[dst] -= samples
             owner[rid] = dst
@@ -182,7 +189,7 @@ class KVStream:
                     dst, done = self.sent[rid]
                 else:
                     hit = hits(rid)
-                    dst, done = max(free, key=lambda d: (hit[d], free[d], -d)), 0
+                    dst, done = choose_decode_rank(free, hit, free), 0
                     free[dst] -= prompt_blocks(rid)
                 sent[rid] = (dst, max(done, full))
                 if full > done:
