@@ -56,6 +56,7 @@ class MoEContext:
     attention_group: object
     source: int         # this rank's index among the attention ranks
     counts: torch.Tensor | None = None      # `[A * E]` int64 every attention rank's counts, made on first use
+    gather_via: torch.device | None = None  # where the gather's tensors travel (p2p.wire), decided with counts
     waited_s: float = 0.0                   # seconds this rank's forwards have waited for the experts, so far
 
     def start(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
@@ -69,7 +70,8 @@ class MoEContext:
             if self.num_attention_ranks > 1:
                 if self.counts is None:
                     self.counts = mine.new_empty(self.num_attention_ranks * self.num_experts)
-                p2p.all_gather_into(self.counts, mine, self.attention_group)
+                    self.gather_via = p2p.wire(mine, self.attention_group)
+                p2p.all_gather_into(self.counts, mine, self.attention_group, self.gather_via)
                 counts = self.counts.view(self.num_attention_ranks, self.num_experts)
             else:
                 counts = mine[None]

@@ -130,9 +130,14 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     _Posted(works, [c for c, _ in carried], [(t, b) for t, b, _ in landed]).wait()
 
 
-def all_gather_into(out: torch.Tensor, mine: torch.Tensor, group=None) -> None:
-    """dist.all_gather_single that any backend can carry: every rank's `mine` into `out`, in group order."""
-    via = wire(mine, group)
+_ASK = object()
+
+
+def all_gather_into(out: torch.Tensor, mine: torch.Tensor, group=None, via=_ASK) -> None:
+    """dist.all_gather_single that any backend can carry: every rank's `mine` into `out`, in group order. via:
+    wire(mine, group) when the caller knows it already (a per-layer caller decides it once), else asked here."""
+    if via is _ASK:
+        via = wire(mine, group)
     if via is None:
         dist.all_gather_single(out, mine, group=group)
         return

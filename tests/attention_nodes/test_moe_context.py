@@ -58,12 +58,15 @@ def test_one_rank_counts_its_own_pairs_without_a_host_read():
 def _gather_on_rank(rank, world):
     import torch.distributed as dist
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from comm import p2p
+    asked, wire = [], p2p.wire
+    p2p.wire = lambda tensor, group: asked.append(group) or wire(tensor, group)
     ctx = make_context(world, rank, dist.group.WORLD)
     buffers = []
     for layer, tokens in enumerate([3 + rank, 2 * rank]):   # rank 0 routes nothing in the second call
         ctx.start(layer, torch.zeros(tokens, 4), routed(rank, tokens), torch.ones(tokens, K))
         buffers.append(ctx.counts.data_ptr())
-    return [c.tolist() for c in ctx.policy.seen], buffers[0] == buffers[1]
+    return [c.tolist() for c in ctx.policy.seen], buffers[0] == buffers[1], len(asked)
 
 
 def test_counts_are_every_attention_ranks_in_rank_order():
@@ -71,5 +74,6 @@ def test_counts_are_every_attention_ranks_in_rank_order():
     results = run_ranks(_gather_on_rank, world)
     want = [[torch.bincount(routed(r, tokens).flatten(), minlength=E).tolist() for r, tokens in enumerate(sizes)]
             for sizes in ([3, 4, 5], [0, 2, 4])]
-    for seen, reused in results:
+    for seen, reused, asked in results:
         assert seen == want and reused
+        assert asked == 1      # where the gather travels is decided once, not per layer
