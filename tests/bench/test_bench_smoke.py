@@ -32,6 +32,7 @@ def test_throughput_smoke():
     assert ours > 0 and hf > 0 and abs(ratio - ours / hf) < 0.01, out
 
 
+@FULL   # ~30 s: make test-full (make test keeps the throughput and sync-audit smokes)
 def test_step_breakdown_smoke():
     out = _smoke("step_breakdown.py")
     assert re.search(r"\d+ output tokens in [\d.]+ s .* \d+ steps", out), out
@@ -54,6 +55,7 @@ def test_sync_audit_smoke():
     assert "worst max/decode step: attention 1 (target 1), expert 0 (target 0)" in out, out
 
 
+@FULL   # ~36 s: make test-full (the server's own tests run in make test)
 def test_serve_load_smoke():
     """The server on 1 + 2 ranks at concurrency 2 against HF generate: one table row with its figures."""
     out = _smoke("serve_load.py")

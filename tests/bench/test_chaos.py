@@ -13,6 +13,7 @@ from tests.conftest import FULL
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "chaos.py")
 
 
+@FULL   # make test keeps the handover and scale-out kills; make test-full adds these two trials
 def test_two_seeded_trials_lose_nothing(tmp_path):
     out = tmp_path / "chaos.json"
     # seed 207: 3+2 two_phase in two emulated nodes, expert rank 3 SIGKILLed 0.31 s in and attention rank 2 gone

@@ -35,7 +35,7 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.mark.parametrize("attention_ranks,expert_ranks,comm,micro_batches", [
-    (1, 1, "direct", 1), (2, 2, "two_phase", 2), (1, 3, "direct", 2),
+    (1, 1, "direct", 1), (2, 2, "two_phase", 2), wider(1, 3, "direct", 2),
     wider(2, 2, "direct", 1), wider(1, 3, "two_phase", 1), wider(1, 1, "two_phase", 2)])
 def test_greedy_with_mtp_equals_transformers_and_drafts_equal_the_reference(
         mtp_checkpoint, reference, attention_ranks, expert_ranks, comm, micro_batches):

@@ -237,6 +237,7 @@ def test_the_decode_pool_grows_and_shrinks_with_requests_in_flight(tiny_checkpoi
     assert end["pd"]["requests_transferred"] >= 2 * len(prompts)
 
 
+@FULL   # ~19 s: make test-full
 def test_the_prefill_pool_grows_and_shrinks_and_pd_comes_back(tiny_checkpoint):
     """1 prefill + 1 decode + 1 expert rank. Mid-stream, LLM.scale(prefill_ranks=2) spawns a rank that joins as
     a prefill rank (rank 1: roles are positional, so the decode rank becomes rank 2), and the next prompts are

@@ -14,7 +14,7 @@ from attention_nodes.spec_decode import ngram_propose
 from launch import LLM, SamplingParams
 from models import SHIPPED_MODEL
 from models.tiny import ARCHS, make_tiny_checkpoint
-from tests.conftest import hf_greedy, hf_model, make_prompts, wider
+from tests.conftest import FULL, hf_greedy, hf_model, make_prompts, wider
 
 MAX_NEW = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -62,7 +62,7 @@ def test_draft_rows_through_each_kernel_backend(tiny_checkpoint, backend):
     assert [o.token_ids for o in outs] == expected and spec["num_draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("attention_ranks,expert_ranks,comm", [(2, 2, "two_phase"), (1, 3, "direct"),
+@pytest.mark.parametrize("attention_ranks,expert_ranks,comm", [(2, 2, "two_phase"), wider(1, 3, "direct"),
                                                                 wider(2, 2, "direct")])
 def test_deepseek_v3_topologies_with_micro_batches(tiny_checkpoint, attention_ranks, expert_ranks, comm):
     """Draft chunks go through two_phase and the ping-pong micro-batches (never cut between two)."""
@@ -183,6 +183,7 @@ def test_a_rank_lost_mid_stream(tiny_checkpoint, victim):
     assert llm.lost_ranks == [victim] and stats["spec_decode"]["num_accepted_tokens"] > 0
 
 
+@FULL   # ~17 s: make test-full (make test scales with a KV handover in test_elastic)
 def test_scale_out_and_in_with_a_kv_handover(tiny_checkpoint):
     """1+2 -> 2+4 -> 1+2 under a steady stream with drafts on: the leaving attention rank hands its requests over
     with their KV blocks (not their drafts); every output is transformers' greedy continuation."""

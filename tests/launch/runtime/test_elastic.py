@@ -212,7 +212,7 @@ def test_a_stopped_rank_is_left_out_like_a_dead_one(tiny_checkpoint, victim, opt
     assert len(changes) == 1 and changes[0]["lost"] == [victim], changes
 
 
-@pytest.mark.parametrize("victim,micro_batches", [(2, 1), wider(2, 2), (1, 1)])
+@pytest.mark.parametrize("victim,micro_batches", [(2, 1), wider(2, 2), wider(1, 1)])
 def test_attention_rank_killed_after_the_others_finished_the_step(tiny_checkpoint, monkeypatch, victim,
                                                                   micro_batches):
     """Issue 28: 3+2 ranks, two sequences per attention rank; attention rank 2 dies once every rank has finished
@@ -240,7 +240,7 @@ def test_attention_rank_killed_after_the_others_finished_the_step(tiny_checkpoin
 
 
 @pytest.mark.parametrize("second,left,point", [(3, (2, 1), "checked_in"), wider(1, (1, 2), "checked_in"),
-                                               wider(3, (2, 1), "ready"), (3, (2, 1), "groups"),
+                                               wider(3, (2, 1), "ready"), wider(3, (2, 1), "groups"),
                                                wider(1, (1, 2), "weights")])
 def test_a_second_rank_lost_while_the_job_re_forms(tiny_checkpoint, monkeypatch, second, left, point):
     """3+2 ranks; attention rank 2 dies before step 6's report gather, and while the job re-forms a second rank
@@ -297,7 +297,7 @@ def _stream_scaling(llm: LLM, prompts, params, scale: dict, after_tokens: int, d
 
 
 @pytest.mark.parametrize("case", [
-    "retiring rank dies mid-handover", "joiner dies once admitted", "joiner dies while the weights move",
+    "retiring rank dies mid-handover", "joiner dies once admitted", wider("joiner dies while the weights move"),
     wider("taking rank dies at reshape"), wider("expert rank dies at reshape of a scale-out")])
 def test_a_rank_lost_during_a_planned_change(tiny_checkpoint, monkeypatch, case):
     """Issue 28: a rank lost while the job carries out a scale request. 3+2 -> 2+2 (attention rank 2 retires and

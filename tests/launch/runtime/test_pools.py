@@ -20,7 +20,7 @@ import pytest
 
 from launch.local_server import ROOT, LocalServer
 from launch.procs import free_port
-from tests.conftest import hf_greedy
+from tests.conftest import FULL, hf_greedy
 from tests.dist_utils import alive
 from tests.launch.frontend.test_http_server import post
 
@@ -180,6 +180,7 @@ def test_separate_pool_launches_serve_and_survive(model_dir):
     assert experts[0].proc.returncode == 0, experts[0].log()[-3000:]   # both its ranks left cleanly (one drained)
 
 
+@FULL   # ~30 s: make test-full (make test launches pools separately without PD)
 def test_pd_pools_launch_separately_and_a_prefill_rank_joins_the_running_job(model_dir):
     """PD over separate pool launches: the leader's launch (--role attention --prefill-ranks 1, two attention
     ranks in all) is the prefill rank, a --role decode launch the decode rank, an expert launch the expert pool;
