@@ -141,14 +141,15 @@ def test_a_documented_command_resolves(where, cmd):
 # Where each script or module the docs name is run (its command, small), or why a test only resolves it.
 RUN_BY = {
     "bench/throughput.py": "tests/bench/test_bench_smoke.py (--smoke)",
-    "bench/step_breakdown.py": "tests/bench/test_bench_smoke.py (--smoke)",
+    "bench/step_breakdown.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
     "bench/balancer.py": "tests/bench/test_bench_smoke.py (--smoke)",
     "bench/sync_audit.py": "tests/bench/test_bench_smoke.py (--smoke)",
-    "bench/serve_load.py": "tests/bench/test_bench_smoke.py (--smoke; --peer vllm needs .venv-vllm: make peers)",
+    "bench/serve_load.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full; --peer vllm needs "
+                           ".venv-vllm: make peers)",
     "bench/elastic.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
     "bench/spec_decode.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
     "bench/pd.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
-    "bench/chaos.py": "tests/bench/test_chaos.py (two seeded trials; eight in make test-full)",
+    "bench/chaos.py": "tests/bench/test_chaos.py (the handover and scale-out kills; seeded trials in make test-full)",
     "bench/kernels.py": "tests/bench/test_kernels_bench.py (--smoke)",
     "bench/deepspeed_moe.py": "tests/bench/test_deepspeed_moe.py (needs the bench extra: make bench)",
     "bench/comm_emulated.py": "tests/bench/test_comm_emulated.py (needs root for its network namespaces)",
@@ -158,6 +159,8 @@ RUN_BY = {
     "launch/serve.py": "tests/launch/frontend (the server under torchrun, every route)",
     "launch.serve": "tests/launch/frontend (the server under torchrun, every route)",
     "launch/comm_profile.py": "tests/launch/test_comm_profile.py",
+    "launch.plan": "tests/launch/test_plan.py (--profile and --hardware; --calibrate's windows in make test-full)",
+    "bench/plan_validation.py": "tests/launch/test_plan.py (--smoke, make test-full)",
     "launch.demo": "tests/launch/test_demo.py",
     "kernels.aot": "tests/kernels/test_triton_compile.py",
     "scripts/model_sizes.py": "test_model_sizes_prints_the_table_in_the_docs, below",

@@ -1,0 +1,149 @@
+"""Step costs at cluster scale, derived from a model's shape and a GPU's and a network's published figures
+(`python -m launch.plan --hardware NAME`): predictions, not measurements.
+
+The model's parameters are counted on the meta device from its transformers config (no weights are read):
+routed-expert tensors (`.experts.` in the name) go to the expert pool, everything else of the decoder layers
+(attention, norms, router, shared experts, dense FFN layers) to the attention pool, the embedding and LM head to
+the tail. Per call, a step costs what a roofline gives at the efficiencies below:
+- a0: reading one MoE layer's share of the attention-side weights; a_tok: their FLOPs per token; a_ctx: reading
+  one token's KV entry of one layer (decode reads the whole context);
+- e_all: reading every routed expert of a layer, shared by the expert ranks; e_pair: one (token, expert) pair's
+  FLOPs; e0: one kernel launch;
+- c0: the link's latency per exchange; c_tok: a token's dispatch (weight dtype) and combine (bf16) bytes to its
+  top-k experts over the link (NVLink within a node, the NIC between nodes);
+- l0 / l_row: the LM head's weights read / FLOPs per logit row;
+- h0 / h_seq: the engine's host work per step (--host-ms; 0: a CUDA-graph engine that hides it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import StepCosts
+
+MEMORY_EFFICIENCY = 0.8     # of the datasheet HBM bandwidth a decode kernel reaches (H100: 0.73 measured, below)
+COMPUTE_EFFICIENCY = 0.6    # of the datasheet dense FLOP/s a grouped GEMM reaches (H100: 0.41 measured at 8192 rows)
+LAUNCH_S = 5e-6             # one kernel launch
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    name: str
+    hbm_bytes_s: float          # datasheet HBM bandwidth
+    flops_bf16: float           # dense, no sparsity
+    flops_fp8: float
+    memory_bytes: float
+    link_bytes_s: float         # per GPU per direction, within a node (NVLink)
+    nic_bytes_s: float          # per GPU per direction, between nodes
+    link_latency_s: float
+    nic_latency_s: float
+    source: str
+
+
+# Datasheet figures: NVIDIA H100 Tensor Core GPU datasheet (SXM: 3.35 TB/s HBM3, 989 TFLOP/s dense BF16, 1979
+# dense FP8, 80 GB, NVLink 900 GB/s both directions); NVIDIA H200 datasheet (4.8 TB/s HBM3e, 141 GB, the H100's
+# compute); the H800 is the H100 SXM with NVLink at 400 GB/s both directions (NVIDIA's China-market part, as
+# DeepSeek-V3's report describes its cluster); 400 Gb/s InfiniBand NDR per GPU (ConnectX-7): 50 GB/s each way.
+# Latencies are typical one-way figures for NVLink (~2 us) and RDMA over NDR (~5 us) plus a kernel's launch.
+HARDWARE = {
+    "h100": Hardware("h100", 3.35e12, 989e12, 1979e12, 80e9, 450e9, 50e9, 2e-6, 5e-6,
+                     "NVIDIA H100 SXM datasheet; NVLink 4 (900 GB/s), 400G NDR InfiniBand per GPU"),
+    "h200": Hardware("h200", 4.8e12, 989e12, 1979e12, 141e9, 450e9, 50e9, 2e-6, 5e-6,
+                     "NVIDIA H200 SXM datasheet; NVLink 4 (900 GB/s), 400G NDR InfiniBand per GPU"),
+    "h800": Hardware("h800", 3.35e12, 989e12, 1979e12, 80e9, 200e9, 50e9, 2e-6, 5e-6,
+                     "H100 SXM figures with NVLink at 400 GB/s (H800); 400G NDR InfiniBand per GPU"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ParamCounts:
+    attention_per_moe_layer: int    # attention-side decoder parameters over the MoE layers
+    experts_per_moe_layer: int      # routed-expert parameters of one MoE layer (all its experts)
+    expert_params: int              # one routed expert
+    tail: int                       # LM head
+    kv_entry_elems: int             # per token and layer
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    hidden: int
+    node_limit: int = 0             # group-limited routing: the most groups (nodes) a token's experts span
+    num_layers: int = 0
+
+
+def count_params(config) -> ParamCounts:
+    """Parameter counts of a transformers config's model, built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from models.spec import spec_from_hf_config
+
+    spec = spec_from_hf_config(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    experts = attention = tail = 0
+    for name, p in model.named_parameters():
+        if ".layers." not in name:
+            tail += p.numel() if "lm_head" in name else 0
+        elif ".experts." in name or name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
+            experts += p.numel()
+        else:
+            attention += p.numel()
+    L = spec.num_moe_layers
+    c, h, d = spec.kv_entry
+    return ParamCounts(attention // L, experts // L, experts // L // spec.num_experts, tail, c * h * d, L,
+                       spec.num_experts, spec.top_k, spec.hidden_size,
+                       spec.topk_group if spec.n_group > 1 else 0, spec.num_layers)
+
+
+def derive_costs(counts: ParamCounts, hw: Hardware, weight_bytes: float = 1.0, kv_bytes: float = 1.0,
+                 inter_node: bool = True, host_s: float = 0.0, host_seq_s: float = 0.0) -> StepCosts:
+    """The step costs of the model on this hardware (weight_bytes / kv_bytes: bytes per weight / KV element, 1
+    for FP8), with dispatch over the NIC (inter_node) or NVLink."""
+    bw = hw.hbm_bytes_s * MEMORY_EFFICIENCY
+    flops = (hw.flops_fp8 if weight_bytes <= 1 else hw.flops_bf16) * COMPUTE_EFFICIENCY
+    link = hw.nic_bytes_s if inter_node else hw.link_bytes_s
+    latency = hw.nic_latency_s if inter_node else hw.link_latency_s
+    # dispatch + combine bytes of a token: one copy per node its experts sit on, at most topk_group nodes where
+    # routing is group-limited (DeepSeek-V3: 4 of 8 groups), forwarded within the node over NVLink (two_phase)
+    per_token = min(counts.top_k, counts.node_limit or counts.top_k) * counts.hidden * (weight_bytes + 2)
+    return StepCosts(
+        a0=counts.attention_per_moe_layer * weight_bytes / bw + LAUNCH_S,
+        a_tok=2 * counts.attention_per_moe_layer / flops, a_ctx=counts.kv_entry_elems * kv_bytes / bw,
+        e0=LAUNCH_S, e_all=counts.experts_per_moe_layer * weight_bytes / bw,
+        e_pair=2 * counts.expert_params / flops,
+        c0=2 * latency + 2 * LAUNCH_S, c_tok=per_token / link,
+        l0=counts.tail * weight_bytes / bw, l_row=2 * counts.tail / flops,
+        h0=host_s, h_seq=host_seq_s, moe_layers=counts.moe_layers, top_k=counts.top_k,
+        source=f"derived from {hw.name} ({hw.source}) at {MEMORY_EFFICIENCY:.0%} of its bandwidth and "
+               f"{COMPUTE_EFFICIENCY:.0%} of its FLOP/s: a prediction")
+
+
+PRESETS = ("deepseek-v3", "qwen3-235b-a22b")
+
+
+def model_config(name: str):
+    """A transformers config: a preset's published shape (no weights anywhere), or a checkpoint directory's."""
+    from transformers import AutoConfig, DeepseekV3Config, Qwen3MoeConfig
+
+    if name == "deepseek-v3":       # transformers' defaults are DeepSeek-V3's published config
+        return DeepseekV3Config()
+    if name == "qwen3-235b-a22b":   # Qwen3-235B-A22B's config.json
+        return Qwen3MoeConfig(hidden_size=4096, num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                              head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
+                              intermediate_size=12288, vocab_size=151936, max_position_embeddings=40960)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model {name!r}: not a preset ({', '.join(PRESETS)}) nor a checkpoint directory with a "
+                         f"config.json ({e})") from e
+
+
+def memory_limits(counts: ParamCounts, hw: Hardware, weight_bytes: float, kv_bytes: float, context: int,
+                  utilization: float = 0.9) -> tuple[int, int]:
+    """What the GPUs' memory allows -> (the fewest expert ranks that hold the routed experts, the most sequences
+    of `context` tokens an attention rank holds beside its weights)."""
+    room = hw.memory_bytes * utilization
+    experts = counts.experts_per_moe_layer * counts.moe_layers * weight_bytes
+    attention = (counts.attention_per_moe_layer * counts.moe_layers + 2 * counts.tail) * weight_bytes
+    per_seq = context * counts.kv_entry_elems * kv_bytes * counts.num_layers
+    return -(-int(experts) // int(room)), max(0, int((room - attention) // per_seq))

@@ -1,0 +1,249 @@
+"""The planner (launch/plan): the step model's arithmetic by hand, the simulation's step count and token timings for
+workloads worked out by hand, the calibration fit recovering known costs, the calibration on the runtime, and the
+command line."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from dataclasses import astuple
+
+import pytest
+
+from launch.plan.__main__ import candidates, parse_range, search, workload
+from launch.plan.calibrate import fit, measure_windows
+from launch.plan.hardware import count_params, derive_costs, memory_limits
+from launch.plan.model import Plan, RankWork, StepCosts, simulate, step_time
+from models import SHIPPED_MODEL
+from tests.conftest import FULL
+
+COSTS = dict(a0=1.0, a_tok=0.1, a_ctx=0.01, e0=2.0, e_pair=0.05, c0=0.5, c_tok=0.02, l0=0.3, l_row=0.01,
+             h0=4.0, h_seq=0.2, moe_layers=3, top_k=2)
+
+
+def costs(**over) -> StepCosts:
+    return StepCosts(**{**COSTS, **over})
+
+
+def test_one_micro_batch_adds_attention_comm_and_experts_per_layer():
+    """40 tokens reading 400 pairs, 40 logit rows and sequences, 1+1: a = 1 + 4 + 4 = 9, c = 0.5 + 0.8 = 1.3,
+    e = 2 + 0.05 * 80 = 6; layer 16.3, x3 layers; tail 0.3 + 0.4; host 4 + 8."""
+    t, attn, expert = astuple(step_time(costs(), Plan(1, 1, 1), [RankWork(40, 400, 40, 40)]))
+    assert t == pytest.approx(3 * 16.3 + 0.7 + 12.0)
+    assert attn == pytest.approx(3 * 9 + 0.7 + 12.0) and expert == pytest.approx(3 * 6)
+
+
+def test_ping_pong_takes_the_busier_side_per_micro_batch_and_one_fill():
+    """M=2 on the same work: per micro-batch a = 1 + 2 + 2 = 5, c = 0.5 + 0.4 = 0.9, e = 2 + 2 = 4; the layer is
+    2 * max(5, 4.9) + min(5, 4.9) = 14.9; the tail runs per micro-batch (l0 twice)."""
+    t, attn, expert = astuple(step_time(costs(), Plan(1, 1, 2), [RankWork(40, 400, 40, 40)]))
+    assert t == pytest.approx(3 * 14.9 + 0.6 + 0.4 + 12.0)
+    assert attn == pytest.approx(3 * 2 * 5 + 1.0 + 12.0) and expert == pytest.approx(3 * 2 * 4)
+    # under 2 * micro_batch_min_tokens on the least busy rank the step is not split: as with M=1
+    small = [RankWork(40, 400, 40, 40), RankWork(20, 100, 20, 20)]
+    assert step_time(costs(), Plan(2, 1, 2), small) == step_time(costs(), Plan(2, 1, 1), small)
+    # an idle rank does not count (it joins the exchanges empty): the step splits
+    idle = [RankWork(40, 400, 40, 40), RankWork()]
+    assert step_time(costs(), Plan(2, 1, 2), idle).seconds < step_time(costs(), Plan(2, 1, 1), idle).seconds
+
+
+def test_more_expert_ranks_share_the_pairs_and_the_busiest_attention_rank_sets_the_pace():
+    work = [RankWork(40, 400, 40, 40), RankWork(10, 50, 10, 10)]
+    t, attn, expert = astuple(step_time(costs(), Plan(2, 2, 1), work))
+    e = 2 + 0.05 * 50 * 2 / 2          # 50 tokens, top-2, over 2 expert ranks
+    assert expert == pytest.approx(3 * e)
+    assert t == pytest.approx(3 * (9 + 1.3 + e) + 0.7 + 12.0)
+
+
+def test_fewer_cores_than_ranks_cap_the_step_at_the_summed_busy_time():
+    work = [RankWork(40, 400, 40, 40)]
+    free = step_time(costs(), Plan(1, 3, 1), work).seconds
+    capped, attn, expert = astuple(step_time(costs(cores=1), Plan(1, 3, 1), work))
+    assert capped == pytest.approx(attn + 3 * expert) and capped > free
+    assert step_time(costs(cores=4), Plan(1, 3, 1), work).seconds == free
+
+
+def test_one_request_prefills_in_chunks_then_decodes_a_token_a_step():
+    """A 1000-token prompt through a 512-token budget: two prefill steps (the second samples the first token),
+    then 4 decode steps for 5 tokens. Each step's time is the model's for that step's work."""
+    c, plan = costs(), Plan(1, 1, 1)
+    got = simulate(c, plan, [1000], [5])
+    steps = [RankWork(512, 512 * 513 // 2, 0, 1), RankWork(488, 488 * 512 + 488 * 489 // 2, 1, 1)]
+    steps += [RankWork(1, 1000 + g, 1, 1) for g in range(1, 5)]
+    times = [step_time(c, plan, [w]).seconds for w in steps]
+    assert got.steps == 6
+    assert got.seconds == pytest.approx(sum(times))
+    assert got.ttft_p50_ms == pytest.approx(1e3 * (times[0] + times[1]))
+    assert got.tok_s == pytest.approx(5 / sum(times))
+    assert got.tpot_p99_ms == pytest.approx(1e3 * max(times[2:]))
+
+
+def test_arrivals_at_a_rate_wait_for_their_time():
+    """Two one-token requests 100 s apart (a step here takes ~16 s): each runs alone in one step at its arrival,
+    so the run ends 100 s plus a step after the start, and each TTFT is one step."""
+    c, plan = costs(), Plan(1, 1, 1)
+    one = step_time(c, plan, [RankWork(1, 1, 1, 1)]).seconds
+    got = simulate(c, plan, [1, 1], [1, 1], rate=0.01)
+    assert got.steps == 2 and got.seconds == pytest.approx(100.0 + one)
+    assert got.ttft_p99_ms == pytest.approx(1e3 * one)
+    with pytest.raises(ValueError, match="rate=0"):
+        simulate(c, plan, [1], [1], rate=0)
+
+
+def test_requests_beyond_max_num_seqs_wait_and_spread_over_attention_ranks():
+    """Four one-token-prompt requests of 3 tokens with max_num_seqs=1 on 2 attention ranks: two run at a time,
+    one per rank, so 2 x 3 steps."""
+    got = simulate(costs(), Plan(2, 1, 1, max_num_seqs=1), [1] * 4, [3] * 4)
+    assert got.steps == 6
+    one_rank = simulate(costs(), Plan(1, 1, 1, max_num_seqs=1), [1] * 4, [3] * 4)
+    assert one_rank.steps == 12
+    with pytest.raises(RuntimeError, match="3 of 4 requests unfinished"):
+        simulate(costs(), Plan(1, 1, 1, max_num_seqs=1), [1] * 4, [3] * 4, max_steps=3)
+
+
+def test_the_fit_recovers_the_costs_that_made_the_windows():
+    c = costs()
+    windows = []
+    for n, p in ((8, 16), (32, 16), (64, 16), (64, 384), (16, 384)):
+        pairs = n * (p + 24)
+        windows.append({"seqs": n, "pairs": pairs, "a_s": c.a0 + c.a_tok * n + c.a_ctx * pairs,
+                        "e_s": c.e0 + c.e_pair * n * 2, "c_s": c.c0 + c.c_tok * n,
+                        "tail_s": c.l0 + c.l_row * n, "host_s": c.h0 + c.h_seq * n})
+    got = fit(windows, 3, 2, math.inf, "test")
+    for name in ("a0", "a_tok", "a_ctx", "e0", "e_pair", "c0", "c_tok", "l0", "l_row", "h0", "h_seq"):
+        assert getattr(got, name) == pytest.approx(getattr(c, name), rel=1e-6), name
+
+
+def test_the_fit_keeps_every_cost_non_negative():
+    windows = [{"seqs": n, "pairs": 10 * n, "a_s": 5.0 - 0.01 * n, "e_s": 1.0, "c_s": 0.1, "tail_s": 0.1,
+                "host_s": 0.1} for n in (8, 16, 32)]
+    got = fit(windows, 3, 2, math.inf, "test")
+    assert min(got.a0, got.a_tok, got.a_ctx) >= 0
+
+
+@FULL
+def test_calibration_windows_on_the_runtime():
+    """Two windows on the shipped model: each decode step's counters are positive, and the larger batch costs
+    more per call on both pools (the counters moved with the work)."""
+    small, large = measure_windows(SHIPPED_MODEL, windows=((4, 16), (48, 16)), m1=4, m2=16, device="cpu")
+    assert small["steps"] == large["steps"] == 12
+    for w in (small, large):
+        assert w["a_s"] > 0 and w["e_s"] > 0 and w["tail_s"] > 0 and w["host_s"] > 0
+    assert large["a_s"] > small["a_s"] and large["e_s"] > small["e_s"]
+
+
+def test_search_ranks_plans_meeting_the_slo_first():
+    prompts, outputs = workload(32, (16, 64), (8, 32), "uniform")
+    plans = candidates(4, [1, 2], [64])
+    assert len(plans) == 6 and {(p.attention_ranks, p.expert_ranks) for p in plans} == {(1, 3), (2, 2), (3, 1)}
+    rows = search(costs(), plans, prompts, outputs, tpot_slo_ms=None)
+    assert [r["tok_s"] for r in rows] == sorted((r["tok_s"] for r in rows), reverse=True)
+    assert rows[0]["tok_s"] > rows[-1]["tok_s"]
+    # an SLO between the plans' TPOTs: the fastest plan that meets it comes first, before a faster one that fails
+    tight = min(rows, key=lambda r: r["tpot_p99_ms"])
+    slo = tight["tpot_p99_ms"]
+    ranked = search(costs(), plans, prompts, outputs, tpot_slo_ms=slo)
+    meeting = [r for r in rows if r["tpot_p99_ms"] <= slo]
+    assert ranked[0]["plan"] == max(meeting, key=lambda r: r["tok_s"])["plan"]
+    assert [r["meets_slo"] for r in ranked] == [True] * len(meeting) + [False] * (len(rows) - len(meeting))
+
+
+def test_bad_plans_costs_and_profiles_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="plan expert_ranks=0"):
+        Plan(1, 0)
+    with pytest.raises(ValueError, match="plan comm='two_phase'"):
+        Plan(1, 1, comm="two_phase")
+    with pytest.raises(ValueError, match="step cost e_pair=-1"):
+        costs(e_pair=-1)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"a0": 1}')
+    with pytest.raises(ValueError, match="step-cost profile .*bad.json"):
+        StepCosts.load(str(bad))
+
+
+def test_bad_lengths_and_shapes_are_refused_by_name():
+    assert parse_range("16:256") == (16, 256) and parse_range("7") == (7, 7)
+    for bad in ("0:5", "9:3", "a:b", "1:2:3"):
+        with pytest.raises(ValueError, match=f"length range '{bad}'"):
+            parse_range(bad)
+    with pytest.raises(ValueError, match="output shape 'zipf'"):
+        workload(4, (1, 2), (1, 2), "zipf")
+
+
+def test_the_command_line_plans_from_a_saved_profile(tmp_path):
+    profile, out = tmp_path / "costs.json", tmp_path / "plans.json"
+    costs(cores=2.0).save(str(profile))
+    done = subprocess.run([sys.executable, "-m", "launch.plan", "--profile", str(profile), "--ranks", "3",
+                           "--requests", "24", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "1A+2E mb1 direct" in done.stdout and "2A+1E mb2 direct" in done.stdout
+    plans = json.loads(out.read_text())["plans"]
+    assert len(plans) == 4 and plans[0]["tok_s"] == max(p["tok_s"] for p in plans)
+    bad = subprocess.run([sys.executable, "-m", "launch.plan", "--profile", str(profile), "--ranks", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ranks 1" in bad.stderr
+
+
+@FULL
+def test_plan_validation_bench_smoke():
+    done = subprocess.run([sys.executable, "bench/plan_validation.py", "--smoke"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "predicted" in done.stdout and "planner's first choice" in done.stdout
+
+
+def test_parameters_are_counted_by_pool_from_the_config_alone(tiny_checkpoint):
+    """A tiny Qwen3-MoE checkpoint's config, counted on the meta device, against its weights' own tensors: the
+    routed experts go to the expert pool, the rest of the decoder layers to the attention pool."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = tiny_checkpoint("qwen3_moe")
+    counts = count_params(AutoConfig.from_pretrained(path))
+    experts = attention = 0
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        for name in f.keys():
+            n = f.get_slice(name).get_shape()
+            n = math.prod(n)
+            if ".layers." in name:
+                if ".experts." in name:
+                    experts += n
+                else:
+                    attention += n
+    L = counts.moe_layers
+    assert counts.experts_per_moe_layer * L == experts and counts.attention_per_moe_layer * L == attention
+    assert counts.expert_params * counts.num_experts == counts.experts_per_moe_layer
+
+
+def test_derived_costs_are_the_roofline_of_the_counts():
+    from launch.plan.hardware import COMPUTE_EFFICIENCY, LAUNCH_S, MEMORY_EFFICIENCY, Hardware, ParamCounts
+    hw = Hardware("x", hbm_bytes_s=1e12, flops_bf16=1e15, flops_fp8=2e15, memory_bytes=80e9, link_bytes_s=4e11,
+                  nic_bytes_s=5e10, link_latency_s=2e-6, nic_latency_s=5e-6, source="test")
+    counts = ParamCounts(attention_per_moe_layer=10**8, experts_per_moe_layer=64 * 10**7, expert_params=10**7,
+                         tail=10**9, kv_entry_elems=512, moe_layers=10, num_experts=64, top_k=8, hidden=4096,
+                         node_limit=4, num_layers=12)
+    c = derive_costs(counts, hw, weight_bytes=1.0, kv_bytes=1.0)
+    bw, flops = 1e12 * MEMORY_EFFICIENCY, 2e15 * COMPUTE_EFFICIENCY
+    assert c.a0 == pytest.approx(1e8 / bw + LAUNCH_S) and c.a_tok == pytest.approx(2e8 / flops)
+    assert c.e_all == pytest.approx(6.4e8 / bw) and c.e_pair == pytest.approx(2e7 / flops)
+    assert c.c_tok == pytest.approx(4 * 4096 * 3 / 5e10)      # 4 nodes at most, FP8 out and bf16 back, over the NIC
+    assert derive_costs(counts, hw, inter_node=False).c_tok == pytest.approx(4 * 4096 * 3 / 4e11)
+    experts, seqs = memory_limits(counts, hw, 1.0, 1.0, context=1000)
+    assert experts == math.ceil(6.4e9 / 72e9)
+    assert seqs == int((72e9 - (1e9 + 2e9)) // (1000 * 512 * 12))
+
+
+def test_the_command_line_plans_deepseek_v3_on_h800_within_its_memory():
+    """DeepSeek-V3 at FP8 needs 10 H800s for its routed experts (654 GB over 72 GB each): on 12 GPUs only 1 or 2
+    can hold attention; on 8 the plan is refused with the numbers."""
+    args = [sys.executable, "-m", "launch.plan", "--hardware", "h800", "--model", "deepseek-v3", "--decode-only",
+            "--prompt-len", "1024", "--output-len", "16:16", "--requests", "64", "--micro-batches", "1"]
+    done = subprocess.run(args + ["--ranks", "12"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "a prediction" in done.stdout
+    assert re.search(r"^1A\+11E mb1", done.stdout, re.M) and re.search(r"^2A\+10E mb1", done.stdout, re.M)
+    assert not re.search(r"^3A\+9E", done.stdout, re.M)
+    bad = subprocess.run(args + ["--ranks", "8"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "needs 10 expert ranks" in bad.stderr
