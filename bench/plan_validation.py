@@ -1,0 +1,92 @@
+"""The planner (python -m launch.plan) against the runtime: predicted and measured output tok/s for several plans
+on this machine, bench/throughput.py's workload (256 requests, prompts of 16-256 tokens, long-tailed outputs of
+8-256, 64 in flight in all).
+
+The step costs are calibrated first, in the same run (launch/plan/calibrate.py: one 1+1 engine's counters), or
+read with --profile. Then each plan (attention:expert split x micro-batches, default six) runs the workload after a
+warm-up, --repeats times (the median counts), and the planner predicts it from the same prompt and output lengths.
+Prints each plan's predicted and measured tok/s and the error, the median and largest error, and whether the
+planner's first choice is within 5% of the best measured plan; --out writes it all as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.throughput import run_ours, workload  # noqa: E402
+from launch import LLM  # noqa: E402
+from launch.plan.model import Plan, StepCosts, simulate  # noqa: E402
+from models import SHIPPED_MODEL  # noqa: E402
+
+PLANS = ((1, 1, 1), (1, 1, 2), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 1, 2))
+
+
+def measure(model: str, plan: Plan, prompts, olens, repeats: int) -> list[float]:
+    with LLM(model, attention_ranks=plan.attention_ranks, expert_ranks=plan.expert_ranks,
+             micro_batches=plan.micro_batches, max_num_seqs=plan.max_num_seqs, max_num_batched_tokens=512,
+             device="cpu") as llm:
+        run_ours(llm, prompts[:16], olens[:16])        # warm-up
+        runs = []
+        for _ in range(repeats):
+            dt, n = run_ours(llm, prompts, olens)
+            runs.append(n / dt)
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=SHIPPED_MODEL)
+    ap.add_argument("--profile", help="step costs saved by `python -m launch.plan --calibrate --save-profile`")
+    ap.add_argument("--plans", default=";".join(",".join(map(str, p)) for p in PLANS),
+                    help="A,E,M;... (default: 1+1 and 1+2 and 2+1, each with 1 and 2 micro-batches)")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", help="write the table as JSON here")
+    ap.add_argument("--smoke", action="store_true", help="two plans, 32 requests of at most 32 tokens, one run, "
+                    "a small calibration: checks the bench works (tests run it; its figures mean little)")
+    args = ap.parse_args()
+    max_output = 256
+    if args.smoke:
+        args.requests, args.repeats, max_output, args.plans = 32, 1, 32, "1,1,1;1,1,2"
+    plans = []
+    for text in args.plans.split(";"):
+        A, E, M = map(int, text.split(","))
+        plans.append(Plan(A, E, M, max_num_seqs=64 // A))
+    if args.profile:
+        costs = StepCosts.load(args.profile)
+    else:
+        from launch.plan.calibrate import WINDOWS, calibrate
+        costs = calibrate(args.model, device="cpu", **({"windows": WINDOWS[:2]} if args.smoke else {}))
+    print(f"step costs: {costs.source}")
+    prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
+    plens = [len(p) for p in prompts]
+    rows = []
+    for plan in plans:
+        runs = measure(args.model, plan, prompts, olens, args.repeats)
+        measured = statistics.median(runs)
+        predicted = simulate(costs, plan, plens, olens).tok_s
+        rows.append({"plan": plan.label(), "predicted_tok_s": predicted, "measured_tok_s": measured,
+                     "runs": runs, "error": predicted / measured - 1})
+        print(f"{plan.label():<18} predicted {predicted:8.0f}  measured {measured:8.0f} "
+              f"(runs {', '.join(f'{r:.0f}' for r in runs)})  error {100 * rows[-1]['error']:+.1f}%", flush=True)
+    errors = [abs(r["error"]) for r in rows]
+    first = max(rows, key=lambda r: r["predicted_tok_s"])
+    best = max(rows, key=lambda r: r["measured_tok_s"])
+    gap = 1 - first["measured_tok_s"] / best["measured_tok_s"]
+    print(f"error: median {100 * statistics.median(errors):.1f}%, largest {100 * max(errors):.1f}% "
+          f"(goal: median <= 10%, largest <= 20%)")
+    print(f"planner's first choice {first['plan']} measured {first['measured_tok_s']:.0f} tok/s; best measured "
+          f"{best['plan']} {best['measured_tok_s']:.0f}: {100 * gap:.1f}% below (goal: within 5%)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"costs": costs.to_dict(), "rows": rows, "median_error": statistics.median(errors),
+                       "max_error": max(errors), "first_choice_gap": gap}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
