@@ -1,6 +1,6 @@
 """python -m launch.plan: search deployment plans for a workload with the planner's step model.
 
-The step costs come from a calibration on this machine (--calibrate, about a minute, the runtime's own counters;
+The step costs come from a calibration on this machine (--calibrate, about 20 s, the runtime's own counters;
 --save-profile keeps them) or a saved profile (--profile). The search covers the attention:expert split within
 --ranks and micro_batches (comm: `direct` on one node, the mode the step model covers), plays the workload
 through each plan (launch/plan/model.py's simulate) and prints the best plans by predicted output tok/s among
@@ -57,7 +57,8 @@ def candidates(ranks: int, micro_batches: list[int], concurrencies: list[int], m
     for a in range(1, ranks - max(min_experts, 1) + 1):
         for c in concurrencies:
             seqs = max(1, c // a) if max_seqs is None else max(1, min(c // a, max_seqs))
-            plans += [Plan(a, ranks - a, m, max_num_seqs=seqs) for m in micro_batches]
+            plans += [Plan(a, ranks - a, m, max_num_seqs=seqs, max_num_batched_tokens=max(512, seqs))
+                      for m in micro_batches]
     return list(dict.fromkeys(plans))
 
 
@@ -143,7 +144,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if costs is None:
         from .calibrate import calibrate
-        costs = calibrate(args.model, device=args.device)
+        try:
+            costs = calibrate(args.model, device=args.device)
+        except (ValueError, RuntimeError) as e:
+            ap.error(f"--calibrate on {args.model!r}: {e}")
         if args.save_profile:
             costs.save(args.save_profile)
     rows = search(costs, plans, prompts, outputs, args.tpot_slo_ms, args.rate, args.decode_only)

@@ -3,14 +3,16 @@
 
 The model's parameters are counted on the meta device from its transformers config (no weights are read):
 routed-expert tensors (`.experts.` in the name) go to the expert pool, everything else of the decoder layers
-(attention, norms, router, shared experts, dense FFN layers) to the attention pool, the embedding and LM head to
-the tail. Per call, a step costs what a roofline gives at the efficiencies below:
+(attention, norms, router, shared experts, dense FFN layers) to the attention pool, the LM head to the tail (the
+embedding only takes memory: a step reads one row per token). Per call, a step costs what a roofline gives at
+the efficiencies below:
 - a0: reading one MoE layer's share of the attention-side weights; a_tok: their FLOPs per token; a_ctx: reading
-  one token's KV entry of one layer (decode reads the whole context);
+  one token's KV entry in one MoE layer's share of the layers (decode reads the whole context);
 - e_all: reading every routed expert of a layer, shared by the expert ranks; e_pair: one (token, expert) pair's
   FLOPs; e0: one kernel launch;
 - c0: the link's latency per exchange; c_tok: a token's dispatch (weight dtype) and combine (bf16) bytes to its
-  top-k experts over the link (NVLink within a node, the NIC between nodes);
+  top-k experts over the link (NVLink within a node; the NIC between nodes, once per node at most topk_group
+  nodes where routing is group-limited). Only the attention rank's side of the link is counted;
 - l0 / l_row: the LM head's weights read / FLOPs per logit row;
 - h0 / h_seq: the engine's host work per step (--host-ms; 0: a CUDA-graph engine that hides it).
 """
@@ -67,6 +69,7 @@ class ParamCounts:
     num_experts: int
     top_k: int
     hidden: int
+    embed: int = 0                  # the input embedding (memory only)
     node_limit: int = 0             # group-limited routing: the most groups (nodes) a token's experts span
     num_layers: int = 0
 
@@ -80,19 +83,21 @@ def count_params(config) -> ParamCounts:
     spec = spec_from_hf_config(config)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    experts = attention = tail = 0
+    experts = attention = 0
     for name, p in model.named_parameters():
         if ".layers." not in name:
-            tail += p.numel() if "lm_head" in name else 0
-        elif ".experts." in name or name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
+            continue
+        if ".experts." in name or name.endswith(".experts.gate_up_proj") or name.endswith(".experts.down_proj"):
             experts += p.numel()
         else:
             attention += p.numel()
     L = spec.num_moe_layers
     c, h, d = spec.kv_entry
+    tail = model.get_output_embeddings().weight.numel()     # tied or not, the head is read once per row
+    embed = model.get_input_embeddings().weight.numel()
     return ParamCounts(attention // L, experts // L, experts // L // spec.num_experts, tail, c * h * d, L,
-                       spec.num_experts, spec.top_k, spec.hidden_size,
-                       spec.topk_group if spec.n_group > 1 else 0, spec.num_layers)
+                       spec.num_experts, spec.top_k, spec.hidden_size, embed=embed,
+                       node_limit=spec.topk_group if spec.n_group > 1 else 0, num_layers=spec.num_layers)
 
 
 def derive_costs(counts: ParamCounts, hw: Hardware, weight_bytes: float = 1.0, kv_bytes: float = 1.0,
@@ -103,12 +108,17 @@ def derive_costs(counts: ParamCounts, hw: Hardware, weight_bytes: float = 1.0, k
     flops = (hw.flops_fp8 if weight_bytes <= 1 else hw.flops_bf16) * COMPUTE_EFFICIENCY
     link = hw.nic_bytes_s if inter_node else hw.link_bytes_s
     latency = hw.nic_latency_s if inter_node else hw.link_latency_s
-    # dispatch + combine bytes of a token: one copy per node its experts sit on, at most topk_group nodes where
-    # routing is group-limited (DeepSeek-V3: 4 of 8 groups), forwarded within the node over NVLink (two_phase)
-    per_token = min(counts.top_k, counts.node_limit or counts.top_k) * counts.hidden * (weight_bytes + 2)
+    if not (weight_bytes > 0 and kv_bytes > 0):
+        raise ValueError(f"weight_bytes={weight_bytes}, kv_bytes={kv_bytes}: bytes per element must be > 0")
+    # dispatch + combine bytes of a token: within a node one copy per expert; between nodes one per node its
+    # experts sit on, at most topk_group nodes where routing is group-limited (DeepSeek-V3: 4 of 8 groups),
+    # forwarded within the node over NVLink (two_phase)
+    copies = min(counts.top_k, counts.node_limit or counts.top_k) if inter_node else counts.top_k
+    per_token = copies * counts.hidden * (weight_bytes + 2)
+    layers_per_moe = (counts.num_layers or counts.moe_layers) / counts.moe_layers
     return StepCosts(
         a0=counts.attention_per_moe_layer * weight_bytes / bw + LAUNCH_S,
-        a_tok=2 * counts.attention_per_moe_layer / flops, a_ctx=counts.kv_entry_elems * kv_bytes / bw,
+        a_tok=2 * counts.attention_per_moe_layer / flops, a_ctx=layers_per_moe * counts.kv_entry_elems * kv_bytes / bw,
         e0=LAUNCH_S, e_all=counts.experts_per_moe_layer * weight_bytes / bw,
         e_pair=2 * counts.expert_params / flops,
         c0=2 * latency + 2 * LAUNCH_S, c_tok=per_token / link,
@@ -144,6 +154,6 @@ def memory_limits(counts: ParamCounts, hw: Hardware, weight_bytes: float, kv_byt
     of `context` tokens an attention rank holds beside its weights)."""
     room = hw.memory_bytes * utilization
     experts = counts.experts_per_moe_layer * counts.moe_layers * weight_bytes
-    attention = (counts.attention_per_moe_layer * counts.moe_layers + 2 * counts.tail) * weight_bytes
+    attention = (counts.attention_per_moe_layer * counts.moe_layers + counts.tail + counts.embed) * weight_bytes
     per_seq = context * counts.kv_entry_elems * kv_bytes * counts.num_layers
     return -(-int(experts) // int(room)), max(0, int((room - attention) // per_seq))

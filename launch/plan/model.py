@@ -109,6 +109,9 @@ class Plan:
         for name in ("attention_ranks", "expert_ranks", "micro_batches", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"plan {name}={getattr(self, name)}: must be at least 1")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(f"plan max_num_seqs={self.max_num_seqs} > max_num_batched_tokens="
+                             f"{self.max_num_batched_tokens}: every running sequence needs its decode token a step")
         if self.comm not in COMM_MODES:
             raise ValueError(f"plan comm={self.comm!r}: the planner models {', '.join(COMM_MODES)} only")
 

@@ -155,6 +155,8 @@ def test_bad_plans_costs_and_profiles_are_refused_by_name(tmp_path):
         Plan(1, 0)
     with pytest.raises(ValueError, match="plan comm='two_phase'"):
         Plan(1, 1, comm="two_phase")
+    with pytest.raises(ValueError, match="max_num_seqs=600 > max_num_batched_tokens=512"):
+        Plan(1, 1, max_num_seqs=600)
     with pytest.raises(ValueError, match="step cost e_pair=-1"):
         costs(e_pair=-1)
     bad = tmp_path / "bad.json"
@@ -215,6 +217,9 @@ def test_parameters_are_counted_by_pool_from_the_config_alone(tiny_checkpoint):
     L = counts.moe_layers
     assert counts.experts_per_moe_layer * L == experts and counts.attention_per_moe_layer * L == attention
     assert counts.expert_params * counts.num_experts == counts.experts_per_moe_layer
+    # tied embeddings: the head is still read once per logit row
+    tied = count_params(AutoConfig.from_pretrained(path, tie_word_embeddings=True))
+    assert tied.tail == tied.embed == counts.embed > 0
 
 
 def test_derived_costs_are_the_roofline_of_the_counts():
@@ -229,10 +234,11 @@ def test_derived_costs_are_the_roofline_of_the_counts():
     assert c.a0 == pytest.approx(1e8 / bw + LAUNCH_S) and c.a_tok == pytest.approx(2e8 / flops)
     assert c.e_all == pytest.approx(6.4e8 / bw) and c.e_pair == pytest.approx(2e7 / flops)
     assert c.c_tok == pytest.approx(4 * 4096 * 3 / 5e10)      # 4 nodes at most, FP8 out and bf16 back, over the NIC
-    assert derive_costs(counts, hw, inter_node=False).c_tok == pytest.approx(4 * 4096 * 3 / 4e11)
+    assert derive_costs(counts, hw, inter_node=False).c_tok == pytest.approx(8 * 4096 * 3 / 4e11)   # one per expert
+    assert c.a_ctx == pytest.approx(12 / 10 * 512 / bw)      # 12 layers' KV read over 10 MoE layers
     experts, seqs = memory_limits(counts, hw, 1.0, 1.0, context=1000)
     assert experts == math.ceil(6.4e9 / 72e9)
-    assert seqs == int((72e9 - (1e9 + 2e9)) // (1000 * 512 * 12))
+    assert seqs == int((72e9 - (1e9 + 1e9)) // (1000 * 512 * 12))     # the head (no embedding given)
 
 
 def test_the_command_line_plans_deepseek_v3_on_h800_within_its_memory():
