@@ -2,11 +2,13 @@
 on this machine, bench/throughput.py's workload (256 requests, prompts of 16-256 tokens, long-tailed outputs of
 8-256, 64 in flight in all).
 
-The step costs are calibrated first, in the same run (launch/plan/calibrate.py: one 1+1 engine's counters), or
-read with --profile. Then each plan (attention:expert split x micro-batches, default six) runs the workload after a
-warm-up, --repeats times (the median counts), and the planner predicts it from the same prompt and output lengths.
-Prints each plan's predicted and measured tok/s and the error, the median and largest error, and whether the
-planner's first choice is within 5% of the best measured plan; --out writes it all as JSON.
+The run goes in --repeats rounds. Each round calibrates the step costs afresh (launch/plan/calibrate.py: one 1+1
+engine's counters; or reads --profile once), predicts every plan from the workload's prompt and output lengths,
+and measures every plan once (a fresh engine, an untimed run, one timed run), in an order rotated each round, so that
+this VM's drifting speed falls on every plan alike and each prediction comes from the machine of its round. A
+plan's figures are the medians over the rounds. Prints each plan's predicted and measured tok/s and the error,
+the median and largest error, and whether the planner's first choice is within 5% of the best measured plan;
+--out writes it all as JSON.
 """
 from __future__ import annotations
 
@@ -26,16 +28,16 @@ from models import SHIPPED_MODEL  # noqa: E402
 PLANS = ((1, 1, 1), (1, 1, 2), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 1, 2))
 
 
-def measure(model: str, plan: Plan, prompts, olens, repeats: int) -> list[float]:
+def measure(model: str, plan: Plan, prompts, olens) -> float:
+    """One timed run of the workload on a fresh engine for the plan, after an untimed run of the whole workload
+    (a fresh engine's first full run was up to 25% slower than its later ones: its KV cache's first touch and
+    thread start-up) -> output tok/s."""
     with LLM(model, attention_ranks=plan.attention_ranks, expert_ranks=plan.expert_ranks,
              micro_batches=plan.micro_batches, max_num_seqs=plan.max_num_seqs, max_num_batched_tokens=512,
              device="cpu") as llm:
-        run_ours(llm, prompts[:16], olens[:16])        # warm-up
-        runs = []
-        for _ in range(repeats):
-            dt, n = run_ours(llm, prompts, olens)
-            runs.append(n / dt)
-    return runs
+        run_ours(llm, prompts, olens)
+        dt, n = run_ours(llm, prompts, olens)
+    return n / dt
 
 
 def main() -> None:
@@ -57,23 +59,29 @@ def main() -> None:
     for text in args.plans.split(";"):
         A, E, M = map(int, text.split(","))
         plans.append(Plan(A, E, M, max_num_seqs=64 // A))
-    if args.profile:
-        costs = StepCosts.load(args.profile)
-    else:
-        from launch.plan.calibrate import WINDOWS, calibrate
-        costs = calibrate(args.model, device="cpu", **({"windows": WINDOWS[:2]} if args.smoke else {}))
-    print(f"step costs: {costs.source}")
     prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
     plens = [len(p) for p in prompts]
+    predicted: dict[Plan, list[float]] = {p: [] for p in plans}
+    measured: dict[Plan, list[float]] = {p: [] for p in plans}
+    costs = StepCosts.load(args.profile) if args.profile else None
+    for round_ in range(args.repeats):
+        if not args.profile:
+            from launch.plan.calibrate import WINDOWS, calibrate
+            costs = calibrate(args.model, device="cpu", **({"windows": WINDOWS[:2]} if args.smoke else {}))
+        print(f"round {round_ + 1}: step costs {costs.source}", flush=True)
+        k = round_ % len(plans)
+        for plan in plans[k:] + plans[:k]:
+            predicted[plan].append(simulate(costs, plan, plens, olens).tok_s)
+            measured[plan].append(measure(args.model, plan, prompts, olens))
+            print(f"  {plan.label():<18} predicted {predicted[plan][-1]:8.0f}  measured {measured[plan][-1]:8.0f}",
+                  flush=True)
     rows = []
     for plan in plans:
-        runs = measure(args.model, plan, prompts, olens, args.repeats)
-        measured = statistics.median(runs)
-        predicted = simulate(costs, plan, plens, olens).tok_s
-        rows.append({"plan": plan.label(), "predicted_tok_s": predicted, "measured_tok_s": measured,
-                     "runs": runs, "error": predicted / measured - 1})
-        print(f"{plan.label():<18} predicted {predicted:8.0f}  measured {measured:8.0f} "
-              f"(runs {', '.join(f'{r:.0f}' for r in runs)})  error {100 * rows[-1]['error']:+.1f}%", flush=True)
+        p, m = statistics.median(predicted[plan]), statistics.median(measured[plan])
+        rows.append({"plan": plan.label(), "predicted_tok_s": p, "measured_tok_s": m, "predictions": predicted[plan],
+                     "runs": measured[plan], "error": p / m - 1})
+        print(f"{plan.label():<18} predicted {p:8.0f}  measured {m:8.0f} "
+              f"(runs {', '.join(f'{r:.0f}' for r in measured[plan])})  error {100 * rows[-1]['error']:+.1f}%")
     errors = [abs(r["error"]) for r in rows]
     first = max(rows, key=lambda r: r["predicted_tok_s"])
     best = max(rows, key=lambda r: r["measured_tok_s"])
