@@ -72,16 +72,19 @@ def test_tree_ticks_sums_the_descendants_only(tmp_path):
 
 
 def test_tree_ticks_counts_a_busy_child_on_the_real_proc():
-    """Against an independent statement: the child's own os.times() of the CPU it burnt."""
+    """Against an independent statement: the grandchild's own os.times() of the CPU it burnt. The tree is rooted
+    at a parent process of the test's own (pytest's tree holds whatever earlier tests left running; one of them
+    exiting between two readings took its ticks out of the difference, failing a CI run)."""
     code = ("import os, sys, time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
             "c = os.times()\nprint(c.user + c.system, flush=True)\nsys.stdin.readline()\n")
-    before = tree_ticks(os.getpid())
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    parent_code = f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {code!r}])\n"
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
     try:
-        burnt_s = float(child.stdout.readline())   # the child is still alive, waiting on stdin
-        grown = tree_ticks(os.getpid()) - before
+        burnt_s = float(parent.stdout.readline())   # the grandchild is still alive, waiting on stdin
+        grown = tree_ticks(parent.pid)
     finally:
-        child.communicate("\n", timeout=30)
+        parent.communicate("\n", timeout=30)
     hz = os.sysconf("SC_CLK_TCK")
     assert burnt_s >= 0.4
     assert grown >= 0.9 * burnt_s * hz - 2, (grown, burnt_s * hz)
