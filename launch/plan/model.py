@@ -147,19 +147,19 @@ def step_time(costs: StepCosts, plan: Plan, work: list[RankWork]) -> StepTime:
         else 1
     E = plan.expert_ranks
     total_tokens = sum(w.tokens for w in work)
-    a = max(costs.a0 + costs.a_tok * w.tokens / M + costs.a_ctx * w.pairs / M for w in work)
+    # each attention rank's per-layer compute (one micro-batch), its tail and its host work
+    attn = [costs.a0 + costs.a_tok * w.tokens / M + costs.a_ctx * w.pairs / M for w in work]
+    tails = [M * costs.l0 + costs.l_row * w.rows for w in work]
+    hosts = [costs.h0 + costs.h_seq * w.seqs for w in work]
+    a, tail, host = max(attn), max(tails), max(hosts)
     e = costs.e0 + costs.e_all / E + costs.e_pair * total_tokens * costs.top_k / M / E
     c = costs.c0 + costs.c_tok * max(w.tokens for w in work) / M
     layer = a + c + e if M == 1 else M * max(a, c + e) + min(a, c + e)
-    tail = max(M * costs.l0 + costs.l_row * w.rows for w in work)
-    host = max(costs.h0 + costs.h_seq * w.seqs for w in work)
     t = costs.moe_layers * layer + tail + host
     attn_busy = costs.moe_layers * M * a + tail + host
     expert_busy = costs.moe_layers * M * e
-    ranks = plan.attention_ranks + E
-    if ranks > costs.cores:
-        busy = sum(costs.moe_layers * M * (costs.a0 + costs.a_tok * w.tokens / M + costs.a_ctx * w.pairs / M)
-                   + M * costs.l0 + costs.l_row * w.rows + costs.h0 + costs.h_seq * w.seqs for w in work)
+    if plan.attention_ranks + E > costs.cores:
+        busy = sum(costs.moe_layers * M * aj + tj + hj for aj, tj, hj in zip(attn, tails, hosts))
         t = max(t, (busy + E * expert_busy) / costs.cores)
     return StepTime(t, attn_busy, expert_busy)
 
