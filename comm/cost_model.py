@@ -127,28 +127,33 @@ def _busiest(table: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def nnls_relative(rows: list[list[float]], seconds: list[float]) -> list[float]:
-    """Non-negative x minimising sum((row . x / seconds - 1)^2), over few unknowns: every support is solved
-    by least squares and the best non-negative solution is kept."""
-    A = torch.tensor(rows, dtype=torch.float64) / torch.tensor(seconds, dtype=torch.float64)[:, None]
+def nnls(A: torch.Tensor, b: torch.Tensor) -> list[float]:
+    """Non-negative x minimising |A x - b|^2 (A `[m, n]` float64, b `[m]`), over few unknowns: every support is
+    solved by least squares (columns scaled to 1) and the best non-negative solution is kept; all zeros if none."""
     n = A.shape[1]
     scale = A.abs().amax(0).clamp_min(1e-300)
-    ones = torch.ones(A.shape[0], 1, dtype=torch.float64)
+    b = b.reshape(-1, 1)
     best: tuple[float, list[float]] | None = None
     for keep in itertools.product((False, True), repeat=n):
         idx = [i for i in range(n) if keep[i]]
         if not idx:
             continue
-        sol = torch.linalg.lstsq(A[:, idx] / scale[idx], ones).solution.flatten() / scale[idx]
+        sol = torch.linalg.lstsq(A[:, idx] / scale[idx], b).solution.flatten() / scale[idx]
         if (sol < 0).any():
             continue
         x = [0.0] * n
         for i, v in zip(idx, sol.tolist()):
             x[i] = v
-        err = float((A @ torch.tensor(x, dtype=torch.float64) - 1).pow(2).sum())
+        err = float((A @ torch.tensor(x, dtype=torch.float64)[:, None] - b).pow(2).sum())
         if best is None or err < best[0]:
             best = (err, x)
     return best[1] if best else [0.0] * n
+
+
+def nnls_relative(rows: list[list[float]], seconds: list[float]) -> list[float]:
+    """Non-negative x minimising sum((row . x / seconds - 1)^2)."""
+    A = torch.tensor(rows, dtype=torch.float64) / torch.tensor(seconds, dtype=torch.float64)[:, None]
+    return nnls(A, torch.ones(A.shape[0], dtype=torch.float64))
 
 
 # Where fit_layers starts: per link class a latency-bound (1 ms, 10 TB/s) or a bandwidth-bound (1 us, 100 MB/s)

@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 import torch
+
+from comm.cost_model import nnls
 
 from .model import StepCosts
 
@@ -29,7 +30,7 @@ M1, M2 = 8, 40
 
 
 def _totals(stats: dict) -> dict:
-    """The counters a window reads, summed over MoE layers: attention compute (calls, s), tail (calls, s),
+    """The counters a window reads, summed over MoE layers: attention compute (s), tail (calls, s),
     dispatch + combine (s), steps (calls, s), expert compute (calls, s)."""
     ranks = stats["ranks"]
     attn, expert = ranks["0"], ranks["1"]
@@ -37,7 +38,7 @@ def _totals(stats: dict) -> dict:
     layers = [k for k in comp if k != "-1"]
     comm = sum(p["time_s"] for layer in attn["layers"].values() for p in layer.values())
     ex = {k: v for k, v in expert["compute"].items() if k != "-1"}
-    return {"a_calls": sum(comp[k]["calls"] for k in layers), "a_s": sum(comp[k]["time_s"] for k in layers),
+    return {"a_s": sum(comp[k]["time_s"] for k in layers),
             "tail_calls": comp.get("-1", {}).get("calls", 0), "tail_s": comp.get("-1", {}).get("time_s", 0.0),
             "comm_s": comm, "steps": attn["steps"]["calls"], "step_s": attn["steps"]["time_s"],
             "e_calls": sum(v["calls"] for v in ex.values()), "e_s": sum(v["time_s"] for v in ex.values())}
@@ -85,17 +86,8 @@ def measure_windows(model: str, windows=WINDOWS, m1: int = M1, m2: int = M2, **e
 
 
 def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
-    """Least squares with every coefficient >= 0 (drop the most negative and refit; few unknowns)."""
-    X, y = np.asarray(rows, dtype=float), np.asarray(y, dtype=float)
-    active = list(range(X.shape[1]))
-    while True:
-        coef = np.zeros(X.shape[1])
-        if active:
-            sol, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
-            coef[active] = sol
-        if (coef >= 0).all():
-            return coef.tolist()
-        active.remove(int(np.argmin(coef)))
+    """Least squares with every coefficient >= 0 (comm/cost_model.nnls: the best of every support)."""
+    return nnls(torch.tensor(rows, dtype=torch.float64), torch.tensor(y, dtype=torch.float64))
 
 
 def fit(windows: list[dict], moe_layers: int, top_k: int, cores: float, source: str) -> StepCosts:
