@@ -63,6 +63,7 @@ class Leader:
         self.draft_passes, self.disable_by_batch_size = draft_passes, disable_by_batch_size
         self.micro_batches, self.micro_batch_min_tokens = micro_batches, micro_batch_min_tokens
         self.membership_changes: list = []   # the job's MembershipChange records (launch/runtime/membership.py)
+        self.autoscaler = None               # launch/runtime/autoscale.py's, with autoscale=True
         self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
         self.scales: list[dict] = []    # membership changes asked for since the last step
         self.rebalance_interval, self.block_size = rebalance_interval, block_size
@@ -245,7 +246,8 @@ class Leader:
                        "prompt_tokens_computed": [r.prompt_tokens_computed for r in self.reports]},
                 "kv_bytes_per_token_per_layer": self.worker.kv.bytes_per_token,
                 "pool_ranks": self._pool_ranks(),
-                "membership_changes": [c.to_dict() for c in self.membership_changes]}
+                "membership_changes": [c.to_dict() for c in self.membership_changes],
+                "autoscale": None if self.autoscaler is None else self.autoscaler.summary()}
 
     def _pool_ranks(self) -> dict[str, int]:
         """Ranks per pool; with PD, the attention pool's prefill and decode ranks too."""

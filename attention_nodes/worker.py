@@ -220,7 +220,10 @@ class AttentionWorker:
         outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq), None] for seq, _, _ in scored
                     if id(seq) not in reported]
         wall = self.moe.dispatcher.stats.now() - t0
-        return replace(self.report(outputs), wall_s=wall, busy_s=max(0.0, wall - (self.moe.waited_s - waited0)))
+        work = [sum(s.num_new_tokens for s in ran), sum(s.num_new_tokens * s.start + s.num_new_tokens
+                                                        * (s.num_new_tokens + 1) // 2 for s in ran), row, len(ran)]
+        return replace(self.report(outputs), wall_s=wall, busy_s=max(0.0, wall - (self.moe.waited_s - waited0)),
+                       work=work)
 
     def _emit(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
               ) -> tuple[list[list[int]], list[int]]:

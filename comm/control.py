@@ -99,6 +99,7 @@ class StepReport:
     wall_s: float = 0.0                 # this step's forwards and sampling, wall seconds (PD's PassPlanner),
     busy_s: float = 0.0                 # and those less their waits on the data plane
     passes: int = 1                     # the forwards this rank ran in the step (PD decode passes)
+    work: list[int] = field(default_factory=list)   # the step's [tokens, attention pairs, logit rows, sequences]
     prefilling: list[list] = field(default_factory=list)   # PD, a prefill rank: [request id, full blocks] mid-prefill
 
 

@@ -82,6 +82,13 @@ class ParallelConfig:
                                          "each time, on the layers whose predicted max/mean load is above 1.10 "
                                          "(incremental: cheap enough for rebalance_interval=1, bytes bounded); 0: "
                                          "EPLB from scratch each time")
+    autoscale: str | None = option(None, "a step-cost profile (python -m launch.plan --calibrate --save-profile "
+                                         "FILE): move ranks between the attention and expert pools, keeping their "
+                                         "total, when its model predicts a split at least autoscale_margin faster "
+                                         "for the last window's work; ranks spawned by LLM, without PD")
+    autoscale_window: int = option(64, "autoscale: steps per measured window, and the steps left unmeasured after "
+                                       "the pools change")
+    autoscale_margin: float = option(0.15, "autoscale: the least predicted step-time gain that moves ranks")
     comm_calibration: str | None = option(None, "comm=auto: alpha-beta calibration JSON to load (or to write "
                                                 "after measuring)")
     expert_memory: int | None = option(None, "bytes of expert weights one expert rank may hold (default: what "
@@ -101,6 +108,14 @@ class ParallelConfig:
         _int("redundant_experts", self.redundant_experts, 0)
         _int("rebalance_interval", self.rebalance_interval, 0)
         _int("rebalance_max_slots", self.rebalance_max_slots, 0)
+        _int("autoscale_window", self.autoscale_window, 1)
+        if isinstance(self.autoscale_margin, bool) or not isinstance(self.autoscale_margin, (int, float)) \
+                or not 0 <= self.autoscale_margin < 1:
+            raise ValueError(f"autoscale_margin={self.autoscale_margin!r} is invalid: pass a fraction in [0, 1), "
+                             "the least predicted gain a move needs")
+        if self.autoscale and self.prefill_ranks:
+            raise ValueError(f"autoscale with prefill_ranks={self.prefill_ranks}: the autoscaler sizes one "
+                             "attention pool against the expert pool; pass prefill_ranks=0, or autoscale=False")
         if self.expert_memory is not None:
             _int("expert_memory", self.expert_memory, 1)
         if self.ranks_per_node is not None:

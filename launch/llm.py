@@ -106,6 +106,9 @@ class LLM:
         self._serving = True
 
     def _join(self) -> None:
+        if self.config.parallel.autoscale:
+            raise ValueError("autoscale=True needs ranks spawned by LLM (it starts those a move adds): under "
+                             "torchrun scale each pool on /metrics' gauges (deploy/README.md), or use LLM(...) alone")
         from .runtime import Runtime
         self.runtime = Runtime(self.config)
         self._inbox, self._outbox = queue.Queue(), queue.Queue()
@@ -319,8 +322,7 @@ class LLM:
         return result
 
     def _reply(self, kind: str, timeout_s: float = 60) -> dict:
-        """The leader's answer to a ("stats",), ("comm_stats",) or ("scale", request) command just put on the
-        inbox."""
+        """The leader's answer to a ("stats",), ("comm_stats",) or ("scale", request) command put on the inbox."""
         deadline = time.monotonic() + timeout_s
         while True:
             msg = self._poll(self._outbox, deadline, kind)

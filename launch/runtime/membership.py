@@ -80,8 +80,7 @@ class Membership(Generations):
             record = guard(lambda: self.scale_as_leader(scales[0], outbox))
             if record is None:
                 return self._rt.generation != gen
-            scales.pop(0)
-            outbox.put(("scale", record))
+            outbox.put((scales.pop(0).get("reply", "scale"), record))
         now = time.monotonic()
         if now - self._last_poll >= JOIN_POLL_S:
             self._last_poll = now

@@ -27,7 +27,9 @@ from expert_nodes.worker import ExpertWorker
 from models.checkpoint import Checkpoint
 
 from ..config import ATTENTION_ROLES, EngineConfig
+from ..plan.model import Plan, StepCosts
 from . import collectives, handoff, memory, planning, step_protocol
+from .autoscale import Autoscaler
 from .changes import MembershipSettings
 from .dataplane import make_data_plane
 from .forming import GenerationForming
@@ -197,6 +199,14 @@ class Runtime(GenerationForming):
                                  par.micro_batches, par.micro_batch_min_tokens, *draft_passes(config),
                                  par.prefill_ranks, par.max_decode_passes, par.stream_kv)
             self.leader.num_expert_ranks = self.topo.num_expert_ranks
+            if par.autoscale:
+                sched = config.scheduler
+                plan = Plan(1, 1, par.micro_batches, max_num_seqs=sched.max_num_seqs,
+                            max_num_batched_tokens=sched.max_num_batched_tokens,
+                            micro_batch_min_tokens=par.micro_batch_min_tokens)
+                self.leader.autoscaler = Autoscaler(StepCosts.load(par.autoscale), plan, par.world_size,
+                                                    self.ckpt.spec.num_experts, par.autoscale_window,
+                                                    par.autoscale_margin)
             if self.membership is not None:
                 self.leader.membership_changes = self.membership.changes
             if self.store is not None:   # what ranks joining later take (launch/runtime/membership.py, "Joining")

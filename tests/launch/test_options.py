@@ -24,6 +24,7 @@ VALUES = {
     "comm": "two_phase", "balancer": "least_loaded", "micro_batches": 3, "micro_batch_min_tokens": 4,
     "transport": "shm", "in_band_counts": "on",
     "redundant_experts": 4, "rebalance_interval": 16, "rebalance_max_slots": 2,
+    "autoscale": "/tmp/profile.json", "autoscale_window": 16, "autoscale_margin": 0.3,
     "comm_calibration": "/tmp/calibration.json",
     "expert_memory": 1 << 30, "block_size": 32, "kv_cache_memory": 1 << 28,
     "gpu_memory_utilization": 0.75, "num_kv_blocks": 100,
