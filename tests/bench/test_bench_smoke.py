@@ -110,3 +110,16 @@ def test_elastic_smoke():
     out = _smoke("elastic.py")
     assert re.search(r"median of 1: outage \d+ ms vs restart \d+ ms .*every run identical: True", out), out
     assert re.search(r"median of 1: scale-out \d+ ms .*every run identical: True", out), out
+
+
+@FULL   # ~45 s (a small calibration and three engines): make test-full; the autoscaler's own tests run in make test
+def test_autoscale_smoke():
+    """Three runs (static 1+2, static 2+1, the autoscaler from 1+2), one round of each phase: a table row per
+    round with its pools, and the phase table with the autoscaler's ratios to both static splits."""
+    out = _smoke("autoscale.py")
+    rows = [line for line in out.splitlines() if re.match(r"\| (static|autoscale) .* \| \d+ \| (short|long) \|", line)]
+    assert len(rows) == 6, out
+    assert sum("| static 2+1 |" in r and "| 2+1 |" in r for r in rows) == 2, out
+    phase = [line for line in out.splitlines() if line.startswith(("| short |", "| long |"))]
+    assert len(phase) == 2 and all(line.count("x |") == 2 for line in phase), out
+    assert "autoscaler moves:" in out, out
