@@ -10,7 +10,8 @@ pushes per-request progress to an outbox queue. Inbox commands: ("add", request 
 ("shutdown",).
 Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
 prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
-("comm_stats", dict). A request added with "stream": False (`LLM.generate`, which returns only whole outputs)
+("comm_stats", dict); between steps, a scale request's ("spawn", [roles], deadline) and ("scale", record), and the
+autoscaler's ("autoscaled", record). A request added with "stream": False (`LLM.generate`, which returns only whole outputs)
 has its progress held back for up to HOLD_STEPS steps, or until a step in which some request finishes, a streamed
 request makes progress or the leader runs out of work; the held outputs then go out, in order, in one message (one
 pickle and one pipe write for several steps instead of one per step, and the reading process wakes as rarely; the

@@ -42,6 +42,7 @@ class AttentionWorker:
         self._arrivals = 0
         self._aborted: list[list] = []
         self.num_partial_chunks = 0
+        self.report_work = False    # each report carries its step's work (the leader's autoscaler reads it)
         self.num_preemptions = 0
         self.num_kv_blocks_received = 0   # KV blocks handed over by ranks that left (attention_nodes/handover.py)
         self.pd_stats = TransferStats()      # PD: requests and KV taken over from prefill ranks so far
@@ -221,7 +222,8 @@ class AttentionWorker:
                     if id(seq) not in reported]
         wall = self.moe.dispatcher.stats.now() - t0
         work = [sum(s.num_new_tokens for s in ran), sum(s.num_new_tokens * s.start + s.num_new_tokens
-                                                        * (s.num_new_tokens + 1) // 2 for s in ran), row, len(ran)]
+                                                        * (s.num_new_tokens + 1) // 2 for s in ran), row,
+                len(ran)] if self.report_work else []
         return replace(self.report(outputs), wall_s=wall, busy_s=max(0.0, wall - (self.moe.waited_s - waited0)),
                        work=work)
 

@@ -84,8 +84,9 @@ class ParallelConfig:
                                          "EPLB from scratch each time")
     autoscale: str | None = option(None, "a step-cost profile (python -m launch.plan --calibrate --save-profile "
                                          "FILE): move ranks between the attention and expert pools, keeping their "
-                                         "total, when its model predicts a split at least autoscale_margin faster "
-                                         "for the last window's work; ranks spawned by LLM, without PD")
+                                         "total, when its model, scaled by the last window's measured times, "
+                                         "predicts a split at least autoscale_margin faster; ranks spawned by LLM, "
+                                         "without PD")
     autoscale_window: int = option(64, "autoscale: steps per measured window, and the steps left unmeasured after "
                                        "the pools change")
     autoscale_margin: float = option(0.15, "autoscale: the least predicted step-time gain that moves ranks")
@@ -113,9 +114,12 @@ class ParallelConfig:
                 or not 0 <= self.autoscale_margin < 1:
             raise ValueError(f"autoscale_margin={self.autoscale_margin!r} is invalid: pass a fraction in [0, 1), "
                              "the least predicted gain a move needs")
-        if self.autoscale and self.prefill_ranks:
+        if self.autoscale is not None and (not isinstance(self.autoscale, str) or not self.autoscale):
+            raise ValueError(f"autoscale={self.autoscale!r} is invalid: pass the path of a step-cost profile "
+                             "(python -m launch.plan --calibrate --save-profile FILE), or None for no autoscaler")
+        if self.autoscale is not None and self.prefill_ranks:
             raise ValueError(f"autoscale with prefill_ranks={self.prefill_ranks}: the autoscaler sizes one "
-                             "attention pool against the expert pool; pass prefill_ranks=0, or autoscale=False")
+                             "attention pool against the expert pool; pass prefill_ranks=0, or autoscale=None")
         if self.expert_memory is not None:
             _int("expert_memory", self.expert_memory, 1)
         if self.ranks_per_node is not None:

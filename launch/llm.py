@@ -15,7 +15,7 @@ from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
 from .procs import Outbox, free_port, joiner_slot, rank_main, visible_gpus
-from .runtime.planning import check_scale
+from .runtime.planning import check_autoscale, check_scale
 from .samples import Sample, chosen, split_id
 
 logger = logging.getLogger("afserve")
@@ -72,6 +72,7 @@ class LLM:
         """Config, spec, tokenizer, request ids, rank bookkeeping: all a front holds (frontend/process.py's too)."""
         self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
         self.spec = Checkpoint(self.config.model, mtp=self.config.scheduler.uses_mtp).spec   # fails fast if it is bad
+        check_autoscale(self.config.parallel, "RANK" in os.environ and "WORLD_SIZE" in os.environ)
         if expert_ranks > self.spec.num_experts:
             raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "
                              f"use at most {self.spec.num_experts}")
@@ -106,9 +107,6 @@ class LLM:
         self._serving = True
 
     def _join(self) -> None:
-        if self.config.parallel.autoscale:
-            raise ValueError("autoscale=True needs ranks spawned by LLM (it starts those a move adds): under "
-                             "torchrun scale each pool on /metrics' gauges (deploy/README.md), or use LLM(...) alone")
         from .runtime import Runtime
         self.runtime = Runtime(self.config)
         self._inbox, self._outbox = queue.Queue(), queue.Queue()
@@ -341,7 +339,8 @@ class LLM:
                 msg = q.get(timeout=0.2)
                 if msg[0] != "spawn" or q is not self._outbox:
                     return msg
-                for role in msg[1]:
+                fresh = msg[2] is None or msg[2] - time.monotonic() > self.config.startup_timeout_s / 2
+                for role in msg[1] if fresh else ():   # a stale one's ranks would join past its request: skipped
                     self._spawn_joiner(role)
                 continue
             except queue.Empty:

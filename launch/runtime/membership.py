@@ -80,7 +80,10 @@ class Membership(Generations):
             record = guard(lambda: self.scale_as_leader(scales[0], outbox))
             if record is None:
                 return self._rt.generation != gen
-            outbox.put((scales.pop(0).get("reply", "scale"), record))
+            request = scales.pop(0)
+            outbox.put((request.get("reply", "scale"), record))
+            if request.get("cause") == "autoscale" and "error" in record:
+                self._rt.leader.autoscaler.refused(record["error"])
         now = time.monotonic()
         if now - self._last_poll >= JOIN_POLL_S:
             self._last_poll = now
@@ -116,9 +119,9 @@ class Membership(Generations):
         [ranks] or None, "retire_hosts": [hostnames] or None, "deadline": monotonic time, optionally "cause" for
         the record, "spawn": True when the asker starts the joiners}: retire the given ranks, then the last ranks
         of a pool above its target; admit registered joiners up to a pool's target (with "spawn", first answer
-        ("spawn", [the role of each joiner missing]) on outbox, once). Returns the change's record, {"error": why}
-        (nothing changes then), or None while joiners it needs have not registered yet (the caller asks again;
-        past the deadline the request fails)."""
+        ("spawn", [the role of each joiner missing], deadline) on outbox, once). Returns the change's record,
+        {"error": why} (nothing changes then), or None while joiners it needs have not registered yet (the caller
+        asks again; past the deadline the request fails)."""
         rt = self._rt
         A, W = rt.topo.num_attention_ranks, rt.topo.world_size
         if "retire_members" not in request:   # ranks are renumbered if the job re-forms before the request is done
@@ -153,7 +156,7 @@ class Membership(Generations):
             if why := planning.gpu_room_refusal(rt.dev.backend, rt.dev.gpus, W + len(waiting), len(spawn)):
                 return {"error": why}
             request["spawned"] = True     # from the pools as they are now, which only the leader knows
-            outbox.put(("spawn", spawn))
+            outbox.put(("spawn", spawn, request.get("deadline")))   # a reader past the deadline skips it
         if needs[-1][1] < 1:     # the expert pool's target
             return {"error": f"retiring ranks {sorted(retire)} would leave no expert rank; one must stay"}
         if any(got < need for _, _, need, got in needs):

@@ -239,6 +239,18 @@ def staged_moves(placement: Placement, replan: Replan, keep: list[int], donors: 
     return staged, handoff
 
 
+def check_autoscale(parallel, torchrun: bool) -> None:
+    """The autoscale option checked before any rank starts: it needs ranks spawned by LLM (it starts those a move
+    adds), and its step-cost profile must load (ValueError naming the file otherwise)."""
+    if parallel.autoscale is None:
+        return
+    if torchrun:
+        raise ValueError("autoscale needs ranks spawned by LLM (it starts those a move adds): under torchrun scale "
+                         "each pool on /metrics' gauges (deploy/README.md), or run LLM(...) from a plain process")
+    from ..plan.model import StepCosts
+    StepCosts.load(parallel.autoscale)
+
+
 def check_scale(request: dict, num_experts: int, pd: bool) -> None:
     """LLM.scale's request (attention_ranks, expert_ranks, prefill_ranks, decode_ranks: a target or None;
     retire: ranks) checked before it goes to the leader (pd: the job was started with PD, whose attention pool is

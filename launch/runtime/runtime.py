@@ -192,6 +192,7 @@ class Runtime(GenerationForming):
                                          self.dev.dtype)
             kv_bytes = memory.plan(self.dev.device, True, peak, group, config.cache.gpu_memory_utilization)
         self.worker = build_attention_worker(config, self.ckpt.spec, self.dev, model, rank, moe, kv_bytes)
+        self.worker.report_work = config.parallel.autoscale is not None   # what the leader's autoscaler reads
         if rank == 0:
             par = self.config.parallel
             self.leader = Leader(self.worker, self.topo.num_attention_ranks, self.config.cache.block_size,
@@ -201,12 +202,12 @@ class Runtime(GenerationForming):
             self.leader.num_expert_ranks = self.topo.num_expert_ranks
             if par.autoscale:
                 sched = config.scheduler
-                plan = Plan(1, 1, par.micro_batches, max_num_seqs=sched.max_num_seqs,
+                plan = Plan(1, 1, par.micro_batches, max_num_seqs=min(sched.max_num_seqs,
+                                                                       sched.max_num_batched_tokens),
                             max_num_batched_tokens=sched.max_num_batched_tokens,
                             micro_batch_min_tokens=par.micro_batch_min_tokens)
-                self.leader.autoscaler = Autoscaler(StepCosts.load(par.autoscale), plan, par.world_size,
-                                                    self.ckpt.spec.num_experts, par.autoscale_window,
-                                                    par.autoscale_margin)
+                self.leader.autoscaler = Autoscaler(StepCosts.load(par.autoscale), plan, self.ckpt.spec.num_experts,
+                                                    par.autoscale_window, par.autoscale_margin)
             if self.membership is not None:
                 self.leader.membership_changes = self.membership.changes
             if self.store is not None:   # what ranks joining later take (launch/runtime/membership.py, "Joining")

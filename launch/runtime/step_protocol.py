@@ -175,20 +175,19 @@ def lead(rt: StepRuntime, inbox, outbox, heartbeat_s: float, stop_when_idle: boo
         reports = guard(lambda: _step(rt))
         leader.collect(reports, outbox)
         _timed_step(rt, t0)
-        if leader.autoscaler is not None:
+        if leader.autoscaler is not None and membership is not None:
             _autoscale(rt, reports, scales)
         if leader.rebalance_interval and leader.step_id % leader.rebalance_interval == 0:
             guard(lambda: collective(rt, REBALANCE))
 
 
 def _autoscale(rt: StepRuntime, reports: list[StepReport], scales: list[dict]) -> None:
-    """Leader, after a step: show the autoscaler the attention ranks' busy and wall times; a move it asks for
-    joins the scale requests (its joiners spawned by the LLM that spawned the job, its record answered on the
-    outbox as ("autoscaled", record), which no caller waits for)."""
-    pending = any(s.get("cause") == "autoscale" for s in scales)
+    """Leader, after a step: show the autoscaler the attention ranks' work and busy and wall times (it waits while
+    any scale request does); a move it asks for joins the scale requests (its joiners spawned by the LLM that
+    spawned the job, its record answered on the outbox as ("autoscaled", record), which no caller waits for)."""
     request = rt.leader.autoscaler.observe(rt.topo.num_attention_ranks, rt.topo.num_expert_ranks,
                                            [r.work for r in reports], [r.busy_s for r in reports],
-                                           [r.wall_s for r in reports], pending)
+                                           [r.wall_s for r in reports], bool(scales), rt.generation)
     if request is not None:
         logger.info("autoscale: %s", rt.leader.autoscaler.decisions[-1])
         scales.append(dict(request, spawn=True, reply="autoscaled",
