@@ -135,8 +135,8 @@ def main() -> None:
         args.short_rounds, args.long_rounds, args.output = 1, 1, 8
     profile = args.profile
     if profile is None:
-        windows = ((8, 16), (16, 16), (16, 64)) if args.smoke else None
-        costs = calibrate(args.model, windows, device="cpu") if windows else calibrate(args.model, device="cpu")
+        small = dict(windows=((8, 16), (32, 16), (16, 64)), split_windows=((32, 16),)) if args.smoke else {}
+        costs = calibrate(args.model, device="cpu", **small)
         profile = os.path.join(tempfile.mkdtemp(prefix="autoscale-"), "profile.json")
         costs.save(profile)
         print(f"step costs: {costs.source}")
