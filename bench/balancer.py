@@ -12,9 +12,11 @@ plan from the per-expert counts, then each (token, expert) pair to a replica), a
 "warm" the median of 10 calls back to back).
 A second table follows the drift with three re-placement schemes for least_loaded at 25% redundancy: EPLB from
 scratch every 4 steps (as above), EPLB every step, and balancer/drift.py's incremental moves (at most 8 slots a
-step, on the steps whose predicted max/mean is above 1.10); per scheme the mean max/mean, its floor (the heaviest
-replica's even share of its expert's load over the mean rank load, at least 1: what no replica choice gets below
-on that placement), the slot copies per step and the re-placement's time.
+step, on the steps whose predicted max/mean is above 1.10), and a bound: EPLB every step from the previous step's
+exact counts (not an EMA), as if re-placement were free and instant but, like every scheme, one step late (the
+routing of a step is known only once it ran). Per scheme the mean max/mean, its floor (the heaviest replica's even
+share of its expert's load over the mean rank load, at least 1: what no replica choice gets below on that
+placement), the slot copies per step and the re-placement's time.
 """
 from __future__ import annotations
 
@@ -93,7 +95,8 @@ def run_cell(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, r
 
 
 SCHEMES = {"EPLB every 4 steps": ("every", 4), "EPLB every step": ("every", 1),
-           "incremental, <= 8 slots a step when predicted > 1.10": ("incremental", 8)}
+           "incremental, <= 8 slots a step when predicted > 1.10": ("incremental", 8),
+           "bound: EPLB of the previous step's exact counts": ("late", 1)}
 
 
 def run_replacement(routing: list[torch.Tensor], n: int, redundant: int, warmup: int, scheme: tuple[str, int]
@@ -115,6 +118,9 @@ def run_replacement(routing: list[torch.Tensor], n: int, redundant: int, warmup:
                 placement = eplb(ema[None], cap)
             elif scheme[0] == "every" and (t - warmup) % scheme[1] == 0:
                 replan = plan_rebalance(placement, ema[None], cap, [0] * n)
+                placement, m = replan.placement, len(replan.moves)
+            elif scheme[0] == "late":
+                replan = plan_rebalance(placement, counts[t - 1].double()[None], cap, [0] * n)
                 placement, m = replan.placement, len(replan.moves)
             elif scheme[0] == "incremental":
                 replan = incremental_replan(placement, ema[None], scheme[1], cap, threshold=1.10)

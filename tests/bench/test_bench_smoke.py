@@ -43,8 +43,8 @@ def test_step_breakdown_smoke():
 def test_balancer_smoke():
     out = _smoke("balancer.py")
     rows = [line for line in out.splitlines() if line.startswith(("| zipf", "| drift"))]
-    # three routings x one rank count x three redundancies, then two routings x three re-placement schemes
-    assert len(rows) == 9 + 6, out
+    # three routings x one rank count x three redundancies, then two routings x four re-placement schemes
+    assert len(rows) == 9 + 8, out
     assert sum("| incremental, <= 8 slots a step" in line for line in rows) == 2, out
     assert "target: least_loaded max/mean at 25% redundancy, Zipf 1.0, 16 ranks" in out
 
