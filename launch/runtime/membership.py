@@ -156,7 +156,7 @@ class Membership(Generations):
             if why := planning.gpu_room_refusal(rt.dev.backend, rt.dev.gpus, W + len(waiting), len(spawn)):
                 return {"error": why}
             request["spawned"] = True     # from the pools as they are now, which only the leader knows
-            outbox.put(("spawn", spawn, request.get("deadline")))   # a reader past the deadline skips it
+            outbox.put(("spawn", spawn, request.get("deadline")))   # LLM._poll skips one near its deadline
         if needs[-1][1] < 1:     # the expert pool's target
             return {"error": f"retiring ranks {sorted(retire)} would leave no expert rank; one must stay"}
         if any(got < need for _, _, need, got in needs):
