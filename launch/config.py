@@ -85,8 +85,8 @@ class ParallelConfig:
     autoscale: str | None = option(None, "a step-cost profile (python -m launch.plan --calibrate --save-profile "
                                          "FILE): move ranks between the attention and expert pools, keeping their "
                                          "total, when its model, scaled by the last window's measured times, "
-                                         "predicts a split at least autoscale_margin faster; ranks spawned by LLM, "
-                                         "without PD")
+                                         "predicts a split at least autoscale_margin faster; ranks spawned by LLM "
+                                         "or serve.py's, without PD")
     autoscale_window: int = option(64, "autoscale: steps per measured window, and the steps left unmeasured after "
                                        "the pools change")
     autoscale_margin: float = option(0.15, "autoscale: the least predicted step-time gain that moves ranks")

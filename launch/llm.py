@@ -14,7 +14,8 @@ from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
-from .procs import Outbox, free_port, joiner_slot, rank_main, visible_gpus
+from .joiners import JoinerStarter
+from .procs import Outbox, free_port, joiner_slot, spawn_is_fresh, start_rank, visible_gpus
 from .runtime.planning import check_autoscale, check_scale
 from .samples import Sample, chosen, split_id
 
@@ -57,22 +58,26 @@ class LLM:
 
     From a plain process it spawns attention_ranks + expert_ranks local ranks; under torchrun
     (RANK and WORLD_SIZE set) it joins the job: every rank constructs it and calls generate()
-    together, and rank 0 gets the outputs (other ranks get []).
+    together, and rank 0 gets the outputs (other ranks get []). serving: under torchrun, the leader leads until
+    shutdown and the others follow (serve.py); autoscale's joiners start beside it (launch/joiners.py).
     """
 
     def __init__(self, model: str, attention_ranks: int = option_default("attention_ranks"),
-                 expert_ranks: int = option_default("expert_ranks"), **options):
-        self._front(model, attention_ranks, expert_ranks, options)
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+                 expert_ranks: int = option_default("expert_ranks"), *, serving: bool = False, **options):
+        torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        self._front(model, attention_ranks, expert_ranks, options, torchrun and not serving)
+        if torchrun:
             self._join()
         else:
             self._spawn()
 
-    def _front(self, model: str, attention_ranks: int, expert_ranks: int, options: dict) -> None:
-        """Config, spec, tokenizer, request ids, rank bookkeeping: all a front holds (frontend/process.py's too)."""
+    def _front(self, model: str, attention_ranks: int, expert_ranks: int, options: dict,
+               lockstep: bool = False) -> None:
+        """Config, spec, tokenizer, request ids, rank bookkeeping: all a front holds (frontend/process.py's too).
+        lockstep: ranks under torchrun that call generate() together (no autoscale)."""
         self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
         self.spec = Checkpoint(self.config.model, mtp=self.config.scheduler.uses_mtp).spec   # fails fast if it is bad
-        check_autoscale(self.config.parallel, "RANK" in os.environ and "WORLD_SIZE" in os.environ)
+        check_autoscale(self.config.parallel, lockstep)
         if expert_ranks > self.spec.num_experts:
             raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "
                              f"use at most {self.spec.num_experts}")
@@ -91,10 +96,7 @@ class LLM:
         self._inbox, self._outbox, self._status = ctx.Queue(), Outbox(ctx), ctx.Queue()
         self._slots = list(range(world))     # each process's local rank (rank_env)
         for rank in range(world):
-            p = ctx.Process(target=rank_main, name=f"afserve-rank{rank}", daemon=True,
-                            args=(rank, world, port, self.config, self._inbox, self._outbox, self._status))
-            p.start()
-            self._procs.append(p)
+            self._procs.append(start_rank(ctx, rank, port, self.config, (self._inbox, self._outbox, self._status)))
         ready: dict[int, dict] = {}
         deadline = time.monotonic() + self.config.startup_timeout_s
         while len(ready) < world:
@@ -108,7 +110,9 @@ class LLM:
 
     def _join(self) -> None:
         from .runtime import Runtime
-        self.runtime = Runtime(self.config)
+        self.runtime = rt = Runtime(self.config)
+        if rt.leader is not None and self.config.parallel.autoscale:
+            rt.launcher = JoinerStarter.beside_leader(self.config, rt.store)
         self._inbox, self._outbox = queue.Queue(), queue.Queue()
         self._set_limits(asdict(self.runtime.info))
 
@@ -306,11 +310,8 @@ class LLM:
         member, config = len(self._procs), replace(self.config, role=role, pool_addr=f"127.0.0.1:{self._port}")
         slot = joiner_slot(self._slots, self._procs, visible_gpus(self.config), self.config.parallel.world_size)
         self._slots.append(slot)
-        p = self._ctx.Process(target=rank_main, name=f"afserve-member{member}", daemon=True,
-                              args=(member, self.config.parallel.world_size, self._port, config, self._inbox,
-                                    self._outbox, self._status, True, slot))
-        p.start()
-        self._procs.append(p)
+        self._procs.append(start_rank(self._ctx, member, self._port, config,
+                                      (self._inbox, self._outbox, self._status), True, slot))
 
     def take_scale_result(self, result: dict) -> dict:
         """The leader's answer to a scale request: ValueError for a refused one; retired ranks are noted."""
@@ -339,7 +340,7 @@ class LLM:
                 msg = q.get(timeout=0.2)
                 if msg[0] != "spawn" or q is not self._outbox:
                     return msg
-                fresh = msg[2] is None or msg[2] - time.monotonic() > self.config.startup_timeout_s / 2
+                fresh = spawn_is_fresh(msg[2], self.config.startup_timeout_s)
                 for role in msg[1] if fresh else ():   # a stale one's ranks would join past its request: skipped
                     self._spawn_joiner(role)
                 continue

@@ -142,6 +142,24 @@ def joiner_slot(slots: list[int], procs: list, gpus: int, first_world: int, wait
         time.sleep(0.05)
 
 
+def spawn_is_fresh(deadline: float | None, startup_timeout_s: float) -> bool:
+    """Whether the ranks of a ("spawn", roles, deadline) message are still worth starting: its scale request
+    fails at deadline, and a rank started with under half the start-up timeout left would come after that and
+    join as a plain join, past the request (None: no deadline)."""
+    return deadline is None or deadline - time.monotonic() > startup_timeout_s / 2
+
+
+def start_rank(ctx, member: int, port: int, config, queues: tuple, join: bool = False,
+               slot: int | None = None):
+    """One rank's process (rank_main in a fresh interpreter of ctx, "spawn"), started; queues: (inbox,
+    outbox, status). A joiner (join) takes `member` as its member id and `slot` as its local rank."""
+    name = f"afserve-member{member}" if join else f"afserve-rank{member}"
+    p = ctx.Process(target=rank_main, name=name, daemon=True,
+                    args=(member, config.parallel.world_size, port, config, *queues, join, slot))
+    p.start()
+    return p
+
+
 def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False,
               slot: int | None = None) -> None:
     """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status.

@@ -111,7 +111,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     if _leads(args):   # the HTTP front in its own process, listening before the weights load
         from launch.frontend.process import FrontProcess
         front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs)
-    llm = LLM(args.model, **llm_kwargs)
+    llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
     if rt.leader is None:
@@ -183,7 +183,7 @@ def main(argv=None) -> int:
     if not (args.prompt or args.stdin):
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         return _serve_http(args, llm_kwargs, name)
-    llm = LLM(args.model, **llm_kwargs)
+    llm = LLM(args.model, serving=not args.prompt, **llm_kwargs)   # --prompt: every rank calls generate()
     if args.prompt:
         outs = llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens))
         for o in outs:

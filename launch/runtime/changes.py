@@ -49,6 +49,13 @@ class MembershipChange:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "started"}
 
 
+class Launcher(Protocol):
+    """What starts the ranks a scale request adds when the leader starts them itself (launch/joiners.py)."""
+
+    def start(self, roles: list[str], deadline: float | None) -> None:
+        """Start one joining rank per role; RuntimeError when this host has no room for them."""
+
+
 class MemberRuntime(Protocol):
     """What membership needs of this rank's runtime (launch/runtime/runtime.py implements it). generation:
     the one this rank is in (-1 before its first); members: member ids by rank; topo: None before the first."""
@@ -58,6 +65,7 @@ class MemberRuntime(Protocol):
     members: list[int]
     topo: Topology | None
     left: bool              # this rank has left its generation (and not formed the next yet)
+    launcher: Launcher | None   # the leader's own starter of joining ranks (under torchrun), else None
 
     def member_info(self) -> dict:
         """What this rank tells the leader when it checks in after a failure: its role (and expert budget)."""

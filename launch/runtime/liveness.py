@@ -16,6 +16,7 @@ import torch.distributed as dist
 from comm.shm import host_identity, process_alive
 
 PREFIX = "afserve"
+MEMBER_IDS = f"{PREFIX}/member_ids"   # the store's counter of member ids that ranks joining later draw from
 HEARTBEAT_INTERVAL_S = 0.2
 
 logger = logging.getLogger("afserve")

@@ -150,13 +150,20 @@ class Membership(Generations):
             fits = [j for j in waiting if j[1]["role"] in roles and j not in join][:need]
             join += fits
             needs.append((name, want or len(staying), need, len(fits)))
-        if request.get("spawn") and not request.get("spawned") and outbox is not None:
+        if request.get("spawn") and not request.get("spawned") and (outbox is not None or rt.launcher):
             spawn = [name for name, _, need, got in needs for _ in range(need - got)]
-            # the generation's ranks and the registered joiners (admitted or not) each hold a GPU already
-            if why := planning.gpu_room_refusal(rt.dev.backend, rt.dev.gpus, W + len(waiting), len(spawn)):
+            # this host's ranks and the registered joiners (admitted or not) each hold a GPU already
+            here = len(self.ranks_on([self._peers.hostname(rt.member)]))
+            if why := planning.gpu_room_refusal(rt.dev.backend, rt.dev.gpus, here + len(waiting), len(spawn)):
                 return {"error": why}
             request["spawned"] = True     # from the pools as they are now, which only the leader knows
-            outbox.put(("spawn", spawn, request.get("deadline")))   # LLM._poll skips one near its deadline
+            if rt.launcher is None:   # the front that spawned the job starts them (LLM._poll skips a stale one)
+                outbox.put(("spawn", spawn, request.get("deadline")))
+            elif spawn:
+                try:
+                    rt.launcher.start(spawn, request.get("deadline"))
+                except RuntimeError as e:    # no free GPU on this host
+                    return {"error": str(e)}
         if needs[-1][1] < 1:     # the expert pool's target
             return {"error": f"retiring ranks {sorted(retire)} would leave no expert rank; one must stay"}
         if any(got < need for _, _, need, got in needs):

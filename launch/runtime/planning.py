@@ -239,14 +239,15 @@ def staged_moves(placement: Placement, replan: Replan, keep: list[int], donors: 
     return staged, handoff
 
 
-def check_autoscale(parallel, torchrun: bool) -> None:
-    """The autoscale option checked before any rank starts: it needs ranks spawned by LLM (it starts those a move
-    adds), and its step-cost profile must load (ValueError naming the file otherwise)."""
+def check_autoscale(parallel, lockstep: bool) -> None:
+    """The autoscale option checked before any rank starts: it needs ranks that follow the leader until shutdown
+    (spawned by LLM, or serve.py's under torchrun), not ranks under torchrun that call generate() together (the
+    ranks a move adds could not), and its step-cost profile must load (ValueError naming the file otherwise)."""
     if parallel.autoscale is None:
         return
-    if torchrun:
-        raise ValueError("autoscale needs ranks spawned by LLM (it starts those a move adds): under torchrun scale "
-                         "each pool on /metrics' gauges (deploy/README.md), or run LLM(...) from a plain process")
+    if lockstep:
+        raise ValueError("autoscale needs ranks that follow the leader until shutdown: under torchrun serve with "
+                         "launch/serve.py --autoscale PROFILE, or run LLM(...) from a plain process")
     from ..plan.model import StepCosts
     StepCosts.load(parallel.autoscale)
 

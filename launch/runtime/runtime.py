@@ -30,10 +30,10 @@ from ..config import ATTENTION_ROLES, EngineConfig
 from ..plan.model import Plan, StepCosts
 from . import collectives, handoff, memory, planning, step_protocol
 from .autoscale import Autoscaler
-from .changes import MembershipSettings
+from .changes import Launcher, MembershipSettings
 from .dataplane import make_data_plane
 from .forming import GenerationForming
-from .liveness import PREFIX, break_connections
+from .liveness import MEMBER_IDS, PREFIX, break_connections
 from .membership import Membership
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
 from .startup import build_attention_worker, draft_passes, leads_pool, load_attention_model, open_store
@@ -62,6 +62,7 @@ class Runtime(GenerationForming):
         self.leader: Leader | None = None
         self.experts = planning.PlacementState()
         self.left = False
+        self.launcher: Launcher | None = None    # the leader's own starter of joiners (launch/joiners.py)
         self.groups: ProcessGroups | None = None     # this generation's (None out of one)
         self.control: ControlPlane | None = None
         self.dispatcher = None
@@ -97,6 +98,8 @@ class Runtime(GenerationForming):
             self.store = open_store(host, port, serve, config.startup_timeout_s)
             self._form_groups(0, self.topo, config.collective_timeout_s)
             self.membership = self._membership(host, port)
+            if self.topo.rank == 0:     # ranks that join later draw ids past the launch's own
+                self.store.add(MEMBER_IDS, self.topo.world_size - 1)
         self.experts.capacity = slot_capacities(spec.num_experts, par.redundant_experts, par.expert_ranks)
         self.experts.rank_node = self._expert_nodes()
         self.experts.placement = planning.initial_placement(spec.num_moe_layers, spec.num_experts,
@@ -155,7 +158,7 @@ class Runtime(GenerationForming):
         self.config = config = self.config.with_leader_settings(settings)
         par, spec = config.parallel, self.ckpt.spec
         member = os.environ.get("AFSERVE_MEMBER")
-        self.member = int(member) if member is not None else int(self.store.add(f"{PREFIX}/member_ids", 1))
+        self.member = int(member) if member is not None else int(self.store.add(MEMBER_IDS, 1))
         self.generation, self.members, self.topo = -1, [], None
         self.dev = set_device(config, par.world_size)
         self.membership = self._membership(host, port)

@@ -100,6 +100,26 @@ def test_a_refused_move_is_asked_again_after_a_doubling_back_off_and_a_waiting_s
     assert _feed(held, (1, 2), [64, 64, 64, 64], 20, pending=True) == [] and held.decisions == []
 
 
+def test_the_leader_hands_a_refused_move_back_to_the_autoscaler():
+    """Membership.between_steps: the autoscaler's request that the leader refuses is answered ("autoscaled",
+    record) and reaches the autoscaler as a refusal (its back-off starts); a user's refused scale after it is
+    answered as ("scale", record) and is no refusal of the autoscaler's."""
+    from launch.runtime.membership import Membership
+    scaler = _scaler(_costs(a_tok=1e-3))
+    request = _feed(scaler, (1, 2), [64, 64, 64, 64], 4)[0]
+    member = Membership.__new__(Membership)
+    member._rt = SimpleNamespace(generation=0, leader=SimpleNamespace(autoscaler=scaler))
+    member._last_poll = time.monotonic() + 3600     # no look for joiners in this test
+    member.scale_as_leader = lambda req, outbox: {"error": f"refused {req.get('cause', 'user')}"}
+    outbox = queue.Queue()
+    scales = [dict(request, spawn=True, reply="autoscaled"), {"attention_ranks": 3, "retire": []}]
+    assert member.between_steps(scales, outbox, lambda action: action()) is False
+    assert scales == [] and [outbox.get_nowait(), outbox.get_nowait()] == [
+        ("autoscaled", {"error": "refused autoscale"}), ("scale", {"error": "refused user"})]
+    assert [d for d in scaler.decisions if "refused" in d] == [
+        {"refused": [2, 1], "why": "refused autoscale", "back_off_steps": 2}]
+
+
 def test_a_re_formed_job_of_the_same_sizes_is_a_change():
     """The move asked for went through and a user's scale put the sizes back before the next step: the job's
     generation changed, so that is a change (dwell and measure afresh), not a refusal."""
@@ -123,7 +143,7 @@ def test_a_stale_spawn_message_is_skipped():
     assert llm._poll(outbox, None, "test") == ("out", []) and started == ["attention"]
 
 
-def test_bad_settings_are_refused_by_name(tmp_path):
+def test_bad_settings_are_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="autoscale_window=0"):
         _scaler(_costs(), window=0)
     with pytest.raises(ValueError, match="autoscale=True is invalid: pass the path of a step-cost profile"):
@@ -134,6 +154,13 @@ def test_bad_settings_are_refused_by_name(tmp_path):
         LLM("unused", attention_ranks=1, expert_ranks=1, autoscale="p.json", autoscale_margin=1.5)
     with pytest.raises(ValueError, match="autoscale with prefill_ranks=1"):
         LLM("unused", attention_ranks=2, expert_ranks=1, autoscale="p.json", prefill_ranks=1)
+    profile = str(tmp_path / "p.json")
+    _costs().save(profile)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")      # under torchrun, ranks that call generate() together
+    with pytest.raises(ValueError, match="autoscale needs ranks that follow the leader until shutdown: under "
+                                         "torchrun serve with launch/serve.py --autoscale"):
+        LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=1, autoscale=profile)
 
 
 def test_the_engine_moves_a_rank_to_the_attention_pool_and_every_output_is_transformers(tiny_checkpoint, tmp_path):
@@ -159,3 +186,44 @@ def test_the_engine_moves_a_rank_to_the_attention_pool_and_every_output_is_trans
     moves = [c for c in stats["membership_changes"] if c["cause"] == "autoscale"]
     assert len(moves) == 1, stats["membership_changes"]
     assert [d["best"] for d in stats["autoscale"]["decisions"] if d.get("moved")] == [[2, 1]]
+
+
+def test_serve_under_torchrun_moves_a_rank_and_every_completion_is_transformers(tiny_checkpoint, tmp_path):
+    """serve.py --autoscale under torchrun: no front spawned the job, so the leader starts the joining attention
+    rank beside itself (launch/joiners.py) with a member id past the launch's three, retires the last
+    expert rank (a torchrun worker, which exits 0 while the launch goes on), and every completion before, during
+    and after the move is transformers' greedy text."""
+    import concurrent.futures
+
+    import openai
+    from transformers import AutoTokenizer
+
+    from launch.local_server import LocalServer
+    from tests.launch.runtime.test_pools import gauge, wait_for_pools
+
+    path = tiny_checkpoint("qwen3_moe")
+    profile = str(tmp_path / "profile.json")
+    _costs(a_tok=1e-3, a_ctx=1e-5, moe_layers=2, top_k=2, source="test: attention-bound").save(profile)
+    prompts = make_prompts(6, 256, 4, 20, seed=7)
+    tok = AutoTokenizer.from_pretrained(path)
+    expected = [tok.decode(t, skip_special_tokens=True) for t in hf_greedy(path, prompts, 24)]
+    args = ["--attention-ranks", "1", "--autoscale", profile, "--autoscale-window", "4", "--autoscale-margin",
+            "0.05", "--max-model-len", "128", "--heartbeat-s", "0.5", "--served-model-name", "tiny"]
+    with LocalServer(path, nproc=3, args=args) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=240)
+
+        def complete(p):
+            got = client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True})
+            return got.choices[0].text
+        texts, deadline = [], time.monotonic() + 120
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            while gauge(srv, "afserve_pool_ranks", '{pool="attention"}') != 2 and time.monotonic() < deadline:
+                texts.append(list(pool.map(complete, prompts)))
+            wait_for_pools(srv, 2, 1)
+            texts.append(list(pool.map(complete, prompts)))     # on the re-formed 2 + 1
+        assert gauge(srv, "afserve_membership_changes_total") == 1
+        assert srv.health() == 200
+        log = srv.log()
+    assert all(t == expected for t in texts), (texts, expected)
+    assert "the engine failed" not in log and "cannot join" not in log, log[-3000:]

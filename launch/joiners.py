@@ -1,0 +1,80 @@
+"""Under torchrun (serve.py), the leader starts the ranks that its autoscaler's moves add: no front process
+spawned the job, and torchrun cannot grow a running launch. Each joiner is a process beside the leader, on its
+host, that joins the running job through its store (launch/runtime/membership.py, "Joining"), as the ranks that
+LLM.scale spawns do."""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import threading
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from .procs import joiner_slot, spawn_is_fresh, start_rank, visible_gpus
+from .runtime.liveness import MEMBER_IDS
+
+logger = logging.getLogger("afserve")
+
+
+class _Launched:
+    """A rank of this host's torchrun launch, as joiner_slot sees it: its slot stays held."""
+
+    @staticmethod
+    def is_alive() -> bool:
+        return True
+
+
+class JoinerStarter:
+    """The leader's starter of joining ranks (Runtime.launcher; Membership.scale_as_leader calls start). A joiner
+    takes a member id from the store's counter (past every id of the first launch, which the leader reserved) and
+    the lowest local slot (its GPU on CUDA) that neither a rank of this host's launch (LOCAL_WORLD_SIZE) nor a
+    live joiner holds; with a GPU per rank and none free, the start raises RuntimeError with the counts. A
+    joiner that fails to start is logged; the scale request that wanted it then fails at its deadline."""
+
+    def __init__(self, config, store: dist.Store, pool_addr: str, local_ranks: int):
+        self.config, self.store, self.local_ranks = config, store, local_ranks
+        self.port = int(pool_addr.rpartition(":")[2])
+        self.pool_addr = pool_addr
+        self.ctx = mp.get_context("spawn")
+        self.status = self.ctx.Queue()
+        self.procs: list = []
+        self.slots: list[int] = []
+        self.members: list[int] = []
+        threading.Thread(target=self._watch, name="afserve-joiners", daemon=True).start()
+
+    @classmethod
+    def beside_leader(cls, config, store: dist.Store) -> JoinerStarter:
+        """The leader's, under torchrun: the job's store is at the pool address (separate pool launches) or
+        torchrun's MASTER_ADDR:MASTER_PORT; this host's launch has LOCAL_WORLD_SIZE ranks."""
+        addr = config.pool_addr or f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
+        return cls(config, store, addr, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def start(self, roles: list[str], deadline: float | None) -> None:
+        """Start one joiner per role ("attention", "expert", ...), unless its request's deadline is too near
+        (spawn_is_fresh)."""
+        if not spawn_is_fresh(deadline, self.config.startup_timeout_s):
+            logger.warning("joiners %s not started: their scale request times out before they could join", roles)
+            return
+        slots = list(range(self.local_ranks))
+        gpus = visible_gpus(self.config)
+        for role in roles:
+            slot = joiner_slot(slots + self.slots, [_Launched] * len(slots) + self.procs, gpus, self.local_ranks)
+            member = int(self.store.add(MEMBER_IDS, 1))
+            config = replace(self.config, role=role, pool_addr=self.pool_addr)
+            self.procs.append(start_rank(self.ctx, member, self.port, config, (None, None, self.status), True, slot))
+            self.slots.append(slot)
+            self.members.append(member)
+            logger.info("started joiner member %d (%s) in local slot %d, pid %d", member, role, slot,
+                        self.procs[-1].pid)
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                msg = self.status.get()
+            except (EOFError, OSError, queue.Empty):
+                return
+            if msg[0] == "error":
+                logger.error("a joining rank failed to start: %s", msg[2])
