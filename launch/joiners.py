@@ -5,7 +5,6 @@ LLM.scale spawns do."""
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import queue
 import threading
@@ -13,7 +12,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from .procs import joiner_slot, spawn_is_fresh, start_rank, visible_gpus
+from .procs import joiner_slot, rank_context, spawn_is_fresh, start_rank, visible_gpus
 from .runtime.liveness import MEMBER_IDS
 
 logger = logging.getLogger("afserve")
@@ -38,7 +37,7 @@ class JoinerStarter:
         self.config, self.store, self.local_ranks = config, store, local_ranks
         self.port = int(pool_addr.rpartition(":")[2])
         self.pool_addr = pool_addr
-        self.ctx = mp.get_context("spawn")
+        self.ctx = rank_context()
         self.status = self.ctx.Queue()
         self.procs: list = []
         self.slots: list[int] = []

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -15,7 +14,7 @@ from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
-from .procs import Outbox, free_port, joiner_slot, spawn_is_fresh, start_rank, visible_gpus
+from .procs import Outbox, free_port, joiner_slot, rank_context, spawn_is_fresh, start_rank, visible_gpus
 from .runtime.planning import check_autoscale, check_scale
 from .samples import Sample, chosen, split_id
 
@@ -90,7 +89,7 @@ class LLM:
 
     # ----- start-up -------------------------------------------------------------------------------------
     def _spawn(self) -> None:
-        self._ctx = ctx = mp.get_context("spawn")
+        self._ctx = ctx = rank_context()
         world = self.config.parallel.world_size
         self._port = port = free_port()
         self._inbox, self._outbox, self._status = ctx.Queue(), Outbox(ctx), ctx.Queue()

@@ -6,8 +6,9 @@ import contextlib
 import ctypes
 import fcntl
 import logging
-import time
+import multiprocessing as mp
 import os
+import time
 import queue
 import signal
 import socket
@@ -17,6 +18,9 @@ import traceback
 from dataclasses import asdict
 
 logger = logging.getLogger("afserve")
+# what rank_context's fork server imports once: a rank then reads its checkpoint's config and builds its model
+# without importing them (~2.5 s of CPU for torch, ~3 s more for transformers' config and modeling modules)
+RANK_PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "launch.runtime"]
 OUTBOX_PIPE_BYTES = 1 << 20    # what the outbox's pipe holds before the leader's put waits for its reader
 
 
@@ -149,23 +153,43 @@ def spawn_is_fresh(deadline: float | None, startup_timeout_s: float) -> bool:
     return deadline is None or deadline - time.monotonic() > startup_timeout_s / 2
 
 
+def rank_context():
+    """The multiprocessing context ranks start in. On Linux a fork server that has imported torch, transformers
+    and the runtime once (RANK_PRELOAD): each rank is a fork of it, where a fresh interpreter spent ~5 s of CPU
+    importing them (on the 2-core VM the shipped model's 1+1 engine started in 7.2 s; from the fork server, once
+    it runs, in 0.4 s; a rank joining a running job gains as much). The server never touches a GPU, so its
+    forks may. Elsewhere, or with AFSERVE_START_METHOD=spawn (bench/startup.py compares the two), "spawn"."""
+    method = os.environ.get("AFSERVE_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"AFSERVE_START_METHOD={method!r} is invalid: use forkserver (the default) or spawn")
+    if method == "spawn" or not sys.platform.startswith("linux"):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
 def start_rank(ctx, member: int, port: int, config, queues: tuple, join: bool = False,
                slot: int | None = None):
-    """One rank's process (rank_main in a fresh interpreter of ctx, "spawn"), started; queues: (inbox,
-    outbox, status). A joiner (join) takes `member` as its member id and `slot` as its local rank."""
+    """One rank's process (rank_main in ctx: rank_context's), started; queues: (inbox, outbox, status). A joiner
+    (join) takes `member` as its member id and `slot` as its local rank. The rank runs with this process's
+    environment as it is now (a fork server's own is that of its start)."""
     name = f"afserve-member{member}" if join else f"afserve-rank{member}"
     p = ctx.Process(target=rank_main, name=name, daemon=True,
-                    args=(member, config.parallel.world_size, port, config, *queues, join, slot))
+                    args=(member, config.parallel.world_size, port, config, *queues, join, slot, dict(os.environ)))
     p.start()
     return p
 
 
 def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False,
-              slot: int | None = None) -> None:
+              slot: int | None = None, env: dict | None = None) -> None:
     """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status.
     join: a rank that joins the running job (config has its role and the pool address), `rank` its member id,
-    `slot` its local rank (rank_env)."""
+    `slot` its local rank (rank_env); env: its starter's environment, which replaces this process's."""
     die_with_parent()
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(rank_env(rank, world_size, port, join, slot))
     from .runtime import Runtime, follow, lead
 

@@ -162,6 +162,8 @@ RUN_BY = {
     "launch.plan": "tests/launch/test_plan.py (--profile and --hardware; --calibrate's windows in make test-full)",
     "bench/plan_validation.py": "tests/launch/test_plan.py (--smoke, make test-full)",
     "bench/autoscale.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
+    "bench/startup.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
+    "bench/plan_published.py": "tests/launch/test_plan.py (a smaller search)",
     "launch.demo": "tests/launch/test_demo.py",
     "kernels.aot": "tests/kernels/test_triton_compile.py",
     "scripts/model_sizes.py": "test_model_sizes_prints_the_table_in_the_docs, below",

@@ -123,3 +123,14 @@ def test_autoscale_smoke():
     phase = [line for line in out.splitlines() if line.startswith(("| short |", "| long |"))]
     assert len(phase) == 2 and all(line.count("x |") == 2 for line in phase), out
     assert "autoscaler moves:" in out, out
+
+
+@FULL   # ~25 s (two of its four engines start the slow way on purpose): make test-full
+def test_startup_smoke():
+    """Both start methods measured in processes of their own: a row with the first and a later start of each
+    and the ratio between the later ones."""
+    out = _smoke("startup.py")
+    row = re.search(r"^\| 1\+1 \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+) s \| ([\d.]+)x \|$", out, re.M)
+    assert row, out
+    first_fs, later_fs, first_sp, later_sp, ratio = map(float, row.groups())
+    assert min(first_fs, later_fs, first_sp, later_sp) > 0 and abs(ratio - later_sp / later_fs) < 0.1 * ratio, out
