@@ -7,7 +7,9 @@ routed-expert tensors (`.experts.` in the name) go to the expert pool, everythin
 embedding only takes memory: a step reads one row per token). Per call, a step costs what a roofline gives at
 the efficiencies below:
 - a0: reading one MoE layer's share of the attention-side weights; a_tok: their FLOPs per token; a_ctx: reading
-  one token's KV entry in one MoE layer's share of the layers (decode reads the whole context);
+  one token's KV entry in one MoE layer's share of the layers (decode reads the whole context), plus the
+  attention's own FLOPs per (query, key) pair there in BF16 (scores and values over every query head; MLA with
+  the projections absorbed, as FlashMLA runs it: the latent and rotary key, then the latent value);
 - e_all: reading every routed expert of a layer, shared by the expert ranks; e_pair: one (token, expert) pair's
   FLOPs; e0: one kernel launch;
 - c0: the link's latency per exchange; c_tok: a token's dispatch (weight dtype) and combine (bf16) bytes to its
@@ -72,6 +74,7 @@ class ParamCounts:
     embed: int = 0                  # the input embedding (memory only)
     node_limit: int = 0             # group-limited routing: the most groups (nodes) a token's experts span
     num_layers: int = 0
+    pair_flops: int = 0             # attention FLOPs per (query, key) pair and layer
 
 
 def count_params(config) -> ParamCounts:
@@ -95,9 +98,14 @@ def count_params(config) -> ParamCounts:
     c, h, d = spec.kv_entry
     tail = model.get_output_embeddings().weight.numel()     # tied or not, the head is read once per row
     embed = model.get_input_embeddings().weight.numel()
+    if spec.mla is not None:    # absorbed: q . [latent, rope key], then p . latent value, per query head
+        pair = 2 * spec.num_heads * (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim + spec.mla.kv_lora_rank)
+    else:
+        pair = 2 * spec.num_heads * spec.head_dim * 2
     return ParamCounts(attention // L, experts // L, experts // L // spec.num_experts, tail, c * h * d, L,
                        spec.num_experts, spec.top_k, spec.hidden_size, embed=embed,
-                       node_limit=spec.topk_group if spec.n_group > 1 else 0, num_layers=spec.num_layers)
+                       node_limit=spec.topk_group if spec.n_group > 1 else 0, num_layers=spec.num_layers,
+                       pair_flops=pair)
 
 
 def derive_costs(counts: ParamCounts, hw: Hardware, weight_bytes: float = 1.0, kv_bytes: float = 1.0,
@@ -118,7 +126,9 @@ def derive_costs(counts: ParamCounts, hw: Hardware, weight_bytes: float = 1.0, k
     layers_per_moe = (counts.num_layers or counts.moe_layers) / counts.moe_layers
     return StepCosts(
         a0=counts.attention_per_moe_layer * weight_bytes / bw + LAUNCH_S,
-        a_tok=2 * counts.attention_per_moe_layer / flops, a_ctx=layers_per_moe * counts.kv_entry_elems * kv_bytes / bw,
+        a_tok=2 * counts.attention_per_moe_layer / flops,
+        a_ctx=layers_per_moe * (counts.kv_entry_elems * kv_bytes / bw
+                                + counts.pair_flops / (hw.flops_bf16 * COMPUTE_EFFICIENCY)),
         e0=LAUNCH_S, e_all=counts.experts_per_moe_layer * weight_bytes / bw,
         e_pair=2 * counts.expert_params / flops,
         c0=2 * latency + 2 * LAUNCH_S, c_tok=per_token / link,
@@ -157,3 +167,43 @@ def memory_limits(counts: ParamCounts, hw: Hardware, weight_bytes: float, kv_byt
     attention = (counts.attention_per_moe_layer * counts.moe_layers + counts.tail + counts.embed) * weight_bytes
     per_seq = context * counts.kv_entry_elems * kv_bytes * counts.num_layers
     return -(-int(experts) // int(room)), max(0, int((room - attention) // per_seq))
+
+
+def colocated_decode(counts: ParamCounts, hw: Hardware, ranks: int, context: int, tpot_s: float,
+                     micro_batches: int = 2, redundant_experts: int = 0, weight_bytes: float = 1.0,
+                     kv_bytes: float = 1.0, host_s: float = 0.0, utilization: float = 0.9) -> dict:
+    """The colocated expert-parallel decode that DeepSeek's inference overview describes, on the same roofline
+    costs as the AF plans (derive_costs, dispatch over the NIC): every GPU runs the attention side of its own
+    B sequences (data parallel) and (num_experts + redundant_experts) / ranks expert slots of each MoE layer,
+    with the batch in micro_batches whose dispatch and combine overlap the other's compute (dual-batch
+    overlap). Per MoE layer and micro-batch of b = B / micro_batches sequences at `context` tokens:
+    compute = a0 + (a_tok + a_ctx * context) * b + slots * (one expert's weights read) + e_pair * top_k * b + e0
+    (expert load balanced), comm = c0 + c_tok * b; a layer takes M * max(compute, comm) + min(compute, comm),
+    a step every MoE layer, the LM head and host_s. Returns the largest B within tpot_s and the GPU's memory
+    (utilization of it for weights and KV) with its step time and output tok/s per GPU."""
+    costs = derive_costs(counts, hw, weight_bytes, kv_bytes, True, host_s)
+    slots = -(-(counts.num_experts + redundant_experts) // ranks)
+    slot_s = slots * counts.expert_params * weight_bytes / (hw.hbm_bytes_s * MEMORY_EFFICIENCY)
+    M = micro_batches
+
+    def step_s(B: int) -> float:
+        b = B / M
+        compute = costs.a0 + (costs.a_tok + costs.a_ctx * context) * b + slot_s + costs.e_pair * counts.top_k * b \
+            + costs.e0
+        comm = costs.c0 + costs.c_tok * b
+        layer = M * max(compute, comm) + min(compute, comm)
+        return costs.moe_layers * layer + M * costs.l0 + costs.l_row * B + host_s
+
+    weights = (counts.attention_per_moe_layer * counts.moe_layers + counts.tail + counts.embed
+               + slots * counts.expert_params * counts.moe_layers) * weight_bytes
+    per_seq = context * counts.kv_entry_elems * kv_bytes * counts.num_layers
+    most = int((hw.memory_bytes * utilization - weights) // per_seq)
+    if most < M or step_s(M) > tpot_s:
+        raise ValueError(f"no batch fits: {most} sequences of {context} tokens fit a GPU's memory, and "
+                         f"{M} sequences take {step_s(M) * 1e3:.1f} ms a step against a TPOT of {tpot_s * 1e3:.0f} ms")
+    lo, hi = M, most                  # step_s grows with B: the largest B within tpot_s
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if step_s(mid) <= tpot_s else (lo, mid - 1)
+    return {"seqs_per_gpu": lo, "memory_seqs": most, "slots_per_gpu": slots, "step_ms": step_s(lo) * 1e3,
+            "tok_s_per_gpu": lo / step_s(lo), "bound": "memory" if lo == most else "tpot"}

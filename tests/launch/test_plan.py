@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from dataclasses import astuple
 
 import pytest
 
+from launch.local_server import ROOT
 from launch.plan.__main__ import candidates, parse_range, search, workload
 from launch.plan.calibrate import fit, measure_windows
 from launch.plan.hardware import count_params, derive_costs, memory_limits
@@ -228,14 +230,15 @@ def test_derived_costs_are_the_roofline_of_the_counts():
                   nic_bytes_s=5e10, link_latency_s=2e-6, nic_latency_s=5e-6, source="test")
     counts = ParamCounts(attention_per_moe_layer=10**8, experts_per_moe_layer=64 * 10**7, expert_params=10**7,
                          tail=10**9, kv_entry_elems=512, moe_layers=10, num_experts=64, top_k=8, hidden=4096,
-                         node_limit=4, num_layers=12)
+                         node_limit=4, num_layers=12, pair_flops=2 * 32 * 128 * 2)
     c = derive_costs(counts, hw, weight_bytes=1.0, kv_bytes=1.0)
     bw, flops = 1e12 * MEMORY_EFFICIENCY, 2e15 * COMPUTE_EFFICIENCY
     assert c.a0 == pytest.approx(1e8 / bw + LAUNCH_S) and c.a_tok == pytest.approx(2e8 / flops)
     assert c.e_all == pytest.approx(6.4e8 / bw) and c.e_pair == pytest.approx(2e7 / flops)
     assert c.c_tok == pytest.approx(4 * 4096 * 3 / 5e10)      # 4 nodes at most, FP8 out and bf16 back, over the NIC
     assert derive_costs(counts, hw, inter_node=False).c_tok == pytest.approx(8 * 4096 * 3 / 4e11)   # one per expert
-    assert c.a_ctx == pytest.approx(12 / 10 * 512 / bw)      # 12 layers' KV read over 10 MoE layers
+    # 12 layers' KV read and attention FLOPs (bf16) over 10 MoE layers
+    assert c.a_ctx == pytest.approx(12 / 10 * (512 / bw + 2 * 32 * 128 * 2 / (1e15 * COMPUTE_EFFICIENCY)))
     experts, seqs = memory_limits(counts, hw, 1.0, 1.0, context=1000)
     assert experts == math.ceil(6.4e9 / 72e9)
     assert seqs == int((72e9 - (1e9 + 1e9)) // (1000 * 512 * 12))     # the head (no embedding given)
@@ -253,3 +256,55 @@ def test_the_command_line_plans_deepseek_v3_on_h800_within_its_memory():
     assert not re.search(r"^3A\+9E", done.stdout, re.M)
     bad = subprocess.run(args + ["--ranks", "8"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "needs 10 expert ranks" in bad.stderr
+
+
+def test_attention_flops_per_pair_follow_the_attention_kind():
+    """Per (query, key) pair and layer: GQA scores and values over every query head; DeepSeek-V3's absorbed MLA
+    reads the 576-wide latent and rotary key and the 512-wide latent value for each of its 128 heads."""
+    from launch.plan.hardware import model_config
+    qwen = count_params(model_config("qwen3-235b-a22b"))
+    assert qwen.pair_flops == 2 * 64 * 128 * 2
+    dsv3 = count_params(model_config("deepseek-v3"))
+    assert dsv3.pair_flops == 2 * 128 * (512 + 64 + 512) and dsv3.kv_entry_elems == 576
+
+
+def test_the_colocated_decode_takes_the_largest_batch_within_the_tpot_and_the_memory():
+    """hardware.colocated_decode (DeepSeek's published decode deployment, every GPU attention and experts): the
+    batch it returns meets the TPOT and one more sequence would not, or memory holds no more; its step time is
+    the per-layer sum the docstring gives, worked here by hand."""
+    from launch.plan.hardware import HARDWARE, colocated_decode, model_config
+    counts, hw = count_params(model_config("deepseek-v3")), HARDWARE["h800"]
+    got = colocated_decode(counts, hw, 144, 4096, 0.050, 2, 32, 1.0, 2.0)
+    assert got["slots_per_gpu"] == 2 and got["bound"] in ("tpot", "memory")
+    costs = derive_costs(counts, hw, 1.0, 2.0, True)
+    slot_s = 2 * counts.expert_params / (hw.hbm_bytes_s * 0.8)
+
+    def by_hand(B):
+        b = B / 2
+        compute = costs.a0 + (costs.a_tok + costs.a_ctx * 4096) * b + slot_s + costs.e_pair * 8 * b + costs.e0
+        comm = costs.c0 + costs.c_tok * b
+        return costs.moe_layers * (2 * max(compute, comm) + min(compute, comm)) + 2 * costs.l0 + costs.l_row * B
+    B = got["seqs_per_gpu"]
+    assert got["step_ms"] == pytest.approx(by_hand(B) * 1e3)
+    assert by_hand(B) <= 0.050 and (by_hand(B + 1) > 0.050 or B == got["memory_seqs"])
+    assert got["tok_s_per_gpu"] == pytest.approx(B / by_hand(B))
+    with pytest.raises(ValueError, match="no batch fits"):
+        colocated_decode(counts, hw, 144, 4096, 0.001, 2, 32)
+
+
+def test_the_published_side_by_side_prints_both_settings(tmp_path):
+    """bench/plan_published.py on a smaller search (32 GPUs, 64 requests): a row per published setting with the
+    published figure, the colocated model's and the best AF plan's, each ratio theirs; the JSON has the same."""
+    out = tmp_path / "pp.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "plan_published.py"), "--ranks", "32",
+                           "--requests", "64", "--concurrency", "512", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = re.findall(r"^(DeepSeek's online service.*|Step-3's report.*?)\s+(\d+)\s+(\d+)\s+([\d.]+)x\s+(\d+)\s+"
+                      r"([\d.]+)x$", done.stdout, re.M)
+    assert [int(r[1]) for r in rows] == [1850, 2324], done.stdout
+    for _, pub, colo, r1, af, r2 in rows:
+        assert abs(int(colo) / int(pub) - float(r1)) < 0.01 and abs(int(af) / int(pub) - float(r2)) < 0.01
+    saved = json.loads(out.read_text())
+    assert saved["gpus"] == 32 and [r["published_tok_s_per_gpu"] for r in saved["rows"]] == [1850, 2324]
+    assert all(r["af_best"]["plan"].startswith(tuple(f"{a}A+" for a in range(1, 32))) for r in saved["rows"])
