@@ -4,6 +4,7 @@ host, that joins the running job through its store (launch/runtime/membership.py
 LLM.scale spawns do."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -16,6 +17,10 @@ from .procs import joiner_slot, rank_context, spawn_is_fresh, start_rank, visibl
 from .runtime.liveness import MEMBER_IDS
 
 logger = logging.getLogger("afserve")
+
+
+def _nothing() -> None:
+    """A process that only starts (JoinerStarter._warm)."""
 
 
 class _Launched:
@@ -43,6 +48,9 @@ class JoinerStarter:
         self.slots: list[int] = []
         self.members: list[int] = []
         threading.Thread(target=self._watch, name="afserve-joiners", daemon=True).start()
+        # the fork server imports torch and transformers once (seconds): now, on a thread of its own, rather
+        # than in the leader's step loop when the first move comes
+        threading.Thread(target=self._warm, name="afserve-fork-server", daemon=True).start()
 
     @classmethod
     def beside_leader(cls, config, store: dist.Store) -> JoinerStarter:
@@ -59,15 +67,27 @@ class JoinerStarter:
             return
         slots = list(range(self.local_ranks))
         gpus = visible_gpus(self.config)
-        for role in roles:
-            slot = joiner_slot(slots + self.slots, [_Launched] * len(slots) + self.procs, gpus, self.local_ranks)
-            member = int(self.store.add(MEMBER_IDS, 1))
-            config = replace(self.config, role=role, pool_addr=self.pool_addr)
-            self.procs.append(start_rank(self.ctx, member, self.port, config, (None, None, self.status), True, slot))
-            self.slots.append(slot)
-            self.members.append(member)
-            logger.info("started joiner member %d (%s) in local slot %d, pid %d", member, role, slot,
-                        self.procs[-1].pid)
+        started = len(self.procs)
+        try:
+            for role in roles:
+                slot = joiner_slot(slots + self.slots, [_Launched] * len(slots) + self.procs, gpus, self.local_ranks)
+                member = int(self.store.add(MEMBER_IDS, 1))
+                config = replace(self.config, role=role, pool_addr=self.pool_addr)
+                proc = start_rank(self.ctx, member, self.port, config, (None, None, self.status), True, slot)
+                self.procs.append(proc)
+                self.slots.append(slot)
+                self.members.append(member)
+                logger.info("started joiner member %d (%s) in local slot %d, pid %d", member, role, slot, proc.pid)
+        except Exception:   # none of this request's joiners stays: one alone would join past its failed request
+            for proc in self.procs[started:]:
+                proc.kill()
+            raise
+
+    def _warm(self) -> None:
+        with contextlib.suppress(Exception):
+            p = self.ctx.Process(target=_nothing, daemon=True)
+            p.start()
+            p.join()
 
     def _watch(self) -> None:
         while True:

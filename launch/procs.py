@@ -169,6 +169,19 @@ def rank_context():
     return ctx
 
 
+def _release_fork_server() -> None:
+    """In a fork of rank_context's server: close this process's copy of the server's "alive" pipe, which every
+    fork inherits. The server exits when the pipe's last writer has closed it; with the ranks holding copies it
+    would outlive the process that started them (killed, say), and the ranks, whose parent it is, with it: their
+    die_with_parent signal fires only when it exits."""
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
 def start_rank(ctx, member: int, port: int, config, queues: tuple, join: bool = False,
                slot: int | None = None):
     """One rank's process (rank_main in ctx: rank_context's), started; queues: (inbox, outbox, status). A joiner
@@ -187,6 +200,7 @@ def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, stat
     join: a rank that joins the running job (config has its role and the pool address), `rank` its member id,
     `slot` its local rank (rank_env); env: its starter's environment, which replaces this process's."""
     die_with_parent()
+    _release_fork_server()
     if env is not None:
         os.environ.clear()
         os.environ.update(env)

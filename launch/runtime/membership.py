@@ -162,8 +162,9 @@ class Membership(Generations):
             elif spawn:
                 try:
                     rt.launcher.start(spawn, request.get("deadline"))
-                except RuntimeError as e:    # no free GPU on this host
-                    return {"error": str(e)}
+                except Exception as e:    # no free GPU on this host, or no process could start: refused
+                    logger.error("the joiners %s could not start: %s", spawn, e)
+                    return {"error": f"the joining rank(s) {spawn} could not start: {type(e).__name__}: {e}"}
         if needs[-1][1] < 1:     # the expert pool's target
             return {"error": f"retiring ranks {sorted(retire)} would leave no expert rank; one must stay"}
         if any(got < need for _, _, need, got in needs):

@@ -180,3 +180,43 @@ def test_shm_transport_refused_across_nodes(tiny_checkpoint):
         LLM(tiny_checkpoint("qwen3_moe"), attention_ranks=1, expert_ranks=1, transport="shm", ranks_per_node=1)
     with pytest.raises(ValueError, match="transport='nvlink' is invalid"):
         LLM(tiny_checkpoint("qwen3_moe"), transport="nvlink")
+
+
+def test_ranks_die_with_the_process_that_started_them(tmp_path):
+    """Ranks are forks of the fork server (launch/procs.py, rank_context), not children of the process that built
+    the LLM, yet a SIGKILL of that process takes them down: the server exits once no rank holds its "alive"
+    pipe, and each rank's parent-death signal fires. (Ranks that kept the pipe, as forks do, outlived it.)"""
+    import subprocess
+    import sys
+    import textwrap
+
+    from launch.local_server import ROOT
+    script = tmp_path / "starter.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        from launch import LLM
+        from models import SHIPPED_MODEL
+        if __name__ == "__main__":
+            llm = LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=1, load_progress=False)
+            print(" ".join(map(str, llm.worker_pids)), flush=True)
+            time.sleep(600)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(map(alive, pids))
+        parents = []
+        for p in pids:
+            with open(f"/proc/{p}/stat") as f:
+                parents.append(int(f.read().rsplit(")", 1)[1].split()[1]))
+        assert proc.pid not in parents, (proc.pid, parents)     # forks of the server
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while any(map(alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(alive, pids)), [p for p in pids if alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -227,3 +227,46 @@ def test_serve_under_torchrun_moves_a_rank_and_every_completion_is_transformers(
         log = srv.log()
     assert all(t == expected for t in texts), (texts, expected)
     assert "the engine failed" not in log and "cannot join" not in log, log[-3000:]
+
+
+def test_a_joiner_start_that_fails_midway_leaves_none_of_its_request_running(monkeypatch):
+    """JoinerStarter.start (the leader's own joiners under torchrun) for two roles where the second process
+    cannot start: the first is killed again (alone it would join past its refused request) and the error goes
+    to the caller (Membership.scale_as_leader refuses the request with it). Member ids come from the store's
+    counter."""
+    import launch.joiners as joiners
+
+    class Proc:
+        made: list = []
+
+        def __init__(self, target, name, daemon, args):
+            if len(Proc.made) == 1:
+                raise OSError("no more processes")
+            self.killed, self.pid = False, 100 + len(Proc.made)
+            Proc.made.append(self)
+
+        def start(self):
+            pass
+
+        def is_alive(self):
+            return not self.killed
+
+        def kill(self):
+            self.killed = True
+
+    class Store:
+        n = 2
+
+        def add(self, key, by):
+            assert key == "afserve/member_ids"
+            Store.n += by
+            return Store.n
+
+    monkeypatch.setattr(joiners.threading, "Thread", lambda **kw: SimpleNamespace(start=lambda: None))
+    monkeypatch.setattr(joiners, "rank_context", lambda: SimpleNamespace(Process=Proc, Queue=queue.Queue))
+    from launch.config import EngineConfig
+    config = EngineConfig.from_options(SHIPPED_MODEL, 1, 2, device="cpu")
+    starter = joiners.JoinerStarter(config, Store(), "127.0.0.1:1234", 3)
+    with pytest.raises(OSError, match="no more processes"):
+        starter.start(["attention", "expert"], None)
+    assert len(Proc.made) == 1 and Proc.made[0].killed and starter.members == [3] and starter.slots == [3]
