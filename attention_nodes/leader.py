@@ -5,7 +5,7 @@ request to the attention rank that caches the longest prefix of it when that ran
 with the most free KV blocks (cache-aware routing: each rank's report carries the keys of the blocks its
 prefix cache gained and lost since the last step, so the leader mirrors every rank's cache as a set of
 64-bit keys and hashes each new prompt once), broadcasts the step header, and
-pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict),
+pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict, ...),
 ("abort", request_id), ("stats",), ("comm_stats"[, events]), ("scale", {"attention_ranks", "expert_ranks", "retire"}),
 ("shutdown",).
 Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
@@ -155,11 +155,11 @@ class Leader:
     def handle(self, cmd: tuple, aborts: dict[str, list[str]], outbox) -> bool:
         """Apply one inbox command; returns False on shutdown."""
         kind = cmd[0]
-        if kind == "add":
-            req = cmd[1]
-            if not req.pop("stream", True):
-                self.final_only.add(req["id"])
-            self.pending.append(req)
+        if kind == "add":         # one request, or several (LLM.enqueue_all)
+            for req in cmd[1:]:
+                if not req.pop("stream", True):
+                    self.final_only.add(req["id"])
+                self.pending.append(req)
         elif kind == "abort":     # a request's id, or one sample's (f"{request id}#{index}")
             rid = cmd[1]
             base = request_of(rid)

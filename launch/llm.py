@@ -72,8 +72,7 @@ class LLM:
 
     def _front(self, model: str, attention_ranks: int, expert_ranks: int, options: dict,
                lockstep: bool = False) -> None:
-        """Config, spec, tokenizer, request ids, rank bookkeeping: all a front holds (frontend/process.py's too).
-        lockstep: ranks under torchrun that call generate() together (no autoscale)."""
+        """Config, spec, tokenizer, ids, rank bookkeeping: a front's (process.py's too); lockstep: no autoscale."""
         self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
         self.spec = Checkpoint(self.config.model, mtp=self.config.scheduler.uses_mtp).spec   # fails fast if it is bad
         check_autoscale(self.config.parallel, lockstep)
@@ -171,17 +170,15 @@ class LLM:
                              f"kv_cache_memory or shorten the request")
 
     def check_samples(self, params: SamplingParams) -> None:
-        """ValueError unless the request's samples, which run side by side, fit max_num_seqs (else it would
-        wait for seats forever)."""
+        """ValueError unless the request's samples (side by side) fit max_num_seqs: else they would wait forever."""
         limit = self.config.scheduler.max_num_seqs
         if params.num_samples > limit:
             raise ValueError(f"n={params.n}, best_of={params.best_of}: {params.num_samples} samples exceed "
                              f"max_num_seqs={limit}; draw fewer or raise max_num_seqs")
 
     def submit(self, prompt, params: SamplingParams) -> str:
-        """Validate one request and queue it for the leader; returns its request id. Progress arrives on
-        `outbox` as ("out", [[request_id, [new token ids], finish_reason or None,
-        new prompt logprobs or None, new token logprobs or None], ...])."""
+        """Validate one request and queue it for the leader; returns its request id. Progress arrives on `outbox`
+        as ("out", [[request_id, [new ids], finish_reason or None, new prompt / token logprobs or None], ...])."""
         ids = self.prompt_ids(prompt)
         self.check_fits(ids, params)
         return self.enqueue(ids, params)
@@ -189,10 +186,14 @@ class LLM:
     def enqueue(self, ids: list[int], params: SamplingParams, stream: bool = True) -> str:
         """Queue token ids already checked by prompt_ids and check_fits; returns the request id. stream=False:
         the leader may hold its progress back to send it in fewer messages (attention_nodes/leader.py)."""
-        rid = f"req-{next(self._ids)}"
-        req = {"id": rid, "prompt": ids, "params": params.to_dict()}
-        self._inbox.put(("add", req if stream else dict(req, stream=False)))
-        return rid
+        return self.enqueue_all([ids], [params], stream)[0]
+
+    def enqueue_all(self, ids: list[list[int]], params: list[SamplingParams], stream: bool = True) -> list[str]:
+        """enqueue for several requests in one inbox message: the leader takes them all before its next step."""
+        reqs = [{"id": f"req-{next(self._ids)}", "prompt": i, "params": p.to_dict(), "stream": stream}
+                for i, p in zip(ids, params)]
+        self._inbox.put(("add", *reqs))
+        return [r["id"] for r in reqs]
 
     @property
     def inbox(self):
@@ -226,7 +227,7 @@ class LLM:
         if not self.is_leader:
             self._follow()
             return []
-        rids = [self.enqueue(i, p, stream=False) for i, p in zip(ids, params)]
+        rids = self.enqueue_all(ids, params, stream=False)   # one message: the leader admits them together
         if self.runtime is not None:
             self._lead(stop_when_idle=True)
         samples = {rid: {} for rid in rids}
