@@ -9,11 +9,10 @@ import logging
 import os
 import queue
 import threading
-from dataclasses import replace
 
 import torch.distributed as dist
 
-from .procs import joiner_slot, rank_context, spawn_is_fresh, start_rank, visible_gpus
+from .procs import rank_context, spawn_is_fresh, start_joiner
 from .runtime.liveness import MEMBER_IDS
 
 logger = logging.getLogger("afserve")
@@ -21,14 +20,6 @@ logger = logging.getLogger("afserve")
 
 def _nothing() -> None:
     """A process that only starts (JoinerStarter._warm)."""
-
-
-class _Launched:
-    """A rank of this host's torchrun launch, as joiner_slot sees it: its slot stays held."""
-
-    @staticmethod
-    def is_alive() -> bool:
-        return True
 
 
 class JoinerStarter:
@@ -65,19 +56,16 @@ class JoinerStarter:
         if not spawn_is_fresh(deadline, self.config.startup_timeout_s):
             logger.warning("joiners %s not started: their scale request times out before they could join", roles)
             return
-        slots = list(range(self.local_ranks))
-        gpus = visible_gpus(self.config)
         started = len(self.procs)
         try:
             for role in roles:
-                slot = joiner_slot(slots + self.slots, [_Launched] * len(slots) + self.procs, gpus, self.local_ranks)
                 member = int(self.store.add(MEMBER_IDS, 1))
-                config = replace(self.config, role=role, pool_addr=self.pool_addr)
-                proc = start_rank(self.ctx, member, self.port, config, (None, None, self.status), True, slot)
-                self.procs.append(proc)
-                self.slots.append(slot)
+                proc = start_joiner(self.ctx, member, role, self.port, self.pool_addr, self.config,
+                                    (None, None, self.status), self.slots, self.procs, self.local_ranks,
+                                    held=range(self.local_ranks))     # this host's torchrun ranks
                 self.members.append(member)
-                logger.info("started joiner member %d (%s) in local slot %d, pid %d", member, role, slot, proc.pid)
+                logger.info("started joiner member %d (%s) in local slot %d, pid %d", member, role, self.slots[-1],
+                            proc.pid)
         except Exception:   # none of this request's joiners stays: one alone would join past its failed request
             for proc in self.procs[started:]:
                 proc.kill()

@@ -7,14 +7,14 @@ import logging
 import os
 import queue
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
-from .procs import Outbox, free_port, joiner_slot, rank_context, spawn_is_fresh, start_rank, visible_gpus
+from .procs import Outbox, free_port, rank_context, spawn_is_fresh, start_joiner, start_rank
 from .runtime.planning import check_autoscale, check_scale
 from .samples import Sample, chosen, split_id
 
@@ -307,11 +307,9 @@ class LLM:
     def _spawn_joiner(self, role: str) -> None:
         """A rank that joins the running job as a new member (its member id: its index among the processes), in
         the lowest local slot (GPU) no live rank holds."""
-        member, config = len(self._procs), replace(self.config, role=role, pool_addr=f"127.0.0.1:{self._port}")
-        slot = joiner_slot(self._slots, self._procs, visible_gpus(self.config), self.config.parallel.world_size)
-        self._slots.append(slot)
-        self._procs.append(start_rank(self._ctx, member, self._port, config,
-                                      (self._inbox, self._outbox, self._status), True, slot))
+        start_joiner(self._ctx, len(self._procs), role, self._port, f"127.0.0.1:{self._port}", self.config,
+                     (self._inbox, self._outbox, self._status), self._slots, self._procs,
+                     self.config.parallel.world_size)
 
     def take_scale_result(self, result: dict) -> dict:
         """The leader's answer to a scale request: ValueError for a refused one; retired ranks are noted."""

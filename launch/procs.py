@@ -8,14 +8,15 @@ import fcntl
 import logging
 import multiprocessing as mp
 import os
-import time
 import queue
 import signal
 import socket
 import sys
 import threading
+import time
 import traceback
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, replace
 
 logger = logging.getLogger("afserve")
 # what rank_context's fork server imports once: a rank then reads its checkpoint's config and builds its model
@@ -129,13 +130,15 @@ def visible_gpus(config) -> int:
     return torch.cuda.device_count()
 
 
-def joiner_slot(slots: list[int], procs: list, gpus: int, first_world: int, wait_s: float = 10.0) -> int:
-    """The local rank of a joiner spawned beside procs (slots: theirs): free_slot of the live ones. With a GPU per
-    rank (CUDA, gpus >= the first launch's world: NCCL), a slot past the GPUs would share one over gloo, so it
-    waits up to wait_s for a rank that retired to exit, then raises RuntimeError with the counts."""
+def joiner_slot(slots: list[int], procs: list, gpus: int, first_world: int, wait_s: float = 10.0,
+                held: Sequence[int] = ()) -> int:
+    """The local rank of a joiner spawned beside procs (slots: theirs): free_slot of the live ones and of `held`
+    (slots taken whatever this process sees: a torchrun launch's own ranks). With a GPU per rank (CUDA, gpus >=
+    the first launch's world: NCCL), a slot past the GPUs would share one over gloo, so it waits up to wait_s for
+    a rank that retired to exit, then raises RuntimeError with the counts."""
     deadline = time.monotonic() + wait_s
     while True:
-        slot = free_slot([s for s, p in zip(slots, procs) if p.is_alive()])
+        slot = free_slot([*held, *(s for s, p in zip(slots, procs) if p.is_alive())])
         own_gpus = 0 < first_world <= gpus
         if not own_gpus or slot < gpus:
             return slot
@@ -192,6 +195,17 @@ def start_rank(ctx, member: int, port: int, config, queues: tuple, join: bool = 
                     args=(member, config.parallel.world_size, port, config, *queues, join, slot, dict(os.environ)))
     p.start()
     return p
+
+
+def start_joiner(ctx, member: int, role: str, port: int, pool_addr: str, config, queues: tuple, slots: list[int],
+                 procs: list, first_world: int, held: Sequence[int] = ()):
+    """A rank that joins the running job through its store at pool_addr in `role`, as member `member`, started
+    beside procs (slots: theirs; both get the new one) in joiner_slot's slot; returns its process."""
+    slot = joiner_slot(slots, procs, visible_gpus(config), first_world, held=held)
+    proc = start_rank(ctx, member, port, replace(config, role=role, pool_addr=pool_addr), queues, True, slot)
+    slots.append(slot)
+    procs.append(proc)
+    return proc
 
 
 def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False,

@@ -79,6 +79,7 @@ def test_a_joiner_waits_for_a_retired_rank_to_free_its_gpu_and_is_refused_past_t
     procs[2].alive = True
     assert joiner_slot([0, 1, 2, 3], procs, 0, 2, wait_s=5) == 4
     assert joiner_slot([0, 1, 2, 3], procs, 2, 4, wait_s=5) == 4
+    assert joiner_slot([4], [procs[0]], 0, 2, held=range(3)) == 3     # a torchrun launch's three slots: held
 
 
 def test_a_scale_that_needs_more_gpus_than_the_machine_has_is_refused_with_the_numbers():
