@@ -164,9 +164,18 @@ def memory_limits(counts: ParamCounts, hw: Hardware, weight_bytes: float, kv_byt
     of `context` tokens an attention rank holds beside its weights)."""
     room = hw.memory_bytes * utilization
     experts = counts.experts_per_moe_layer * counts.moe_layers * weight_bytes
-    attention = (counts.attention_per_moe_layer * counts.moe_layers + counts.tail + counts.embed) * weight_bytes
+    return -(-int(experts) // int(room)), max(0, _seqs_beside(counts, hw, 0, weight_bytes, kv_bytes, context,
+                                                             utilization))
+
+
+def _seqs_beside(counts: ParamCounts, hw: Hardware, expert_params: int, weight_bytes: float, kv_bytes: float,
+                 context: int, utilization: float) -> int:
+    """Sequences of `context` tokens whose KV fits a GPU beside the attention side's weights (attention, norms,
+    shared experts, embedding, head) and expert_params more; negative when the weights alone do not fit."""
+    weights = (counts.attention_per_moe_layer * counts.moe_layers + counts.tail + counts.embed
+               + expert_params) * weight_bytes
     per_seq = context * counts.kv_entry_elems * kv_bytes * counts.num_layers
-    return -(-int(experts) // int(room)), max(0, int((room - attention) // per_seq))
+    return int((hw.memory_bytes * utilization - weights) // per_seq)
 
 
 def colocated_decode(counts: ParamCounts, hw: Hardware, ranks: int, context: int, tpot_s: float,
@@ -194,10 +203,8 @@ def colocated_decode(counts: ParamCounts, hw: Hardware, ranks: int, context: int
         layer = M * max(compute, comm) + min(compute, comm)
         return costs.moe_layers * layer + M * costs.l0 + costs.l_row * B + host_s
 
-    weights = (counts.attention_per_moe_layer * counts.moe_layers + counts.tail + counts.embed
-               + slots * counts.expert_params * counts.moe_layers) * weight_bytes
-    per_seq = context * counts.kv_entry_elems * kv_bytes * counts.num_layers
-    most = int((hw.memory_bytes * utilization - weights) // per_seq)
+    most = _seqs_beside(counts, hw, slots * counts.expert_params * counts.moe_layers, weight_bytes, kv_bytes,
+                        context, utilization)
     if most < M or step_s(M) > tpot_s:
         raise ValueError(f"no batch fits: {most} sequences of {context} tokens fit a GPU's memory, and "
                          f"{M} sequences take {step_s(M) * 1e3:.1f} ms a step against a TPOT of {tpot_s * 1e3:.0f} ms")
