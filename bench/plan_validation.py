@@ -9,6 +9,11 @@ this VM's drifting speed falls on every plan alike and each prediction comes fro
 plan's figures are the medians over the rounds. Prints each plan's predicted and measured tok/s and the error,
 the median and largest error, and whether the planner's first choice is within 5% of the best measured plan;
 --out writes it all as JSON.
+
+Plans on emulated nodes (ranks_per_node) or with two_phase run their comm over gloo, which the step-cost
+calibration does not measure: each round also starts one engine of 2 attention + 1 expert ranks on two emulated
+nodes with comm=auto, whose start-up comm calibration (comm/calibration.py: real layers of both modes) writes the
+alpha-beta model that prices those plans (launch/plan/layout.py).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,7 +31,32 @@ from launch import LLM  # noqa: E402
 from launch.plan.model import Plan, StepCosts, simulate  # noqa: E402
 from models import SHIPPED_MODEL  # noqa: E402
 
-PLANS = ((1, 1, 1), (1, 1, 2), (1, 2, 1), (1, 2, 2), (2, 1, 1), (2, 1, 2))
+PLANS = ("1,1,1", "1,1,2", "1,2,1", "1,2,2", "2,1,1", "2,1,2",
+         "2,1,1,direct,1", "2,1,1,two_phase,2", "1,2,1,two_phase,1", "2,1,2,two_phase,2")
+
+
+def parse_plan(text: str, max_seqs: int = 64) -> Plan:
+    """'A,E,M[,comm[,ranks_per_node]]' -> the plan (max_num_seqs = max_seqs // A, as bench/throughput.py)."""
+    parts = text.split(",")
+    try:
+        A, E, M = map(int, parts[:3])
+        comm = parts[3] if len(parts) > 3 else "direct"
+        per_node = int(parts[4]) if len(parts) > 4 else 0
+    except (ValueError, IndexError):
+        raise ValueError(f"--plans entry {text!r}: give A,E,M or A,E,M,comm,ranks_per_node") from None
+    return Plan(A, E, M, comm, max_num_seqs=max_seqs // A, ranks_per_node=per_node)
+
+
+def network_model(model: str) -> dict:
+    """The comm model of this machine's gloo between emulated nodes: an engine's comm=auto start-up calibration
+    on 2+1 ranks, 2 a node, written to a file and read back."""
+    from launch.plan.layout import load_network
+
+    path = os.path.join(tempfile.mkdtemp(prefix="plan-net-"), "comm.json")
+    with LLM(model, attention_ranks=2, expert_ranks=1, ranks_per_node=2, comm="auto", comm_calibration=path,
+             device="cpu"):
+        pass
+    return load_network(path)
 
 
 def measure(model: str, plan: Plan, prompts, olens) -> float:
@@ -34,7 +65,7 @@ def measure(model: str, plan: Plan, prompts, olens) -> float:
     thread start-up) -> output tok/s."""
     with LLM(model, attention_ranks=plan.attention_ranks, expert_ranks=plan.expert_ranks,
              micro_batches=plan.micro_batches, max_num_seqs=plan.max_num_seqs, max_num_batched_tokens=512,
-             device="cpu") as llm:
+             comm=plan.comm, ranks_per_node=plan.ranks_per_node or None, device="cpu") as llm:
         run_ours(llm, prompts, olens)
         dt, n = run_ours(llm, prompts, olens)
     return n / dt
@@ -44,8 +75,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=SHIPPED_MODEL)
     ap.add_argument("--profile", help="step costs saved by `python -m launch.plan --calibrate --save-profile`")
-    ap.add_argument("--plans", default=";".join(",".join(map(str, p)) for p in PLANS),
-                    help="A,E,M;... (default: 1+1 and 1+2 and 2+1, each with 1 and 2 micro-batches)")
+    ap.add_argument("--plans", default=";".join(PLANS),
+                    help="A,E,M[,comm,ranks_per_node];... (default: 1+1, 1+2 and 2+1 on one node, each with 1 and 2 "
+                    "micro-batches, and four plans on emulated nodes or with two_phase)")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", help="write the table as JSON here")
@@ -54,33 +86,38 @@ def main() -> None:
     args = ap.parse_args()
     max_output = 256
     if args.smoke:
-        args.requests, args.repeats, max_output, args.plans = 32, 1, 32, "1,1,1;1,1,2"
-    plans = []
-    for text in args.plans.split(";"):
-        A, E, M = map(int, text.split(","))
-        plans.append(Plan(A, E, M, max_num_seqs=64 // A))
+        args.requests, args.repeats, max_output, args.plans = 32, 1, 32, "1,1,1;2,1,1,two_phase,2"
+    plans = [parse_plan(text) for text in args.plans.split(";")]
+    collective = any(p.collective for p in plans)
     prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
     plens = [len(p) for p in prompts]
     predicted: dict[Plan, list[float]] = {p: [] for p in plans}
     measured: dict[Plan, list[float]] = {p: [] for p in plans}
     costs = StepCosts.load(args.profile) if args.profile else None
+    rounds = []
     for round_ in range(args.repeats):
         if not args.profile:
             from launch.plan.calibrate import WINDOWS, calibrate
-            costs = calibrate(args.model, device="cpu", **({"windows": WINDOWS[:2]} if args.smoke else {}))
+            small = {"windows": WINDOWS[:2], "passes": 1} if args.smoke else {}
+            costs = calibrate(args.model, device="cpu", **small)
+        if collective:
+            costs.network = network_model(args.model)
         print(f"round {round_ + 1}: step costs {costs.source}", flush=True)
+        rounds.append({"costs": costs.to_dict(), "predicted": {}, "measured": {}})
         k = round_ % len(plans)
         for plan in plans[k:] + plans[:k]:
             predicted[plan].append(simulate(costs, plan, plens, olens).tok_s)
             measured[plan].append(measure(args.model, plan, prompts, olens))
-            print(f"  {plan.label():<18} predicted {predicted[plan][-1]:8.0f}  measured {measured[plan][-1]:8.0f}",
+            rounds[-1]["predicted"][plan.label()] = predicted[plan][-1]
+            rounds[-1]["measured"][plan.label()] = measured[plan][-1]
+            print(f"  {plan.label():<26} predicted {predicted[plan][-1]:8.0f}  measured {measured[plan][-1]:8.0f}",
                   flush=True)
     rows = []
     for plan in plans:
         p, m = statistics.median(predicted[plan]), statistics.median(measured[plan])
         rows.append({"plan": plan.label(), "predicted_tok_s": p, "measured_tok_s": m, "predictions": predicted[plan],
                      "runs": measured[plan], "error": p / m - 1})
-        print(f"{plan.label():<18} predicted {p:8.0f}  measured {m:8.0f} "
+        print(f"{plan.label():<26} predicted {p:8.0f}  measured {m:8.0f} "
               f"(runs {', '.join(f'{r:.0f}' for r in measured[plan])})  error {100 * rows[-1]['error']:+.1f}%")
     errors = [abs(r["error"]) for r in rows]
     first = max(rows, key=lambda r: r["predicted_tok_s"])
@@ -92,8 +129,9 @@ def main() -> None:
           f"{best['plan']} {best['measured_tok_s']:.0f}: {100 * gap:.1f}% below (goal: within 5%)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"costs": costs.to_dict(), "rows": rows, "median_error": statistics.median(errors),
-                       "max_error": max(errors), "first_choice_gap": gap}, f, indent=1)
+            json.dump({"costs": costs.to_dict(), "rounds": rounds, "rows": rows,
+                       "median_error": statistics.median(errors), "max_error": max(errors),
+                       "first_choice_gap": gap}, f, indent=1)
 
 
 if __name__ == "__main__":

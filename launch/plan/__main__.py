@@ -1,10 +1,12 @@
 """python -m launch.plan: search deployment plans for a workload with the planner's step model.
 
-The step costs come from a calibration on this machine (--calibrate, about 20 s, the runtime's own counters;
+The step costs come from a calibration on this machine (--calibrate, about a minute, the runtime's own counters;
 --save-profile keeps them) or a saved profile (--profile). The search covers the attention:expert split within
---ranks and micro_batches (comm: `direct` on one node, the mode the step model covers), plays the workload
-through each plan (launch/plan/model.py's simulate) and prints the best plans by predicted output tok/s among
-those whose predicted TPOT p99 meets --tpot-slo-ms, with each pool's utilisation; --out writes them all as JSON.
+--ranks, micro_batches, the comm modes (--comm; plans on several nodes or with two_phase need --network, the
+alpha-beta model their dispatch and combine is priced by) and redundant expert slots (--redundant-experts, priced
+against the workload's expert load, --expert-load), plays the workload through each plan (launch/plan/model.py's
+simulate) and prints the best plans by predicted output tok/s among those whose predicted TPOT p99 meets
+--tpot-slo-ms, with each pool's utilisation; --out writes them all as JSON.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import sys
 
 import torch
 
-from .model import Plan, StepCosts, simulate
+from .layout import load_network, parse_expert_load
+from .model import COMM_MODES, Plan, StepCosts, simulate
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -46,31 +49,39 @@ def workload(requests: int, prompt: tuple[int, int], output: tuple[int, int], sh
     return prompts.tolist(), outputs.tolist()
 
 
-def candidates(ranks: int, micro_batches: list[int], concurrencies: list[int], min_experts: int = 1,
-               max_seqs: int | None = None) -> list[Plan]:
-    """Every split of `ranks` ranks (at least one attention rank and min_experts expert ranks) with each
-    micro-batch count and concurrency (requests in flight in all; max_num_seqs = concurrency // attention ranks,
-    as bench/throughput.py sets it, at most max_seqs: what an attention rank's memory holds)."""
+def candidates(ranks: int, micro_batches: list[int], concurrencies: list[int], min_experts=1,
+               max_seqs: int | None = None, comms=("direct",), redundant=(0,), ranks_per_node: int = 0) -> list[Plan]:
+    """Every split of `ranks` ranks (at least one attention rank and min_experts expert ranks; min_experts may
+    be a function of the redundant slots) with each micro-batch count, comm mode, redundant slot count and
+    concurrency (requests in flight in all; max_num_seqs = concurrency // attention ranks, as bench/throughput.py
+    sets it, at most max_seqs: what an attention rank's memory holds)."""
     if min(concurrencies) < 1:
         raise ValueError(f"--concurrency {min(concurrencies)}: at least one request must be in flight")
+    if min(redundant) < 0:
+        raise ValueError(f"--redundant-experts {min(redundant)}: redundant slots must be >= 0")
+    least = min_experts if callable(min_experts) else (lambda _r: min_experts)
     plans = []
-    for a in range(1, ranks - max(min_experts, 1) + 1):
-        for c in concurrencies:
-            seqs = max(1, c // a) if max_seqs is None else max(1, min(c // a, max_seqs))
-            plans += [Plan(a, ranks - a, m, max_num_seqs=seqs, max_num_batched_tokens=max(512, seqs))
-                      for m in micro_batches]
+    for r in redundant:
+        for a in range(1, ranks - max(least(r), 1) + 1):
+            for c in concurrencies:
+                seqs = max(1, c // a) if max_seqs is None else max(1, min(c // a, max_seqs))
+                plans += [Plan(a, ranks - a, m, comm, max_num_seqs=seqs, max_num_batched_tokens=max(512, seqs),
+                               ranks_per_node=ranks_per_node, redundant_experts=r)
+                          for m in micro_batches for comm in comms]
     return list(dict.fromkeys(plans))
 
 
 def search(costs: StepCosts, plans: list[Plan], prompts: list[int], outputs: list[int], tpot_slo_ms: float | None,
-           rate: float | None = None, decode_only: bool = False) -> list[dict]:
+           rate: float | None = None, decode_only: bool = False, expert_load: list | None = None) -> list[dict]:
     """Predict every plan -> records sorted best first: those meeting the SLO by tok/s, then the others."""
     rows = []
     for plan in plans:
-        pred = simulate(costs, plan, prompts, outputs, rate=rate, decode_only=decode_only).to_dict()
+        pred = simulate(costs, plan, prompts, outputs, rate=rate, decode_only=decode_only,
+                        expert_load=expert_load).to_dict()
         meets = tpot_slo_ms is None or pred["tpot_p99_ms"] <= tpot_slo_ms
         rows.append({"plan": plan.label(), "attention_ranks": plan.attention_ranks, "expert_ranks": plan.expert_ranks,
                      "micro_batches": plan.micro_batches, "max_num_seqs": plan.max_num_seqs, "comm": plan.comm,
+                     "ranks_per_node": plan.ranks_per_node, "redundant_experts": plan.redundant_experts,
                      "meets_slo": meets, "tok_s_per_rank": pred["tok_s"] / (plan.attention_ranks + plan.expert_ranks),
                      **pred})
     return sorted(rows, key=lambda r: (not r["meets_slo"], -r["tok_s"]))
@@ -86,7 +97,8 @@ def _ints(flag: str, text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     from models import SHIPPED_MODEL
 
-    from .hardware import HARDWARE, PRESETS
+    from .hardware import HARDWARE, LAUNCH_S, PRESETS
+    from .layout import links_model
 
     ap = argparse.ArgumentParser(prog="python -m launch.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=SHIPPED_MODEL, help="checkpoint to calibrate on (default: the shipped "
@@ -104,6 +116,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus-per-node", type=int, default=8, help="--hardware: GPUs a node's NVLink joins")
     ap.add_argument("--ranks", type=int, default=3, help="ranks (GPUs) to split between the pools (default 3)")
     ap.add_argument("--micro-batches", default="1,2", help="micro-batch counts to try (default 1,2)")
+    ap.add_argument("--comm", default="direct", help="comm modes to try, comma-separated: direct, two_phase "
+                    "(default direct)")
+    ap.add_argument("--network", help="the alpha-beta comm model that prices plans on several nodes or with "
+                    "two_phase: a comm calibration JSON (comm=auto's comm_calibration file), or with --hardware "
+                    "'links' (the GPU's NVLink and NIC figures)")
+    ap.add_argument("--ranks-per-node", type=int, default=0, help="ranks per node of the plans (default: one node; "
+                    "with --hardware and --network, --gpus-per-node)")
+    ap.add_argument("--redundant-experts", default="0", help="redundant expert slot counts to try (default 0)")
+    ap.add_argument("--expert-load", help="the workload's per-expert load: zipf:S, or a JSON file of counts "
+                    "([E] or [L][E]); default balanced")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt-len", default="16:256", help="MIN:MAX prompt tokens, uniform (default 16:256)")
     ap.add_argument("--output-len", default="8:256", help="MIN:MAX output tokens (default 8:256)")
@@ -122,11 +144,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--save-profile needs --calibrate (a --profile is saved already)")
     try:
         micro, concurrency = _ints("--micro-batches", args.micro_batches), _ints("--concurrency", args.concurrency)
+        redundant, comms = _ints("--redundant-experts", args.redundant_experts), args.comm.split(",")
+        if bad := [c for c in comms if c not in COMM_MODES]:
+            raise ValueError(f"--comm {bad[0]!r}: choose from {', '.join(COMM_MODES)}")
+        if args.ranks_per_node < 0:
+            raise ValueError(f"--ranks-per-node {args.ranks_per_node}: give ranks per node >= 1 (0: one node)")
         prompt, output = parse_range(args.prompt_len), parse_range(args.output_len)
         prompts, outputs = workload(args.requests, prompt, output, args.output_shape)
         if args.rate is not None and not args.rate > 0:
             raise ValueError(f"--rate {args.rate}: arrivals per second must be > 0 (leave it out: all at once)")
-        min_experts, max_seqs, costs = 1, None, None
+        min_experts, max_seqs, costs, per_node = 1, None, None, args.ranks_per_node
         if args.profile:
             costs = StepCosts.load(args.profile)
         elif args.hardware:
@@ -134,12 +161,25 @@ def main(argv: list[str] | None = None) -> int:
             counts, hw = count_params(model_config(args.model)), HARDWARE[args.hardware]
             costs = derive_costs(counts, hw, args.weight_bytes, args.kv_bytes, args.ranks > args.gpus_per_node,
                                  args.host_ms / 1e3)
-            min_experts, max_seqs = memory_limits(counts, hw, args.weight_bytes, args.kv_bytes,
-                                                  prompt[1] + output[1])
-            if min_experts >= args.ranks or max_seqs < 1:
-                raise ValueError(f"--ranks {args.ranks}: {args.model} needs {min_experts} expert ranks for its "
+            least, max_seqs = memory_limits(counts, hw, args.weight_bytes, args.kv_bytes, prompt[1] + output[1])
+            if least >= args.ranks or max_seqs < 1:
+                raise ValueError(f"--ranks {args.ranks}: {args.model} needs {least} expert ranks for its "
                                  f"experts on {hw.name} and room for a sequence on an attention rank: add ranks")
-        plans = candidates(args.ranks, micro, concurrency, min_experts, max_seqs)
+
+            def experts_for(r: int) -> int:
+                return memory_limits(counts, hw, args.weight_bytes, args.kv_bytes, prompt[1] + output[1],
+                                     redundant_experts=r)[0]
+            min_experts = experts_for
+            if args.network == "links":
+                costs.network = links_model(hw.link_bytes_s, hw.link_latency_s + 2 * LAUNCH_S, hw.nic_bytes_s,
+                                            hw.nic_latency_s + 2 * LAUNCH_S).to_dict()
+                per_node = per_node or args.gpus_per_node
+        if args.network not in (None, "links"):
+            network = load_network(args.network)
+        elif args.network == "links" and not args.hardware:
+            raise ValueError("--network links takes the links of a --hardware GPU; with a calibration give a comm "
+                             "calibration JSON")
+        plans = candidates(args.ranks, micro, concurrency, min_experts, max_seqs, comms, redundant, per_node)
     except ValueError as e:
         ap.error(str(e))
     if costs is None:
@@ -150,12 +190,18 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--calibrate on {args.model!r}: {e}")
         if args.save_profile:
             costs.save(args.save_profile)
-    rows = search(costs, plans, prompts, outputs, args.tpot_slo_ms, args.rate, args.decode_only)
+    if args.network not in (None, "links"):
+        costs.network = network
+    try:
+        load = parse_expert_load(args.expert_load, costs.num_experts, costs.top_k) if args.expert_load else None
+        rows = search(costs, plans, prompts, outputs, args.tpot_slo_ms, args.rate, args.decode_only, load)
+    except ValueError as e:
+        ap.error(str(e))
     print(f"step costs: {costs.source}")
-    print(f"{'plan':<22} {'seqs':>5} {'tok/s':>9} {'per rank':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p99':>9} "
+    print(f"{'plan':<30} {'seqs':>5} {'tok/s':>9} {'per rank':>8} {'TPOT p50':>9} {'TPOT p99':>9} {'TTFT p99':>9} "
           f"{'attn util':>9} {'expert util':>11}  SLO")
     for r in rows[:args.top]:
-        print(f"{r['plan']:<22} {r['max_num_seqs']:5d} {r['tok_s']:9.0f} {r['tok_s_per_rank']:8.0f} "
+        print(f"{r['plan']:<30} {r['max_num_seqs']:5d} {r['tok_s']:9.0f} {r['tok_s_per_rank']:8.0f} "
               f"{r['tpot_p50_ms']:7.1f}ms {r['tpot_p99_ms']:7.1f}ms {r['ttft_p99_ms']:7.0f}ms "
               f"{r['attention_util']:9.2f} {r['expert_util']:11.2f}  {'yes' if r['meets_slo'] else 'no'}")
     if args.out:

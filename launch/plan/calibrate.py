@@ -9,13 +9,24 @@ sometimes runs beside a generate: each figure is per call actually counted). Per
 give:
 - the attention rank's compute per MoE layer (tokens N, attention pairs N * (p + (m1 + m2) / 2));
 - the expert rank's grouped FFN per MoE layer (pairs N * top_k);
-- the attention rank's dispatch + combine per MoE layer less the expert compute inside its combine;
+- the attention rank's dispatch + combine per MoE layer less the expert compute inside its combine, and of that
+  its dispatch calls alone (its own sending; the rest is waiting on the round trip);
 - the tail after the last MoE layer (N logit rows) and the step's host work outside all of these.
+Prefill windows (N prompts of p tokens, one token each: a single step of N * p tokens and N * p * (p + 1) / 2
+pairs) give the same figures for the steps that prefill: per token, a batch of hundreds costs less than the
+decode windows' tens (a larger matmul), and fitted on decode windows alone the model under-predicted every
+one-micro-batch plan by 7-20% on this VM.
+Each window runs once untimed, then `passes` times, the windows taking turns; a window's figures are the
+medians over its passes. On the 2-core VM one pass of a window varied by up to 2x (the expert compute of 64
+decode tokens measured 0.45 and 1.05 ms in two windows of one pass) and a fresh engine runs slower than a warm
+one, so single-pass calibrations put the same plan at 1,554 to 2,621 tok/s in three rounds of one run
+(bench/results/cpu-2026-11-27c/plan_validation_run5.json).
 Each cost is then a non-negative least-squares line (or plane) over the windows.
 """
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -26,7 +37,9 @@ from .model import StepCosts
 
 # (sequences, prompt tokens): small and large batches, short and long contexts
 WINDOWS = ((8, 16), (32, 16), (64, 16), (64, 384), (16, 384), (32, 200))
+PREFILLS = ((4, 128), (2, 128), (8, 32), (16, 32))        # (prompts, tokens): steps of 256 and 512 tokens
 M1, M2 = 8, 40
+PASSES = 3
 
 
 def _totals(stats: dict) -> dict:
@@ -37,10 +50,11 @@ def _totals(stats: dict) -> dict:
     comp = attn["compute"]
     layers = [k for k in comp if k != "-1"]
     comm = sum(p["time_s"] for layer in attn["layers"].values() for p in layer.values())
+    sends = sum(layer["dispatch"]["time_s"] for layer in attn["layers"].values() if "dispatch" in layer)
     ex = {k: v for k, v in expert["compute"].items() if k != "-1"}
     return {"a_s": sum(comp[k]["time_s"] for k in layers),
             "tail_calls": comp.get("-1", {}).get("calls", 0), "tail_s": comp.get("-1", {}).get("time_s", 0.0),
-            "comm_s": comm, "steps": attn["steps"]["calls"], "step_s": attn["steps"]["time_s"],
+            "comm_s": comm, "d_s": sends, "steps": attn["steps"]["calls"], "step_s": attn["steps"]["time_s"],
             "e_calls": sum(v["calls"] for v in ex.values()), "e_s": sum(v["time_s"] for v in ex.values())}
 
 
@@ -48,41 +62,85 @@ def _delta(a: dict, b: dict) -> dict:
     return {k: b[k] - a[k] for k in a}
 
 
-def measure_windows(model: str, windows=WINDOWS, m1: int = M1, m2: int = M2, **engine) -> list[dict]:
-    """Run the decode windows on one 1+1 engine -> one record per window: its shape and per-call seconds."""
+def measure_windows(model: str, windows=WINDOWS, m1: int = M1, m2: int = M2, passes: int = PASSES,
+                    prefills=PREFILLS, **engine) -> list[dict]:
+    """Run the decode and prefill windows on one 1+1 engine (each once untimed, then `passes` times, taking
+    turns) -> one record per window: its shape (sequences, tokens a step, pairs) and per-call seconds, the
+    medians over its passes."""
     from launch import LLM, SamplingParams
     from models.checkpoint import Checkpoint
 
+    if passes < 1:
+        raise ValueError(f"passes={passes}: a calibration measures each window at least once")
     spec = Checkpoint(model).spec
     L = sum(spec.moe_layers)
     g = torch.Generator().manual_seed(0)
-    out = []
-    budget = max(n * (p + 1) for n, p in windows)
+    shapes = [("decode", n, p) for n, p in windows] + [("prefill", n, p) for n, p in prefills]
+    prompts = {(kind, n, p): [torch.randint(3, spec.vocab_size, (p,), generator=g).tolist() for _ in range(n)]
+               for kind, n, p in shapes}
+    runs: dict[tuple[str, int, int], list[dict]] = {w: [] for w in prompts}
+    budget = max(n * (p + 1) for _, n, p in shapes)
     with LLM(model, attention_ranks=1, expert_ranks=1, micro_batches=1, enable_prefix_caching=False,
-             max_num_seqs=max(n for n, _ in windows), max_num_batched_tokens=budget, **engine) as llm:
-        llm.generate([[5] * 16] * 4, SamplingParams(max_tokens=4, ignore_eos=True))       # warm-up
-        for n, p in windows:
-            prompts = [torch.randint(3, spec.vocab_size, (p,), generator=g).tolist() for _ in range(n)]
-            s0 = _totals(llm.comm_stats())
-            llm.generate(prompts, SamplingParams(max_tokens=m1, ignore_eos=True))
-            s1 = _totals(llm.comm_stats())
-            llm.generate(prompts, SamplingParams(max_tokens=m2, ignore_eos=True))
-            s2 = _totals(llm.comm_stats())
-            d = _delta(_delta(s0, s1), _delta(s1, s2))
-            steps = d["steps"]
-            # one empty forward (no token) sometimes runs beside a generate, in either of the two: tolerated
-            if abs(steps - (m2 - m1)) > 1 or d["tail_calls"] != steps or d["e_calls"] != steps * L:
-                raise RuntimeError(f"calibration window ({n} sequences of {p} tokens): {steps} steps, "
-                                   f"{d['tail_calls']} forwards, {d['e_calls']} expert calls, where {m2 - m1}, "
-                                   f"{m2 - m1} and {(m2 - m1) * L} were expected, give or take one (did a step split "
-                                   "or preempt?)")
-            calls = steps * L
-            e = d["e_s"] / calls
-            out.append({"seqs": n, "prompt": p, "steps": steps,
-                        "pairs": n * (p + (m1 + m2) / 2), "a_s": d["a_s"] / calls, "e_s": e,
-                        "c_s": d["comm_s"] / calls - e, "tail_s": d["tail_s"] / steps,
-                        "host_s": (d["step_s"] - d["a_s"] - d["tail_s"] - d["comm_s"]) / steps})
+             max_num_seqs=max(n for _, n, _ in shapes), max_num_batched_tokens=budget, **engine) as llm:
+        for timed in [False] + [True] * passes:
+            for key in shapes:
+                if not timed:       # the warm pass: a fresh engine's first windows run slower than its later ones
+                    llm.generate(prompts[key], SamplingParams(max_tokens=m1 if key[0] == "decode" else 1,
+                                                              ignore_eos=True))
+                elif key[0] == "decode":
+                    runs[key].append(_window(llm, prompts[key], m1, m2, L))
+                else:
+                    runs[key].append(_prefill(llm, prompts[key], L))
+    out = []
+    for (kind, n, p), rs in runs.items():
+        tokens, pairs = (n, n * (p + (m1 + m2) / 2)) if kind == "decode" else (n * p, n * p * (p + 1) / 2)
+        out.append({"kind": kind, "seqs": n, "prompt": p, "tokens": tokens, "pairs": pairs, "passes": len(rs),
+                    **{k: statistics.median(r[k] for r in rs) for k in rs[0]}})
     return out
+
+
+def _prefill(llm, prompts: list, L: int, tries: int = 3) -> dict:
+    """One pass of a prefill window: the prompts' one step (one token each) -> its per-call figures. An empty
+    forward beside it (it sometimes runs beside a generate) would halve them: such a pass is run again."""
+    from launch import SamplingParams
+
+    for _ in range(tries):
+        s0 = _totals(llm.comm_stats())
+        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+        d = _delta(s0, _totals(llm.comm_stats()))
+        if d["steps"] == 1 and d["tail_calls"] == 1 and d["e_calls"] == L:
+            e = d["e_s"] / L
+            return {"steps": 1, "a_s": d["a_s"] / L, "e_s": e, "c_s": d["comm_s"] / L - e, "d_s": d["d_s"] / L,
+                    "tail_s": d["tail_s"], "host_s": d["step_s"] - d["a_s"] - d["tail_s"] - d["comm_s"]}
+    raise RuntimeError(f"calibration prefill window ({len(prompts)} prompts of {len(prompts[0])} tokens): "
+                       f"{d['steps']} steps and {d['e_calls']} expert calls where 1 and {L} were expected, "
+                       f"{tries} times")
+
+
+def _window(llm, prompts: list, m1: int, m2: int, L: int) -> dict:
+    """One pass of a window: generate m1 then m2 tokens of the prompts -> the second's counters less the first's,
+    per call."""
+    from launch import SamplingParams
+
+    n = len(prompts)
+    s0 = _totals(llm.comm_stats())
+    llm.generate(prompts, SamplingParams(max_tokens=m1, ignore_eos=True))
+    s1 = _totals(llm.comm_stats())
+    llm.generate(prompts, SamplingParams(max_tokens=m2, ignore_eos=True))
+    s2 = _totals(llm.comm_stats())
+    d = _delta(_delta(s0, s1), _delta(s1, s2))
+    steps = d["steps"]
+    # one empty forward (no token) sometimes runs beside a generate, in either of the two: tolerated
+    if abs(steps - (m2 - m1)) > 1 or d["tail_calls"] != steps or d["e_calls"] != steps * L:
+        raise RuntimeError(f"calibration window ({n} sequences of {len(prompts[0])} tokens): {steps} steps, "
+                           f"{d['tail_calls']} forwards, {d['e_calls']} expert calls, where {m2 - m1}, "
+                           f"{m2 - m1} and {(m2 - m1) * L} were expected, give or take one (did a step split "
+                           "or preempt?)")
+    calls = steps * L
+    e = d["e_s"] / calls
+    return {"steps": steps, "a_s": d["a_s"] / calls, "e_s": e, "c_s": d["comm_s"] / calls - e,
+            "d_s": d["d_s"] / calls, "tail_s": d["tail_s"] / steps,
+            "host_s": (d["step_s"] - d["a_s"] - d["tail_s"] - d["comm_s"]) / steps}
 
 
 def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -90,16 +148,19 @@ def _nnls(rows: list[list[float]], y: list[float]) -> list[float]:
     return nnls(torch.tensor(rows, dtype=torch.float64), torch.tensor(y, dtype=torch.float64))
 
 
-def fit(windows: list[dict], moe_layers: int, top_k: int, cores: float, source: str) -> StepCosts:
-    """The step costs that best explain the windows' per-call seconds."""
-    a0, a_tok, a_ctx = _nnls([[1, w["seqs"], w["pairs"]] for w in windows], [w["a_s"] for w in windows])
-    e0, e_pair = _nnls([[1, w["seqs"] * top_k] for w in windows], [w["e_s"] for w in windows])
-    c0, c_tok = _nnls([[1, w["seqs"]] for w in windows], [max(w["c_s"], 0.0) for w in windows])
+def fit(windows: list[dict], moe_layers: int, top_k: int, cores: float, source: str, **shape) -> StepCosts:
+    """The step costs that best explain the windows' per-call seconds. shape: num_experts, hidden, dtype_bytes."""
+    tokens = [w.get("tokens", w["seqs"]) for w in windows]      # a decode step runs a token per sequence
+    a0, a_tok, a_ctx = _nnls([[1, t, w["pairs"]] for t, w in zip(tokens, windows)], [w["a_s"] for w in windows])
+    e0, e_pair = _nnls([[1, t * top_k] for t in tokens], [w["e_s"] for w in windows])
+    c0, c_tok = _nnls([[1, t] for t in tokens], [max(w["c_s"], 0.0) for w in windows])
+    cd0, cd_tok = _nnls([[1, t] for t in tokens], [w.get("d_s", 0.0) for w in windows])
     l0, l_row = _nnls([[1, w["seqs"]] for w in windows], [w["tail_s"] for w in windows])
     h0, h_seq = _nnls([[1, w["seqs"]] for w in windows], [max(w["host_s"], 0.0) for w in windows])
     return StepCosts(a0=a0, a_tok=a_tok, a_ctx=a_ctx, e0=e0, e_pair=e_pair, c0=c0, c_tok=c_tok, l0=l0, l_row=l_row,
-                     h0=h0, h_seq=h_seq, moe_layers=moe_layers, top_k=top_k, cores=cores, source=source,
-                     meta={"windows": windows})
+                     h0=h0, h_seq=h_seq, cd0=cd0, cd_tok=cd_tok, moe_layers=moe_layers, top_k=top_k, cores=cores,
+                     source=source,
+                     meta={"windows": windows}, **shape)
 
 
 def calibrate(model: str, windows=WINDOWS, **engine) -> StepCosts:
@@ -111,8 +172,11 @@ def calibrate(model: str, windows=WINDOWS, **engine) -> StepCosts:
     windows = measure_windows(model, windows, **engine)
     device = engine.get("device", "auto")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    dtype = engine.get("dtype", "auto")
+    dtype_bytes = (4 if on_cpu else 2) if dtype == "auto" else getattr(torch, dtype).itemsize
     costs = fit(windows, sum(spec.moe_layers), spec.top_k,
                 float(os.cpu_count() or 1) if on_cpu else float("inf"),
-                f"calibrated on this machine ({'cpu' if on_cpu else 'cuda'}) in {time.perf_counter() - t0:.0f} s")
+                f"calibrated on this machine ({'cpu' if on_cpu else 'cuda'}) in {time.perf_counter() - t0:.0f} s",
+                num_experts=spec.num_experts, hidden=spec.hidden_size, dtype_bytes=dtype_bytes)
     costs.meta["model"] = model
     return costs

@@ -134,6 +134,7 @@ def derive_costs(counts: ParamCounts, hw: Hardware, weight_bytes: float = 1.0, k
         c0=2 * latency + 2 * LAUNCH_S, c_tok=per_token / link,
         l0=counts.tail * weight_bytes / bw, l_row=2 * counts.tail / flops,
         h0=host_s, h_seq=host_seq_s, moe_layers=counts.moe_layers, top_k=counts.top_k,
+        num_experts=counts.num_experts, hidden=counts.hidden, dtype_bytes=2,     # tokens dispatched in BF16
         source=f"derived from {hw.name} ({hw.source}) at {MEMORY_EFFICIENCY:.0%} of its bandwidth and "
                f"{COMPUTE_EFFICIENCY:.0%} of its FLOP/s: a prediction")
 
@@ -159,11 +160,12 @@ def model_config(name: str):
 
 
 def memory_limits(counts: ParamCounts, hw: Hardware, weight_bytes: float, kv_bytes: float, context: int,
-                  utilization: float = 0.9) -> tuple[int, int]:
-    """What the GPUs' memory allows -> (the fewest expert ranks that hold the routed experts, the most sequences
-    of `context` tokens an attention rank holds beside its weights)."""
+                  utilization: float = 0.9, redundant_experts: int = 0) -> tuple[int, int]:
+    """What the GPUs' memory allows -> (the fewest expert ranks that hold the routed experts and the redundant
+    slots, the most sequences of `context` tokens an attention rank holds beside its weights)."""
     room = hw.memory_bytes * utilization
-    experts = counts.experts_per_moe_layer * counts.moe_layers * weight_bytes
+    experts = (counts.experts_per_moe_layer + redundant_experts * counts.expert_params) * counts.moe_layers \
+        * weight_bytes
     return -(-int(experts) // int(room)), max(0, _seqs_beside(counts, hw, 0, weight_bytes, kv_bytes, context,
                                                              utilization))
 
@@ -187,8 +189,9 @@ def colocated_decode(counts: ParamCounts, hw: Hardware, ranks: int, context: int
     with the batch in micro_batches whose dispatch and combine overlap the other's compute (dual-batch
     overlap). Per MoE layer and micro-batch of b = B / micro_batches sequences at `context` tokens:
     compute = a0 + (a_tok + a_ctx * context) * b + slots * (one expert's weights read) + e_pair * top_k * b + e0
-    (expert load balanced), comm = c0 + c_tok * b; a layer takes M * max(compute, comm) + min(compute, comm),
-    a step every MoE layer, the LM head and host_s. Returns the largest B within tpot_s and the GPU's memory
+    (expert load balanced), comm = c0 + c_tok * b; a layer takes M * max(compute, comm), a step every MoE layer,
+    one fill of min(compute, comm) (the overlap runs across layers, as the AF plans' ping-pong), the LM head and
+    host_s. Returns the largest B within tpot_s and the GPU's memory
     (utilization of it for weights and KV) with its step time and output tok/s per GPU."""
     costs = derive_costs(counts, hw, weight_bytes, kv_bytes, True, host_s)
     slots = -(-(counts.num_experts + redundant_experts) // ranks)
@@ -200,8 +203,8 @@ def colocated_decode(counts: ParamCounts, hw: Hardware, ranks: int, context: int
         compute = costs.a0 + (costs.a_tok + costs.a_ctx * context) * b + slot_s + costs.e_pair * counts.top_k * b \
             + costs.e0
         comm = costs.c0 + costs.c_tok * b
-        layer = M * max(compute, comm) + min(compute, comm)
-        return costs.moe_layers * layer + M * costs.l0 + costs.l_row * B + host_s
+        return costs.moe_layers * M * max(compute, comm) + min(compute, comm) + M * costs.l0 + costs.l_row * B \
+            + host_s
 
     most = _seqs_beside(counts, hw, slots * counts.expert_params * counts.moe_layers, weight_bytes, kv_bytes,
                         context, utilization)

@@ -11,16 +11,25 @@ A step's time on the attention pool is built from per-call costs that the runtim
   expert) pairs it serves (the micro-batch's tokens times top-k over the E expert ranks, balanced), e_all what
   the whole layer's experts cost once and the ranks share (their weights' read, at cluster scale; a calibration
   on one expert rank folds it into e0);
-- dispatch and combine per MoE layer and micro-batch, beside the expert compute: c0 + c_tok * T;
+- dispatch and combine per MoE layer and micro-batch, beside the expert compute: c0 + c_tok * T, of which the
+  attention rank's own sending (its dispatch calls) is cd0 + cd_tok * T and the rest the round trip's wait
+  (the expert rank's receiving and sending, the flags' latency);
 - the tail after the last MoE layer (final norm, LM head) per micro-batch: l0 + l_row * R, R its logit rows;
 - the step's host work outside those timers (scheduling, batch metadata, sampling, header, reports, and the
   forward's untimed glue): h0 + h_seq * S, S the sequences in the step.
 
 Per MoE layer, M micro-batches go through as ping-pong (attention_nodes/model.py): with one, a layer costs
-a + c + e; with M, the busier side sets the pace, M * max(a, c + e), plus one micro-batch of the other side to
-fill the pipeline. A machine with fewer cores than ranks (`cores`) runs no faster than the ranks' summed busy time
-over its cores. One comm mode is modelled: `direct` on one node (the calibration's); the expert load is taken as
-balanced, and a request goes to the attention rank holding the fewest tokens (the leader's most free KV blocks).
+a + c + e; with M, the busier side sets the pace, M * max(a + cd, c - cd + e) (the attention rank sends while the
+experts work on another micro-batch; over the collective transport it takes part in the whole exchange, cd = c),
+and the pipeline fills once a step: a micro-batch's next layer starts as soon as its combine returns, so the
+experts serve one micro-batch while the attention rank computes the next, across layers. A machine with fewer
+cores than ranks (`cores`) runs no faster than the ranks' summed busy time over its cores, the same-host
+exchanges counted as CPU work on both sides (cd on the attention ranks, c - cd on the expert ranks). A plan on
+several nodes, or with comm='two_phase', prices its dispatch and combine with the network's alpha-beta model
+instead (launch/plan/layout.py), and a workload's skewed expert load scales the expert compute by the busiest
+expert rank's share under EPLB's placement of the plan's slots (num_experts + redundant_experts); without one
+the load is taken as balanced. A request goes to the attention rank holding the fewest tokens (the leader's most
+free KV blocks).
 
 `simulate` plays a workload (prompt and output lengths, arrival all at once or at a rate) through the engine's
 scheduling (continuous batching, chunked prefill within max_num_batched_tokens, max_num_seqs per attention rank,
@@ -33,7 +42,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-COMM_MODES = ("direct",)      # what the step model covers: one node's direct exchange, as calibrated
+from .layout import comm_layer_s, expert_imbalance
+
+COMM_MODES = ("direct", "two_phase")
 
 
 @dataclass(slots=True)
@@ -57,9 +68,16 @@ class StepCosts:
     cores: float = math.inf     # cores the ranks share (the CPU VM); inf: one device per rank
     source: str = ""            # how the costs were obtained (calibration command, hardware profile)
     meta: dict = field(default_factory=dict)
+    num_experts: int = 0        # routed experts per MoE layer (0: unknown; redundant slots then cannot be priced)
+    hidden: int = 0             # hidden size and bytes per dispatched element: what the network model prices
+    dtype_bytes: int = 0
+    network: dict | None = None     # alpha-beta comm model (CostModel.to_dict) for plans on the collective transport
+    cd0: float = 0.0            # the attention rank's own sending within c0 + c_tok * T (0: all of c is the wait)
+    cd_tok: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("a0", "a_tok", "a_ctx", "e0", "e_all", "e_pair", "c0", "c_tok", "l0", "l_row", "h0", "h_seq"):
+        for name in ("a0", "a_tok", "a_ctx", "e0", "e_all", "e_pair", "c0", "c_tok", "l0", "l_row", "h0", "h_seq",
+                     "cd0", "cd_tok"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"step cost {name}={value!r}: give a finite number of seconds >= 0")
@@ -104,19 +122,37 @@ class Plan:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     micro_batch_min_tokens: int = 16
+    ranks_per_node: int = 0         # 0: every rank on one node
+    redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("attention_ranks", "expert_ranks", "micro_batches", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"plan {name}={getattr(self, name)}: must be at least 1")
+        for name in ("ranks_per_node", "redundant_experts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"plan {name}={getattr(self, name)}: must be at least 0")
         if self.max_num_seqs > self.max_num_batched_tokens:
             raise ValueError(f"plan max_num_seqs={self.max_num_seqs} > max_num_batched_tokens="
                              f"{self.max_num_batched_tokens}: every running sequence needs its decode token a step")
         if self.comm not in COMM_MODES:
             raise ValueError(f"plan comm={self.comm!r}: the planner models {', '.join(COMM_MODES)} only")
 
+    @property
+    def nodes(self) -> int:
+        W = self.attention_ranks + self.expert_ranks
+        return -(-W // self.ranks_per_node) if self.ranks_per_node else 1
+
+    @property
+    def collective(self) -> bool:
+        """Its dispatch and combine run over the collective transport (priced by the network model), not the
+        same-host inboxes that the step-cost calibration measured."""
+        return self.comm != "direct" or self.nodes > 1
+
     def label(self) -> str:
-        return f"{self.attention_ranks}A+{self.expert_ranks}E mb{self.micro_batches} {self.comm}"
+        where = f" {self.nodes}x{self.ranks_per_node}" if self.nodes > 1 else ""
+        spare = f" +{self.redundant_experts}r" if self.redundant_experts else ""
+        return f"{self.attention_ranks}A+{self.expert_ranks}E mb{self.micro_batches} {self.comm}{where}{spare}"
 
 
 @dataclass(slots=True)
@@ -136,8 +172,9 @@ class StepTime:
     expert_busy: float          # one expert rank's compute seconds in the step
 
 
-def step_time(costs: StepCosts, plan: Plan, work: list[RankWork]) -> StepTime:
-    """The model's time for a step in which attention rank j does work[j]."""
+def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: float = 1.0) -> StepTime:
+    """The model's time for a step in which attention rank j does work[j]; imbalance: the busiest expert rank's
+    pairs over the mean (layout.expert_imbalance)."""
     if not any(w.tokens for w in work):
         return StepTime(0.0, 0.0, 0.0)
     # the engine splits a step only when the least busy attention rank that runs any token reaches the minimum
@@ -152,15 +189,27 @@ def step_time(costs: StepCosts, plan: Plan, work: list[RankWork]) -> StepTime:
     tails = [M * costs.l0 + costs.l_row * w.rows for w in work]
     hosts = [costs.h0 + costs.h_seq * w.seqs for w in work]
     a, tail, host = max(attn), max(tails), max(hosts)
-    e = costs.e0 + costs.e_all / E + costs.e_pair * total_tokens * costs.top_k / M / E
-    c = costs.c0 + costs.c_tok * max(w.tokens for w in work) / M
-    layer = a + c + e if M == 1 else M * max(a, c + e) + min(a, c + e)
-    t = costs.moe_layers * layer + tail + host
+    slots = (costs.num_experts + plan.redundant_experts) / costs.num_experts if costs.num_experts else 1.0
+    e = costs.e0 + costs.e_all * slots / E + costs.e_pair * total_tokens * costs.top_k / M / E * imbalance
+    if plan.collective:     # every micro-batch's messages padded to the step's capacity, as the engine sends them
+        c = cd = comm_layer_s(costs.network, plan.comm, plan.attention_ranks, E, plan.ranks_per_node or
+                              plan.attention_ranks + E, costs.hidden, costs.top_k, costs.dtype_bytes,
+                              max(w.tokens for w in work))
+    else:
+        c = costs.c0 + costs.c_tok * max(w.tokens for w in work) / M
+        cd = min(c, costs.cd0 + costs.cd_tok * max(w.tokens for w in work) / M)
+    if M == 1:
+        t = costs.moe_layers * (a + c + e) + tail + host
+    else:
+        sides = (a + cd, c - cd + e)
+        t = costs.moe_layers * M * max(sides) + min(sides) + tail + host
     attn_busy = costs.moe_layers * M * a + tail + host
     expert_busy = costs.moe_layers * M * e
     if plan.attention_ranks + E > costs.cores:
-        busy = sum(costs.moe_layers * M * aj + tj + hj for aj, tj, hj in zip(attn, tails, hosts))
-        t = max(t, (busy + E * expert_busy) / costs.cores)
+        # the same-host exchanges' copies take CPU too: the attention ranks' sending, the rest on the expert side
+        sent, rest = (0.0, 0.0) if plan.collective else (cd, c - cd)
+        busy = sum(costs.moe_layers * M * (aj + sent) + tj + hj for aj, tj, hj in zip(attn, tails, hosts))
+        t = max(t, (busy + E * (expert_busy + costs.moe_layers * M * rest)) / costs.cores)
     return StepTime(t, attn_busy, expert_busy)
 
 
@@ -204,18 +253,27 @@ class Prediction:
 
 
 def simulate(costs: StepCosts, plan: Plan, prompts: list[int], outputs: list[int],
-             rate: float | None = None, max_steps: int = 1_000_000, decode_only: bool = False) -> Prediction:
+             rate: float | None = None, max_steps: int = 1_000_000, decode_only: bool = False,
+             expert_load: list[list[float]] | None = None) -> Prediction:
     """Play requests (prompt lengths, output lengths; all at t=0, or evenly spaced arrivals at `rate` per
     second) through the plan. Each attention rank schedules as the engine does: running sequences first (a
     decode token each, or the next prefill chunk), then waiting requests, within max_num_batched_tokens tokens
     and max_num_seqs sequences; a new request goes to the attention rank holding the fewest tokens (the leader's
     most free KV blocks). decode_only: the prompts were prefilled elsewhere (PD): each request arrives with its
-    prompt's KV and first token, and every step only decodes."""
+    prompt's KV and first token, and every step only decodes. expert_load: per-expert load `[L][E]` (None:
+    balanced), see layout.expert_imbalance."""
     if len(prompts) != len(outputs) or not prompts or min(prompts) < 1 or min(outputs) < 1:
         raise ValueError(f"workload of {len(prompts)} prompt and {len(outputs)} output lengths: give as many of "
                          "each, at least one request, every length at least 1")
     if rate is not None and not rate > 0:
         raise ValueError(f"rate={rate}: arrivals per second must be > 0 (None: all at once)")
+    if plan.collective and costs.network is None:
+        raise ValueError(f"plan {plan.label()} runs its comm over the collective transport, which these step costs "
+                         "do not price: give a network model (python -m launch.plan --network FILE)")
+    if (plan.redundant_experts or expert_load is not None) and not costs.num_experts:
+        raise ValueError(f"plan {plan.label()}: redundant experts and an expert load need the model's expert count, "
+                         "which these step costs lack: re-run --calibrate")
+    imbalance = expert_imbalance(expert_load, costs.num_experts, plan.expert_ranks, plan.redundant_experts)
     A = plan.attention_ranks
     reqs = [_Request(p, o, 0.0 if not rate else i / rate) for i, (p, o) in enumerate(zip(prompts, outputs))]
     pending = collections.deque(reqs)
@@ -267,7 +325,7 @@ def simulate(costs: StepCosts, plan: Plan, prompts: list[int], outputs: list[int
                 break
             now = max(now, pending[0].arrival)      # idle until the next arrival
             continue
-        st = step_time(costs, plan, work)
+        st = step_time(costs, plan, work, imbalance)
         now += st.seconds
         steps += 1
         attn_busy += st.attention_busy

@@ -38,11 +38,19 @@ def test_one_micro_batch_adds_attention_comm_and_experts_per_layer():
 
 
 def test_ping_pong_takes_the_busier_side_per_micro_batch_and_one_fill():
-    """M=2 on the same work: per micro-batch a = 1 + 2 + 2 = 5, c = 0.5 + 0.4 = 0.9, e = 2 + 2 = 4; the layer is
-    2 * max(5, 4.9) + min(5, 4.9) = 14.9; the tail runs per micro-batch (l0 twice)."""
+    """M=2 on the same work: per micro-batch a = 1 + 2 + 2 = 5, c = 0.5 + 0.4 = 0.9, e = 2 + 2 = 4; with all of c
+    the round trip's wait the sides are a = 5 and c + e = 4.9: each layer 2 * 5, and one fill of 4.9 a step (the
+    pipeline runs across layers); the tail runs per micro-batch (l0 twice). With the attention rank's own sending
+    cd = 0.3 + 0.01 * 20 = 0.5 of c, its side is 5.5 and the other 0.4 + 4: 2 * 5.5 a layer and a fill of 4.4."""
     t, attn, expert = astuple(step_time(costs(), Plan(1, 1, 2), [RankWork(40, 400, 40, 40)]))
-    assert t == pytest.approx(3 * 14.9 + 0.6 + 0.4 + 12.0)
+    assert t == pytest.approx(3 * 2 * 5 + 4.9 + 0.6 + 0.4 + 12.0)
     assert attn == pytest.approx(3 * 2 * 5 + 1.0 + 12.0) and expert == pytest.approx(3 * 2 * 4)
+    sending = costs(cd0=0.3, cd_tok=0.01)
+    assert step_time(sending, Plan(1, 1, 2), [RankWork(40, 400, 40, 40)]).seconds == \
+        pytest.approx(3 * 2 * 5.5 + 4.4 + 0.6 + 0.4 + 12.0)
+    # one micro-batch: the whole of c lies between the two sides either way
+    assert step_time(sending, Plan(1, 1, 1), [RankWork(40, 400, 40, 40)]) == \
+        step_time(costs(), Plan(1, 1, 1), [RankWork(40, 400, 40, 40)])
     # under 2 * micro_batch_min_tokens on the least busy rank the step is not split: as with M=1
     small = [RankWork(40, 400, 40, 40), RankWork(20, 100, 20, 20)]
     assert step_time(costs(), Plan(2, 1, 2), small) == step_time(costs(), Plan(2, 1, 1), small)
@@ -63,7 +71,11 @@ def test_fewer_cores_than_ranks_cap_the_step_at_the_summed_busy_time():
     work = [RankWork(40, 400, 40, 40)]
     free = step_time(costs(), Plan(1, 3, 1), work).seconds
     capped, attn, expert = astuple(step_time(costs(cores=1), Plan(1, 3, 1), work))
-    assert capped == pytest.approx(attn + 3 * expert) and capped > free
+    # the exchanges count as CPU work: c = 0.5 + 0.02 * 40 = 1.3 a layer, all of it on each expert rank's side
+    # without a measured sending share (cd), 0.3 of it on the attention rank's with cd0 = 0.3
+    assert capped == pytest.approx(attn + 3 * expert + 3 * 3 * 1.3) and capped > free
+    split = step_time(costs(cores=1, cd0=0.3), Plan(1, 3, 1), work).seconds
+    assert split == pytest.approx(attn + 3 * 0.3 + 3 * expert + 3 * 3 * 1.0)
     assert step_time(costs(cores=4), Plan(1, 3, 1), work).seconds == free
 
 
@@ -106,15 +118,18 @@ def test_requests_beyond_max_num_seqs_wait_and_spread_over_attention_ranks():
 
 
 def test_the_fit_recovers_the_costs_that_made_the_windows():
-    c = costs()
+    c = costs(cd0=0.2, cd_tok=0.005)
     windows = []
-    for n, p in ((8, 16), (32, 16), (64, 16), (64, 384), (16, 384)):
-        pairs = n * (p + 24)
-        windows.append({"seqs": n, "pairs": pairs, "a_s": c.a0 + c.a_tok * n + c.a_ctx * pairs,
-                        "e_s": c.e0 + c.e_pair * n * 2, "c_s": c.c0 + c.c_tok * n,
+    # decode windows (a token per sequence) and prefill windows (n prompts of p tokens in one step)
+    shapes = [(n, n, n * (p + 24)) for n, p in ((8, 16), (32, 16), (64, 16), (64, 384), (16, 384))]
+    shapes += [(n, n * p, n * p * (p + 1) // 2) for n, p in ((4, 128), (8, 32))]
+    for n, t, pairs in shapes:
+        windows.append({"seqs": n, "tokens": t, "pairs": pairs, "a_s": c.a0 + c.a_tok * t + c.a_ctx * pairs,
+                        "e_s": c.e0 + c.e_pair * t * 2, "c_s": c.c0 + c.c_tok * t, "d_s": c.cd0 + c.cd_tok * t,
                         "tail_s": c.l0 + c.l_row * n, "host_s": c.h0 + c.h_seq * n})
     got = fit(windows, 3, 2, math.inf, "test")
-    for name in ("a0", "a_tok", "a_ctx", "e0", "e_pair", "c0", "c_tok", "l0", "l_row", "h0", "h_seq"):
+    for name in ("a0", "a_tok", "a_ctx", "e0", "e_pair", "c0", "c_tok", "l0", "l_row", "h0", "h_seq", "cd0",
+                 "cd_tok"):
         assert getattr(got, name) == pytest.approx(getattr(c, name), rel=1e-6), name
 
 
@@ -127,13 +142,17 @@ def test_the_fit_keeps_every_cost_non_negative():
 
 @FULL
 def test_calibration_windows_on_the_runtime():
-    """Two windows on the shipped model: each decode step's counters are positive, and the larger batch costs
-    more per call on both pools (the counters moved with the work)."""
-    small, large = measure_windows(SHIPPED_MODEL, windows=((4, 16), (48, 16)), m1=4, m2=16, device="cpu")
-    assert small["steps"] == large["steps"] == 12
-    for w in (small, large):
+    """Two decode windows and a prefill window on the shipped model: each step's counters are positive, and the
+    larger batch costs more per call on both pools (the counters moved with the work)."""
+    small, large, prefill = measure_windows(SHIPPED_MODEL, windows=((4, 16), (48, 16)), m1=4, m2=16, passes=2,
+                                            prefills=((4, 64),), device="cpu")
+    assert small["steps"] == large["steps"] == 12 and small["passes"] == 2
+    for w in (small, large, prefill):
         assert w["a_s"] > 0 and w["e_s"] > 0 and w["tail_s"] > 0 and w["host_s"] > 0
     assert large["a_s"] > small["a_s"] and large["e_s"] > small["e_s"]
+    # the prefill window is one step of 4 x 64 tokens: more work per call than 48 decode tokens
+    assert prefill["kind"] == "prefill" and prefill["tokens"] == 256 and prefill["steps"] == 1
+    assert prefill["a_s"] > large["a_s"] and prefill["e_s"] > large["e_s"]
 
 
 def test_search_ranks_plans_meeting_the_slo_first():
@@ -155,8 +174,8 @@ def test_search_ranks_plans_meeting_the_slo_first():
 def test_bad_plans_costs_and_profiles_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="plan expert_ranks=0"):
         Plan(1, 0)
-    with pytest.raises(ValueError, match="plan comm='two_phase'"):
-        Plan(1, 1, comm="two_phase")
+    with pytest.raises(ValueError, match="plan comm='auto'"):
+        Plan(1, 1, comm="auto")
     with pytest.raises(ValueError, match="max_num_seqs=600 > max_num_batched_tokens=512"):
         Plan(1, 1, max_num_seqs=600)
     with pytest.raises(ValueError, match="step cost e_pair=-1"):
@@ -271,7 +290,7 @@ def test_attention_flops_per_pair_follow_the_attention_kind():
 def test_the_colocated_decode_takes_the_largest_batch_within_the_tpot_and_the_memory():
     """hardware.colocated_decode (DeepSeek's published decode deployment, every GPU attention and experts): the
     batch it returns meets the TPOT and one more sequence would not, or memory holds no more; its step time is
-    the per-layer sum the docstring gives, worked here by hand."""
+    the sum the docstring gives (one pipeline fill a step), worked here by hand."""
     from launch.plan.hardware import HARDWARE, colocated_decode, model_config
     counts, hw = count_params(model_config("deepseek-v3")), HARDWARE["h800"]
     got = colocated_decode(counts, hw, 144, 4096, 0.050, 2, 32, 1.0, 2.0)
@@ -283,7 +302,7 @@ def test_the_colocated_decode_takes_the_largest_batch_within_the_tpot_and_the_me
         b = B / 2
         compute = costs.a0 + (costs.a_tok + costs.a_ctx * 4096) * b + slot_s + costs.e_pair * 8 * b + costs.e0
         comm = costs.c0 + costs.c_tok * b
-        return costs.moe_layers * (2 * max(compute, comm) + min(compute, comm)) + 2 * costs.l0 + costs.l_row * B
+        return costs.moe_layers * 2 * max(compute, comm) + min(compute, comm) + 2 * costs.l0 + costs.l_row * B
     B = got["seqs_per_gpu"]
     assert got["step_ms"] == pytest.approx(by_hand(B) * 1e3)
     assert by_hand(B) <= 0.050 and (by_hand(B + 1) > 0.050 or B == got["memory_seqs"])

@@ -1,0 +1,132 @@
+"""The planner's comm modes, nodes and redundant experts (launch/plan/layout.py): dispatch and combine priced from
+messages counted by hand, the expert imbalance of EPLB's placement worked out by hand, the Zipf load, and the
+command line searching modes and redundant slots."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import astuple
+
+import pytest
+
+from comm.cost_model import CostModel, LinkCost
+from launch.plan.layout import expert_imbalance, parse_expert_load
+from launch.plan.model import Plan, RankWork, StepCosts, simulate, step_time
+
+COSTS = dict(a0=1.0, a_tok=0.1, a_ctx=0.01, e0=2.0, e_pair=0.05, c0=0.5, c_tok=0.02, l0=0.3, l_row=0.01,
+             h0=4.0, h_seq=0.2, moe_layers=3, top_k=2, num_experts=8, hidden=16, dtype_bytes=2)
+# a network where only the message count matters: 1 s per message within a node, 10 s between nodes
+LATENCY_ONLY = CostModel(LinkCost(1.0, 0.0), LinkCost(10.0, 0.0)).to_dict()
+
+
+def costs(**over) -> StepCosts:
+    return StepCosts(**{**COSTS, **over})
+
+
+def test_a_plan_across_nodes_prices_each_modes_messages_on_the_network():
+    """2 attention ranks on node 0, 1 expert rank on node 1, one micro-batch (a = 9, e = 2 + 0.05 * 80 * 2 = 10
+    for 80 tokens top-2 on one rank). direct: both attention ranks send to the expert rank and it answers both,
+    2 messages between nodes each way, received (then sent) by one rank: c = 20 + 20. two_phase: rank 1 hands
+    its tokens to rank 0 within the node (1), rank 0 sends one message to the expert rank (10), and back
+    (10, then 1): c = 22. On one node, direct keeps the calibrated same-host cost c0 + c_tok * T."""
+    work = [RankWork(40, 400, 40, 40), RankWork(40, 400, 40, 40)]
+    net = costs(network=LATENCY_ONLY)
+    rest = 0.7 + 12.0                                          # the tail and the host work
+    direct = step_time(net, Plan(2, 1, 1, "direct", ranks_per_node=2), work)
+    two_phase = step_time(net, Plan(2, 1, 1, "two_phase", ranks_per_node=2), work)
+    local = step_time(net, Plan(2, 1, 1, "direct"), work)
+    assert direct.seconds == pytest.approx(3 * (9 + 40 + 10) + rest)
+    assert two_phase.seconds == pytest.approx(3 * (9 + 22 + 10) + rest)
+    assert local.seconds == pytest.approx(3 * (9 + 0.5 + 0.02 * 40 + 10) + rest)
+    # two_phase on one node: the collective transport, all within the node (rank 1 via rank 0: 1 + 1, and back)
+    one_node = step_time(net, Plan(2, 1, 1, "two_phase"), work)
+    assert one_node.seconds == pytest.approx(3 * (9 + 4 + 10) + rest)
+
+
+def test_a_plan_the_network_must_price_is_refused_without_one():
+    with pytest.raises(ValueError, match=r"2A\+1E mb1 direct 2x2 .*--network FILE"):
+        simulate(costs(), Plan(2, 1, 1, ranks_per_node=2), [16], [4])
+    with pytest.raises(ValueError, match="two_phase .*--network FILE"):
+        simulate(costs(), Plan(1, 1, 1, "two_phase"), [16], [4])
+    with pytest.raises(ValueError, match="plan ranks_per_node=-1"):
+        Plan(1, 1, ranks_per_node=-1)
+    with pytest.raises(ValueError, match="expert count, .*re-run --calibrate"):
+        simulate(costs(num_experts=0), Plan(1, 2, 1, redundant_experts=2), [16], [4])
+
+
+def test_eplb_placement_imbalance_worked_by_hand():
+    """Loads 6, 2, 1, 1 on 2 ranks of 2 slots: heaviest first onto the lightest rank with room, 6 | 2, 1 | 1 ->
+    ranks at 7 and 3, max/mean 1.4. With 2 redundant slots (3 a rank) the hot expert gets a second replica
+    (3 + 3; at most one per rank) and the next hottest the other (1 + 1): 3 + 1 + 1 on both ranks, 1.0."""
+    assert expert_imbalance([[6, 2, 1, 1]], 4, 2, 0) == pytest.approx(1.4)
+    assert expert_imbalance([[6, 2, 1, 1]], 4, 2, 2) == pytest.approx(1.0)
+    assert expert_imbalance(None, 4, 2, 0) == 1.0
+    # over layers the factors average: a balanced layer beside the skewed one
+    assert expert_imbalance([[6, 2, 1, 1], [1, 1, 1, 1]], 4, 2, 0) == pytest.approx(1.2)
+
+
+def test_the_expert_compute_scales_with_the_imbalance_and_the_redundant_slots_weights():
+    """e = e0 + e_all * (slots / experts) / E + e_pair * pairs / E * imbalance: 1+2 ranks, 40 tokens top-2,
+    e_all 8, 8 experts and 4 redundant slots: 2 + 8 * 1.5 / 2 + 0.05 * 80 / 2 * 1.4 = 10.8 per layer."""
+    work = [RankWork(40, 400, 40, 40)]
+    _, _, expert = astuple(step_time(costs(e_all=8.0), Plan(1, 2, 1, redundant_experts=4), work, imbalance=1.4))
+    assert expert == pytest.approx(3 * 10.8)
+    skewed = simulate(costs(), Plan(1, 2, 1), [16] * 8, [8] * 8, expert_load=[[30, 1, 1, 1, 1, 1, 1, 1]])
+    even = simulate(costs(), Plan(1, 2, 1), [16] * 8, [8] * 8)
+    spread = simulate(costs(), Plan(1, 2, 1, redundant_experts=2), [16] * 8, [8] * 8,
+                      expert_load=[[30, 1, 1, 1, 1, 1, 1, 1]])
+    assert skewed.tok_s < spread.tok_s <= even.tok_s
+
+
+def test_zipf_loads_are_shares_no_expert_above_one_over_top_k():
+    assert parse_expert_load("zipf:0", 4, 2) == [[0.25] * 4]
+    [shares] = parse_expert_load("zipf:3", 8, 2)
+    assert sum(shares) == pytest.approx(1.0) and shares[0] == pytest.approx(0.5)
+    assert shares == sorted(shares, reverse=True) and shares[1] < 0.5
+    # the excess of the capped expert goes to the others in proportion: 2nd / 3rd as 3^3 / 2^3
+    assert shares[1] / shares[2] == pytest.approx(27 / 8)
+    for bad in ("zipf:-1", "zipf:x", "/nonexistent.json"):
+        with pytest.raises(ValueError, match="--expert-load"):
+            parse_expert_load(bad, 8, 2)
+
+
+def test_the_command_line_searches_comm_modes_and_redundant_slots(tmp_path):
+    profile, network, out = tmp_path / "costs.json", tmp_path / "net.json", tmp_path / "plans.json"
+    costs(cores=4.0).save(str(profile))
+    network.write_text(json.dumps(LATENCY_ONLY))
+    base = [sys.executable, "-m", "launch.plan", "--profile", str(profile), "--ranks", "4", "--requests", "16",
+            "--micro-batches", "1"]
+    done = subprocess.run(base + ["--comm", "direct,two_phase", "--network", str(network), "--ranks-per-node", "2",
+                                  "--redundant-experts", "0,4", "--expert-load", "zipf:1.2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plans = json.loads(out.read_text())["plans"]
+    assert {(p["comm"], p["redundant_experts"]) for p in plans} == {(c, r) for c in ("direct", "two_phase")
+                                                                   for r in (0, 4)}
+    assert len(plans) == 3 * 2 * 2 and re.search(r"2A\+2E mb1 two_phase 2x2 \+4r", done.stdout)
+    # a latency-bound network: two attention ranks on a node send one message between nodes with two_phase
+    by = {p["plan"]: p["tok_s"] for p in plans}
+    assert by["2A+2E mb1 two_phase 2x2"] > by["2A+2E mb1 direct 2x2"]
+    bad = subprocess.run(base + ["--comm", "two_phase"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--network FILE" in bad.stderr
+    bad = subprocess.run(base + ["--comm", "three_phase"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--comm 'three_phase'" in bad.stderr
+
+
+def test_cluster_plans_price_two_phase_on_the_gpus_links():
+    """DeepSeek-V3 on 16 H800s, 8 a node, --network links: both modes are priced for every split, and a lone
+    attention rank, which direct makes send a capacity-padded message to each of 15 expert ranks (7 of them
+    over the NIC), does better with two_phase's one message per node pair."""
+    done = subprocess.run([sys.executable, "-m", "launch.plan", "--hardware", "h800", "--model", "deepseek-v3",
+                           "--decode-only", "--prompt-len", "1024", "--output-len", "16:16", "--requests", "256",
+                           "--concurrency", "256", "--micro-batches", "2", "--ranks", "16", "--comm",
+                           "direct,two_phase", "--network", "links", "--top", "40"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {(a, mode): float(t) for a, mode, t in
+            re.findall(r"^(\d+)A\+\d+E mb2 (\w+) 2x8\s+\d+\s+(\d+)", done.stdout, re.M)}
+    splits = {a for a, _ in rows}
+    assert len(splits) >= 2 and all((a, m) in rows for a in splits for m in ("direct", "two_phase"))
+    assert rows["1", "two_phase"] > rows["1", "direct"]
