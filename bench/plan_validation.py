@@ -71,6 +71,26 @@ def measure(model: str, plan: Plan, prompts, olens) -> float:
     return n / dt
 
 
+def repredict(path: str, plans: list[Plan], plens: list[int], olens: list[int]) -> None:
+    """Each round of a saved run: its calibration's costs -> the current model's prediction of every plan, against
+    the round's measured figure; medians over rounds, as a run reports them."""
+    with open(path) as f:
+        saved = json.load(f)
+    rows = []
+    for plan in plans:
+        label = plan.label()
+        pred = [simulate(StepCosts.from_dict(r["costs"]), plan, plens, olens).tok_s for r in saved["rounds"]]
+        meas = [r["measured"][label] for r in saved["rounds"]]
+        p, m = statistics.median(pred), statistics.median(meas)
+        rows.append((label, p, m))
+        print(f"{label:<26} predicted {p:8.0f} ({', '.join(f'{x:.0f}' for x in pred)})  measured {m:8.0f}  "
+              f"error {100 * (p / m - 1):+.1f}%")
+    errors = [abs(p / m - 1) for _, p, m in rows]
+    first, best = max(rows, key=lambda r: r[1]), max(rows, key=lambda r: r[2])
+    print(f"error: median {100 * statistics.median(errors):.1f}%, largest {100 * max(errors):.1f}%; first choice "
+          f"{first[0]}, best measured {best[0]}: {100 * (1 - first[2] / best[2]):.1f}% below")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=SHIPPED_MODEL)
@@ -81,6 +101,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", help="write the table as JSON here")
+    ap.add_argument("--repredict", metavar="RUN_JSON", help="measure nothing: predict a saved run's plans again "
+                    "from its rounds' saved calibrations with the current model, beside its measured figures")
     ap.add_argument("--smoke", action="store_true", help="two plans, 32 requests of at most 32 tokens, one run, "
                     "a small calibration: checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
@@ -91,6 +113,8 @@ def main() -> None:
     collective = any(p.collective for p in plans)
     prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
     plens = [len(p) for p in prompts]
+    if args.repredict:
+        return repredict(args.repredict, plans, plens, olens)
     predicted: dict[Plan, list[float]] = {p: [] for p in plans}
     measured: dict[Plan, list[float]] = {p: [] for p in plans}
     costs = StepCosts.load(args.profile) if args.profile else None

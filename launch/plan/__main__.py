@@ -74,6 +74,11 @@ def candidates(ranks: int, micro_batches: list[int], concurrencies: list[int], m
 def search(costs: StepCosts, plans: list[Plan], prompts: list[int], outputs: list[int], tpot_slo_ms: float | None,
            rate: float | None = None, decode_only: bool = False, expert_load: list | None = None) -> list[dict]:
     """Predict every plan -> records sorted best first: those meeting the SLO by tok/s, then the others."""
+    if costs.num_experts:       # an expert rank holds at least one slot (the engine refuses more ranks)
+        plans = [p for p in plans if p.expert_ranks <= costs.num_experts + p.redundant_experts]
+        if not plans:
+            raise ValueError(f"every plan has more expert ranks than the model's {costs.num_experts} experts and "
+                             "their redundant slots: plan fewer ranks, or more --redundant-experts")
     rows = []
     for plan in plans:
         pred = simulate(costs, plan, prompts, outputs, rate=rate, decode_only=decode_only,
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                     "two_phase: a comm calibration JSON (comm=auto's comm_calibration file), or with --hardware "
                     "'links' (the GPU's NVLink and NIC figures)")
     ap.add_argument("--ranks-per-node", type=int, default=0, help="ranks per node of the plans (default: one node; "
-                    "with --hardware and --network, --gpus-per-node)")
+                    "with --hardware and --network links, --gpus-per-node)")
     ap.add_argument("--redundant-experts", default="0", help="redundant expert slot counts to try (default 0)")
     ap.add_argument("--expert-load", help="the workload's per-expert load: zipf:S, or a JSON file of counts "
                     "([E] or [L][E]); default balanced")

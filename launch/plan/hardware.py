@@ -189,9 +189,9 @@ def colocated_decode(counts: ParamCounts, hw: Hardware, ranks: int, context: int
     with the batch in micro_batches whose dispatch and combine overlap the other's compute (dual-batch
     overlap). Per MoE layer and micro-batch of b = B / micro_batches sequences at `context` tokens:
     compute = a0 + (a_tok + a_ctx * context) * b + slots * (one expert's weights read) + e_pair * top_k * b + e0
-    (expert load balanced), comm = c0 + c_tok * b; a layer takes M * max(compute, comm), a step every MoE layer,
-    one fill of min(compute, comm) (the overlap runs across layers, as the AF plans' ping-pong), the LM head and
-    host_s. Returns the largest B within tpot_s and the GPU's memory
+    (expert load balanced), comm = c0 + c_tok * b; a layer takes M * max(compute, comm) (compute + comm with one
+    micro-batch), a step every MoE layer, one fill of min(compute, comm) (the overlap runs across layers, as the
+    AF plans' ping-pong), the LM head and host_s. Returns the largest B within tpot_s and the GPU's memory
     (utilization of it for weights and KV) with its step time and output tok/s per GPU."""
     costs = derive_costs(counts, hw, weight_bytes, kv_bytes, True, host_s)
     slots = -(-(counts.num_experts + redundant_experts) // ranks)
@@ -203,8 +203,9 @@ def colocated_decode(counts: ParamCounts, hw: Hardware, ranks: int, context: int
         compute = costs.a0 + (costs.a_tok + costs.a_ctx * context) * b + slot_s + costs.e_pair * counts.top_k * b \
             + costs.e0
         comm = costs.c0 + costs.c_tok * b
-        return costs.moe_layers * M * max(compute, comm) + min(compute, comm) + M * costs.l0 + costs.l_row * B \
-            + host_s
+        layers = costs.moe_layers * (compute + comm) if M == 1 else \
+            costs.moe_layers * M * max(compute, comm) + min(compute, comm)
+        return layers + M * costs.l0 + costs.l_row * B + host_s
 
     most = _seqs_beside(counts, hw, slots * counts.expert_params * counts.moe_layers, weight_bytes, kv_bytes,
                         context, utilization)

@@ -83,10 +83,13 @@ def parse_expert_load(text: str, num_experts: int, top_k: int) -> list[list[floa
             load = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"--expert-load {text!r}: not zipf:S nor a readable JSON file ({e})") from e
-    rows = load if load and isinstance(load[0], list) else [load]
-    if not all(len(r) == num_experts and all(isinstance(v, (int, float)) and v >= 0 for v in r) and sum(r) > 0
-               for r in rows):
-        raise ValueError(f"--expert-load {text!r}: each layer needs {num_experts} counts >= 0, not all zero")
+    rows = load if isinstance(load, list) and load and all(isinstance(r, list) for r in load) else [load]
+
+    def count(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    if not all(isinstance(r, list) and len(r) == num_experts and all(map(count, r)) and sum(r) > 0 for r in rows):
+        raise ValueError(f"--expert-load {text!r}: give a list of {num_experts} finite counts >= 0 (not all zero), "
+                         "or one such list per MoE layer")
     return [[float(v) for v in r] for r in rows]
 
 

@@ -20,7 +20,8 @@ A step's time on the attention pool is built from per-call costs that the runtim
 
 Per MoE layer, M micro-batches go through as ping-pong (attention_nodes/model.py): with one, a layer costs
 a + c + e; with M, the busier side sets the pace, M * max(a + cd, c - cd + e) (the attention rank sends while the
-experts work on another micro-batch; over the collective transport it takes part in the whole exchange, cd = c),
+experts work on another micro-batch; over the collective transport both sides take part in the whole exchange:
+M * max(a + c, c + e)),
 and the pipeline fills once a step: a micro-batch's next layer starts as soon as its combine returns, so the
 experts serve one micro-batch while the attention rank computes the next, across layers. A machine with fewer
 cores than ranks (`cores`) runs no faster than the ranks' summed busy time over its cores, the same-host
@@ -172,9 +173,11 @@ class StepTime:
     expert_busy: float          # one expert rank's compute seconds in the step
 
 
-def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: float = 1.0) -> StepTime:
+def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: float = 1.0,
+              admits: bool = False) -> StepTime:
     """The model's time for a step in which attention rank j does work[j]; imbalance: the busiest expert rank's
-    pairs over the mean (layout.expert_imbalance)."""
+    pairs over the mean (layout.expert_imbalance); admits: the step takes new requests (its header's capacity is
+    then the token budget, which the collective transport's padded messages are sized by)."""
     if not any(w.tokens for w in work):
         return StepTime(0.0, 0.0, 0.0)
     # the engine splits a step only when the least busy attention rank that runs any token reaches the minimum
@@ -192,22 +195,24 @@ def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: flo
     slots = (costs.num_experts + plan.redundant_experts) / costs.num_experts if costs.num_experts else 1.0
     e = costs.e0 + costs.e_all * slots / E + costs.e_pair * total_tokens * costs.top_k / M / E * imbalance
     if plan.collective:     # every micro-batch's messages padded to the step's capacity, as the engine sends them
-        c = cd = comm_layer_s(costs.network, plan.comm, plan.attention_ranks, E, plan.ranks_per_node or
-                              plan.attention_ranks + E, costs.hidden, costs.top_k, costs.dtype_bytes,
-                              max(w.tokens for w in work))
+        capacity = plan.max_num_batched_tokens if admits else max(w.tokens for w in work)
+        c = comm_layer_s(costs.network, plan.comm, plan.attention_ranks, E, plan.ranks_per_node or
+                         plan.attention_ranks + E, costs.hidden, costs.top_k, costs.dtype_bytes, capacity)
+        sent, rest = c, c          # both sides take part in every collective, for its whole length
     else:
         c = costs.c0 + costs.c_tok * max(w.tokens for w in work) / M
-        cd = min(c, costs.cd0 + costs.cd_tok * max(w.tokens for w in work) / M)
+        sent = min(c, costs.cd0 + costs.cd_tok * max(w.tokens for w in work) / M)
+        rest = c - sent
     if M == 1:
         t = costs.moe_layers * (a + c + e) + tail + host
     else:
-        sides = (a + cd, c - cd + e)
+        sides = (a + sent, rest + e)
         t = costs.moe_layers * M * max(sides) + min(sides) + tail + host
     attn_busy = costs.moe_layers * M * a + tail + host
     expert_busy = costs.moe_layers * M * e
     if plan.attention_ranks + E > costs.cores:
         # the same-host exchanges' copies take CPU too: the attention ranks' sending, the rest on the expert side
-        sent, rest = (0.0, 0.0) if plan.collective else (cd, c - cd)
+        sent, rest = (0.0, 0.0) if plan.collective else (sent, rest)
         busy = sum(costs.moe_layers * M * (aj + sent) + tj + hj for aj, tj, hj in zip(attn, tails, hosts))
         t = max(t, (busy + E * (expert_busy + costs.moe_layers * M * rest)) / costs.cores)
     return StepTime(t, attn_busy, expert_busy)
@@ -269,7 +274,8 @@ def simulate(costs: StepCosts, plan: Plan, prompts: list[int], outputs: list[int
         raise ValueError(f"rate={rate}: arrivals per second must be > 0 (None: all at once)")
     if plan.collective and costs.network is None:
         raise ValueError(f"plan {plan.label()} runs its comm over the collective transport, which these step costs "
-                         "do not price: give a network model (python -m launch.plan --network FILE)")
+                         "do not price: give a network model (python -m launch.plan --network FILE, or --network "
+                         "links with --hardware)")
     if (plan.redundant_experts or expert_load is not None) and not costs.num_experts:
         raise ValueError(f"plan {plan.label()}: redundant experts and an expert load need the model's expert count, "
                          "which these step costs lack: re-run --calibrate")
@@ -294,6 +300,7 @@ def simulate(costs: StepCosts, plan: Plan, prompts: list[int], outputs: list[int
         finish_at[steps + r.output - r.generated].append((rank, r))
 
     while done < len(reqs) and steps < max_steps:
+        admits = bool(pending) and pending[0].arrival <= now
         while pending and pending[0].arrival <= now:
             r = pending.popleft()
             rank = min(ranks, key=lambda k: k.held)
@@ -325,7 +332,7 @@ def simulate(costs: StepCosts, plan: Plan, prompts: list[int], outputs: list[int
                 break
             now = max(now, pending[0].arrival)      # idle until the next arrival
             continue
-        st = step_time(costs, plan, work, imbalance)
+        st = step_time(costs, plan, work, imbalance, admits)
         now += st.seconds
         steps += 1
         attn_busy += st.attention_busy

@@ -43,6 +43,27 @@ def test_a_plan_across_nodes_prices_each_modes_messages_on_the_network():
     # two_phase on one node: the collective transport, all within the node (rank 1 via rank 0: 1 + 1, and back)
     one_node = step_time(net, Plan(2, 1, 1, "two_phase"), work)
     assert one_node.seconds == pytest.approx(3 * (9 + 4 + 10) + rest)
+    # two micro-batches over the collective: both sides take part in the whole exchange, a' = 1 + 2 + 2 = 5 and
+    # e' = 2 + 0.05 * 80 * 2 / 2 = 6: sides 5 + 22 and 22 + 6, 2 * 28 a layer and one fill of 27; l0 twice
+    ping_pong = step_time(net, Plan(2, 1, 2, "two_phase", ranks_per_node=2), work)
+    assert ping_pong.seconds == pytest.approx(3 * 2 * 28 + 27 + 1.0 + 12.0)
+
+
+def test_a_step_that_admits_requests_pads_its_messages_to_the_token_budget():
+    """The engine's header sets the capacity to the token budget when a step takes new requests. Bytes only
+    between nodes (1 us a byte): direct 2+1 on 2 nodes, hidden 16 in bf16 and top-2, a dispatched row is 32 +
+    8 * 2 = 48 bytes and each source sends capacity + 1 rows, a combined row 32 bytes: the expert rank takes in
+    2 * 48 * (C + 1) and sends 2 * 32 * C; C = 40 tokens, or 512 when the step admits."""
+    net = costs(network=CostModel(LinkCost(0.0, 0.0), LinkCost(0.0, 1e-6)).to_dict())
+    work = [RankWork(40, 400, 40, 40), RankWork(40, 400, 40, 40)]
+    plan = Plan(2, 1, 1, ranks_per_node=2)
+
+    def comm(C):
+        return 1e-6 * (2 * 48 * (C + 1) + 2 * 32 * C)
+    gap = step_time(net, plan, work, admits=True).seconds - step_time(net, plan, work).seconds
+    assert gap == pytest.approx(3 * (comm(512) - comm(40)))
+    # the same-host inboxes send exact sizes: no difference there
+    assert step_time(net, Plan(2, 1, 1), work, admits=True) == step_time(net, Plan(2, 1, 1), work)
 
 
 def test_a_plan_the_network_must_price_is_refused_without_one():
@@ -92,6 +113,18 @@ def test_zipf_loads_are_shares_no_expert_above_one_over_top_k():
             parse_expert_load(bad, 8, 2)
 
 
+def test_expert_load_files_are_checked(tmp_path):
+    good = tmp_path / "load.json"
+    good.write_text(json.dumps([[4, 3, 2, 1], [1, 1, 1, 1]]))
+    assert parse_expert_load(str(good), 4, 2) == [[4.0, 3.0, 2.0, 1.0], [1.0] * 4]
+    for i, text in enumerate(('{"a": 1}', "[[1, 2, 3, 4], 3]", "[true, 1, 1, 1]", "[1, 1, 1, Infinity]",
+                              "[1, 2, 3]", "[0, 0, 0, 0]", "7")):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=f"--expert-load '{bad}': give a list of 4 finite counts"):
+            parse_expert_load(str(bad), 4, 2)
+
+
 def test_the_command_line_searches_comm_modes_and_redundant_slots(tmp_path):
     profile, network, out = tmp_path / "costs.json", tmp_path / "net.json", tmp_path / "plans.json"
     costs(cores=4.0).save(str(profile))
@@ -130,3 +163,55 @@ def test_cluster_plans_price_two_phase_on_the_gpus_links():
     splits = {a for a, _ in rows}
     assert len(splits) >= 2 and all((a, m) in rows for a in splits for m in ("direct", "two_phase"))
     assert rows["1", "two_phase"] > rows["1", "direct"]
+
+
+def test_plans_with_more_expert_ranks_than_slots_are_left_out():
+    """8 experts: 9 expert ranks need a redundant slot (the engine refuses an expert rank without one)."""
+    from launch.plan.__main__ import candidates, search
+    plans = candidates(10, [1], [16], redundant=(0, 2))
+    rows = search(costs(), plans, [16] * 4, [4] * 4, None)
+    got = {(r["expert_ranks"], r["redundant_experts"]) for r in rows}
+    assert (9, 0) not in got and (9, 2) in got and (8, 0) in got
+    with pytest.raises(ValueError, match="more expert ranks than the model's 2 experts"):
+        search(costs(num_experts=2), [Plan(1, 3)], [16], [4], None)
+
+
+def test_redundant_slots_need_expert_ranks_memory():
+    """DeepSeek-V3's routed experts at FP8, ~654 GB, fill 10 H800s at 72 GB each; 64 redundant slots (a quarter
+    more than 256 experts) take ~818 GB: 12."""
+    from launch.plan.hardware import HARDWARE, count_params, memory_limits, model_config
+    counts, hw = count_params(model_config("deepseek-v3")), HARDWARE["h800"]
+    assert memory_limits(counts, hw, 1.0, 1.0, 4096)[0] == 10
+    assert memory_limits(counts, hw, 1.0, 1.0, 4096, redundant_experts=64)[0] == 12
+
+
+def test_colocated_decode_with_one_micro_batch_overlaps_nothing():
+    from launch.plan.hardware import HARDWARE, colocated_decode, count_params, derive_costs, model_config
+    counts, hw = count_params(model_config("deepseek-v3")), HARDWARE["h800"]
+    got = colocated_decode(counts, hw, 144, 4096, 0.050, 1, 32, 1.0, 2.0)
+    c = derive_costs(counts, hw, 1.0, 2.0, True)
+    B = got["seqs_per_gpu"]
+    slot_s = 2 * counts.expert_params / (hw.hbm_bytes_s * 0.8)
+    compute = c.a0 + (c.a_tok + c.a_ctx * 4096) * B + slot_s + c.e_pair * 8 * B + c.e0
+    comm = c.c0 + c.c_tok * B
+    assert got["step_ms"] == pytest.approx(1e3 * (c.moe_layers * (compute + comm) + c.l0 + c.l_row * B))
+
+
+def test_plan_validation_repredicts_a_saved_run(tmp_path):
+    """bench/plan_validation.py --repredict: each saved round's costs predict again, beside its measured figure
+    (two rounds: the medians of two values are their means)."""
+    from bench.throughput import workload
+    from models import SHIPPED_MODEL
+    prompts, olens = workload(256, max_output=256, model=SHIPPED_MODEL)
+    plens = [len(p) for p in prompts]
+    rounds = [costs(cores=2.0), costs(cores=2.0, a0=2.0)]
+    plan = Plan(1, 1, 1, max_num_seqs=64)
+    pred = [simulate(c, plan, plens, olens).tok_s for c in rounds]
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"rounds": [{"costs": c.to_dict(), "measured": {plan.label(): m}}
+                                          for c, m in zip(rounds, (1.0, 3.0))]}))
+    done = subprocess.run([sys.executable, "bench/plan_validation.py", "--plans", "1,1,1", "--repredict", str(run)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    error = (sum(pred) / 2) / 2.0 - 1
+    assert f"error {100 * error:+.1f}%" in done.stdout and f"{pred[0]:.0f}, {pred[1]:.0f}" in done.stdout
