@@ -92,7 +92,7 @@ class LLM:
         world = self.config.parallel.world_size
         self._port = port = free_port()
         self._inbox, self._outbox, self._status = ctx.Queue(), Outbox(ctx), ctx.Queue()
-        self._slots = list(range(world))     # each process's local rank (rank_env)
+        self._slots, self._members = list(range(world)), list(range(world))   # each process's local rank, member id
         for rank in range(world):
             self._procs.append(start_rank(ctx, rank, port, self.config, (self._inbox, self._outbox, self._status)))
         ready: dict[int, dict] = {}
@@ -304,12 +304,13 @@ class LLM:
         # the leader, which knows the pools as they are now, answers ("spawn", roles) for the ranks to start
         self._inbox.put(("scale", {**request, "spawn": True}))
 
-    def _spawn_joiner(self, role: str) -> None:
-        """A rank that joins the running job as a new member (its member id: its index among the processes), in
+    def _spawn_joiner(self, role: str, member: int) -> None:
+        """A rank that joins the running job as member `member` (the leader drew it from the job's counter), in
         the lowest local slot (GPU) no live rank holds."""
-        start_joiner(self._ctx, len(self._procs), role, self._port, f"127.0.0.1:{self._port}", self.config,
+        start_joiner(self._ctx, member, role, self._port, f"127.0.0.1:{self._port}", self.config,
                      (self._inbox, self._outbox, self._status), self._slots, self._procs,
                      self.config.parallel.world_size)
+        self._members.append(member)
 
     def take_scale_result(self, result: dict) -> dict:
         """The leader's answer to a scale request: ValueError for a refused one; retired ranks are noted."""
@@ -339,8 +340,8 @@ class LLM:
                 if msg[0] != "spawn" or q is not self._outbox:
                     return msg
                 fresh = spawn_is_fresh(msg[2], self.config.startup_timeout_s)
-                for role in msg[1] if fresh else ():   # a stale one's ranks would join past its request: skipped
-                    self._spawn_joiner(role)
+                for role, member in zip(msg[1], msg[3]) if fresh else ():   # a stale one's: skipped
+                    self._spawn_joiner(role, member)
                 continue
             except queue.Empty:
                 pass
@@ -356,7 +357,7 @@ class LLM:
         watched by torchrun itself."""
         # A rank that a scale-in retired exits with code 0, possibly before its scale result reaches this
         # process (take_scale_result then lists it): a clean exit while serving is a retirement, not a loss.
-        dead = [(i, p.exitcode) for i, p in enumerate(self._procs) if not p.is_alive()
+        dead = [(i, p.exitcode) for i, p in zip(self._members, self._procs) if not p.is_alive()
                 and i not in self.retired_ranks and not (self._serving and i != 0 and p.exitcode == 0)]
         if not dead:
             return

@@ -70,6 +70,9 @@ class MemberRuntime(Protocol):
     def member_info(self) -> dict:
         """What this rank tells the leader when it checks in after a failure: its role (and expert budget)."""
 
+    def new_member_ids(self, n: int) -> list[int]:
+        """Leader: n member ids for ranks it asks the front to start, from the counter every joiner draws from."""
+
     def plan_generation(self, generation: int, infos: dict[int, dict], lost: list[int],
                         joined: list[tuple[int, dict]] = (), retiring: bool = False) -> dict:
         """Leader: the next generation's plan (launch/runtime/planning.py); MembershipError if impossible."""

@@ -158,7 +158,7 @@ class Membership(Generations):
                 return {"error": why}
             request["spawned"] = True     # from the pools as they are now, which only the leader knows
             if rt.launcher is None:   # the front that spawned the job starts them (LLM._poll skips a stale one)
-                outbox.put(("spawn", spawn, request.get("deadline")))
+                outbox.put(("spawn", spawn, request.get("deadline"), rt.new_member_ids(len(spawn))))
             elif spawn:
                 try:
                     rt.launcher.start(spawn, request.get("deadline"))

@@ -259,6 +259,11 @@ class Runtime(GenerationForming):
         self.left = True
 
     # ----- what membership asks of this rank (changes.MemberRuntime) -------------------------------------
+    def new_member_ids(self, n: int) -> list[int]:
+        """n member ids for ranks that will join, from the store's counter that every joiner draws from (a
+        --pool-addr joiner takes its own), so no two members share one."""
+        return [int(self.store.add(MEMBER_IDS, 1)) for _ in range(n)]
+
     def member_info(self, role: str | None = None) -> dict:
         """What this rank tells the leader when it checks in after a failure or joins: its role, and for an
         expert rank the bytes it may hold in expert weights (expert_memory, else what it holds plus what is

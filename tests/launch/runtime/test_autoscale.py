@@ -135,12 +135,28 @@ def test_a_stale_spawn_message_is_skipped():
     left, not those of one whose request is about to time out (they would join past it)."""
     llm = LLM.__new__(LLM)
     outbox, started = queue.Queue(), []
-    llm._outbox, llm._spawn_joiner, llm.check_alive = outbox, started.append, lambda what: None
+    llm._outbox, llm.check_alive = outbox, lambda what: None
+    llm._spawn_joiner = lambda role, member: started.append((role, member))
     llm.config = SimpleNamespace(startup_timeout_s=60.0)
-    outbox.put(("spawn", ["expert"], time.monotonic() + 10))
-    outbox.put(("spawn", ["attention"], time.monotonic() + 50))
+    outbox.put(("spawn", ["expert"], time.monotonic() + 10, [3]))
+    outbox.put(("spawn", ["attention", "expert"], time.monotonic() + 50, [4, 5]))
     outbox.put(("out", []))
-    assert llm._poll(outbox, None, "test") == ("out", []) and started == ["attention"]
+    assert llm._poll(outbox, None, "test") == ("out", []) and started == [("attention", 4), ("expert", 5)]
+
+
+def test_the_leader_draws_the_member_ids_of_the_ranks_it_asks_for_from_the_joiners_counter():
+    """A --pool-addr joiner draws its member id from the job's store counter; the ranks the front starts for a
+    scale request take ids the leader draws from the same counter (they took their index among the front's
+    processes before, and the first of them collided with such a joiner's)."""
+    import torch.distributed as dist
+
+    from launch.runtime.liveness import MEMBER_IDS
+    from launch.runtime.runtime import Runtime
+    rt = Runtime.__new__(Runtime)
+    rt.store = dist.HashStore()
+    rt.store.add(MEMBER_IDS, 3 - 1)             # the leader of a 3-rank launch reserves ids 1 and 2
+    outside = int(rt.store.add(MEMBER_IDS, 1))  # a --pool-addr joiner (runtime.py, no AFSERVE_MEMBER)
+    assert outside == 3 and rt.new_member_ids(2) == [4, 5]
 
 
 def test_bad_settings_are_refused_by_name(tmp_path, monkeypatch):
