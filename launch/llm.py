@@ -80,7 +80,7 @@ class LLM:
             raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "
                              f"use at most {self.spec.num_experts}")
         self.tokenizer = _load_tokenizer(self.config.model)
-        self._ids, self._closed, self._procs = itertools.count(), False, []
+        self._ids, self._closed, self._procs, self._members = itertools.count(), False, [], []   # members: ids
         self._serving = False      # past start-up: a lost rank other than the leader is survivable
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
         self.retired_ranks: list[int] = []   # and those a scale-in retired (they exit on their own)
