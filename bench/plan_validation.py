@@ -82,13 +82,24 @@ def repredict(path: str, plans: list[Plan], plens: list[int], olens: list[int]) 
         pred = [simulate(StepCosts.from_dict(r["costs"]), plan, plens, olens).tok_s for r in saved["rounds"]]
         meas = [r["measured"][label] for r in saved["rounds"]]
         p, m = statistics.median(pred), statistics.median(meas)
-        rows.append((label, p, m))
+        rows.append({"plan": label, "predicted_tok_s": p, "measured_tok_s": m, "error": p / m - 1})
         print(f"{label:<26} predicted {p:8.0f} ({', '.join(f'{x:.0f}' for x in pred)})  measured {m:8.0f}  "
-              f"error {100 * (p / m - 1):+.1f}%")
-    errors = [abs(p / m - 1) for _, p, m in rows]
-    first, best = max(rows, key=lambda r: r[1]), max(rows, key=lambda r: r[2])
-    print(f"error: median {100 * statistics.median(errors):.1f}%, largest {100 * max(errors):.1f}%; first choice "
-          f"{first[0]}, best measured {best[0]}: {100 * (1 - first[2] / best[2]):.1f}% below")
+              f"error {100 * rows[-1]['error']:+.1f}%")
+    summarize(rows)
+
+
+def summarize(rows: list[dict]) -> tuple[list[float], float]:
+    """Print a run's median and largest error and its first choice against the best measured plan -> (the
+    absolute errors, the first choice's gap below the best)."""
+    errors = [abs(r["error"]) for r in rows]
+    first = max(rows, key=lambda r: r["predicted_tok_s"])
+    best = max(rows, key=lambda r: r["measured_tok_s"])
+    gap = 1 - first["measured_tok_s"] / best["measured_tok_s"]
+    print(f"error: median {100 * statistics.median(errors):.1f}%, largest {100 * max(errors):.1f}% "
+          f"(goal: median <= 10%, largest <= 20%)")
+    print(f"planner's first choice {first['plan']} measured {first['measured_tok_s']:.0f} tok/s; best measured "
+          f"{best['plan']} {best['measured_tok_s']:.0f}: {100 * gap:.1f}% below (goal: within 5%)")
+    return errors, gap
 
 
 def main() -> None:
@@ -143,14 +154,7 @@ def main() -> None:
                      "runs": measured[plan], "error": p / m - 1})
         print(f"{plan.label():<26} predicted {p:8.0f}  measured {m:8.0f} "
               f"(runs {', '.join(f'{r:.0f}' for r in measured[plan])})  error {100 * rows[-1]['error']:+.1f}%")
-    errors = [abs(r["error"]) for r in rows]
-    first = max(rows, key=lambda r: r["predicted_tok_s"])
-    best = max(rows, key=lambda r: r["measured_tok_s"])
-    gap = 1 - first["measured_tok_s"] / best["measured_tok_s"]
-    print(f"error: median {100 * statistics.median(errors):.1f}%, largest {100 * max(errors):.1f}% "
-          f"(goal: median <= 10%, largest <= 20%)")
-    print(f"planner's first choice {first['plan']} measured {first['measured_tok_s']:.0f} tok/s; best measured "
-          f"{best['plan']} {best['measured_tok_s']:.0f}: {100 * gap:.1f}% below (goal: within 5%)")
+    errors, gap = summarize(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"costs": costs.to_dict(), "rounds": rounds, "rows": rows,

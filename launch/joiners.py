@@ -13,7 +13,7 @@ import threading
 import torch.distributed as dist
 
 from .procs import rank_context, spawn_is_fresh, start_joiner
-from .runtime.liveness import MEMBER_IDS
+from .runtime.liveness import draw_member_id
 
 logger = logging.getLogger("afserve")
 
@@ -59,7 +59,7 @@ class JoinerStarter:
         started = len(self.procs)
         try:
             for role in roles:
-                member = int(self.store.add(MEMBER_IDS, 1))
+                member = draw_member_id(self.store)
                 proc = start_joiner(self.ctx, member, role, self.port, self.pool_addr, self.config,
                                     (None, None, self.status), self.slots, self.procs, self.local_ranks,
                                     held=range(self.local_ranks))     # this host's torchrun ranks

@@ -109,9 +109,7 @@ def _prefill(llm, prompts: list, L: int, tries: int = 3) -> dict:
         llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
         d = _delta(s0, _totals(llm.comm_stats()))
         if d["steps"] == 1 and d["tail_calls"] == 1 and d["e_calls"] == L:
-            e = d["e_s"] / L
-            return {"steps": 1, "a_s": d["a_s"] / L, "e_s": e, "c_s": d["comm_s"] / L - e, "d_s": d["d_s"] / L,
-                    "tail_s": d["tail_s"], "host_s": d["step_s"] - d["a_s"] - d["tail_s"] - d["comm_s"]}
+            return _per_call(d, L)
     raise RuntimeError(f"calibration prefill window ({len(prompts)} prompts of {len(prompts[0])} tokens): "
                        f"{d['steps']} steps and {d['e_calls']} expert calls where 1 and {L} were expected, "
                        f"{tries} times")
@@ -136,6 +134,14 @@ def _window(llm, prompts: list, m1: int, m2: int, L: int) -> dict:
                            f"{d['tail_calls']} forwards, {d['e_calls']} expert calls, where {m2 - m1}, "
                            f"{m2 - m1} and {(m2 - m1) * L} were expected, give or take one (did a step split "
                            "or preempt?)")
+    return _per_call(d, L)
+
+
+def _per_call(d: dict, L: int) -> dict:
+    """Counters over d["steps"] steps of L MoE layers each -> a window's record: per MoE-layer call the
+    attention compute, expert compute, comm less the expert compute and dispatch calls; per step the tail and
+    the host work outside all of those."""
+    steps = d["steps"]
     calls = steps * L
     e = d["e_s"] / calls
     return {"steps": steps, "a_s": d["a_s"] / calls, "e_s": e, "c_s": d["comm_s"] / calls - e,

@@ -5,7 +5,8 @@ Comm. On one node with comm='direct' the engine exchanges through the same-host 
 step-cost calibration measured (c0 + c_tok * T). Any other plan (several nodes, or two_phase) runs the comm mode
 over the collective transport; its dispatch + combine per MoE layer and micro-batch is what comm/cost_model.py's
 alpha-beta model predicts for the mode's own planned messages (the dispatcher built on a Layout, as
-launch/comm_profile.py's --simulate does) at the micro-batch's capacity (the most tokens an attention rank sends).
+launch/comm_profile.py's --simulate does) at the step's capacity: the most tokens an attention rank runs in it, or
+the token budget in a step that admits requests (the engine's header capacity).
 That model comes from the engine's own comm calibration (comm=auto with comm_calibration=FILE writes it, timing
 real layers of both modes on the job's ranks) or, at cluster scale, from a GPU's link figures (`links_model`).
 

@@ -186,7 +186,7 @@ def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: flo
     M = plan.micro_batches if plan.micro_batches > 1 and least >= plan.micro_batches * plan.micro_batch_min_tokens \
         else 1
     E = plan.expert_ranks
-    total_tokens = sum(w.tokens for w in work)
+    total_tokens, most = sum(w.tokens for w in work), max(w.tokens for w in work)
     # each attention rank's per-layer compute (one micro-batch), its tail and its host work
     attn = [costs.a0 + costs.a_tok * w.tokens / M + costs.a_ctx * w.pairs / M for w in work]
     tails = [M * costs.l0 + costs.l_row * w.rows for w in work]
@@ -195,13 +195,13 @@ def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: flo
     slots = (costs.num_experts + plan.redundant_experts) / costs.num_experts if costs.num_experts else 1.0
     e = costs.e0 + costs.e_all * slots / E + costs.e_pair * total_tokens * costs.top_k / M / E * imbalance
     if plan.collective:     # every micro-batch's messages padded to the step's capacity, as the engine sends them
-        capacity = plan.max_num_batched_tokens if admits else max(w.tokens for w in work)
+        capacity = plan.max_num_batched_tokens if admits else most
         c = comm_layer_s(costs.network, plan.comm, plan.attention_ranks, E, plan.ranks_per_node or
                          plan.attention_ranks + E, costs.hidden, costs.top_k, costs.dtype_bytes, capacity)
         sent, rest = c, c          # both sides take part in every collective, for its whole length
     else:
-        c = costs.c0 + costs.c_tok * max(w.tokens for w in work) / M
-        sent = min(c, costs.cd0 + costs.cd_tok * max(w.tokens for w in work) / M)
+        c = costs.c0 + costs.c_tok * most / M
+        sent = min(c, costs.cd0 + costs.cd_tok * most / M)
         rest = c - sent
     if M == 1:
         t = costs.moe_layers * (a + c + e) + tail + host

@@ -22,6 +22,13 @@ HEARTBEAT_INTERVAL_S = 0.2
 logger = logging.getLogger("afserve")
 
 
+def draw_member_id(store) -> int:
+    """A member id for a rank joining later, from the store's counter (past the first launch's ids, which its
+    leader reserved): whoever draws it (the joiner itself, the leader for the front, the leader's own starter),
+    no two members share one."""
+    return int(store.add(MEMBER_IDS, 1))
+
+
 BREAK_S = 1.0      # a rank still in a generation this long after a peer left it has its connections broken
 
 

@@ -33,7 +33,7 @@ from .autoscale import Autoscaler
 from .changes import Launcher, MembershipSettings
 from .dataplane import make_data_plane
 from .forming import GenerationForming
-from .liveness import MEMBER_IDS, PREFIX, break_connections
+from .liveness import MEMBER_IDS, PREFIX, break_connections, draw_member_id
 from .membership import Membership
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
 from .startup import build_attention_worker, draft_passes, leads_pool, load_attention_model, open_store
@@ -158,7 +158,7 @@ class Runtime(GenerationForming):
         self.config = config = self.config.with_leader_settings(settings)
         par, spec = config.parallel, self.ckpt.spec
         member = os.environ.get("AFSERVE_MEMBER")
-        self.member = int(member) if member is not None else int(self.store.add(MEMBER_IDS, 1))
+        self.member = int(member) if member is not None else draw_member_id(self.store)
         self.generation, self.members, self.topo = -1, [], None
         self.dev = set_device(config, par.world_size)
         self.membership = self._membership(host, port)
@@ -262,7 +262,7 @@ class Runtime(GenerationForming):
     def new_member_ids(self, n: int) -> list[int]:
         """n member ids for ranks that will join, from the store's counter that every joiner draws from (a
         --pool-addr joiner takes its own), so no two members share one."""
-        return [int(self.store.add(MEMBER_IDS, 1)) for _ in range(n)]
+        return [draw_member_id(self.store) for _ in range(n)]
 
     def member_info(self, role: str | None = None) -> dict:
         """What this rank tells the leader when it checks in after a failure or joins: its role, and for an
