@@ -135,7 +135,7 @@ def main() -> None:
         args.short_rounds, args.long_rounds, args.output = 1, 1, 8
     profile = args.profile
     if profile is None:
-        small = dict(windows=((8, 16), (32, 16), (16, 64))) if args.smoke else {}
+        small = dict(windows=((8, 16), (32, 16), (16, 64)), peer_windows=((8, 16),)) if args.smoke else {}
         costs = calibrate(args.model, device="cpu", **small)
         profile = os.path.join(tempfile.mkdtemp(prefix="autoscale-"), "profile.json")
         costs.save(profile)

@@ -40,33 +40,43 @@ WINDOWS = ((8, 16), (32, 16), (64, 16), (64, 384), (16, 384), (32, 200))
 PREFILLS = ((4, 128), (2, 128), (8, 32), (16, 32))        # (prompts, tokens): steps of 256 and 512 tokens
 M1, M2 = 8, 40
 PASSES = 3
+# engines of (attention, expert) ranks whose decode windows give what a rank beyond one on either side adds
+PEERS = ((1, 2), (2, 1))
+PEER_WINDOWS = ((32, 16), (64, 16), (32, 200))
 
 
 def _totals(stats: dict) -> dict:
-    """The counters a window reads, summed over MoE layers: attention compute (s), tail (calls, s),
-    dispatch + combine (s), steps (calls, s), expert compute (calls, s)."""
+    """The counters a window reads, summed over MoE layers: the first attention rank's compute (s), tail (calls,
+    s), dispatch + combine (s), its dispatch calls (s) and steps (calls, s); the busiest expert rank's compute
+    (calls, s)."""
     ranks = stats["ranks"]
-    attn, expert = ranks["0"], ranks["1"]
+    attn = ranks[min((k for k, r in ranks.items() if r["role"] == "attention"), key=int)]
     comp = attn["compute"]
     layers = [k for k in comp if k != "-1"]
     comm = sum(p["time_s"] for layer in attn["layers"].values() for p in layer.values())
     sends = sum(layer["dispatch"]["time_s"] for layer in attn["layers"].values() if "dispatch" in layer)
-    ex = {k: v for k, v in expert["compute"].items() if k != "-1"}
-    return {"a_s": sum(comp[k]["time_s"] for k in layers),
-            "tail_calls": comp.get("-1", {}).get("calls", 0), "tail_s": comp.get("-1", {}).get("time_s", 0.0),
-            "comm_s": comm, "d_s": sends, "steps": attn["steps"]["calls"], "step_s": attn["steps"]["time_s"],
-            "e_calls": sum(v["calls"] for v in ex.values()), "e_s": sum(v["time_s"] for v in ex.values())}
+    out = {"a_s": sum(comp[k]["time_s"] for k in layers),
+           "tail_calls": comp.get("-1", {}).get("calls", 0), "tail_s": comp.get("-1", {}).get("time_s", 0.0),
+           "comm_s": comm, "d_s": sends, "steps": attn["steps"]["calls"], "step_s": attn["steps"]["time_s"]}
+    for k, r in ranks.items():      # per expert rank: _per_call takes the busiest over the window
+        if r["role"] == "expert":
+            ex = [v for layer, v in r["compute"].items() if layer != "-1"]
+            out[f"e_calls@{k}"], out[f"e_s@{k}"] = sum(v["calls"] for v in ex), sum(v["time_s"] for v in ex)
+    return out
 
 
 def _delta(a: dict, b: dict) -> dict:
-    return {k: b[k] - a[k] for k in a}
+    d = {k: b[k] - a[k] for k in a}
+    busiest = max((k for k in d if k.startswith("e_s@")), key=d.get)
+    return {**d, "e_s": d[busiest], "e_calls": d["e_calls@" + busiest[4:]]}
 
 
 def measure_windows(model: str, windows=WINDOWS, m1: int = M1, m2: int = M2, passes: int = PASSES,
-                    prefills=PREFILLS, **engine) -> list[dict]:
-    """Run the decode and prefill windows on one 1+1 engine (each once untimed, then `passes` times, taking
-    turns) -> one record per window: its shape (sequences, tokens a step, pairs) and per-call seconds, the
-    medians over its passes."""
+                    prefills=PREFILLS, ranks: tuple[int, int] = (1, 1), **engine) -> list[dict]:
+    """Run the decode and prefill windows on one engine of ranks = (attention, expert) ranks (each window once
+    untimed, then `passes` times, taking turns) -> one record per window: its shape (sequences, and per attention
+    rank tokens a step and pairs) and per-call seconds (the first attention rank's, the busiest expert rank's),
+    the medians over its passes."""
     from launch import LLM, SamplingParams
     from models.checkpoint import Checkpoint
 
@@ -80,7 +90,8 @@ def measure_windows(model: str, windows=WINDOWS, m1: int = M1, m2: int = M2, pas
                for kind, n, p in shapes}
     runs: dict[tuple[str, int, int], list[dict]] = {w: [] for w in prompts}
     budget = max(n * (p + 1) for _, n, p in shapes)
-    with LLM(model, attention_ranks=1, expert_ranks=1, micro_batches=1, enable_prefix_caching=False,
+    A, E = ranks
+    with LLM(model, attention_ranks=A, expert_ranks=E, micro_batches=1, enable_prefix_caching=False,
              max_num_seqs=max(n for _, n, _ in shapes), max_num_batched_tokens=budget, **engine) as llm:
         for timed in [False] + [True] * passes:
             for key in shapes:
@@ -94,7 +105,8 @@ def measure_windows(model: str, windows=WINDOWS, m1: int = M1, m2: int = M2, pas
     out = []
     for (kind, n, p), rs in runs.items():
         tokens, pairs = (n, n * (p + (m1 + m2) / 2)) if kind == "decode" else (n * p, n * p * (p + 1) / 2)
-        out.append({"kind": kind, "seqs": n, "prompt": p, "tokens": tokens, "pairs": pairs, "passes": len(rs),
+        out.append({"kind": kind, "seqs": n, "prompt": p, "tokens": tokens / A, "pairs": pairs / A, "passes": len(rs),
+                    "attention_ranks": A, "expert_ranks": E,
                     **{k: statistics.median(r[k] for r in rs) for k in rs[0]}})
     return out
 
@@ -169,13 +181,34 @@ def fit(windows: list[dict], moe_layers: int, top_k: int, cores: float, source: 
                      meta={"windows": windows}, **shape)
 
 
-def calibrate(model: str, windows=WINDOWS, **engine) -> StepCosts:
-    """Measure the windows on this machine and fit -> the step costs (cores: this machine's, on CPU)."""
+def fit_peers(costs: StepCosts, windows: list[dict]) -> None:
+    """Set costs' per-peer terms from windows measured on engines of more than one rank a side: what each window's
+    exchange (c_s) and sending (d_s) took beyond the 1+1 line at its tokens, per rank beyond one; the median over
+    windows, at least 0. The expert side's from 1+E engines, the attention side's from A+1 engines."""
+    extra: dict[str, list[float]] = {"c_peer_e": [], "cd_peer_e": [], "c_peer_a": []}
+    for w in windows:
+        A, E, T = w["attention_ranks"], w["expert_ranks"], w["tokens"]
+        over_c = w["c_s"] - (costs.c0 + costs.c_tok * T)
+        if A == 1 and E > 1:
+            extra["c_peer_e"].append(over_c / (E - 1))
+            extra["cd_peer_e"].append((w["d_s"] - (costs.cd0 + costs.cd_tok * T)) / (E - 1))
+        elif E == 1 and A > 1:
+            extra["c_peer_a"].append(over_c / (A - 1))
+    for name, values in extra.items():
+        if values:
+            setattr(costs, name, max(0.0, statistics.median(values)))
+
+
+def calibrate(model: str, windows=WINDOWS, peer_windows=PEER_WINDOWS, **engine) -> StepCosts:
+    """Measure the windows on this machine (and the peer windows on each of PEERS) and fit -> the step costs
+    (cores: this machine's, on CPU)."""
     from models.checkpoint import Checkpoint
 
     spec = Checkpoint(model).spec
     t0 = time.perf_counter()
     windows = measure_windows(model, windows, **engine)
+    peers = [w for ranks in PEERS if peer_windows
+             for w in measure_windows(model, peer_windows, prefills=(), ranks=ranks, **engine)]
     device = engine.get("device", "auto")
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     dtype = engine.get("dtype", "auto")
@@ -184,5 +217,6 @@ def calibrate(model: str, windows=WINDOWS, **engine) -> StepCosts:
                 float(os.cpu_count() or 1) if on_cpu else float("inf"),
                 f"calibrated on this machine ({'cpu' if on_cpu else 'cuda'}) in {time.perf_counter() - t0:.0f} s",
                 num_experts=spec.num_experts, hidden=spec.hidden_size, dtype_bytes=dtype_bytes)
-    costs.meta["model"] = model
+    fit_peers(costs, peers)
+    costs.meta.update(model=model, peer_windows=peers)
     return costs

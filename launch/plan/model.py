@@ -13,7 +13,9 @@ A step's time on the attention pool is built from per-call costs that the runtim
   on one expert rank folds it into e0);
 - dispatch and combine per MoE layer and micro-batch, beside the expert compute: c0 + c_tok * T, of which the
   attention rank's own sending (its dispatch calls) is cd0 + cd_tok * T and the rest the round trip's wait
-  (the expert rank's receiving and sending, the flags' latency);
+  (the expert rank's receiving and sending, the flags' latency); each expert rank beyond one adds c_peer_e (of
+  it cd_peer_e to the sending) and each attention rank beyond one c_peer_a: more messages a layer, and on a
+  machine with fewer cores than ranks, the ranks' turns on a shared core;
 - the tail after the last MoE layer (final norm, LM head) per micro-batch: l0 + l_row * R, R its logit rows;
 - the step's host work outside those timers (scheduling, batch metadata, sampling, header, reports, and the
   forward's untimed glue): h0 + h_seq * S, S the sequences in the step.
@@ -75,10 +77,13 @@ class StepCosts:
     network: dict | None = None     # alpha-beta comm model (CostModel.to_dict) for plans on the collective transport
     cd0: float = 0.0            # the attention rank's own sending within c0 + c_tok * T (0: all of c is the wait)
     cd_tok: float = 0.0
+    c_peer_e: float = 0.0       # what each expert rank beyond one adds to an exchange (c), and to its sending (cd)
+    cd_peer_e: float = 0.0
+    c_peer_a: float = 0.0       # what each attention rank beyond one adds to an exchange (c)
 
     def __post_init__(self) -> None:
         for name in ("a0", "a_tok", "a_ctx", "e0", "e_all", "e_pair", "c0", "c_tok", "l0", "l_row", "h0", "h_seq",
-                     "cd0", "cd_tok"):
+                     "cd0", "cd_tok", "c_peer_e", "cd_peer_e", "c_peer_a"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"step cost {name}={value!r}: give a finite number of seconds >= 0")
@@ -200,8 +205,8 @@ def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: flo
                          plan.attention_ranks + E, costs.hidden, costs.top_k, costs.dtype_bytes, capacity)
         sent, rest = c, c          # both sides take part in every collective, for its whole length
     else:
-        c = costs.c0 + costs.c_tok * most / M
-        sent = min(c, costs.cd0 + costs.cd_tok * most / M)
+        c = costs.c0 + costs.c_tok * most / M + costs.c_peer_e * (E - 1) + costs.c_peer_a * (plan.attention_ranks - 1)
+        sent = min(c, costs.cd0 + costs.cd_tok * most / M + costs.cd_peer_e * (E - 1))
         rest = c - sent
     if M == 1:
         t = costs.moe_layers * (a + c + e) + tail + host

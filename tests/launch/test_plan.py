@@ -15,7 +15,7 @@ import pytest
 
 from launch.local_server import ROOT
 from launch.plan.__main__ import candidates, parse_range, search, workload
-from launch.plan.calibrate import fit, measure_windows
+from launch.plan.calibrate import fit, fit_peers, measure_windows
 from launch.plan.hardware import count_params, derive_costs, memory_limits
 from launch.plan.model import Plan, RankWork, StepCosts, simulate, step_time
 from models import SHIPPED_MODEL
@@ -65,6 +65,41 @@ def test_more_expert_ranks_share_the_pairs_and_the_busiest_attention_rank_sets_t
     e = 2 + 0.05 * 50 * 2 / 2          # 50 tokens, top-2, over 2 expert ranks
     assert expert == pytest.approx(3 * e)
     assert t == pytest.approx(3 * (9 + 1.3 + e) + 0.7 + 12.0)
+
+
+def test_each_rank_beyond_one_a_side_adds_its_peer_cost_to_the_exchange():
+    """c_peer_e per expert rank beyond one (cd_peer_e of it the attention rank's sending), c_peer_a per attention
+    rank beyond one. 1+3, M=1, 40 tokens: c = 0.5 + 0.8 + 2 * 0.25 = 1.8, e = 2 + 0.05 * 80 / 3 a layer. 3+1, each
+    rank 40 tokens: c = 1.3 + 2 * 0.125 = 1.55, e = 2 + 0.05 * 240. M=2 on 1+2: the attention side a + cd =
+    5 + (0.3 + 0.01 * 20 + 0.2) = 5.7, the expert side c - cd + e = (0.9 + 0.25 - 0.7) + 2 + 1 = 3.45."""
+    peers = costs(c_peer_e=0.25, cd_peer_e=0.2, c_peer_a=0.125)
+    one = [RankWork(40, 400, 40, 40)]
+    e = 2 + 0.05 * 80 / 3
+    assert step_time(peers, Plan(1, 3, 1), one).seconds == pytest.approx(3 * (9 + 1.8 + e) + 0.7 + 12.0)
+    three = [RankWork(40, 400, 40, 40)] * 3
+    assert step_time(peers, Plan(3, 1, 1), three).seconds == pytest.approx(3 * (9 + 1.55 + 14) + 0.7 + 12.0)
+    ping = costs(c_peer_e=0.25, cd_peer_e=0.2, cd0=0.3, cd_tok=0.01)
+    assert step_time(ping, Plan(1, 2, 2), one).seconds == pytest.approx(3 * 2 * 5.7 + 3.45 + 0.6 + 0.4 + 12.0)
+    # 1+1 pays none of them
+    assert step_time(peers, Plan(1, 1, 1), one) == step_time(costs(), Plan(1, 1, 1), one)
+
+
+def test_the_peer_fit_takes_what_windows_beyond_1_1_add_per_rank():
+    """Windows of 1+2, 1+3, 2+1 and 3+1 engines made from known per-peer costs on top of the 1+1 line (c0 + c_tok * T
+    at each window's tokens per attention rank): the fit gives them back; a window below the line gives 0."""
+    c = costs(cd0=0.2, cd_tok=0.005)
+    truth = {"c_peer_e": 0.4, "cd_peer_e": 0.3, "c_peer_a": 0.6}
+    windows = []
+    for A, E, T in ((1, 2, 32), (1, 3, 64), (1, 3, 32), (2, 1, 16), (3, 1, 16), (3, 1, 32)):
+        windows.append({"attention_ranks": A, "expert_ranks": E, "tokens": T,
+                        "c_s": c.c0 + c.c_tok * T + truth["c_peer_e"] * (E - 1) + truth["c_peer_a"] * (A - 1),
+                        "d_s": c.cd0 + c.cd_tok * T + truth["cd_peer_e"] * (E - 1)})
+    fit_peers(c, windows)
+    for name, value in truth.items():
+        assert getattr(c, name) == pytest.approx(value), name
+    below = costs()
+    fit_peers(below, [{"attention_ranks": 2, "expert_ranks": 1, "tokens": 8, "c_s": 0.1, "d_s": 0.0}])
+    assert below.c_peer_a == 0.0 and below.c_peer_e == 0.0
 
 
 def test_fewer_cores_than_ranks_cap_the_step_at_the_summed_busy_time():
@@ -153,6 +188,11 @@ def test_calibration_windows_on_the_runtime():
     # the prefill window is one step of 4 x 64 tokens: more work per call than 48 decode tokens
     assert prefill["kind"] == "prefill" and prefill["tokens"] == 256 and prefill["steps"] == 1
     assert prefill["a_s"] > large["a_s"] and prefill["e_s"] > large["e_s"]
+    # a peer window on 2+1 ranks: 8 sequences split 4 a rank, every step counted on the first attention rank
+    peer, = measure_windows(SHIPPED_MODEL, windows=((8, 16),), m1=4, m2=16, passes=1, prefills=(), ranks=(2, 1),
+                            device="cpu")
+    assert (peer["attention_ranks"], peer["expert_ranks"], peer["tokens"], peer["steps"]) == (2, 1, 4, 12)
+    assert peer["c_s"] > 0 and peer["d_s"] > 0 and peer["e_s"] > 0
 
 
 def test_search_ranks_plans_meeting_the_slo_first():
