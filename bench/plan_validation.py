@@ -71,15 +71,21 @@ def measure(model: str, plan: Plan, prompts, olens) -> float:
     return n / dt
 
 
-def repredict(path: str, plans: list[Plan], plens: list[int], olens: list[int]) -> None:
-    """Each round of a saved run: its calibration's costs -> the current model's prediction of every plan, against
-    the round's measured figure; medians over rounds, as a run reports them."""
+def repredict(path: str, plans: list[Plan], plens: list[int], olens: list[int], drop: tuple[str, ...] = ()) -> None:
+    """Each round of a saved run: its calibration's costs (those named in drop set to 0: an ablation) -> the
+    current model's prediction of every plan, against the round's measured figure; medians over rounds, as a run
+    reports them."""
+    unknown = [name for name in drop if name not in StepCosts.__dataclass_fields__]
+    if unknown:
+        raise SystemExit(f"--drop {','.join(unknown)}: not a step cost; give names among "
+                         f"{', '.join(StepCosts.__dataclass_fields__)}")
     with open(path) as f:
         saved = json.load(f)
+    rounds = [StepCosts.from_dict({**r["costs"], **dict.fromkeys(drop, 0.0)}) for r in saved["rounds"]]
     rows = []
     for plan in plans:
         label = plan.label()
-        pred = [simulate(StepCosts.from_dict(r["costs"]), plan, plens, olens).tok_s for r in saved["rounds"]]
+        pred = [simulate(costs, plan, plens, olens).tok_s for costs in rounds]
         meas = [r["measured"][label] for r in saved["rounds"]]
         p, m = statistics.median(pred), statistics.median(meas)
         rows.append({"plan": label, "predicted_tok_s": p, "measured_tok_s": m, "error": p / m - 1})
@@ -114,6 +120,8 @@ def main() -> None:
     ap.add_argument("--out", help="write the table as JSON here")
     ap.add_argument("--repredict", metavar="RUN_JSON", help="measure nothing: predict a saved run's plans again "
                     "from its rounds' saved calibrations with the current model, beside its measured figures")
+    ap.add_argument("--drop", default="", metavar="COSTS", help="with --repredict: these step costs (comma-separated "
+                    "names, e.g. c_peer_e,cd_peer_e,c_peer_a) set to 0 in every round: the model without them")
     ap.add_argument("--smoke", action="store_true", help="two plans, 32 requests of at most 32 tokens, one run, "
                     "a small calibration: checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
@@ -125,15 +133,15 @@ def main() -> None:
     prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
     plens = [len(p) for p in prompts]
     if args.repredict:
-        return repredict(args.repredict, plans, plens, olens)
+        return repredict(args.repredict, plans, plens, olens, tuple(filter(None, args.drop.split(","))))
     predicted: dict[Plan, list[float]] = {p: [] for p in plans}
     measured: dict[Plan, list[float]] = {p: [] for p in plans}
     costs = StepCosts.load(args.profile) if args.profile else None
     rounds = []
     for round_ in range(args.repeats):
         if not args.profile:
-            from launch.plan.calibrate import WINDOWS, calibrate
-            small = {"windows": WINDOWS[:2], "passes": 1} if args.smoke else {}
+            from launch.plan.calibrate import PEER_WINDOWS, WINDOWS, calibrate
+            small = {"windows": WINDOWS[:2], "passes": 1, "peer_windows": PEER_WINDOWS[:1]} if args.smoke else {}
             costs = calibrate(args.model, device="cpu", **small)
         if collective:
             costs.network = network_model(args.model)
