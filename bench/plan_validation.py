@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.throughput import run_ours, workload  # noqa: E402
 from launch import LLM  # noqa: E402
-from launch.plan.model import Plan, StepCosts, simulate  # noqa: E402
+from launch.plan.model import COST_FIELDS, Plan, StepCosts, simulate  # noqa: E402
 from models import SHIPPED_MODEL  # noqa: E402
 
 PLANS = ("1,1,1", "1,1,2", "1,2,1", "1,2,2", "2,1,1", "2,1,2",
@@ -75,10 +75,9 @@ def repredict(path: str, plans: list[Plan], plens: list[int], olens: list[int], 
     """Each round of a saved run: its calibration's costs (those named in drop set to 0: an ablation) -> the
     current model's prediction of every plan, against the round's measured figure; medians over rounds, as a run
     reports them."""
-    unknown = [name for name in drop if name not in StepCosts.__dataclass_fields__]
+    unknown = [name for name in drop if name not in COST_FIELDS]
     if unknown:
-        raise SystemExit(f"--drop {','.join(unknown)}: not a step cost; give names among "
-                         f"{', '.join(StepCosts.__dataclass_fields__)}")
+        raise SystemExit(f"--drop {','.join(unknown)}: not a step cost; give names among {', '.join(COST_FIELDS)}")
     with open(path) as f:
         saved = json.load(f)
     rounds = [StepCosts.from_dict({**r["costs"], **dict.fromkeys(drop, 0.0)}) for r in saved["rounds"]]
@@ -132,6 +131,8 @@ def main() -> None:
     collective = any(p.collective for p in plans)
     prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
     plens = [len(p) for p in prompts]
+    if args.drop and not args.repredict:
+        raise SystemExit("--drop sets step costs to 0 in a saved run's rounds: give it with --repredict RUN_JSON")
     if args.repredict:
         return repredict(args.repredict, plans, plens, olens, tuple(filter(None, args.drop.split(","))))
     predicted: dict[Plan, list[float]] = {p: [] for p in plans}

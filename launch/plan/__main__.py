@@ -1,6 +1,6 @@
 """python -m launch.plan: search deployment plans for a workload with the planner's step model.
 
-The step costs come from a calibration on this machine (--calibrate, about 1.5 minutes, the runtime's own counters;
+The step costs come from a calibration on this machine (--calibrate, about 70 s on the CPU VM, the runtime's counters;
 --save-profile keeps them) or a saved profile (--profile). The search covers the attention:expert split within
 --ranks, micro_batches, the comm modes (--comm; plans on several nodes or with two_phase need --network, the
 alpha-beta model their dispatch and combine is priced by) and redundant expert slots (--redundant-experts, priced

@@ -80,8 +80,13 @@ def measure_windows(model: str, windows=WINDOWS, m1: int = M1, m2: int = M2, pas
     from launch import LLM, SamplingParams
     from models.checkpoint import Checkpoint
 
+    A, E = ranks
     if passes < 1:
         raise ValueError(f"passes={passes}: a calibration measures each window at least once")
+    uneven = [n for n, _ in (*windows, *prefills) if n % A]
+    if uneven:
+        raise ValueError(f"calibration windows of {uneven} sequences on {A} attention ranks: give multiples of {A}, "
+                         "so that each rank takes the same share (the leader spreads them by free KV blocks)")
     spec = Checkpoint(model).spec
     L = sum(spec.moe_layers)
     g = torch.Generator().manual_seed(0)
@@ -90,7 +95,6 @@ def measure_windows(model: str, windows=WINDOWS, m1: int = M1, m2: int = M2, pas
                for kind, n, p in shapes}
     runs: dict[tuple[str, int, int], list[dict]] = {w: [] for w in prompts}
     budget = max(n * (p + 1) for _, n, p in shapes)
-    A, E = ranks
     with LLM(model, attention_ranks=A, expert_ranks=E, micro_batches=1, enable_prefix_caching=False,
              max_num_seqs=max(n for _, n, _ in shapes), max_num_batched_tokens=budget, **engine) as llm:
         for timed in [False] + [True] * passes:
@@ -187,11 +191,12 @@ def fit_peers(costs: StepCosts, windows: list[dict]) -> None:
     windows, at least 0. The expert side's from 1+E engines, the attention side's from A+1 engines."""
     extra: dict[str, list[float]] = {"c_peer_e": [], "cd_peer_e": [], "c_peer_a": []}
     for w in windows:
-        A, E, T = w["attention_ranks"], w["expert_ranks"], w["tokens"]
-        over_c = w["c_s"] - (costs.c0 + costs.c_tok * T)
+        A, E = w["attention_ranks"], w["expert_ranks"]
+        c, cd = costs.exchange(w["tokens"])         # the 1+1 line at the window's tokens per attention rank
+        over_c = w["c_s"] - c
         if A == 1 and E > 1:
             extra["c_peer_e"].append(over_c / (E - 1))
-            extra["cd_peer_e"].append((w["d_s"] - (costs.cd0 + costs.cd_tok * T)) / (E - 1))
+            extra["cd_peer_e"].append((w["d_s"] - cd) / (E - 1))
         elif E == 1 and A > 1:
             extra["c_peer_a"].append(over_c / (A - 1))
     for name, values in extra.items():

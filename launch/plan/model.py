@@ -48,6 +48,9 @@ from dataclasses import asdict, dataclass, field
 from .layout import comm_layer_s, expert_imbalance
 
 COMM_MODES = ("direct", "two_phase")
+# StepCosts' per-call seconds (the rest of its fields say what they were measured or derived for)
+COST_FIELDS = ("a0", "a_tok", "a_ctx", "e0", "e_all", "e_pair", "c0", "c_tok", "l0", "l_row", "h0", "h_seq", "cd0",
+               "cd_tok", "c_peer_e", "cd_peer_e", "c_peer_a")
 
 
 @dataclass(slots=True)
@@ -82,14 +85,19 @@ class StepCosts:
     c_peer_a: float = 0.0       # what each attention rank beyond one adds to an exchange (c)
 
     def __post_init__(self) -> None:
-        for name in ("a0", "a_tok", "a_ctx", "e0", "e_all", "e_pair", "c0", "c_tok", "l0", "l_row", "h0", "h_seq",
-                     "cd0", "cd_tok", "c_peer_e", "cd_peer_e", "c_peer_a"):
+        for name in COST_FIELDS:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 raise ValueError(f"step cost {name}={value!r}: give a finite number of seconds >= 0")
         if self.moe_layers < 1 or self.top_k < 1 or not self.cores > 0:
             raise ValueError(f"step costs moe_layers={self.moe_layers}, top_k={self.top_k}, cores={self.cores}: "
                              "each must be at least 1 (cores > 0)")
+
+    def exchange(self, tokens: float, attention_ranks: int = 1, expert_ranks: int = 1) -> tuple[float, float]:
+        """Direct dispatch + combine on one node for `tokens` per attention rank (a micro-batch's) -> (its seconds
+        per MoE layer, c, and of it the attention rank's own sending, cd), ranks beyond one a side included."""
+        c = self.c0 + self.c_tok * tokens + self.c_peer_e * (expert_ranks - 1) + self.c_peer_a * (attention_ranks - 1)
+        return c, min(c, self.cd0 + self.cd_tok * tokens + self.cd_peer_e * (expert_ranks - 1))
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -205,8 +213,7 @@ def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: flo
                          plan.attention_ranks + E, costs.hidden, costs.top_k, costs.dtype_bytes, capacity)
         sent, rest = c, c          # both sides take part in every collective, for its whole length
     else:
-        c = costs.c0 + costs.c_tok * most / M + costs.c_peer_e * (E - 1) + costs.c_peer_a * (plan.attention_ranks - 1)
-        sent = min(c, costs.cd0 + costs.cd_tok * most / M + costs.cd_peer_e * (E - 1))
+        c, sent = costs.exchange(most / M, plan.attention_ranks, E)
         rest = c - sent
     if M == 1:
         t = costs.moe_layers * (a + c + e) + tail + host

@@ -15,7 +15,7 @@ import pytest
 
 from launch.local_server import ROOT
 from launch.plan.__main__ import candidates, parse_range, search, workload
-from launch.plan.calibrate import fit, fit_peers, measure_windows
+from launch.plan.calibrate import _delta, _totals, fit, fit_peers, measure_windows
 from launch.plan.hardware import count_params, derive_costs, memory_limits
 from launch.plan.model import Plan, RankWork, StepCosts, simulate, step_time
 from models import SHIPPED_MODEL
@@ -82,6 +82,34 @@ def test_each_rank_beyond_one_a_side_adds_its_peer_cost_to_the_exchange():
     assert step_time(ping, Plan(1, 2, 2), one).seconds == pytest.approx(3 * 2 * 5.7 + 3.45 + 0.6 + 0.4 + 12.0)
     # 1+1 pays none of them
     assert step_time(peers, Plan(1, 1, 1), one) == step_time(costs(), Plan(1, 1, 1), one)
+
+
+def _stats(expert_seconds: dict[str, float], calls: int) -> dict:
+    """comm_stats() as the calibration reads it: attention rank 0 (one MoE layer), and expert ranks whose one
+    layer's compute took the given seconds in `calls` calls."""
+    attention = {"role": "attention", "compute": {"0": {"calls": calls, "time_s": 1.0},
+                                                  "-1": {"calls": calls, "time_s": 0.5}},
+                 "layers": {"0": {"dispatch": {"time_s": 0.2}, "combine": {"time_s": 2.0}}},
+                 "steps": {"calls": calls, "time_s": 5.0}}
+    experts = {k: {"role": "expert", "compute": {"0": {"calls": calls, "time_s": t}}}
+               for k, t in expert_seconds.items()}
+    return {"ranks": {"0": attention, **experts}}
+
+
+def test_a_window_counts_the_busiest_expert_rank_over_the_window():
+    """Two expert ranks: rank 1 leads at the start, rank 2 does more within the window; the window's expert
+    compute (and calls) is rank 2's, what the attention rank waited on, not the first snapshot's leader."""
+    before, after = _stats({"1": 10.0, "2": 4.0}, 100), _stats({"1": 11.0, "2": 7.0}, 110)
+    d = _delta(_totals(before), _totals(after))
+    assert d["e_s"] == pytest.approx(3.0) and d["e_calls"] == 10
+    # twice, as a decode window takes it (the second generate's counters less the first's): the first generate
+    # adds 1 s on each rank in 10 calls, the second 2 s on rank 1 and 5 s on rank 2 in 20: rank 2's 4 s, 10 calls
+    s0, s1, s2 = _stats({"1": 10.0, "2": 4.0}, 100), _stats({"1": 11.0, "2": 5.0}, 110), \
+        _stats({"1": 13.0, "2": 10.0}, 130)
+    twice = _delta(_delta(_totals(s0), _totals(s1)), _delta(_totals(s1), _totals(s2)))
+    assert twice["e_s"] == pytest.approx(4.0) and twice["e_calls"] == 10 and twice["steps"] == 10
+    with pytest.raises(ValueError, match="multiples of 2"):
+        measure_windows(SHIPPED_MODEL, windows=((3, 16),), prefills=(), ranks=(2, 1))
 
 
 def test_the_peer_fit_takes_what_windows_beyond_1_1_add_per_rank():
