@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="two plans, 32 requests of at most 32 tokens, one run, "
                     "a small calibration: checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
+    if args.drop and not args.repredict:
+        raise SystemExit("--drop sets step costs to 0 in a saved run's rounds: give it with --repredict RUN_JSON")
     max_output = 256
     if args.smoke:
         args.requests, args.repeats, max_output, args.plans = 32, 1, 32, "1,1,1;2,1,1,two_phase,2"
@@ -131,8 +133,6 @@ def main() -> None:
     collective = any(p.collective for p in plans)
     prompts, olens = workload(args.requests, max_output=max_output, model=args.model)
     plens = [len(p) for p in prompts]
-    if args.drop and not args.repredict:
-        raise SystemExit("--drop sets step costs to 0 in a saved run's rounds: give it with --repredict RUN_JSON")
     if args.repredict:
         return repredict(args.repredict, plans, plens, olens, tuple(filter(None, args.drop.split(","))))
     predicted: dict[Plan, list[float]] = {p: [] for p in plans}

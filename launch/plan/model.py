@@ -224,7 +224,9 @@ def step_time(costs: StepCosts, plan: Plan, work: list[RankWork], imbalance: flo
     expert_busy = costs.moe_layers * M * e
     if plan.attention_ranks + E > costs.cores:
         # the same-host exchanges' copies take CPU too: the attention ranks' sending, the rest on the expert side
-        sent, rest = (0.0, 0.0) if plan.collective else (sent, rest)
+        # (not counted over the collective transport)
+        if plan.collective:
+            sent = rest = 0.0
         busy = sum(costs.moe_layers * M * (aj + sent) + tj + hj for aj, tj, hj in zip(attn, tails, hosts))
         t = max(t, (busy + E * (expert_busy + costs.moe_layers * M * rest)) / costs.cores)
     return StepTime(t, attn_busy, expert_busy)
