@@ -50,6 +50,7 @@ class ForwardBatch:
     prefill: PrefillMeta | None  # None when every token is a decode
     logit_rows: torch.Tensor    # [S] int64 rows whose logits are computed: per sequence in order, its prompt
                                  # logprob rows (if asked for), then its sampled row (if it samples)
+    graphable: bool = False      # decode rows only, each row's logits once in order: decode graphs can run it
 
     @property
     def num_tokens(self) -> int:

@@ -160,7 +160,8 @@ class InputBatch:
         input_ids = v_ids.long()
         if on_device:
             place_drafts(input_ids, on_device, self._index)
-        return ForwardBatch(input_ids, v_pos.long(), v_slots.long(), nd, decode, prefill, v_logits.long())
+        graphable = nd == total and logit_rows == list(range(total))
+        return ForwardBatch(input_ids, v_pos.long(), v_slots.long(), nd, decode, prefill, v_logits.long(), graphable)
 
     def _index(self, values: list[int]) -> torch.Tensor:
         """An int64 index on the device, staged like the step's inputs (one non-blocking copy)."""

@@ -20,6 +20,7 @@ from kernels import cpu_ops, ops
 from models.spec import ModelSpec
 
 from .batch import ForwardBatch
+from .graphs import DecodeGraphs, capture_failed
 from .kv_cache import KVCache
 from .routing import route
 
@@ -110,6 +111,7 @@ class AttentionModel:
         self.fused = _fuse_projections(weights)
         self.keep_hidden = False    # forward keeps every row's final-normed hidden state in self.hidden (MTP)
         self.hidden: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None    # decode graphs (attention_nodes/graphs.py), when on
         # kernel backend "cpu" on fp32: the residual adds, norms, q/k norms, rotary embedding and KV writes go to
         # the fused C ops (kernels/cpu_ops.py) instead of a dozen small torch ops per layer.
         self.c_norms = (kernel_backend == "cpu" and torch.device(device).type == "cpu"
@@ -299,11 +301,22 @@ class AttentionModel:
         """Run micro-batches as a ping-pong pipeline: while the experts serve one micro-batch's layer, this
         rank computes another's attention. Every micro-batch joins every MoE layer's dispatch and combine,
         even with no tokens. Per layer the collectives go out as: dispatch mb 0..M-1, then combine
-        mb 0..M-1 (expert ranks follow the same order). Returns the logits of all micro-batches, in order."""
-        results = self.run([self._layers(b, kv) for b in batches], moe)
+        mb 0..M-1 (expert ranks follow the same order). Returns the logits of all micro-batches, in order. With
+        decode graphs (attention_nodes/graphs.py), a decode micro-batch replays them (captured here, before the
+        step's first exchange, when its bucket has none yet)."""
+        results = self.run([self._graphed(j, b, kv) for j, b in enumerate(batches)], moe)
         if self.keep_hidden:
             self.hidden = torch.cat([r[1] for r in results])
         return torch.cat([r[0] for r in results])
+
+    def _graphed(self, j: int, batch: ForwardBatch, kv: KVCache):
+        graphs = self.graphs
+        if graphs is not None and kv is graphs.kv and graphs.takes(batch):
+            try:
+                return graphs.layers(j, batch)
+            except Exception as e:     # noqa: BLE001 (graphs off, said once: the step runs eagerly)
+                capture_failed(graphs, e)
+        return self._layers(batch, kv)
 
     def run(self, gens: list, moe: MoEContext) -> list:
         """Drive micro-batch generators (each as `_layers` yields) through every MoE layer's dispatch and combine

@@ -109,6 +109,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per attention rank")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="CUDA: share of the GPU the engine's ranks may use (HF's model counts in what they find used)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="CUDA: no decode graphs (the engine's enforce_eager option)")
     ap.add_argument("--smoke", action="store_true", help="16 requests of at most 32 output tokens, one run: " +
                     "a quick run that checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
@@ -132,7 +134,7 @@ def main() -> None:
     with LLM(args.model, attention_ranks=A, expert_ranks=E, max_num_seqs=64 // A, max_num_batched_tokens=512,
              threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches, device=args.device,
              dtype=dtype, kv_cache_memory=args.kv_cache_memory,
-             gpu_memory_utilization=args.gpu_memory_utilization) as llm:
+             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager) as llm:
         run_ours(llm, prompts[:16], olens[:16])        # warm-up
         run_hf(hf, prompts[:16], [8] * 16, batch=16)    # warm-up
         ours, base = [], []
@@ -142,8 +144,11 @@ def main() -> None:
             dt, n = run_hf(hf, prompts, olens)
             base.append(n / dt)
         kv_blocks = llm.stats()["kv_blocks"]
+        graphs = [r.get("graphs") for r in llm.comm_stats()["ranks"].values() if r.get("graphs") is not None]
     mo, mb = statistics.median(ours), statistics.median(base)
     print(f"device {args.device}, dtype {dtype}, model {args.model}, KV blocks per attention rank {kv_blocks}")
+    print("decode graphs: " + ("; ".join(f"{len(g['captured'])} captured, {g['replays']} replays, {g['eager']} too "
+                                         f"big, failed {g['failed']}" for g in graphs) or "off"))
     print(f"afserve {A}+{E} ranks      : {mo:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in ours)})")
     print(f"HF generate, batch 64  : {mb:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in base)})")
     print(f"ratio                  : {mo / mb:.2f}x")

@@ -85,22 +85,28 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     if num_seqs == 0:
         return []
     device = block_tables.device
-
-    def make(index, tables, lens_t):
-        pos = torch.arange(tables.shape[1] * block_size, device=device)
-        return DecodeGroup(index, tables.long().clamp(min=0).reshape(-1),
-                           (pos[None, :] < lens_t[:, None])[:, None, :], lens_t)
-
     if num_seqs <= group:
-        return [make(None, block_tables, context_lens)]
+        return plan_dense(block_tables, context_lens, block_size)
     order = sorted(range(num_seqs), key=lens.__getitem__)
     plan = []
     for start in range(0, num_seqs, group):
         members = order[start:start + group]
         num_blocks = -(-lens[members[-1]] // block_size)
         idx = torch.tensor(members, dtype=torch.int64, device=device)
-        plan.append(make(idx, block_tables[idx, :num_blocks], context_lens[idx]))
+        plan.append(_group(idx, block_tables[idx, :num_blocks], context_lens[idx], block_size))
     return plan
+
+
+def plan_dense(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeGroup]:
+    """One group of every row, gathering every block of the tables' width: device ops only, nothing read from the
+    host or frozen from it, so a CUDA graph captured once replays it for whatever tables and lengths it holds."""
+    return [_group(None, block_tables, context_lens, block_size)]
+
+
+def _group(index: torch.Tensor | None, tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> DecodeGroup:
+    pos = torch.arange(tables.shape[1] * block_size, device=tables.device)
+    return DecodeGroup(index, tables.long().clamp(min=0).reshape(-1), (pos[None, :] < lens[:, None])[:, None, :],
+                       lens)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -220,6 +220,9 @@ class EngineConfig:
                                          "sdpa where no C compiler runs) (auto); or sdpa (torch's fused "
                                          "attention over gathered blocks), or the torch references",
                                  choices=KERNEL_BACKENDS)
+    enforce_eager: bool = option(False, "CUDA: launch every decode step op by op instead of replaying decode "
+                                        "graphs (captured per micro-batch bucket on first use; "
+                                        "attention_nodes/graphs.py)")
     threads_per_rank: int | None = option(None, "CPU threads per rank (default: the machine's cores / the ranks "
                                                 "of the job; set it in a container whose CPU limit is below the "
                                                 "node's cores)")
@@ -267,7 +270,7 @@ class EngineConfig:
         for name in ("threads_per_rank", "decode_threads"):
             if getattr(self, name) is not None:
                 _int(name, getattr(self, name), 1)
-        for name in ("sync_audit", "timing_sync"):
+        for name in ("sync_audit", "timing_sync", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: pass True or False")
         if self.role is not None and self.role not in ROLES:

@@ -8,10 +8,12 @@
 #   3. per-layer dispatch/combine times through cuda_ipc (launch/comm_profile.py, device-synchronised timers);
 #   4. bench/throughput.py on a Qwen3-30B-A3B-shaped checkpoint with a few layers, against HF generate, its KV
 #      cache sized by the GPU memory plan;
-#   5. the GPU memory plan alone on the GPU (tests/gpu/test_memory_plan.py reads the whole GPU's use).
+#   5. the GPU memory plan alone on the GPU (tests/gpu/test_memory_plan.py reads the whole GPU's use);
+#   6. decode graphs (not in the default stages): `graphs` runs tests/gpu/test_cuda_graphs.py, `graphs-bench` runs
+#      step 4's bench with micro_batches=1 twice, with graphs (the default) and with --enforce-eager.
 # Usage, from the repository root: bash scripts/gpu_check.sh [stage ...]
-#   (stages: tests kernels comm throughput memory; gpu: tests/gpu alone, for a run whose Triton kernels have not
-#   changed since their last GPU run)
+#   (stages: tests kernels comm throughput memory graphs graphs-bench; gpu: tests/gpu alone, for a run whose
+#   Triton kernels have not changed since their last GPU run)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 PY=${PY:-python3}
@@ -43,6 +45,13 @@ for stage in $STAGES; do
               && cp /tmp/comm_profile/profile.json "$OUT/comm_profile.json" ;;
     throughput) run throughput 300 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 --micro-batches 2 \
                     --repeats 3 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 ;;
+    graphs) run graphs 240 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/gpu/test_cuda_graphs.py ;;
+    graphs-bench)
+        for mode in graphs eager; do
+            run "throughput_$mode" 200 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 \
+                --micro-batches 1 --repeats 2 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 \
+                $([[ $mode == eager ]] && echo --enforce-eager)
+        done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

@@ -67,6 +67,8 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
         mine["events"] = stats.events_list()
     if topo.is_attention:
         mine["steps"] = stats.steps_dict()
+        graphs = worker.model.graphs
+        mine["graphs"] = None if graphs is None else graphs.stats()
     else:
         mine["step_loads"] = worker.load.step_loads().tolist()
         mine["slots_moved"] = state.num_slots_moved
@@ -85,7 +87,7 @@ def gather_stats(topo: Topology, control: ControlPlane, dispatcher: Dispatcher, 
             "replacements": state.num_replacements,
             "slots_moved": sum(r.get("slots_moved", 0) for r in every),
             "ranks": {str(r["rank"]): {k: r[k] for k in ("role", "node", "kernel_backend", "layers", "compute",
-                                                         "steps", "events", "host_syncs") if k in r}
+                                                         "steps", "events", "host_syncs", "graphs") if k in r}
                       for r in every},
             "expert_load": {"steps": steps, "layers": {str(layer): {
                 "max_mean": balance[layer], "pairs_per_rank": totals[:, layer].tolist(),

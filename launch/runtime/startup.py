@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from attention_nodes.block_pool import BlockPool
 from attention_nodes.draft_model import DraftModel
+from attention_nodes.graphs import SINK_BLOCKS, DecodeGraphs
 from attention_nodes.host_tier import HostTier
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.model import AttentionModel, MoEContext
@@ -58,7 +59,12 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     speculative = config.scheduler.speculative
     num_blocks = num_kv_blocks(cache, spec, dev, kv_bytes, draft_kv(speculative, spec, config))
     host_blocks = num_host_blocks(cache, spec, dev.dtype)
-    kv = KVCache(spec.num_layers, num_blocks, cache.block_size, spec.kv_entry, dev.dtype, dev.device, host_blocks)
+    graphs = uses_decode_graphs(config, dev)
+    kv = KVCache(spec.num_layers, num_blocks + (SINK_BLOCKS if graphs else 0), cache.block_size, spec.kv_entry,
+                 dev.dtype, dev.device, host_blocks)
+    model.graphs = None if not graphs else DecodeGraphs(
+        model, kv, config.scheduler.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0)),
+        -(-max_model_len(config, spec) // cache.block_size), num_blocks, emulate=dev.device.type == "cpu")
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
@@ -71,6 +77,17 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
         dev.dtype, dev.device, exclusive)
     return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches,
                            speculative, draft, mtp)
+
+
+def uses_decode_graphs(config: EngineConfig, dev: DeviceSettings) -> bool:
+    """Decode graphs on this attention rank: on CUDA unless enforce_eager, with the Triton or torch kernels; on the
+    CPU only as the tests' stand-in (AFSERVE_GRAPH_EMULATION=1, torch kernels: RecordedGraph records aten ops, which
+    the C kernels bypass)."""
+    if config.enforce_eager:
+        return False
+    if dev.device.type == "cuda":
+        return dev.kernel_backend in ("triton", "torch")
+    return os.environ.get("AFSERVE_GRAPH_EMULATION") == "1" and dev.kernel_backend == "torch"
 
 
 def draft_kv(speculative: SpeculativeConfig | None, spec: ModelSpec, config: EngineConfig) -> DraftKV | None:

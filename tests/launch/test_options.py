@@ -32,14 +32,15 @@ VALUES = {
     "max_num_batched_tokens": 1024, "max_model_len": 2048,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
     "dtype": "bfloat16", "device": "cpu",
-    "kernel_backend": "torch", "threads_per_rank": 2, "decode_threads": 3, "collective_timeout_s": 1200.5,
+    "kernel_backend": "torch", "enforce_eager": True, "threads_per_rank": 2, "decode_threads": 3, "collective_timeout_s": 1200.5,
     "heartbeat_s": 2.5,
     "rank_failure_s": 7.5, "startup_timeout_s": 60.5, "load_progress": False, "sync_audit": True, "timing_sync": True,
     "role": "expert",
     "pool_addr": "10.0.0.5:29400", "leader_host": "node-0",
 }
 BOOL_FLAGS = {"enable_prefix_caching": ["--no-prefix-caching"], "load_progress": ["--no-load-progress"],
-              "sync_audit": ["--sync-audit"], "timing_sync": ["--timing-sync"], "stream_kv": ["--no-stream-kv"]}
+              "sync_audit": ["--sync-audit"], "timing_sync": ["--timing-sync"],
+              "enforce_eager": ["--enforce-eager"], "stream_kv": ["--no-stream-kv"]}
 # valid only together (prefill_ranks needs more attention ranks than its value)
 COMPANIONS = {"role": ["pool_addr"], "pool_addr": ["role"], "prefill_ranks": ["attention_ranks"]}
 NAMES = [o.name for o in all_options()]

@@ -1,0 +1,157 @@
+"""Decode graphs (attention_nodes/graphs.py) on the CPU, through RecordedGraph: a decode micro-batch replayed from
+its captured graphs gives the eager forward's logits, step after step, as rows, tables and lengths change, in every
+architecture; what a graph must not hold (a host sync, a Python value read from one step's data) is caught."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_nodes.batch import DecodeMeta, ForwardBatch
+from attention_nodes.graphs import (SINK_BLOCKS, DecodeGraphs, GraphCaptureError, RecordedGraph, bucket_for,
+                                    capture_sizes)
+from attention_nodes.kv_cache import KVCache
+from attention_nodes.model import AttentionModel
+from kernels.paged_attention import plan_decode
+from models.checkpoint import Checkpoint
+from models.tiny import ARCHS
+
+BS, WIDTH, BLOCKS = 4, 6, 64     # block size, table columns (max_model_len 24), pool blocks
+
+
+class FakeExperts:
+    """A MoEContext stand-in: each row's routed output a function of its own x, ids and weights (no ranks)."""
+
+    class _Dispatcher:
+        def __init__(self):
+            from comm.stats import CommStats
+            self.stats = CommStats(max_events=1)
+
+    def __init__(self):
+        self.dispatcher = FakeExperts._Dispatcher()
+        self.rows: list[int] = []
+
+    def start(self, moe_layer, x, ids, weights):
+        self.rows.append(x.shape[0])
+        return torch.tanh(x) * weights.sum(-1, keepdim=True) + ids.sum(-1, keepdim=True).to(x.dtype) * 1e-3
+
+    def finish(self, pending):
+        return pending
+
+
+def decode_batch(gen: torch.Generator, rows: int) -> ForwardBatch:
+    """rows decode rows of random lengths (1 .. WIDTH * BS) over distinct random blocks of the pool."""
+    lens = torch.randint(1, WIDTH * BS + 1, (rows,), generator=gen)
+    blocks = torch.randperm(BLOCKS, generator=gen)[:rows * WIDTH].view(rows, WIDTH).int()
+    used = -(-lens.max().item() // BS)
+    tables = blocks[:, :used].clone()
+    for r in range(rows):
+        tables[r, -(-lens[r].item() // BS):] = -1
+    pos = (lens - 1).long()
+    slots = tables.long().gather(1, (pos // BS)[:, None])[:, 0] * BS + pos % BS
+    ids = torch.randint(0, 100, (rows,), generator=gen)
+    return ForwardBatch(ids, pos, slots, rows, DecodeMeta(tables, lens.int(), int(lens.max()), None), None,
+                        torch.arange(rows), graphable=True)
+
+
+def models(tiny_checkpoint, arch: str) -> tuple[AttentionModel, KVCache, KVCache]:
+    ckpt = Checkpoint(tiny_checkpoint(arch))
+    spec, cpu = ckpt.spec, torch.device("cpu")
+    model = AttentionModel(spec, ckpt.read(ckpt.attention_tensor_names(), torch.float32, cpu), cpu, "torch")
+    eager_kv = KVCache(spec.num_layers, BLOCKS + SINK_BLOCKS, BS, spec.kv_entry, torch.float32, cpu)
+    eager_kv.tensor.normal_(generator=torch.Generator().manual_seed(0))
+    graph_kv = KVCache(spec.num_layers, BLOCKS + SINK_BLOCKS, BS, spec.kv_entry, torch.float32, cpu)
+    graph_kv.tensor.copy_(eager_kv.tensor)
+    return model, eager_kv, graph_kv
+
+
+def test_capture_sizes_and_buckets():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 4]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 24]
+    assert capture_sizes(10_000)[-1] == 512
+    assert [bucket_for(n, [1, 2, 4, 8]) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
+    with pytest.raises(ValueError, match="max_rows=0"):
+        capture_sizes(0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_graph_replays_give_the_eager_logits(tiny_checkpoint, arch, micro_batches):
+    model, eager_kv, graph_kv = models(tiny_checkpoint, arch)
+    graphs = DecodeGraphs(model, graph_kv, max_rows=8, width=WIDTH, sink_block=BLOCKS, emulate=True)
+    gen = torch.Generator().manual_seed(1)
+    for rows in (3, 5, 2, 8, 1, 7):     # buckets 4, 8, 2, 8, 1, 8: shrinking within a bucket pads rows again
+        batches = [decode_batch(gen, rows) for _ in range(micro_batches)]
+        model.graphs = None
+        eager = model.forward(batches, eager_kv, FakeExperts())
+        model.graphs = graphs
+        experts = FakeExperts()
+        replayed = model.forward(batches, graph_kv, experts)
+        assert set(experts.rows) == {rows}     # the dispatch sends the step's rows, not the bucket's
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
+        assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+        # the KV the step wrote, in the pool's blocks (the sink block takes the padding rows' writes)
+        torch.testing.assert_close(graph_kv.tensor[:, :, :BLOCKS], eager_kv.tensor[:, :, :BLOCKS], rtol=1e-5,
+                                   atol=1e-5)
+    stats = graphs.stats()
+    assert stats["failed"] is None and stats["replays"] == 6 * micro_batches
+    assert sorted({b for _, b in stats["captured"]}) == [1, 2, 4, 8]
+
+
+def test_a_batch_beyond_the_largest_bucket_or_not_graphable_runs_eagerly(tiny_checkpoint):
+    model, _, graph_kv = models(tiny_checkpoint, "qwen3_moe")
+    graphs = model.graphs = DecodeGraphs(model, graph_kv, max_rows=4, width=WIDTH, sink_block=BLOCKS, emulate=True)
+    gen = torch.Generator().manual_seed(2)
+    model.forward([decode_batch(gen, 5)], graph_kv, FakeExperts())
+    batch = decode_batch(gen, 3)
+    batch.graphable = False
+    model.forward([batch], graph_kv, FakeExperts())
+    assert graphs.stats() == {"captured": [], "replays": 0, "eager": 1, "failed": None}
+
+
+def test_recorded_graph_replays_on_new_inputs_and_keeps_captured_python_values():
+    x = torch.arange(4.0)
+    k = 3
+    g = RecordedGraph()
+    with g.capture():
+        y = (x * k).sum()
+        z = torch.empty(4)
+        torch.add(x, 1, out=z)
+    x.copy_(torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    k = 5       # a CUDA graph keeps the 3 it saw: so does the stand-in
+    g.replay()
+    assert y.item() == 12.0 and z.tolist() == [2.0] * 4
+
+
+def test_a_host_sync_cannot_be_captured():
+    x = torch.arange(4.0)
+    with pytest.raises(GraphCaptureError, match="test_decode_graphs.py"):
+        with RecordedGraph().capture():
+            if x.sum() > 0:
+                pass
+    with pytest.raises(GraphCaptureError, match="nonzero"):
+        with RecordedGraph().capture():
+            x.nonzero()
+
+
+def test_a_value_frozen_from_one_steps_data_gives_wrong_logits(tiny_checkpoint, monkeypatch):
+    """What the stand-in is for: a forward that sizes its work from host values of the step it was captured on (here
+    the torch decode's grouped plan, made from the capture's context lengths, which gathers one block per row)
+    replays them stale, as a CUDA graph would: the logits differ from the eager forward's."""
+    model, eager_kv, graph_kv = models(tiny_checkpoint, "qwen3_moe")
+    graphs = model.graphs = DecodeGraphs(model, graph_kv, max_rows=4, width=WIDTH, sink_block=BLOCKS, emulate=True)
+
+    def host_plan(batch):
+        d = batch.decode
+        d.plan = plan_decode(d.block_tables, d.context_lens, BS, group=2, host_lens=[1] * d.context_lens.shape[0])
+        return batch
+    monkeypatch.setattr(graphs, "_with_plan", host_plan)
+    gen = torch.Generator().manual_seed(3)
+    batch = decode_batch(gen, 4)
+    model.graphs = None
+    eager = model.forward([batch], eager_kv, FakeExperts())
+    model.graphs = graphs
+    replayed = model.forward([batch], graph_kv, FakeExperts())
+    assert graphs.stats()["replays"] == 1
+    assert (replayed - eager).abs().max() > 1e-3
