@@ -5,29 +5,35 @@ captured piecewise, as the model's generator runs (`AttentionModel._layers`): pe
 router (the dispatch's x, ids and weights), one for the shared expert (beside the experts' round trip), and one for
 the tail after the last combine (the logits). The exchange runs between them, as in eager mode.
 
-Graphs are captured per micro-batch slot and row bucket (`capture_sizes`), the first time a step needs them,
-before that step's first exchange. Each capture owns static inputs: the ids, positions, KV slots, block tables
-(the full `max_model_len` width) and context lengths of `bucket` decode rows; a step copies its rows in and pads
-the rest with rows that write one sink block past the pool's (`SINK_BLOCKS`) and attend to it alone. The combine's
-output is copied into a static buffer the next graph reads. Micro-batch slots get their own memory pools: their
-graphs interleave within a step, so none may reuse another's memory; buckets of one slot never interleave.
+Graphs are captured per micro-batch slot and row bucket (`capture_sizes`), every bucket at start-up
+(`capture_all`, largest first), so no step waits for a capture. A slot's buckets share its buffers, sized for the
+largest bucket (`_Slot`): the static inputs (ids, positions, KV slots, block tables of the full `max_model_len`
+width, context lengths), the combine's output that the next graph reads, what each dispatch sends and the logits;
+the graphs copy their results into them. A step copies its rows in; the bucket's other rows are padding, which write
+one sink block past the pool's (`SINK_BLOCKS`) and attend to it alone. Each slot has its own memory pool: two
+slots' graphs interleave within a step, so neither may reuse the other's memory, while one slot's buckets never
+run in the same step and share theirs.
 
 On CUDA a graph is a `torch.cuda.CUDAGraph`. On the CPU, `RecordedGraph` stands in for tests: it records the aten
 ops a capture runs and replays them on the same tensors, so it keeps what a CUDA graph keeps (every tensor's
-storage, every Python value the capture saw) and refuses what a capture refuses (a host sync); a host value that
-changes from step to step, frozen by the capture, gives wrong tokens there as it would on a GPU.
+storage, every Python value the capture saw) and refuses what a capture refuses (a host sync or host read); a host
+value that changes from step to step, frozen by the capture, gives wrong tokens there as it would on a GPU. What it
+cannot show: Triton kernels (not aten ops) in a graph, a CUDA pool's reuse of what a capture freed (it keeps every
+tensor alive), and host tensors a CUDA capture would bake in (on the CPU host and device are one).
 """
 from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
+import threading
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from comm.sync_audit import caller_site, is_sync
+from comm.sync_audit import HOST_METHODS, caller_site, is_sync
 from kernels.paged_attention import plan_dense
 
 from .batch import DecodeMeta, ForwardBatch
@@ -105,9 +111,29 @@ class RecordedGraph:
 
     @contextmanager
     def capture(self):
-        rec = _Recorder()
-        with rec:
-            yield
+        """Records this thread's aten ops; a host sync, or a host read of a tensor (`tolist`, `numpy`, `cpu`, which a
+        CPU tensor serves below the dispatcher), raises GraphCaptureError, as a CUDA capture fails on one."""
+        rec, thread = _Recorder(), threading.get_ident()
+        saved = {name: torch.Tensor.__dict__.get(name) for name in HOST_METHODS}
+
+        def refused(name, method):
+            def read(t, *args, **kwargs):
+                if threading.get_ident() == thread:
+                    raise GraphCaptureError(f"Tensor.{name}() reads tensor data on the host at "
+                                            f"{caller_site(skip=_HERE)}: a CUDA graph cannot capture it")
+                return method(t, *args, **kwargs)
+            return read
+        for name in HOST_METHODS:
+            setattr(torch.Tensor, name, refused(name, getattr(torch.Tensor, name)))
+        try:
+            with rec:
+                yield
+        finally:
+            for name, method in saved.items():
+                if method is None:
+                    delattr(torch.Tensor, name)
+                else:
+                    setattr(torch.Tensor, name, method)
         self.ops = rec.ops
 
     def replay(self) -> None:
@@ -133,30 +159,54 @@ class CudaGraph:
 
     @contextmanager
     def capture(self):
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        with _on(self.stream):
             self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 yield
-            finally:
-                self.graph.capture_end()
-        torch.cuda.current_stream().wait_stream(self.stream)
+            except BaseException:
+                try:
+                    self.graph.capture_end()
+                except Exception:    # noqa: BLE001 (the capture is invalid already: the first error says why)
+                    pass
+                raise
+            self.graph.capture_end()
 
     def replay(self) -> None:
         self.graph.replay()
 
 
+@contextmanager
+def _on(stream):
+    """Run on a side stream (None: where we are), after the current stream's work so far and before its work from
+    here on."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 @dataclass(slots=True)
-class _Captured:
-    """One micro-batch slot's graphs at one bucket: static inputs, the dispatch requests per MoE layer (views of
-    graph outputs), the combine buffer, and the logits."""
+class _Slot:
+    """One micro-batch slot's buffers, at the largest bucket's rows, shared by its buckets' graphs (they never run
+    within one step of each other): static inputs, the combine's output, what each MoE layer's dispatch sends, the
+    logits. Only these outlive a capture; what a graph computes for the next one of its step lives in the pool."""
 
     batch: ForwardBatch
-    out: torch.Tensor                                     # [bucket, H]: the combine's output, read by the next graph
-    graphs: list = field(default_factory=list)            # per MoE layer (router, shared), then the tail
-    requests: list = field(default_factory=list)          # per MoE layer (moe_layer, x, ids, weights)
-    logits: torch.Tensor | None = None
-    filled: int = 0                                       # rows the last replay filled (the rest are padding)
+    out: torch.Tensor                   # [rows, H] the combine's output, read by the next graph
+    sends: list | None = None           # per MoE layer (x, ids, weights) `[rows, ...]`, made at the first capture
+    logits: torch.Tensor | None = None  # [rows, V]
+    dirty: int = 0                      # rows [0, dirty) may hold a past step's rows; the rest are padding
+
+
+@dataclass(slots=True)
+class _Captured:
+    """One slot's graphs at one bucket: per MoE layer (router, shared expert or None without one), then the tail."""
+
+    graphs: list = field(default_factory=list)
+    layers: list = field(default_factory=list)      # the MoE layer of each dispatch
 
 
 class DecodeGraphs:
@@ -168,17 +218,31 @@ class DecodeGraphs:
         self.model, self.kv = model, kv
         self.sizes = capture_sizes(max_rows)
         self.width, self.sink_block, self.emulate = width, sink_block, emulate
-        self.dense_plan = model.kernel_backend not in ("triton",)     # the torch path's gathers, built in the graph
+        self.dense_plan = model.kernel_backend != "triton"     # the torch path's gathers, built in the first graph
+        self._slots: dict[int, _Slot] = {}
         self._captured: dict[tuple[int, int], _Captured] = {}
         self._pools: dict[int, object] = {}
-        self._stream = None
+        self._stream = None if emulate else torch.cuda.Stream(device=model.device)
         self.replays = 0          # micro-batches run from graphs
         self.eager = 0            # decode micro-batches too big for the largest bucket
+        self.capture_s = 0.0      # seconds spent capturing
         self.failed: str | None = None   # why capture failed (graphs are then off for this rank)
 
     def stats(self) -> dict:
         return {"captured": [list(k) for k in sorted(self._captured)], "replays": self.replays, "eager": self.eager,
-                "failed": self.failed}
+                "capture_s": round(self.capture_s, 3), "failed": self.failed}
+
+    @torch.inference_mode()
+    def capture_all(self, slots: int) -> None:
+        """Capture every bucket of micro-batch slots 0 .. slots-1, largest first (at start-up, so that no step waits
+        for a capture). A failure turns graphs off for this rank (capture_failed)."""
+        try:
+            for j in range(slots):
+                for rows in reversed(self.sizes):
+                    if (j, rows) not in self._captured:
+                        self._captured[(j, rows)] = self._capture(j, rows)
+        except Exception as e:     # noqa: BLE001 (graphs off, said once: steps run eagerly)
+            capture_failed(self, e)
 
     def takes(self, batch: ForwardBatch) -> bool:
         """Whether batch runs from graphs: decode rows only, each sampled once (no prompt logprobs), within the
@@ -193,60 +257,87 @@ class DecodeGraphs:
     def layers(self, j: int, batch: ForwardBatch):
         """Micro-batch slot j's forward of batch, as `AttentionModel._layers` yields, from graphs (captured now
         when this slot has none at batch's bucket)."""
-        bucket = bucket_for(batch.num_tokens, self.sizes)
-        c = self._captured.get((j, bucket))
+        rows = bucket_for(batch.num_tokens, self.sizes)
+        c = self._captured.get((j, rows))
         if c is None:
-            c = self._captured[(j, bucket)] = self._capture(j, bucket)
+            c = self._captured[(j, rows)] = self._capture(j, rows)
         self.replays += 1
-        return self._replay(c, batch)
+        return self._replay(self._slots[j], c, batch, rows)
 
-    def _static_batch(self, rows: int) -> ForwardBatch:
-        """A batch of `rows` padding rows on the model's device (what every captured input holds between steps)."""
-        dev, bs = self.model.device, self.kv.block_size
-        tables = torch.full((rows, self.width), -1, dtype=torch.int32, device=dev)
-        tables[:, 0] = self.sink_block
-        z = torch.zeros(rows, dtype=torch.int64, device=dev)
-        lens = torch.ones(rows, dtype=torch.int32, device=dev)
-        return ForwardBatch(z.clone(), z.clone(), torch.full_like(z, self.sink_block * bs), rows,
-                            DecodeMeta(tables, lens, self.width * bs, None), None,
-                            torch.arange(rows, device=dev), graphable=True)
+    def _slot(self, j: int) -> _Slot:
+        s = self._slots.get(j)
+        if s is None:
+            dev, bs, rows = self.model.device, self.kv.block_size, self.sizes[-1]
+            tables = torch.full((rows, self.width), -1, dtype=torch.int32, device=dev)
+            z = torch.zeros(rows, dtype=torch.int64, device=dev)
+            batch = ForwardBatch(z.clone(), z.clone(), z.clone(), rows,
+                                 DecodeMeta(tables, torch.ones(rows, dtype=torch.int32, device=dev), self.width * bs,
+                                            None), None, torch.arange(rows, device=dev), graphable=True)
+            s = self._slots[j] = _Slot(batch, torch.zeros(rows, self.model.spec.hidden_size,
+                                                          dtype=self.model.lm_head.dtype, device=dev))
+            self._pad(s, 0, rows)
+        return s
+
+    def _pad(self, s: _Slot, lo: int, hi: int) -> None:
+        """Rows lo .. hi-1 of a slot's inputs become padding: one token in the sink block, read alone."""
+        b = s.batch
+        b.slot_mapping[lo:hi] = self.sink_block * self.kv.block_size
+        b.decode.context_lens[lo:hi] = 1
+        b.decode.block_tables[lo:hi, 0] = self.sink_block
+
+    @staticmethod
+    def _view(s: _Slot, rows: int) -> ForwardBatch:
+        """The first `rows` rows of a slot's static batch."""
+        b, d = s.batch, s.batch.decode
+        return ForwardBatch(b.input_ids[:rows], b.positions[:rows], b.slot_mapping[:rows], rows,
+                            DecodeMeta(d.block_tables[:rows], d.context_lens[:rows], d.max_context_len, None), None,
+                            b.logit_rows[:rows], graphable=True)
 
     def _new_graph(self, j: int):
         if self.emulate:
             return RecordedGraph()
         if j not in self._pools:
             self._pools[j] = torch.cuda.graph_pool_handle()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
         return CudaGraph(self._pools[j], self._stream)
 
     def _capture(self, j: int, rows: int) -> _Captured:
-        batch = self._static_batch(rows)
-        c = _Captured(batch, torch.zeros(rows, self.model.spec.hidden_size, dtype=self.model.lm_head.dtype,
-                                         device=self.model.device))
-        if not self.emulate:      # compile and tune the kernels outside the capture, on these shapes
-            self._drive(self.model._layers(self._with_plan(batch), self.kv), c.out)
-        gen = self.model._layers(batch, self.kv)
-        value = None
+        t0 = time.perf_counter()
+        s = self._slot(j)
+        if s.dirty:            # a capture after steps: it runs the forward on its rows, which must be padding
+            self._pad(s, 0, s.dirty)
+            s.dirty = 0
+        batch = self._view(s, rows)
+        with _on(self._stream):        # warm-up: Triton compiles, cuBLAS sets up, on the capture stream
+            sends, logits = self._drive(self.model._layers(self._with_plan(batch), self.kv), s.out[:rows])
+        if s.sends is None:
+            top = self.sizes[-1]
+            s.sends = [tuple(t.new_empty(top, *t.shape[1:]) for t in send) for send in sends]
+            s.logits = logits.new_empty(top, *logits.shape[1:])
+        c, gen, value = _Captured(), self.model._layers(batch, self.kv), None
+        shared = bool(self.model.spec.shared_expert_size)
         while True:
             graph = self._new_graph(j)
             with graph.capture():
-                if value is None and not c.graphs:
+                if not c.graphs:
                     self._with_plan(batch)     # the torch path's gathers, inside the first graph
                 try:
                     request = gen.send(value)
                 except StopIteration as stop:
-                    c.logits = stop.value[0]
+                    s.logits[:rows].copy_(stop.value[0])
                     request = None
+                else:
+                    for buf, t in zip(s.sends[len(c.layers)], request[1:]):
+                        buf[:rows].copy_(t)
             c.graphs.append(graph)
             if request is None:
+                self.capture_s += time.perf_counter() - t0
                 return c
-            c.requests.append(request)
-            graph = self._new_graph(j)
-            with graph.capture():
+            c.layers.append(request[0])
+            graph = self._new_graph(j) if shared else None
+            with graph.capture() if shared else nullcontext():
                 assert gen.send(None) is None     # the shared expert, beside the experts' round trip
             c.graphs.append(graph)
-            value = c.out
+            value = s.out[:rows]
 
     def _with_plan(self, batch: ForwardBatch) -> ForwardBatch:
         if self.dense_plan:
@@ -255,39 +346,41 @@ class DecodeGraphs:
         return batch
 
     @staticmethod
-    def _drive(gen, out: torch.Tensor) -> None:
-        """Run a forward generator through without experts (each routed output: `out`)."""
-        value = None
-        try:
-            while True:
-                if gen.send(value) is not None:
-                    assert gen.send(None) is None
-                    value = out
-        except StopIteration:
-            pass
+    def _drive(gen, out: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """Run a forward generator through, each routed output `out` -> (each MoE layer's (x, ids, weights), the
+        logits)."""
+        sends, value = [], None
+        while True:
+            try:
+                request = gen.send(value)
+            except StopIteration as stop:
+                return sends, stop.value[0]
+            sends.append(request[1:])
+            assert gen.send(None) is None
+            value = out
 
-    def _replay(self, c: _Captured, batch: ForwardBatch):
-        T, s = batch.num_tokens, c.batch
-        s.input_ids[:T].copy_(batch.input_ids)
-        s.positions[:T].copy_(batch.positions)
-        s.slot_mapping[:T].copy_(batch.slot_mapping)
-        tables, d = s.decode.block_tables, batch.decode
-        tables[:T, :d.block_tables.shape[1]].copy_(d.block_tables)   # (columns past a row's context are not read)
-        s.decode.context_lens[:T].copy_(d.context_lens)
-        if T < c.filled:                     # rows the last step filled beyond this one's: padding again
-            s.slot_mapping[T:c.filled] = self.sink_block * self.kv.block_size
-            s.decode.context_lens[T:c.filled] = 1
-            tables[T:c.filled, 0] = self.sink_block
-        c.filled = T
+    def _replay(self, s: _Slot, c: _Captured, batch: ForwardBatch, rows: int):
+        T, b, d = batch.num_tokens, s.batch, batch.decode
+        b.input_ids[:T].copy_(batch.input_ids)
+        b.positions[:T].copy_(batch.positions)
+        b.slot_mapping[:T].copy_(batch.slot_mapping)
+        b.decode.block_tables[:T, :d.block_tables.shape[1]].copy_(d.block_tables)  # (columns past a context: unread)
+        b.decode.context_lens[:T].copy_(d.context_lens)
+        if T < min(s.dirty, rows):          # rows a past step filled, within this bucket: padding again
+            self._pad(s, T, min(s.dirty, rows))
+        s.dirty = s.dirty if s.dirty > rows else T
         graphs = iter(c.graphs)
-        for k, (moe_layer, x, ids, weights) in enumerate(c.requests):
+        for k, moe_layer in enumerate(c.layers):
             next(graphs).replay()
+            x, ids, weights = s.sends[k]
             assert (yield moe_layer, x[:T], ids[:T], weights[:T]) is None
-            next(graphs).replay()
+            shared = next(graphs)
+            if shared is not None:
+                shared.replay()
             out = yield None
-            c.out[:T].copy_(out)
+            s.out[:T].copy_(out)
         next(graphs).replay()
-        return c.logits[:T], None
+        return s.logits[:T], None
 
 
 def capture_failed(graphs: DecodeGraphs, error: BaseException) -> None:

@@ -43,7 +43,7 @@ _SCALAR_READS = frozenset({_aten.equal.default, _aten.allclose.default})
 _MASK_INDEXING = frozenset({_aten.index.Tensor})
 # Untagged (the output has self's shape), but a mask index runs nonzero inside.
 _MASK_PUTS = frozenset({_aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default})
-_HOST_METHODS = ("tolist", "numpy", "cpu")   # reads that a CPU tensor serves without the dispatcher
+HOST_METHODS = ("tolist", "numpy", "cpu")   # reads that a CPU tensor serves without the dispatcher
 
 
 def host_read(t: torch.Tensor) -> list:
@@ -124,10 +124,10 @@ class SyncAudit(TorchDispatchMode):
         return audited
 
     def __enter__(self) -> SyncAudit:
-        if any(getattr(getattr(torch.Tensor, n), "__sync_audit__", False) for n in _HOST_METHODS):
+        if any(getattr(getattr(torch.Tensor, n), "__sync_audit__", False) for n in HOST_METHODS):
             raise RuntimeError("a SyncAudit is already active in this process; audits do not nest")
         self._thread = threading.get_ident()
-        for name in _HOST_METHODS:
+        for name in HOST_METHODS:
             self._saved[name] = torch.Tensor.__dict__.get(name)
             setattr(torch.Tensor, name, self._wrap(name))
         return super().__enter__()

@@ -65,6 +65,8 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     model.graphs = None if not graphs else DecodeGraphs(
         model, kv, config.scheduler.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0)),
         -(-max_model_len(config, spec) // cache.block_size), num_blocks, emulate=dev.device.type == "cpu")
+    if model.graphs is not None:
+        model.graphs.capture_all(par.micro_batches)
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
@@ -80,13 +82,13 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
 
 
 def uses_decode_graphs(config: EngineConfig, dev: DeviceSettings) -> bool:
-    """Decode graphs on this attention rank: on CUDA unless enforce_eager, with the Triton or torch kernels; on the
-    CPU only as the tests' stand-in (AFSERVE_GRAPH_EMULATION=1, torch kernels: RecordedGraph records aten ops, which
-    the C kernels bypass)."""
+    """Decode graphs on this attention rank: on CUDA unless enforce_eager, with the Triton kernels (the torch
+    decode would gather every row's whole max_model_len in a graph); on the CPU only as the tests' stand-in
+    (AFSERVE_GRAPH_EMULATION=1, torch kernels: RecordedGraph records aten ops, which the C kernels bypass)."""
     if config.enforce_eager:
         return False
     if dev.device.type == "cuda":
-        return dev.kernel_backend in ("triton", "torch")
+        return dev.kernel_backend == "triton"
     return os.environ.get("AFSERVE_GRAPH_EMULATION") == "1" and dev.kernel_backend == "torch"
 
 

@@ -19,7 +19,8 @@ BS, WIDTH, BLOCKS = 4, 6, 64     # block size, table columns (max_model_len 24),
 
 
 class FakeExperts:
-    """A MoEContext stand-in: each row's routed output a function of its own x, ids and weights (no ranks)."""
+    """A MoEContext stand-in: each row's routed output a function of its own x, ids and weights (no ranks), read
+    when the combine is waited for, as a transport may read them after start returns."""
 
     class _Dispatcher:
         def __init__(self):
@@ -32,10 +33,11 @@ class FakeExperts:
 
     def start(self, moe_layer, x, ids, weights):
         self.rows.append(x.shape[0])
-        return torch.tanh(x) * weights.sum(-1, keepdim=True) + ids.sum(-1, keepdim=True).to(x.dtype) * 1e-3
+        return x, ids, weights
 
     def finish(self, pending):
-        return pending
+        x, ids, weights = pending
+        return torch.tanh(x) * weights.sum(-1, keepdim=True) + ids.sum(-1, keepdim=True).to(x.dtype) * 1e-3
 
 
 def decode_batch(gen: torch.Generator, rows: int) -> ForwardBatch:
@@ -107,7 +109,61 @@ def test_a_batch_beyond_the_largest_bucket_or_not_graphable_runs_eagerly(tiny_ch
     batch = decode_batch(gen, 3)
     batch.graphable = False
     model.forward([batch], graph_kv, FakeExperts())
-    assert graphs.stats() == {"captured": [], "replays": 0, "eager": 1, "failed": None}
+    wide = decode_batch(gen, 2)
+    wide.decode.block_tables = torch.cat((wide.decode.block_tables, torch.full((2, WIDTH), -1, dtype=torch.int32)), 1)
+    model.forward([wide], graph_kv, FakeExperts())
+    model.keep_hidden = True      # an MTP layer reads every row's hidden state: the graphs do not keep it
+    model.forward([decode_batch(gen, 2)], graph_kv, FakeExperts())
+    stats = graphs.stats()
+    assert (stats["captured"], stats["replays"], stats["eager"], stats["failed"]) == ([], 0, 2, None)
+
+
+def test_capture_all_captures_every_bucket_and_steps_capture_nothing_more(tiny_checkpoint):
+    model, eager_kv, graph_kv = models(tiny_checkpoint, "deepseek_v3")
+    graphs = model.graphs = DecodeGraphs(model, graph_kv, max_rows=8, width=WIDTH, sink_block=BLOCKS, emulate=True)
+    graphs.capture_all(2)
+    assert graphs.stats()["captured"] == [[j, b] for j in (0, 1) for b in (1, 2, 4, 8)]
+    assert graph_kv.tensor[:, :, :BLOCKS].equal(eager_kv.tensor[:, :, :BLOCKS])   # capturing wrote the sink only
+    gen = torch.Generator().manual_seed(4)
+    for rows in (8, 3, 6):
+        batches = [decode_batch(gen, rows), decode_batch(gen, rows - 1)]
+        model.graphs = None
+        eager = model.forward(batches, eager_kv, FakeExperts())
+        model.graphs = graphs
+        torch.testing.assert_close(model.forward(batches, graph_kv, FakeExperts()), eager, rtol=1e-5, atol=1e-5)
+    assert len(graphs.stats()["captured"]) == 8 and graphs.stats()["replays"] == 6
+
+
+def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(tiny_checkpoint, monkeypatch):
+    """Slot 0 captures; slot 1's capture meets a router that reads a value back (eager mode can): the rank goes eager
+    for good, the step's logits are the eager forward's, and the reason is kept."""
+    import attention_nodes.model as model_module
+    model, eager_kv, graph_kv = models(tiny_checkpoint, "qwen3_moe")
+    graphs = model.graphs = DecodeGraphs(model, graph_kv, max_rows=4, width=WIDTH, sink_block=BLOCKS, emulate=True)
+    capture, route = graphs._capture, model_module.route
+
+    def reading_route(*args):
+        weights, ids = route(*args)
+        assert ids.max().item() >= 0
+        return weights, ids
+
+    def second_slot_reads(j, rows):
+        if j == 1:
+            monkeypatch.setattr(model_module, "route", reading_route)
+        return capture(j, rows)
+    monkeypatch.setattr(graphs, "_capture", second_slot_reads)
+    gen = torch.Generator().manual_seed(5)
+    batches = [decode_batch(gen, 3), decode_batch(gen, 2)]
+    model.graphs = None
+    eager = model.forward(batches, eager_kv, FakeExperts())
+    model.graphs = graphs
+    torch.testing.assert_close(model.forward(batches, graph_kv, FakeExperts()), eager, rtol=1e-5, atol=1e-5)
+    stats = graphs.stats()
+    assert "aten.item" in stats["failed"] and "test_decode_graphs.py" in stats["failed"], stats["failed"]
+    assert stats["captured"] == [[0, 4]] and stats["replays"] == 1
+    model.forward(batches, graph_kv, FakeExperts())
+    assert graphs.stats()["replays"] == 1      # off for good
+
 
 
 def test_recorded_graph_replays_on_new_inputs_and_keeps_captured_python_values():
@@ -133,6 +189,10 @@ def test_a_host_sync_cannot_be_captured():
     with pytest.raises(GraphCaptureError, match="nonzero"):
         with RecordedGraph().capture():
             x.nonzero()
+    with pytest.raises(GraphCaptureError, match=r"Tensor.tolist\(\) reads tensor data on the host at tests/"):
+        with RecordedGraph().capture():
+            x.tolist()
+    assert x.tolist() == [0.0, 1.0, 2.0, 3.0]      # the methods are back once the capture ends
 
 
 def test_a_value_frozen_from_one_steps_data_gives_wrong_logits(tiny_checkpoint, monkeypatch):
