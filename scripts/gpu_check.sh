@@ -10,7 +10,8 @@
 #      cache sized by the GPU memory plan;
 #   5. the GPU memory plan alone on the GPU (tests/gpu/test_memory_plan.py reads the whole GPU's use);
 #   6. decode graphs (not in the default stages): `graphs` runs tests/gpu/test_cuda_graphs.py, `graphs-bench` runs
-#      step 4's bench with micro_batches=1 twice, with graphs (the default) and with --enforce-eager.
+#      step 4's bench with micro_batches=1 twice, with graphs (the default) and with --enforce-eager; the two fit
+#      one call (`bash scripts/gpu_check.sh graphs graphs-bench`, at most 560 s).
 # Usage, from the repository root: bash scripts/gpu_check.sh [stage ...]
 #   (stages: tests kernels comm throughput memory graphs graphs-bench; gpu: tests/gpu alone, for a run whose
 #   Triton kernels have not changed since their last GPU run)
@@ -45,10 +46,10 @@ for stage in $STAGES; do
               && cp /tmp/comm_profile/profile.json "$OUT/comm_profile.json" ;;
     throughput) run throughput 300 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 --micro-batches 2 \
                     --repeats 3 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 ;;
-    graphs) run graphs 240 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/gpu/test_cuda_graphs.py ;;
+    graphs) run graphs 220 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/gpu/test_cuda_graphs.py ;;
     graphs-bench)
         for mode in graphs eager; do
-            run "throughput_$mode" 200 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 \
+            run "throughput_$mode" 170 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 \
                 --micro-batches 1 --repeats 2 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 \
                 $([[ $mode == eager ]] && echo --enforce-eager)
         done ;;
