@@ -11,11 +11,11 @@ pushes per-request progress to an outbox queue. Inbox commands: ("add", request 
 Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
 prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
 ("comm_stats", dict); between steps, a scale request's ("spawn", [roles], deadline) and ("scale", record), and the
-autoscaler's ("autoscaled", record). A request added with "stream": False (`LLM.generate`, which returns only whole outputs)
-has its progress held back for up to HOLD_STEPS steps, or until a step in which some request finishes, a streamed
-request makes progress or the leader runs out of work; the held outputs then go out, in order, in one message (one
-pickle and one pipe write for several steps instead of one per step, and the reading process wakes as rarely; the
-bound keeps what the reader has left to take in when the last request ends small).
+autoscaler's ("autoscaled", record). A request added with "stream": False (`LLM.generate`, which returns only whole
+outputs) has its progress held back for up to HOLD_STEPS steps, or until a step in which some request finishes, a
+streamed request makes progress or the leader runs out of work; the held outputs then go out, in order, in one
+message (one pickle and one pipe write for several steps instead of one per step, and the reading process wakes as
+rarely; the bound keeps what the reader has left to take in when the last request ends small).
 PD (`prefill_ranks` P > 0): new requests go to attention ranks 0..P-1 only; a request whose prefill is done there
 moves to the decode rank (P..) with room for it, the longest cached prefix of its prompt first, then the most free
 blocks (`plan_moves`; attention_nodes/pd.py carries the moves out).

@@ -169,7 +169,8 @@ def _leader_with_a_prompt_to_prefill() -> Leader:
 def test_the_leader_names_the_passes_in_the_header():
     leader = _leader_with_a_prompt_to_prefill()
     step = leader.next_step({})
-    assert step.decode_passes == 4 and step.micro_batches == 1          # 40 tokens x 0.1 ms over 1 ms a pass; one micro-batch
+    # 40 tokens x 0.1 ms over 1 ms a pass; one micro-batch
+    assert step.decode_passes == 4 and step.micro_batches == 1
 
 
 def test_a_step_re_sent_without_decode_ranks_runs_one_pass():
