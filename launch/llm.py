@@ -53,13 +53,10 @@ def _load_tokenizer(path: str):
 
 
 class LLM:
-    """Attention and expert ranks serving one checkpoint.
-
-    From a plain process it spawns attention_ranks + expert_ranks local ranks; under torchrun
-    (RANK and WORLD_SIZE set) it joins the job: every rank constructs it and calls generate()
-    together, and rank 0 gets the outputs (other ranks get []). serving: under torchrun, the leader leads until
-    shutdown and the others follow (serve.py); autoscale's joiners start beside it (launch/joiners.py).
-    """
+    """Attention and expert ranks serving one checkpoint. From a plain process it spawns attention_ranks +
+    expert_ranks local ranks; under torchrun (RANK and WORLD_SIZE set) it joins the job: every rank constructs it and
+    calls generate() together, and rank 0 gets the outputs (other ranks get []). serving: under torchrun, the leader
+    leads until shutdown and the others follow (serve.py); autoscale's joiners start beside it (launch/joiners.py)."""
 
     def __init__(self, model: str, attention_ranks: int = option_default("attention_ranks"),
                  expert_ranks: int = option_default("expert_ranks"), *, serving: bool = False, **options):
@@ -312,9 +309,10 @@ class LLM:
                      self.config.parallel.world_size)
         self._members.append(member)
 
-    def take_scale_result(self, result: dict) -> dict:
-        """The leader's answer to a scale request: ValueError for a refused one; retired ranks are noted."""
-        if "error" in result:
+    def take_scale_result(self, result: dict, autoscaled: bool = False) -> dict:
+        """The leader's answer to a scale request: ValueError for a refused one; retired ranks are noted. autoscaled:
+        the record of an autoscaler's move, which nobody waits for (a refused one retired nothing, raises nothing)."""
+        if "error" in result and not autoscaled:
             raise ValueError(result["error"])
         self.retired_ranks += result.get("lost_members", [])
         return result
@@ -333,15 +331,18 @@ class LLM:
 
     def _poll(self, q, deadline: float | None, what: str):
         """Wait on q while watching the ranks: a dead rank raises within ~0.2 s and takes the others down. The
-        leader's ("spawn", roles) on the outbox (a scale request's joiners) starts those ranks here."""
+        leader's ("spawn", roles) on the outbox (a scale request's joiners) starts those ranks here, and its
+        ("autoscaled", record) is taken here."""
         while True:
             try:
                 msg = q.get(timeout=0.2)
-                if msg[0] != "spawn" or q is not self._outbox:
+                if msg[0] not in ("spawn", "autoscaled") or q is not self._outbox:
                     return msg
-                fresh = spawn_is_fresh(msg[2], self.config.startup_timeout_s)
+                fresh = msg[0] == "spawn" and spawn_is_fresh(msg[2], self.config.startup_timeout_s)
                 for role, member in zip(msg[1], msg[3]) if fresh else ():   # a stale one's: skipped
                     self._spawn_joiner(role, member)
+                if msg[0] == "autoscaled":
+                    self.take_scale_result(msg[1], autoscaled=True)
                 continue
             except queue.Empty:
                 pass

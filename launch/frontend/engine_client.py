@@ -138,6 +138,8 @@ class EngineClient:
                 continue
             if msg[0] == "out":
                 self._deliver(msg[1])
+            elif msg[0] == "autoscaled":
+                self.llm.take_scale_result(msg[1], autoscaled=True)
             elif msg[0] in self._waiters:
                 with self._lock:
                     fut = self._waiters[msg[0]].popleft() if self._waiters[msg[0]] else None

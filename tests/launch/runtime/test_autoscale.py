@@ -197,10 +197,12 @@ def test_the_engine_moves_a_rank_to_the_attention_pool_and_every_output_is_trans
             time.sleep(0.5)
         stats = llm.stats()
         second = llm.generate(prompts, params)
+        retired = list(llm.retired_ranks)
     assert [o.token_ids for o in first] == expected and [o.token_ids for o in second] == expected
     assert stats["pool_ranks"] == {"attention": 2, "expert": 1}
     moves = [c for c in stats["membership_changes"] if c["cause"] == "autoscale"]
     assert len(moves) == 1, stats["membership_changes"]
+    assert retired == moves[0]["lost_members"] and len(retired) == 1     # the expert rank the move retired
     assert [d["best"] for d in stats["autoscale"]["decisions"] if d.get("moved")] == [[2, 1]]
 
 
