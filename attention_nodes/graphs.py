@@ -79,7 +79,7 @@ class _Recorder(TorchDispatchMode):
         schema = func._schema
         if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
             self.ops.append((func, args, kwargs, None))     # in place (or out=): replay reruns it
-        elif not _is_view(out, args):
+        elif not _is_view(out, args, kwargs):
             self.ops.append((func, args, kwargs, out))      # a new tensor: replay writes into this one
         return out                                          # (a view shares storage already recorded)
 
@@ -94,11 +94,11 @@ def _tensors(values) -> list[torch.Tensor]:
     return flat
 
 
-def _is_view(out, args) -> bool:
+def _is_view(out, args, kwargs) -> bool:
     """Whether every tensor out shares storage with an input (a view, or `to` returning self): by the storages
     themselves, since ops like `aten.to` are annotated as aliasing but copy when they convert."""
     outs = _tensors(out if isinstance(out, (tuple, list)) else (out,))
-    inputs = {t.untyped_storage().data_ptr() for t in _tensors(args)}
+    inputs = {t.untyped_storage().data_ptr() for t in _tensors((*args, *kwargs.values()))}
     return bool(outs) and all(t.untyped_storage().data_ptr() in inputs for t in outs)
 
 
@@ -183,9 +183,11 @@ def _on(stream):
         yield
         return
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        yield
-    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 @dataclass(slots=True)
@@ -243,6 +245,9 @@ class DecodeGraphs:
                         self._captured[(j, rows)] = self._capture(j, rows)
         except Exception as e:     # noqa: BLE001 (graphs off, said once: steps run eagerly)
             capture_failed(self, e)
+        else:
+            log.info("decode graphs: %d slot(s) x %d buckets (up to %d rows) captured in %.1f s", slots,
+                     len(self.sizes), self.sizes[-1], self.capture_s)
 
     def takes(self, batch: ForwardBatch) -> bool:
         """Whether batch runs from graphs: decode rows only, each sampled once (no prompt logprobs), within the
@@ -384,7 +389,13 @@ class DecodeGraphs:
 
 
 def capture_failed(graphs: DecodeGraphs, error: BaseException) -> None:
-    """Graphs off for this rank after a failed capture (its steps run eagerly, as with enforce_eager), said once."""
+    """Graphs off for this rank after a failed capture (its steps run eagerly, as with enforce_eager), said once;
+    what they held is let go (a capture that ran out of memory leaves the eager steps theirs)."""
     graphs.failed = f"{type(error).__name__}: {error}"
+    graphs._captured.clear()
+    graphs._slots.clear()
+    graphs._pools.clear()
+    if not graphs.emulate:
+        torch.cuda.empty_cache()
     log.warning("decode graph capture failed, running eagerly (set enforce_eager=True to skip the capture): %s",
                 graphs.failed)

@@ -4,7 +4,8 @@ On CUDA, with neither num_kv_blocks nor kv_cache_memory set, every rank of the l
   1. loads its weights (and the data plane its receive buffers);
   2. runs a warm-up forward at the largest step and records its peak activations: an attention rank its
      model over max_num_batched_tokens tokens in max_num_seqs sequences (logits and a softmax per sequence;
-     the experts replaced by zeros), an expert rank its FFN over every token each attention rank may send;
+     the experts replaced by zeros), plus, with decode graphs, what they will keep (`graph_reserve`), an
+     expert rank its FFN over every token each attention rank may send;
   3. empties torch's cache, meets the others (a barrier on the control group), reads the GPU's used memory
      (all processes: contexts, weights, buffers) and shares (gpu, role, peak, used, total) with every rank.
 Then each attention rank takes an equal share, among the attention ranks on its GPU, of
@@ -139,6 +140,18 @@ def attention_peak(model, spec, num_tokens: int, num_seqs: int, max_len: int, bl
         logits = model.forward([batch], scratch, NoExperts())
         F.softmax(logits, dim=-1)
     return meter.peak
+
+
+def graph_reserve(model, spec, rows: int, slots: int, block_size: int, max_len: int, dtype: torch.dtype) -> int:
+    """Bytes an attention rank's decode graphs (attention_nodes/graphs.py) keep, counted in its peak so the KV cache
+    leaves room for them: per micro-batch slot, a memory pool of about one forward's peak at `rows` one-token rows
+    (measured as attention_peak's) and its buffers, per row: each MoE layer's dispatched row with its ids and
+    weights, the combine's output, fp32 logits, and the static inputs (a block-table row of max_len's blocks)."""
+    pool = attention_peak(model, spec, rows, rows, 1, block_size, dtype)
+    item = torch.empty(0, dtype=dtype).element_size()
+    H, width = spec.hidden_size, -(-max_len // block_size)
+    per_row = spec.num_moe_layers * (H * item + 16 * spec.top_k) + H * item + 4 * spec.vocab_size + 4 * width + 48
+    return slots * (pool + rows * per_row)
 
 
 @torch.inference_mode()

@@ -63,8 +63,8 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     kv = KVCache(spec.num_layers, num_blocks + (SINK_BLOCKS if graphs else 0), cache.block_size, spec.kv_entry,
                  dev.dtype, dev.device, host_blocks)
     model.graphs = None if not graphs else DecodeGraphs(
-        model, kv, config.scheduler.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0)),
-        -(-max_model_len(config, spec) // cache.block_size), num_blocks, emulate=dev.device.type == "cpu")
+        model, kv, decode_graph_rows(config), -(-max_model_len(config, spec) // cache.block_size), num_blocks,
+        emulate=dev.device.type == "cpu")
     if model.graphs is not None:
         model.graphs.capture_all(par.micro_batches)
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
@@ -85,11 +85,19 @@ def uses_decode_graphs(config: EngineConfig, dev: DeviceSettings) -> bool:
     """Decode graphs on this attention rank: on CUDA unless enforce_eager, with the Triton kernels (the torch
     decode would gather every row's whole max_model_len in a graph); on the CPU only as the tests' stand-in
     (AFSERVE_GRAPH_EMULATION=1, torch kernels: RecordedGraph records aten ops, which the C kernels bypass)."""
-    if config.enforce_eager:
+    if config.enforce_eager or config.scheduler.uses_mtp:     # (an MTP layer reads hidden states graphs do not keep)
         return False
     if dev.device.type == "cuda":
         return dev.kernel_backend == "triton"
     return os.environ.get("AFSERVE_GRAPH_EMULATION") == "1" and dev.kernel_backend == "torch"
+
+
+def decode_graph_rows(config: EngineConfig) -> int:
+    """The most decode rows one micro-batch can hold: max_num_seqs sequences, each with its speculative drafts,
+    within the step's token budget (the largest bucket decode graphs capture)."""
+    s = config.scheduler
+    drafts = s.speculative.num_speculative_tokens if s.speculative else 0
+    return min(s.max_num_seqs * (1 + drafts), s.max_num_batched_tokens)
 
 
 def draft_kv(speculative: SpeculativeConfig | None, spec: ModelSpec, config: EngineConfig) -> DraftKV | None:

@@ -160,7 +160,7 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(tiny_checkp
     torch.testing.assert_close(model.forward(batches, graph_kv, FakeExperts()), eager, rtol=1e-5, atol=1e-5)
     stats = graphs.stats()
     assert "aten.item" in stats["failed"] and "test_decode_graphs.py" in stats["failed"], stats["failed"]
-    assert stats["captured"] == [[0, 4]] and stats["replays"] == 1
+    assert stats["captured"] == [] and stats["replays"] == 1      # what slot 0 held is let go
     model.forward(batches, graph_kv, FakeExperts())
     assert graphs.stats()["replays"] == 1      # off for good
 
