@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from comm.sync_audit import HOST_METHODS, caller_site, is_sync
+from comm.sync_audit import caller_site, hooked_host_reads, is_sync
 from kernels.paged_attention import plan_dense
 
 from .batch import DecodeMeta, ForwardBatch
@@ -113,27 +112,12 @@ class RecordedGraph:
     def capture(self):
         """Records this thread's aten ops; a host sync, or a host read of a tensor (`tolist`, `numpy`, `cpu`, which a
         CPU tensor serves below the dispatcher), raises GraphCaptureError, as a CUDA capture fails on one."""
-        rec, thread = _Recorder(), threading.get_ident()
-        saved = {name: torch.Tensor.__dict__.get(name) for name in HOST_METHODS}
-
-        def refused(name, method):
-            def read(t, *args, **kwargs):
-                if threading.get_ident() == thread:
-                    raise GraphCaptureError(f"Tensor.{name}() reads tensor data on the host at "
-                                            f"{caller_site(skip=_HERE)}: a CUDA graph cannot capture it")
-                return method(t, *args, **kwargs)
-            return read
-        for name in HOST_METHODS:
-            setattr(torch.Tensor, name, refused(name, getattr(torch.Tensor, name)))
-        try:
-            with rec:
-                yield
-        finally:
-            for name, method in saved.items():
-                if method is None:
-                    delattr(torch.Tensor, name)
-                else:
-                    setattr(torch.Tensor, name, method)
+        def refuse(name: str, site: str) -> None:
+            raise GraphCaptureError(f"Tensor.{name}() reads tensor data on the host at {site}: a CUDA graph cannot "
+                                    f"capture it")
+        rec = _Recorder()
+        with hooked_host_reads(refuse), rec:
+            yield
         self.ops = rec.ops
 
     def replay(self) -> None:

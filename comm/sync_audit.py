@@ -25,6 +25,7 @@ Each count goes to the first stack frame in this repository outside this module,
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 import threading
@@ -88,6 +89,33 @@ def caller_site(root: str = ROOT, skip: str = _HERE) -> str:
     return "<outside the repository>"
 
 
+@contextlib.contextmanager
+def hooked_host_reads(hook: Callable[[str, str], None], root: str = ROOT, mark: bool = False):
+    """Within the block, this thread's calls of the tensor methods that a CPU tensor serves below the dispatcher
+    (HOST_METHODS) first call hook(method name, caller_site(root)); other threads' calls pass. mark: tag the
+    wrappers as a SyncAudit's (audits do not nest). The methods are restored after the block."""
+    thread = threading.get_ident()
+    saved = {name: torch.Tensor.__dict__.get(name) for name in HOST_METHODS}
+
+    def wrap(name: str, method):
+        def hooked(t, *args, **kwargs):
+            if threading.get_ident() == thread:
+                hook(name, caller_site(root))
+            return method(t, *args, **kwargs)
+        hooked.__sync_audit__ = mark
+        return hooked
+    for name in HOST_METHODS:
+        setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            if method is None:      # inherited from TensorBase: deleted again, not set on torch.Tensor
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, method)
+
+
 class SyncAudit(TorchDispatchMode):
     """While active (`with SyncAudit() as audit:`), counts this thread's host syncs by site:
     `audit.sites` {"path:line": count}. Not re-entrant: one audit at a time per process, since the wrapped
@@ -97,8 +125,7 @@ class SyncAudit(TorchDispatchMode):
         super().__init__()
         self.root = root
         self.sites: collections.Counter[str] = collections.Counter()
-        self._thread = 0
-        self._saved: dict[str, object] = {}
+        self._reads = None
 
     @property
     def num_syncs(self) -> int:
@@ -113,35 +140,19 @@ class SyncAudit(TorchDispatchMode):
             self._count()
         return func(*args, **kwargs)
 
-    def _wrap(self, name: str):
-        method = getattr(torch.Tensor, name)
-
-        def audited(t, *args, **kwargs):
-            if threading.get_ident() == self._thread:
-                self._count()
-            return method(t, *args, **kwargs)
-        audited.__sync_audit__ = True
-        return audited
-
     def __enter__(self) -> SyncAudit:
         if any(getattr(getattr(torch.Tensor, n), "__sync_audit__", False) for n in HOST_METHODS):
             raise RuntimeError("a SyncAudit is already active in this process; audits do not nest")
-        self._thread = threading.get_ident()
-        for name in HOST_METHODS:
-            self._saved[name] = torch.Tensor.__dict__.get(name)
-            setattr(torch.Tensor, name, self._wrap(name))
+        self._reads = hooked_host_reads(lambda name, site: self.sites.update((site,)), self.root, mark=True)
+        self._reads.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
         try:
             super().__exit__(*exc)
         finally:
-            for name, saved in self._saved.items():
-                if saved is None:
-                    delattr(torch.Tensor, name)
-                else:
-                    setattr(torch.Tensor, name, saved)
-            self._saved = {}
+            self._reads.__exit__(None, None, None)
+            self._reads = None
 
 
 @dataclass(slots=True)
