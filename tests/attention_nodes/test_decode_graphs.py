@@ -12,23 +12,19 @@ from attention_nodes.graphs import (SINK_BLOCKS, DecodeGraphs, GraphCaptureError
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.model import AttentionModel
 from kernels.paged_attention import plan_decode
+from launch.runtime.memory import NoExperts
 from models.checkpoint import Checkpoint
 from models.tiny import ARCHS
 
 BS, WIDTH, BLOCKS = 4, 6, 64     # block size, table columns (max_model_len 24), pool blocks
 
 
-class FakeExperts:
+class FakeExperts(NoExperts):
     """A MoEContext stand-in: each row's routed output a function of its own x, ids and weights (no ranks), read
     when the combine is waited for, as a transport may read them after start returns."""
 
-    class _Dispatcher:
-        def __init__(self):
-            from comm.stats import CommStats
-            self.stats = CommStats(max_events=1)
-
     def __init__(self):
-        self.dispatcher = FakeExperts._Dispatcher()
+        super().__init__()
         self.rows: list[int] = []
 
     def start(self, moe_layer, x, ids, weights):
