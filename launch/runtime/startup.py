@@ -62,10 +62,10 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     graphs = uses_decode_graphs(config, dev)
     kv = KVCache(spec.num_layers, num_blocks + (SINK_BLOCKS if graphs else 0), cache.block_size, spec.kv_entry,
                  dev.dtype, dev.device, host_blocks)
-    model.graphs = None if not graphs else DecodeGraphs(
-        model, kv, decode_graph_rows(config), -(-max_model_len(config, spec) // cache.block_size), num_blocks,
-        emulate=dev.device.type == "cpu")
-    if model.graphs is not None:
+    if graphs:
+        model.graphs = DecodeGraphs(model, kv, decode_graph_rows(config),
+                                    -(-max_model_len(config, spec) // cache.block_size), num_blocks,
+                                    emulate=dev.device.type == "cpu")
         model.graphs.capture_all(par.micro_batches)
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
