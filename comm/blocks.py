@@ -1,11 +1,13 @@
 """Fixed-shape message blocks: where rows go and where they come back from, worked out on the device.
 
 A block is `[bound + 1, width]` uint8: row 0 holds the number of valid rows (int64, in its first 8 bytes), rows
-1..bound the row places; places past the count are zeros. Both sides know `bound` from the step capacity and the
-topology, so no size is exchanged and nobody reads a count on the host: a receiver keeps the whole block and
-treats places past the count as empty. These are pure functions over tensors (no `torch.distributed`); the
-dispatchers (`direct`, `two_phase`) build their messages with them. Names: N rows, D destinations, K top-k,
-B bytes per row.
+1..bound the row places; places past the count are empty (zeros; place_rows' rows carry slot -1 there too). Over
+the collectives both sides know `bound` from the step capacity and the topology, so no size is exchanged and nobody
+reads a count on the host: a receiver keeps the whole block and treats places past the count as empty. The
+same-host inboxes (comm/shm_dispatcher.py) post the sender's own token count as the bound instead, so their blocks
+are as long as the batch, not the capacity. These are pure functions over tensors (no `torch.distributed`); the
+dispatchers (`direct`, `two_phase`, the inboxes' in-band counts) build their messages with them. Names: N rows,
+D destinations, K top-k, B bytes per row.
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ def valid_places(counts: torch.Tensor, bound: int) -> torch.Tensor:
 
 def place_rows(head: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor, num_dst: int,
                bound: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One row per (row, destination it names), in D blocks of `bound` places, with fixed shapes.
+    """One row per (row, destination it names), in D blocks of `bound` places, with fixed shapes; an empty place
+    holds zeros and slot -1, so it is empty whether or not its receiver reads the count.
 
     head `[N, hb]` uint8 (each row's hidden bytes); dst `[N, K]` int64 destination of each choice, 0..D-1 (any
     other value: none); slots `[N, K]`, weights `[N, K]` -> (blocks `[D * (bound + 1) + 1, hb + 8K]` uint8: per
@@ -53,6 +56,7 @@ def place_rows(head: torch.Tensor, dst: torch.Tensor, slots: torch.Tensor, weigh
     B = hb + 8 * K
     blocks = torch.zeros(num_dst * (bound + 1) + 1, B, dtype=torch.uint8, device=dst.device)
     scratch = num_dst * (bound + 1)
+    blocks[:scratch].view(num_dst, bound + 1, B)[:, 1:, hb:hb + 4 * K] = 255   # empty places: every slot -1
     place = torch.where(hit, dests[None, :] * (bound + 1) + 1 + pos, scratch)         # [N, D]
     if N:
         blocks.index_copy_(0, place.reshape(-1), rows.reshape(N * num_dst, B))

@@ -4,10 +4,12 @@ GPUs): one message per (attention rank, expert rank) pair and direction, no coll
 A message's row count travels on the host, in its slot's flags, so a receiver slices its rows without reading
 the device. With one expert rank a source sends its tokens in order (the count is the batch's size). With two or
 more, which tokens go where is data: counted on the host (exact sizes: bincount, then `.tolist()`) or, with
-in-band counts, placed on the device into a block of capacity + 1 rows per expert rank whose row 0 holds the
-count (comm/blocks.py, as the collective `direct` dispatcher does), so the host posts only the known block size.
-Reading counts back is a stream synchronize per MoE layer and micro-batch on a GPU, and on the CPU it is free
-while exact sizes copy and compute less: in-band counts are the default on CUDA (cuda_ipc) only."""
+in-band counts, placed on the device (comm/blocks.py, as the collective `direct` dispatcher does) into one place
+per token of the batch for each expert rank, a place no token of the batch takes there holding slot -1: the host
+posts the batch's size, which it knows, and the expert rank returns as many rows. No message is padded to the
+step's capacity: a batch of n tokens sends each expert rank n rows, and gets n back from each. Reading counts
+back is a stream synchronize per MoE layer and micro-batch on a GPU, and on the CPU it is free while exact sizes
+copy and compute less: in-band counts are the default on CUDA (cuda_ipc) only."""
 from __future__ import annotations
 
 import os
@@ -16,7 +18,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from .blocks import count_of, gather_rows, place_rows, valid_places
+from .blocks import gather_rows, place_rows
 from .dispatcher import Dispatcher, DispatchHandle, PendingDispatch, pack_rows, pack_rows_into, plan_rows, unpack_rows
 from .shm import Inbox, Outlet, _StoreFence, make_shared_dir, slot_buffers
 
@@ -39,9 +41,9 @@ class ShmDispatcher(Dispatcher):
         self.round = 0
         self._no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
         self.buffers = buffers = slot_buffers(self.device)
-        # Slot sizes: expert inboxes hold dispatched rows (with in-band counts a block: the count row and
-        # max_tokens places), source inboxes hold combined rows.
-        expert_slot = (max_tokens + 1) * self._row_bytes()
+        # Slot sizes: expert inboxes hold dispatched rows (with in-band counts up to max_tokens places), source
+        # inboxes hold combined rows.
+        expert_slot = max_tokens * self._row_bytes()
         source_slot = max_tokens * hidden_size * dtype.itemsize
         directory = make_shared_dir(control, self.rank)
         mine = self.device.type == "cuda" if in_band is None else in_band
@@ -72,16 +74,14 @@ class ShmDispatcher(Dispatcher):
     def interrupt(self) -> None:
         self.inbox.interrupt()
 
-    def _send(self, rnd: int, rows: torch.Tensor, counts: list[int]) -> None:
-        """rows `[N, bytes]` uint8, counts[i] of them (in order) to outlet i: every payload written, one wait
+    def _send(self, rnd: int, parts) -> None:
+        """parts[i] `[n_i, bytes]` uint8 to outlet i, n_i posted as its count: every payload written, one wait
         for the copies (cuda_ipc: a stream synchronize for all of them), then every round word."""
-        start = 0
-        for outlet, n in zip(self.outlets, counts):
-            outlet.write(rnd, rows[start:start + n].view(-1))
-            start += n
+        for outlet, part in zip(self.outlets, parts):
+            outlet.write(rnd, part.reshape(-1))
         self.buffers.publish()
-        for outlet, n in zip(self.outlets, counts):
-            outlet.post(rnd, n)
+        for outlet, part in zip(self.outlets, parts):
+            outlet.post(rnd, part.shape[0])
 
     def set_capacity(self, capacity: int) -> None:
         if capacity > self.max_tokens:
@@ -110,20 +110,19 @@ class ShmDispatcher(Dispatcher):
             self.stats.phase(layer, "dispatch").add(n * B, 1, self.stats.now() - t0)
             return PendingDispatch(None, self._no_rows, None, handle, t0)
         if self.in_band:
-            # Blocks of capacity + 1 rows per expert rank, placed on the device, the count in row 0: the host posts
-            # the block size, which it knows (combine gathers each token's results back through hit/pos).
-            C, B = self.capacity, self._row_bytes()
-            blocks, hit, pos = place_rows(hidden.contiguous().view(torch.uint8), dst_ranks - S, slots, weights,
-                                          W - S, C)
-            self._send(self.round, blocks[:(W - S) * (C + 1)], [C + 1] * (W - S))
-            handle = DispatchHandle(layer, n, None, [0] * S + [C + 1] * (W - S), [0] * W, self.round, hit, pos)
-            self.stats.phase(layer, "dispatch").add((W - S) * (C + 1) * B, W - S, self.stats.now() - t0)
+            # n places per expert rank, placed on the device, the empty ones slot -1: the host posts n, which it
+            # knows (the blocks' count rows stay behind; combine gathers each token's results through hit/pos).
+            E, B = W - S, self._row_bytes()
+            blocks, hit, pos = place_rows(hidden.contiguous().view(torch.uint8), dst_ranks - S, slots, weights, E, n)
+            self._send(self.round, blocks[:E * (n + 1)].view(E, n + 1, B)[:, 1:].unbind(0))
+            handle = DispatchHandle(layer, n, None, [0] * S + [n] * E, [0] * W, self.round, hit, pos)
+            self.stats.phase(layer, "dispatch").add(E * n * B, E, self.stats.now() - t0)
             return PendingDispatch(None, self._no_rows, None, handle, t0)
         row2token, row_dst, row_slots, row_weights = plan_rows(dst_ranks, slots, weights, W)
         send_counts = torch.bincount(row_dst, minlength=W).tolist()
         handle = DispatchHandle(layer, n, row2token, send_counts, [0] * W, self.round)
         packed = pack_rows(hidden[row2token], row_slots, row_weights)
-        self._send(self.round, packed, send_counts[S:])   # to expert ranks S..W-1
+        self._send(self.round, packed.split(send_counts[S:]))   # to expert ranks S..W-1
         self.stats.phase(layer, "dispatch").add(packed.numel(), len(self.outlets), self.stats.now() - t0)
         return PendingDispatch(None, self._no_rows, None, handle, t0)
 
@@ -134,17 +133,7 @@ class ShmDispatcher(Dispatcher):
                                self.dtype), handle
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} dispatch (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
-        if self.in_band:
-            # Every source's block: its count row, then capacity places; places past the count get slot -1.
-            C = self.capacity
-            assert all(n == C + 1 for n, _ in slots), ([n for n, _ in slots], C)
-            blocks = torch.stack([slot[:(C + 1) * B].view(C + 1, B) for _, slot in slots])   # [S, C + 1, B]
-            rows = unpack_rows(blocks[:, 1:].reshape(-1, B), self.hidden_size, self.top_k, self.dtype)
-            rows.slots = torch.where(valid_places(count_of(blocks), C).reshape(-1, 1), rows.slots, -1)
-            handle.recv_counts = [C] * len(slots) + [0] * (self.world_size - len(slots))
-            self.stats.phase(handle.layer, "dispatch").add(0, 0, self.stats.now() - pending.t0)
-            return rows, handle
-        counts = [n for n, _ in slots]
+        counts = [n for n, _ in slots]   # in-band counts: each source's batch size, its empty places slot -1
         valid = torch.cat([slot[:n * B].view(n, B) for n, slot in slots])
         handle.recv_counts = counts + [0] * (self.world_size - len(counts))
         self.stats.phase(handle.layer, "dispatch").add(0, 0, self.stats.now() - pending.t0)
@@ -155,14 +144,14 @@ class ShmDispatcher(Dispatcher):
         H, S = self.hidden_size, self.num_sources
         if not self.is_source:
             rows = expert_out.to(self.dtype).contiguous()
-            self._send(handle.round, rows.view(torch.uint8), handle.recv_counts[:S])   # to sources 0..S-1
+            self._send(handle.round, rows.view(torch.uint8).split(handle.recv_counts[:S]))   # to sources 0..S-1
             self.stats.phase(handle.layer, "combine").add(rows.numel() * rows.element_size(), S,
                                                           self.stats.now() - t0)
             return torch.zeros(handle.num_tokens, H, dtype=self.dtype, device=self.device)
         slots = self.inbox.wait(handle.round, self.timeout_s, f"rank {self.rank} combine (layer {handle.layer})",
                                 self.peer_pids, self.peer_names)
         back = [slot[:n * H * self.dtype.itemsize].view(self.dtype).view(n, H) for n, slot in slots]
-        if handle.hit is not None:      # in-band counts: each expert rank's capacity rows, by where they went
+        if handle.hit is not None:      # in-band counts: a place per token from each expert rank, by where it went
             out = gather_rows(torch.stack(back), handle.hit, handle.pos)
         elif handle.row2token is None:  # one expert rank, one row per token in order: copied out of the slot
             out = back[0].clone()

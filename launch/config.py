@@ -70,7 +70,7 @@ class ParallelConfig:
                                     "or auto (shm or cuda_ipc when they can, else collective)",
                             choices=TRANSPORTS)
     in_band_counts: str = option("auto", "the same-host transports with two or more expert ranks: each source's "
-                                         "row count travels in its message (a fixed block of capacity + 1 rows "
+                                         "row count travels in its message (a place per token of the batch, "
                                          "placed on the device), not read back to the host per layer (on), or "
                                          "exact-size messages counted on the host (off); auto: on with CUDA "
                                          "(cuda_ipc), off on CPU (shm), where the host read is free",

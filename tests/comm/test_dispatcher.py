@@ -1,8 +1,9 @@
 """The direct dispatcher on real gloo ranks: dedup per (token, destination), exact routing (payloads
 encode the sender), weighted sums done on the expert side, zero-token ranks included. The collective transport
 hands an expert rank fixed-shape rows (every source's capacity rows; places past a source's count hold zeros and
-slot -1), and so does the shm transport with in-band counts and two or more expert ranks; otherwise the shm transport
-hands over exactly the routed rows."""
+slot -1); the shm transport with in-band counts and two or more expert ranks hands it one place per token of each
+source (not the capacity), the places no token takes there empty; otherwise the shm transport hands over exactly the
+routed rows."""
 from __future__ import annotations
 
 import pytest
@@ -56,7 +57,8 @@ def _rank_fn(rank, world, A, tokens_per_rank, seed, transport="collective"):
 @pytest.mark.parametrize("transport", ["collective", "shm", "shm_in_band"])
 @pytest.mark.parametrize("A,E,tokens", [(2, 2, [5, 7]), (1, 3, [9]), (2, 3, [0, 6]), (3, 1, [4, 0, 2])])
 def test_direct_dispatch_combine(A, E, tokens, transport):
-    blocks = transport == "collective" or transport == "shm_in_band" and E > 1   # fixed-shape blocks, counts in-band
+    # places: an expert rank gets every source's capacity rows (collective) or a place per token (in-band shm)
+    places = {"collective": [max(tokens)] * A, "shm_in_band": tokens if E > 1 else None}.get(transport)
     res = run_ranks(_rank_fn, A + E, A, tokens, 1, transport)
     for r in range(A):
         hidden, dst, slots, weights = res[r]["inputs"]
@@ -64,12 +66,11 @@ def test_direct_dispatch_combine(A, E, tokens, transport):
         expected = hidden * (weights * scale).sum(1, keepdim=True)
         torch.testing.assert_close(res[r]["out"], expected, atol=1e-5, rtol=1e-5)
         assert res[r]["rows"].hidden.shape[0] == 0
-    capacity = max(tokens)
     for e in range(A, A + E):
         rows = res[e]["rows"]
         valid = (rows.slots >= 0).any(1)
-        if blocks:
-            assert rows.hidden.shape[0] == A * capacity
+        if places is not None:
+            assert rows.hidden.shape[0] == sum(places)
             assert not rows.hidden[~valid].any() and not rows.weights[~valid].any()
         rows.hidden, rows.slots = rows.hidden[valid], rows.slots[valid]
         want = 0
@@ -84,12 +85,13 @@ def test_direct_dispatch_combine(A, E, tokens, transport):
         assert rows.hidden.shape[0] == want
         assert ((rows.slots >= 0).sum(1) >= 1).all()
     # collective: each source sends every expert rank one block of capacity + 1 rows, whatever it routes
-    # there; shm: exactly the routed rows. Either way one message per expert rank.
+    # there; in-band shm: its tokens' places; shm: exactly the routed rows. Either way one message per expert rank.
     row_bytes = 4 * H + 8 * K
     for r in range(A):
         st = res[r]["stats"]["0"]["dispatch"]
         routed = sum(int((res[r]["inputs"][1] == e).any(1).sum()) for e in range(A, A + E))
-        want = E * (capacity + 1) * row_bytes if blocks else routed * row_bytes
+        want = routed * row_bytes if places is None else \
+            E * (places[r] + (transport == "collective")) * row_bytes
         assert (st["bytes_sent"], st["messages_sent"]) == (want, E)
     for e in range(A, A + E):
         assert res[e]["stats"]["0"]["dispatch"]["messages_sent"] == 0
