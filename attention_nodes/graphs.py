@@ -6,13 +6,14 @@ router (the dispatch's x, ids and weights), one for the shared expert (beside th
 the tail after the last combine (the logits). The exchange runs between them, as in eager mode.
 
 Graphs are captured per micro-batch slot and row bucket (`capture_sizes`), every bucket at start-up
-(`capture_all`, largest first), so no step waits for a capture. A slot's buckets share its buffers, sized for the
-largest bucket (`_Slot`): the static inputs (ids, positions, KV slots, block tables of the full `max_model_len`
-width, context lengths), the combine's output that the next graph reads, what each dispatch sends and the logits;
-the graphs copy their results into them. A step copies its rows in; the bucket's other rows are padding, which write
-one sink block past the pool's (`SINK_BLOCKS`) and attend to it alone. Each slot has its own memory pool: two
-slots' graphs interleave within a step, so neither may reuse the other's memory, while one slot's buckets never
-run in the same step and share theirs.
+(`capture_all`, largest first), so no step waits for a capture. A slot after the first is used only by a step split
+in at least as many micro-batches, which holds fewer rows (`slot_rows`), so it captures fewer buckets. A slot's
+buckets share its buffers, sized for its largest bucket (`_Slot`): the static inputs (ids, positions, KV slots,
+block tables of the full `max_model_len` width, context lengths), the combine's output that the next graph reads,
+what each dispatch sends and the logits; the graphs copy their results into them. A step copies its rows in; the
+bucket's other rows are padding, which write one sink block past the pool's (`SINK_BLOCKS`) and attend to it alone.
+Each slot has its own memory pool: two slots' graphs interleave within a step, so neither may reuse the other's
+memory, while one slot's buckets never run in the same step and share theirs.
 
 On CUDA a graph is a `torch.cuda.CUDAGraph`. On the CPU, `RecordedGraph` stands in for tests: it records the aten
 ops a capture runs and replays them on the same tensors, so it keeps what a CUDA graph keeps (every tensor's
@@ -51,6 +52,19 @@ def capture_sizes(max_rows: int) -> list[int]:
         raise ValueError(f"max_rows={max_rows}: a decode graph holds at least one row")
     every = [1, 2, 4, *range(8, MAX_CAPTURE_SIZE + 1, 8)]
     return [b for b in every if b < max_rows] + [b for b in every if b >= max_rows][:1]
+
+
+def slot_rows(max_rows: int, j: int, drafts: int = 0) -> int:
+    """The most decode rows micro-batch slot j holds when a step's decode rows are at most max_rows, each sequence
+    with up to `drafts` speculative drafts. Slot 0 holds a whole step that is not split. Slot j >= 1 runs in a step
+    split in m > j parts of equal token counts (attention_nodes/batch.py split_micro_batches; decode rows first, a
+    sequence's drafts never cut): with T tokens in all, part j starts at a >= T * j // m and ends by
+    T * (j + 1) // m + drafts, and it is all decode rows only if they reach its end (<= max_rows). More than
+    c = ceil((max_rows + j * drafts) / (j + 1)) rows would need T / m > c - drafts, so a >= (c - drafts) * j, and
+    max_rows - a > c, which together contradict c's definition."""
+    if j == 0:
+        return max_rows
+    return min(max_rows, -(-(max_rows + j * drafts) // (j + 1)))
 
 
 def bucket_for(rows: int, sizes: list[int]) -> int | None:
@@ -198,11 +212,12 @@ class _Captured:
 class DecodeGraphs:
     """Captured decode micro-batches of one attention model. emulate: RecordedGraph instead of CUDA graphs (the CPU
     tests). width: block-table columns a captured batch holds (max_model_len's blocks); sink_block: the KV block
-    padding rows use (the pool's blocks end before it)."""
+    padding rows use (the pool's blocks end before it); drafts: speculative drafts per sequence (slot_rows)."""
 
-    def __init__(self, model, kv, max_rows: int, width: int, sink_block: int, emulate: bool = False):
+    def __init__(self, model, kv, max_rows: int, width: int, sink_block: int, emulate: bool = False,
+                 drafts: int = 0):
         self.model, self.kv = model, kv
-        self.sizes = capture_sizes(max_rows)
+        self.max_rows, self.drafts = max_rows, drafts
         self.width, self.sink_block, self.emulate = width, sink_block, emulate
         self.dense_plan = model.kernel_backend != "triton"     # the torch path's gathers, built in the first graph
         self._slots: dict[int, _Slot] = {}
@@ -224,21 +239,25 @@ class DecodeGraphs:
         for a capture). A failure turns graphs off for this rank (capture_failed)."""
         try:
             for j in range(slots):
-                for rows in reversed(self.sizes):
+                for rows in reversed(self.sizes(j)):
                     if (j, rows) not in self._captured:
                         self._captured[(j, rows)] = self._capture(j, rows)
         except Exception as e:     # noqa: BLE001 (graphs off, said once: steps run eagerly)
             capture_failed(self, e)
         else:
-            log.info("decode graphs: %d slot(s) x %d buckets (up to %d rows) captured in %.1f s", slots,
-                     len(self.sizes), self.sizes[-1], self.capture_s)
+            log.info("decode graphs: %d slot(s), %d graphs (buckets up to %s rows) captured in %.1f s", slots,
+                     len(self._captured), [self.sizes(j)[-1] for j in range(slots)], self.capture_s)
 
-    def takes(self, batch: ForwardBatch) -> bool:
-        """Whether batch runs from graphs: decode rows only, each sampled once (no prompt logprobs), within the
-        largest bucket and the tables' width, and no MTP layer reading the hidden states."""
+    def sizes(self, j: int) -> list[int]:
+        """Micro-batch slot j's row buckets."""
+        return capture_sizes(slot_rows(self.max_rows, j, self.drafts))
+
+    def takes(self, j: int, batch: ForwardBatch) -> bool:
+        """Whether batch runs from graphs in slot j: decode rows only, each sampled once (no prompt logprobs), within
+        the slot's largest bucket and the tables' width, and no MTP layer reading the hidden states."""
         if not batch.graphable or self.failed is not None or self.model.keep_hidden:
             return False
-        if batch.num_tokens > self.sizes[-1] or batch.decode.block_tables.shape[1] > self.width:
+        if batch.num_tokens > self.sizes(j)[-1] or batch.decode.block_tables.shape[1] > self.width:
             self.eager += 1
             return False
         return True
@@ -246,7 +265,7 @@ class DecodeGraphs:
     def layers(self, j: int, batch: ForwardBatch):
         """Micro-batch slot j's forward of batch, as `AttentionModel._layers` yields, from graphs (captured now
         when this slot has none at batch's bucket)."""
-        rows = bucket_for(batch.num_tokens, self.sizes)
+        rows = bucket_for(batch.num_tokens, self.sizes(j))
         c = self._captured.get((j, rows))
         if c is None:
             c = self._captured[(j, rows)] = self._capture(j, rows)
@@ -256,7 +275,7 @@ class DecodeGraphs:
     def _slot(self, j: int) -> _Slot:
         s = self._slots.get(j)
         if s is None:
-            dev, bs, rows = self.model.device, self.kv.block_size, self.sizes[-1]
+            dev, bs, rows = self.model.device, self.kv.block_size, self.sizes(j)[-1]
             tables = torch.full((rows, self.width), -1, dtype=torch.int32, device=dev)
             z = torch.zeros(rows, dtype=torch.int64, device=dev)
             batch = ForwardBatch(z.clone(), z.clone(), z.clone(), rows,
@@ -299,7 +318,7 @@ class DecodeGraphs:
         with _on(self._stream):        # warm-up: Triton compiles, cuBLAS sets up, on the capture stream
             sends, logits = self._drive(self.model._layers(self._with_plan(batch), self.kv), s.out[:rows])
         if s.sends is None:
-            top = self.sizes[-1]
+            top = self.sizes(j)[-1]
             s.sends = [tuple(t.new_empty(top, *t.shape[1:]) for t in send) for send in sends]
             s.logits = logits.new_empty(top, *logits.shape[1:])
         c, gen, value = _Captured(), self.model._layers(batch, self.kv), None

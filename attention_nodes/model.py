@@ -311,7 +311,7 @@ class AttentionModel:
 
     def _graphed(self, j: int, batch: ForwardBatch, kv: KVCache):
         graphs = self.graphs
-        if graphs is not None and kv is graphs.kv and graphs.takes(batch):
+        if graphs is not None and kv is graphs.kv and graphs.takes(j, batch):
             try:
                 return graphs.layers(j, batch)
             except Exception as e:     # noqa: BLE001 (graphs off, said once: the step runs eagerly)

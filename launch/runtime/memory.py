@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from attention_nodes.batch import ForwardBatch
+from attention_nodes.graphs import capture_sizes, slot_rows
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledSeq
@@ -142,16 +143,19 @@ def attention_peak(model, spec, num_tokens: int, num_seqs: int, max_len: int, bl
     return meter.peak
 
 
-def graph_reserve(model, spec, rows: int, slots: int, block_size: int, max_len: int, dtype: torch.dtype) -> int:
+def graph_reserve(model, spec, rows: int, slots: int, block_size: int, max_len: int, dtype: torch.dtype,
+                  drafts: int = 0) -> int:
     """Bytes an attention rank's decode graphs (attention_nodes/graphs.py) keep, counted in its peak so the KV cache
-    leaves room for them: per micro-batch slot, a memory pool of about one forward's peak at `rows` one-token rows
-    (measured as attention_peak's) and its buffers, per row: each MoE layer's dispatched row with its ids and
-    weights, the combine's output, fp32 logits, and the static inputs (a block-table row of max_len's blocks)."""
-    pool = attention_peak(model, spec, rows, rows, 1, block_size, dtype)
+    leaves room for them: per micro-batch slot, at its largest bucket (graphs.slot_rows of `rows` decode rows with
+    `drafts` drafts each), a memory pool of about one forward's peak (measured as attention_peak's) and its
+    buffers, per row: each MoE layer's dispatched row with its ids and weights, the combine's output, fp32 logits,
+    and the static inputs (a block-table row of max_len's blocks)."""
     item = torch.empty(0, dtype=dtype).element_size()
     H, width = spec.hidden_size, -(-max_len // block_size)
     per_row = spec.num_moe_layers * (H * item + 16 * spec.top_k) + H * item + 4 * spec.vocab_size + 4 * width + 48
-    return slots * (pool + rows * per_row)
+    tops = [capture_sizes(slot_rows(rows, j, drafts))[-1] for j in range(slots)]
+    pools = {top: attention_peak(model, spec, top, top, 1, block_size, dtype) for top in set(tops)}
+    return sum(pools[top] + top * per_row for top in tops)
 
 
 @torch.inference_mode()

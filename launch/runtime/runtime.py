@@ -36,8 +36,8 @@ from .forming import GenerationForming
 from .liveness import MEMBER_IDS, PREFIX, break_connections, draw_member_id
 from .membership import Membership
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
-from .startup import (build_attention_worker, decode_graph_rows, draft_passes, leads_pool, load_attention_model,
-                      open_store, uses_decode_graphs)
+from .startup import (build_attention_worker, decode_graph_drafts, decode_graph_rows, draft_passes, leads_pool,
+                      load_attention_model, open_store, uses_decode_graphs)
 
 logger = logging.getLogger("afserve")
 
@@ -197,7 +197,8 @@ class Runtime(GenerationForming):
             if uses_decode_graphs(config, self.dev):
                 peak += memory.graph_reserve(model, self.ckpt.spec, decode_graph_rows(config),
                                              config.parallel.micro_batches, config.cache.block_size,
-                                             max_model_len(config, self.ckpt.spec), self.dev.dtype)
+                                             max_model_len(config, self.ckpt.spec), self.dev.dtype,
+                                             decode_graph_drafts(config))
             kv_bytes = memory.plan(self.dev.device, True, peak, group, config.cache.gpu_memory_utilization)
         self.worker = build_attention_worker(config, self.ckpt.spec, self.dev, model, rank, moe, kv_bytes)
         self.worker.report_work = config.parallel.autoscale is not None   # what the leader's autoscaler reads

@@ -65,7 +65,7 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     if graphs:
         model.graphs = DecodeGraphs(model, kv, decode_graph_rows(config),
                                     -(-max_model_len(config, spec) // cache.block_size), num_blocks,
-                                    emulate=dev.device.type == "cpu")
+                                    emulate=dev.device.type == "cpu", drafts=decode_graph_drafts(config))
         model.graphs.capture_all(par.micro_batches)
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
@@ -94,10 +94,15 @@ def uses_decode_graphs(config: EngineConfig, dev: DeviceSettings) -> bool:
 
 def decode_graph_rows(config: EngineConfig) -> int:
     """The most decode rows one micro-batch can hold: max_num_seqs sequences, each with its speculative drafts,
-    within the step's token budget (the largest bucket decode graphs capture)."""
+    within the step's token budget (the largest bucket decode graphs capture, in the first micro-batch slot)."""
+    return min(config.scheduler.max_num_seqs * (1 + decode_graph_drafts(config)),
+               config.scheduler.max_num_batched_tokens)
+
+
+def decode_graph_drafts(config: EngineConfig) -> int:
+    """Speculative drafts per sequence in a decode step (0 without speculation)."""
     s = config.scheduler
-    drafts = s.speculative.num_speculative_tokens if s.speculative else 0
-    return min(s.max_num_seqs * (1 + drafts), s.max_num_batched_tokens)
+    return s.speculative.num_speculative_tokens if s.speculative else 0
 
 
 def draft_kv(speculative: SpeculativeConfig | None, spec: ModelSpec, config: EngineConfig) -> DraftKV | None:

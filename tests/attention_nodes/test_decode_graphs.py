@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_nodes.batch import DecodeMeta, ForwardBatch
+from attention_nodes.batch import DecodeMeta, ForwardBatch, split_micro_batches
 from attention_nodes.graphs import (SINK_BLOCKS, DecodeGraphs, GraphCaptureError, RecordedGraph, bucket_for,
-                                    capture_sizes)
+                                    capture_sizes, slot_rows)
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.model import AttentionModel
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import ScheduledSeq
+from attention_nodes.sequence import Sequence
 from kernels.paged_attention import plan_decode
 from launch.runtime.memory import NoExperts
 from models.checkpoint import Checkpoint
@@ -77,7 +80,8 @@ def test_capture_sizes_and_buckets():
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_graph_replays_give_the_eager_logits(tiny_checkpoint, arch, micro_batches):
     model, eager_kv, graph_kv = models(tiny_checkpoint, arch)
-    graphs = DecodeGraphs(model, graph_kv, max_rows=8, width=WIDTH, sink_block=BLOCKS, emulate=True)
+    # max_rows 16: slot 1 (a split step's second half) holds up to 8 rows, as slot 0 does here
+    graphs = DecodeGraphs(model, graph_kv, max_rows=16, width=WIDTH, sink_block=BLOCKS, emulate=True)
     gen = torch.Generator().manual_seed(1)
     for rows in (3, 5, 2, 8, 1, 7):     # buckets 4, 8, 2, 8, 1, 8: shrinking within a bucket pads rows again
         batches = [decode_batch(gen, rows) for _ in range(micro_batches)]
@@ -114,11 +118,75 @@ def test_a_batch_beyond_the_largest_bucket_or_not_graphable_runs_eagerly(tiny_ch
     assert (stats["captured"], stats["replays"], stats["eager"], stats["failed"]) == ([], 0, 2, None)
 
 
+def random_step(gen: torch.Generator, max_rows: int, drafts: int) -> list[ScheduledSeq]:
+    """A step as the scheduler orders it (attention_nodes/batch.py order_for_batch): decode rows first (single
+    tokens, or a token and its drafts), at most max_rows of them, then prompt chunks, some ending their prompts."""
+    out, rows, target = [], 0, int(torch.randint(1, max_rows + 1, (), generator=gen))
+    while True:
+        k = int(torch.randint(0, drafts + 1, (), generator=gen)) if drafts else 0
+        if rows + 1 + k > target:
+            break
+        seq = Sequence.from_request(str(len(out)), [1] * 5, SamplingParams(), 0)
+        out.append(ScheduledSeq(seq, 1 + k, 4, drafts=[2] * k))
+        rows += 1 + k
+    for _ in range(int(torch.randint(0, 3, (), generator=gen))):
+        n = int(torch.randint(2, 3 * max_rows, (), generator=gen))
+        seq = Sequence.from_request(str(len(out)), [1] * (n + int(torch.randint(0, 2, (), generator=gen))),
+                                    SamplingParams(), 0)
+        out.append(ScheduledSeq.from_seq(seq, n))
+    return out
+
+
+def graphable(part: list[ScheduledSeq]) -> bool:
+    """As InputBatch.prepare decides: decode rows only (single tokens or draft chunks), every row sampled."""
+    return bool(part) and all((s.num_new_tokens == 1 or s.drafts) and s.needs_sample for s in part)
+
+
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_slot_rows_bounds_every_graphable_micro_batch_of_a_split_step(drafts):
+    """The oracle is the engine's own splitter: over random steps of at most max_rows decode rows (with drafts,
+    prompt chunks after them) split in 2-4 micro-batches, no graphable micro-batch in slot j holds more rows than
+    slot_rows(max_rows, j); slot 0 holds a whole unsplit step, and a step of max_rows single decode rows split in
+    j + 1 comes within drafts rows of slot j's bound (reaches it without drafts)."""
+    gen = torch.Generator().manual_seed(drafts)
+    for max_rows in (1, 5, 16, 64, 200):
+        assert slot_rows(max_rows, 0, drafts) == max_rows
+        for _ in range(800):
+            step = random_step(gen, max_rows, drafts)
+            m = int(torch.randint(2, 5, (), generator=gen))
+            for j, part in enumerate(split_micro_batches(step, m)):
+                rows = sum(s.num_new_tokens for s in part)
+                if j and graphable(part):
+                    assert rows <= slot_rows(max_rows, j, drafts), (max_rows, m, j, rows, drafts)
+    for j in (1, 2, 3):
+        step = [ScheduledSeq(Sequence.from_request(str(i), [1] * 5, SamplingParams(), 0), 1, 4) for i in range(64)]
+        rows = len(split_micro_batches(step, j + 1)[j])
+        assert rows <= slot_rows(64, j, drafts) <= rows + drafts and slot_rows(64, j, drafts) < 64
+
+
+def test_a_later_slot_captures_only_its_own_buckets(tiny_checkpoint):
+    """Slot 1 captures buckets up to slot_rows (here 7 of 12 rows: up to 8), slot 0 up to 12 (16); a slot-1 batch
+    above its largest bucket runs eagerly beside a slot-0 replay, with the eager forward's logits."""
+    model, eager_kv, graph_kv = models(tiny_checkpoint, "qwen3_moe")
+    graphs = model.graphs = DecodeGraphs(model, graph_kv, max_rows=12, width=WIDTH, sink_block=BLOCKS, emulate=True)
+    graphs.capture_all(2)
+    assert graphs.stats()["captured"] == [[0, b] for b in (1, 2, 4, 8, 16)] + [[1, b] for b in (1, 2, 4, 8)]
+    assert graphs._slots[1].batch.input_ids.shape[0] == 8
+    gen = torch.Generator().manual_seed(5)
+    batches = [decode_batch(gen, 9), decode_batch(gen, 9)]
+    model.graphs = None
+    eager = model.forward(batches, eager_kv, FakeExperts())
+    model.graphs = graphs
+    torch.testing.assert_close(model.forward(batches, graph_kv, FakeExperts()), eager, rtol=1e-5, atol=1e-5)
+    stats = graphs.stats()
+    assert (len(stats["captured"]), stats["replays"], stats["eager"]) == (9, 1, 1)
+
+
 def test_capture_all_captures_every_bucket_and_steps_capture_nothing_more(tiny_checkpoint):
     model, eager_kv, graph_kv = models(tiny_checkpoint, "deepseek_v3")
-    graphs = model.graphs = DecodeGraphs(model, graph_kv, max_rows=8, width=WIDTH, sink_block=BLOCKS, emulate=True)
+    graphs = model.graphs = DecodeGraphs(model, graph_kv, max_rows=16, width=WIDTH, sink_block=BLOCKS, emulate=True)
     graphs.capture_all(2)
-    assert graphs.stats()["captured"] == [[j, b] for j in (0, 1) for b in (1, 2, 4, 8)]
+    assert graphs.stats()["captured"] == [[0, b] for b in (1, 2, 4, 8, 16)] + [[1, b] for b in (1, 2, 4, 8)]
     assert graph_kv.tensor[:, :, :BLOCKS].equal(eager_kv.tensor[:, :, :BLOCKS])   # capturing wrote the sink only
     gen = torch.Generator().manual_seed(4)
     for rows in (8, 3, 6):
@@ -127,7 +195,7 @@ def test_capture_all_captures_every_bucket_and_steps_capture_nothing_more(tiny_c
         eager = model.forward(batches, eager_kv, FakeExperts())
         model.graphs = graphs
         torch.testing.assert_close(model.forward(batches, graph_kv, FakeExperts()), eager, rtol=1e-5, atol=1e-5)
-    assert len(graphs.stats()["captured"]) == 8 and graphs.stats()["replays"] == 6
+    assert len(graphs.stats()["captured"]) == 9 and graphs.stats()["replays"] == 6
 
 
 def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(tiny_checkpoint, monkeypatch):

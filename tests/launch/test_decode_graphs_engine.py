@@ -31,15 +31,17 @@ def run(path: str, prompts: list[list[int]], **options) -> tuple[list[list[int]]
 @pytest.mark.parametrize("arch", [a if a in ("qwen3_moe", "deepseek_v3", "gpt_oss") else wider(a) for a in ARCHS])
 def test_graphs_give_transformers_tokens(tiny_checkpoint, emulated, arch):
     """Five prompts of mixed lengths (decode rows shrink as the shorter finish... they all run MAX_NEW; the micro-
-    batches split 3 and 2, then every row decodes): with 2 micro-batches each replays its own slot's graphs."""
+    batches split 3 and 2, then every row decodes): with 2 micro-batches each replays its own slot's graphs, and
+    with max_num_seqs 5 the second slot's buckets (up to slot_rows' 3 rows: 4) hold every second micro-batch."""
     path = tiny_checkpoint(arch)
     prompts = make_prompts(5, 256, 2, 14, seed=11)
-    tokens, comm = run(path, prompts, attention_ranks=1, expert_ranks=1, micro_batch_min_tokens=1)
+    tokens, comm = run(path, prompts, attention_ranks=1, expert_ranks=1, micro_batch_min_tokens=1, max_num_seqs=5)
     assert tokens == hf_greedy(path, prompts, MAX_NEW)
     (stats,) = graph_stats(comm, 1)
     assert stats["failed"] is None
     assert stats["replays"] >= 2 * (MAX_NEW - 1), stats     # every decode step, both micro-batches
-    assert {slot for slot, _ in stats["captured"]} == {0, 1}
+    assert sorted(stats["captured"]) == [[0, 1], [0, 2], [0, 4], [0, 8], [1, 1], [1, 2], [1, 4]]
+    assert stats["eager"] == 0, stats
 
 
 @pytest.mark.parametrize("A,E,comm,balancer", [(1, 3, "direct", "static"), (2, 2, "two_phase", "least_loaded"),

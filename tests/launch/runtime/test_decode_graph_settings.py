@@ -50,23 +50,26 @@ def test_decode_graph_rows_is_a_micro_batchs_most_decode_rows(tmp_path, seqs, to
     assert decode_graph_rows(config) == rows
 
 
-def test_graph_reserve_covers_what_the_captured_graphs_hold(tiny_checkpoint):
+@pytest.mark.parametrize("rows,drafts", [(8, 0), (20, 0), (20, 2)])
+def test_graph_reserve_covers_what_the_captured_graphs_hold(tiny_checkpoint, rows, drafts):
     """The oracle is the buffers a capture really allocates (every tensor a slot keeps: static inputs, combine output,
     dispatched rows, logits), here with the CPU stand-in, whose pools the CPU cannot measure (torch keeps no CPU
     allocator peak, so the reserve's pool part reads 0): the reserve covers them for one and two slots, without
-    overcounting by more than half."""
+    overcounting by more than half, and counts the second slot's smaller buffers where it has fewer rows."""
     ckpt = Checkpoint(tiny_checkpoint("deepseek_v3"))
     spec = ckpt.spec
     model = AttentionModel(spec, ckpt.read(ckpt.attention_tensor_names(), torch.float32, CPU), CPU, "torch")
-    bs, max_len, rows = 4, 64, 8
+    bs, max_len = 4, 64
     kv = KVCache(spec.num_layers, 32 + SINK_BLOCKS, bs, spec.kv_entry, torch.float32, CPU)
-    graphs = DecodeGraphs(model, kv, rows, -(-max_len // bs), 32, emulate=True)
+    graphs = DecodeGraphs(model, kv, rows, -(-max_len // bs), 32, emulate=True, drafts=drafts)
     graphs.capture_all(2)
     assert graphs.stats()["failed"] is None
     for slots in (1, 2):
         held = sum(slot_bytes(graphs._slots[j]) for j in range(slots))
-        reserve = graph_reserve(model, spec, rows, slots, bs, max_len, torch.float32)
+        reserve = graph_reserve(model, spec, rows, slots, bs, max_len, torch.float32, drafts)
         assert held <= reserve <= 1.5 * held, (held, reserve)
+    one, two = (graph_reserve(model, spec, rows, n, bs, max_len, torch.float32, drafts) for n in (1, 2))
+    assert two < 2 * one, (one, two)
 
 
 def slot_bytes(slot) -> int:
