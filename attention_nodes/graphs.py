@@ -61,7 +61,9 @@ def slot_rows(max_rows: int, j: int, drafts: int = 0) -> int:
     sequence's drafts never cut): with T tokens in all, part j starts at a >= T * j // m and ends by
     T * (j + 1) // m + drafts, and it is all decode rows only if they reach its end (<= max_rows). More than
     c = ceil((max_rows + j * drafts) / (j + 1)) rows would need T / m > c - drafts, so a >= (c - drafts) * j, and
-    max_rows - a > c, which together contradict c's definition."""
+    max_rows - a > c, which together contradict c's definition. (A prompt chunk's last token, cut off alone into
+    part j, samples like a decode row past the decode rows; the prompt's other pieces sort after it, so such a
+    graphable part holds that one row, within c >= 1.)"""
     if j == 0:
         return max_rows
     return min(max_rows, -(-(max_rows + j * drafts) // (j + 1)))
@@ -218,6 +220,7 @@ class DecodeGraphs:
                  drafts: int = 0):
         self.model, self.kv = model, kv
         self.max_rows, self.drafts = max_rows, drafts
+        self._sizes: dict[int, list[int]] = {}
         self.width, self.sink_block, self.emulate = width, sink_block, emulate
         self.dense_plan = model.kernel_backend != "triton"     # the torch path's gathers, built in the first graph
         self._slots: dict[int, _Slot] = {}
@@ -250,7 +253,10 @@ class DecodeGraphs:
 
     def sizes(self, j: int) -> list[int]:
         """Micro-batch slot j's row buckets."""
-        return capture_sizes(slot_rows(self.max_rows, j, self.drafts))
+        got = self._sizes.get(j)
+        if got is None:
+            got = self._sizes[j] = capture_sizes(slot_rows(self.max_rows, j, self.drafts))
+        return got
 
     def takes(self, j: int, batch: ForwardBatch) -> bool:
         """Whether batch runs from graphs in slot j: decode rows only, each sampled once (no prompt logprobs), within

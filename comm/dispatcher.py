@@ -30,9 +30,9 @@ class ReceivedRows:
 @dataclass(slots=True)
 class DispatchHandle:
     """What combine needs to route results back: row2token `[N_sent]` int64 source token of each sent
-    row; send_counts / recv_counts `[W]` python lists: valid rows sent to / received from each rank (the
-    block sizes with the shm transport's in-band counts, whose hit/pos `[T, E]` say where each token went, as
-    comm/blocks.py place_rows gives them)."""
+    row; send_counts / recv_counts `[W]` python lists: valid rows sent to / received from each rank (with the
+    shm transport's in-band counts each source's batch size, empty places included, and hit/pos `[T, E]` say
+    where each token went, as comm/blocks.py place_rows gives them)."""
 
     layer: int
     num_tokens: int

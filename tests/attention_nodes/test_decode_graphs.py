@@ -165,7 +165,7 @@ def test_slot_rows_bounds_every_graphable_micro_batch_of_a_split_step(drafts):
 
 
 def test_a_later_slot_captures_only_its_own_buckets(tiny_checkpoint):
-    """Slot 1 captures buckets up to slot_rows (here 7 of 12 rows: up to 8), slot 0 up to 12 (16); a slot-1 batch
+    """Slot 1 captures buckets up to slot_rows (here 6 of 12 rows: up to 8), slot 0 up to 12 (16); a slot-1 batch
     above its largest bucket runs eagerly beside a slot-0 replay, with the eager forward's logits."""
     model, eager_kv, graph_kv = models(tiny_checkpoint, "qwen3_moe")
     graphs = model.graphs = DecodeGraphs(model, graph_kv, max_rows=12, width=WIDTH, sink_block=BLOCKS, emulate=True)
