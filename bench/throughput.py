@@ -111,6 +111,8 @@ def main() -> None:
                     help="CUDA: share of the GPU the engine's ranks may use (HF's model counts in what they find used)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="CUDA: no decode graphs (the engine's enforce_eager option)")
+    ap.add_argument("--cuda-ipc-events", action="store_true",
+                    help="cuda_ipc: signal messages with CUDA IPC events (the engine's cuda_ipc_events option)")
     ap.add_argument("--smoke", action="store_true", help="16 requests of at most 32 output tokens, one run: " +
                     "a quick run that checks the bench works (tests run it; its figures mean little)")
     args = ap.parse_args()
@@ -134,7 +136,8 @@ def main() -> None:
     with LLM(args.model, attention_ranks=A, expert_ranks=E, max_num_seqs=64 // A, max_num_batched_tokens=512,
              threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches, device=args.device,
              dtype=dtype, kv_cache_memory=args.kv_cache_memory,
-             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager) as llm:
+             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+             cuda_ipc_events=args.cuda_ipc_events) as llm:
         run_ours(llm, prompts[:16], olens[:16])        # warm-up
         run_hf(hf, prompts[:16], [8] * 16, batch=16)    # warm-up
         ours, base = [], []

@@ -78,63 +78,105 @@ def host_identity() -> str:
     return f"{os.uname().nodename}/{boot}"
 
 
+def _place(sender: int, rnd: int, depth: int) -> int:
+    """Which of an inbox's slots (sender, round) uses: slots are laid out [sender][round % depth]."""
+    return sender * depth + rnd % depth
+
+
 def _slot(buf: torch.Tensor, sender: int, rnd: int, depth: int, slot_bytes: int) -> torch.Tensor:
     """The slot of (sender, round) in an inbox's payloads laid out as [sender][round % depth][slot_bytes]."""
-    start = (sender * depth + rnd % depth) * slot_bytes
+    start = _place(sender, rnd, depth) * slot_bytes
     return buf[start:start + slot_bytes]
 
 
 def _flag(sender: int, rnd: int, depth: int) -> int:
     """Index of the round word of (sender, round) in an inbox's int64 flags [sender][round % depth][round,
     count]; its count follows it."""
-    return (sender * depth + rnd % depth) * 2
+    return _place(sender, rnd, depth) * 2
 
 
 class HostShmBuffers:
     """Slot payloads in host shared memory: a file (in the job's shared directory) that every peer maps. The
-    flags' fence orders a sender's payload stores before its round word, so publish has nothing to do."""
+    flags' fence orders a sender's payload stores before its round word, so publish and the slots' signals have
+    nothing to do.
+
+    The allocator interface (CudaIpcBuffers implements it too): `allocate` an inbox's payloads and one signal per
+    (sender, slot); `open` a peer inbox's; `publish` after a sender's copies, before its round words; `signal`
+    a slot's signal once its payload is written, before its round word; `await_signal` on the receiver, after
+    the round word, before it reads the slot."""
 
     device = torch.device("cpu")
 
-    def allocate(self, path: str, nbytes: int) -> tuple[torch.Tensor, object]:
-        """-> (this process's view of a new zeroed buffer, what a peer needs to open it: nothing, the path)."""
-        return _map(path, nbytes, create=True), None
+    def allocate(self, path: str, nbytes: int, num_signals: int) -> tuple[torch.Tensor, list, object]:
+        """-> (this process's view of a new zeroed buffer, its slots' signals (none here), what a peer needs to
+        open it: nothing, the path)."""
+        return _map(path, nbytes, create=True), [None] * num_signals, None
 
-    def open(self, path: str, export: object) -> torch.Tensor:
-        return _map(path, 0, create=False)
+    def open(self, path: str, export: object) -> tuple[torch.Tensor, list | None]:
+        """A peer inbox's payloads and its slots' signals (None: none)."""
+        return _map(path, 0, create=False), None
 
     def publish(self) -> None:
+        pass
+
+    def signal(self, sig) -> None:
+        pass
+
+    def await_signal(self, sig) -> None:
         pass
 
 
 class CudaIpcBuffers:
     """Slot payloads in device memory, shared with the peers of one host through CUDA IPC handles (torch's
     own tensor sharing, as torch.multiprocessing pickles a CUDA tensor). A sender's copies into a peer's slot
-    are enqueued on its stream, so publish waits for them before the round word goes out; a peer that sees
-    the round then reads finished data. The same waits keep a receiver's reads of a slot ahead of the next
-    write to it: a slot is re-used `depth` rounds later, only after the receiver has answered (and so
-    published, and so waited for its own reads)."""
+    are enqueued on its stream, and a peer that sees the round word must read them finished. Two ways:
+    - events=False: publish synchronizes the stream before the round words go out (the host waits for the
+      device once per dispatch or combine);
+    - events=True: each (sender, slot) has an interprocess CUDA event (`torch.cuda.Event(interprocess=True)`,
+      made by the receiver, opened by the sender from its IPC handle); the sender records it on its stream after
+      its copies, before the round word, and the receiver's stream waits for it before reading the slot, so
+      neither host waits for a device.
+    Either way a receiver's reads of a slot stay ahead of the next write to it: a slot is re-used `depth` rounds
+    later, only after the receiver has answered, and the answer is ordered after its reads (synchronized, or
+    recorded on the same stream after them and waited for by the sender's stream before its next writes)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, events: bool = False):
+        self.device, self.events = device, events
 
-    def allocate(self, path: str, nbytes: int) -> tuple[torch.Tensor, object]:
+    def allocate(self, path: str, nbytes: int, num_signals: int) -> tuple[torch.Tensor, list, object]:
         from torch.multiprocessing.reductions import reduce_tensor
 
         buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8, device=self.device)
-        return buf, reduce_tensor(buf)
+        signals = [torch.cuda.Event(interprocess=True) if self.events else None for _ in range(num_signals)]
+        with torch.cuda.device(self.device):
+            handles = [e.ipc_handle() for e in signals] if self.events else None
+        return buf, signals, (reduce_tensor(buf), handles)
 
-    def open(self, path: str, export: object) -> torch.Tensor:
-        rebuild, args = export
-        return rebuild(*args)
+    def open(self, path: str, export: object) -> tuple[torch.Tensor, list | None]:
+        (rebuild, args), handles = export
+        if (handles is not None) != self.events:
+            raise RuntimeError(f"cuda_ipc_events differs between ranks (this rank: {self.events}): every rank of "
+                               "the job must be launched with the same setting")
+        signals = None if handles is None else [torch.cuda.Event.from_ipc_handle(self.device, h) for h in handles]
+        return rebuild(*args), signals
 
     def publish(self) -> None:
-        torch.cuda.current_stream(self.device).synchronize()
+        if not self.events:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def signal(self, sig) -> None:
+        if sig is not None:
+            sig.record(torch.cuda.current_stream(self.device))
+
+    def await_signal(self, sig) -> None:
+        if sig is not None:
+            torch.cuda.current_stream(self.device).wait_event(sig)
 
 
-def slot_buffers(device: torch.device) -> HostShmBuffers | CudaIpcBuffers:
-    """The allocator of a rank's inbox payloads on `device`: host shared memory on CPU, CUDA IPC on a GPU."""
-    return CudaIpcBuffers(device) if device.type == "cuda" else HostShmBuffers()
+def slot_buffers(device: torch.device, events: bool = False) -> HostShmBuffers | CudaIpcBuffers:
+    """The allocator of a rank's inbox payloads on `device`: host shared memory on CPU, CUDA IPC on a GPU (events:
+    slots signalled through CUDA IPC events, not a stream synchronize; CudaIpcBuffers)."""
+    return CudaIpcBuffers(device, events) if device.type == "cuda" else HostShmBuffers()
 
 
 def _map(path: str, size: int, create: bool) -> torch.Tensor:
@@ -168,12 +210,12 @@ class Inbox:
     def __init__(self, directory: str, rank: int, num_senders: int, depth: int, slot_bytes: int,
                  buffers: HostShmBuffers | CudaIpcBuffers | None = None):
         self.num_senders, self.depth, self.slot_bytes = num_senders, depth, slot_bytes
-        buffers = buffers or HostShmBuffers()
+        self.buffers = buffers = buffers or HostShmBuffers()
         self.path = os.path.join(directory, f"rank{rank}.buf")
         self.fifo_path = os.path.join(directory, f"rank{rank}.fifo")
         self.flags = _map_words(self.path, num_senders * depth * HEADER + TAIL_WORDS * 8, create=True)
-        self.data, self.export = buffers.allocate(os.path.join(directory, f"rank{rank}.data"),
-                                                  num_senders * depth * slot_bytes)
+        self.data, self.signals, self.export = buffers.allocate(os.path.join(directory, f"rank{rank}.data"),
+                                                                num_senders * depth * slot_bytes, num_senders * depth)
         for i in range(0, num_senders * depth * 2, 2):
             self.flags[i] = -1
         self.fence = _StoreFence()
@@ -204,6 +246,8 @@ class Inbox:
         liveness is checked only after LIVENESS_S without any wake-up, never on the fast path."""
         if self._poll(rnd, what):
             self._sleep(rnd, timeout_s, what, sender_pids, sender_names)
+        for s in range(self.num_senders):       # (cuda_ipc events: this stream waits for each sender's copies)
+            self.buffers.await_signal(self.signals[_place(s, rnd, self.depth)])
         return [(self._flag(s, rnd, 1), self.slot(s, rnd)) for s in range(self.num_senders)]
 
     def _poll(self, rnd: int, what: str) -> list[int]:
@@ -255,7 +299,8 @@ class Outlet:
         self.sender_index, self.depth, self.slot_bytes = sender_index, depth, slot_bytes
         self.buffers = buffers or HostShmBuffers()
         self.flags = _map_words(os.path.join(directory, f"rank{peer}.buf"), 0, create=False)
-        self.data = self.buffers.open(os.path.join(directory, f"rank{peer}.data"), export)
+        self.data, signals = self.buffers.open(os.path.join(directory, f"rank{peer}.data"), export)
+        self.signals = [None] * depth if signals is None else signals[sender_index * depth:(sender_index + 1) * depth]
         self.fifo = os.open(os.path.join(directory, f"rank{peer}.fifo"), os.O_WRONLY | os.O_NONBLOCK)
         self.fence = fence
 
@@ -277,7 +322,9 @@ class Outlet:
         return _slot(self.data, self.sender_index, rnd, self.depth, self.slot_bytes)
 
     def post(self, rnd: int, count: int) -> None:
-        """Publish round rnd's count and round word (the payload written and published) and wake the peer."""
+        """Signal the slot, publish round rnd's count and round word (the payload written and published) and wake
+        the peer."""
+        self.buffers.signal(self.signals[_place(0, rnd, self.depth)])
         flag = _flag(self.sender_index, rnd, self.depth)
         self.flags[flag + 1] = count
         self.fence()

@@ -30,17 +30,18 @@ class ShmDispatcher(Dispatcher):
     (gloo) is used once, to set up. max_tokens bounds any source's tokens per call (the token budget).
     in_band: with two or more expert ranks, counts travel in-band (the module's docstring); None: on CUDA.
     Every rank must agree: the ranks' choices are gathered at set-up and in-band counts are used only if all
-    chose them."""
+    chose them. ipc_events: on CUDA, slots signalled through CUDA IPC events instead of a stream synchronize per
+    dispatch or combine (comm/shm.py CudaIpcBuffers; every rank the same)."""
 
     def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
                  nodes=None, control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0,
-                 in_band: bool | None = None):
+                 in_band: bool | None = None, ipc_events: bool = False):
         super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node, nodes)
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
         self.round = 0
         self._no_rows = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.buffers = buffers = slot_buffers(self.device)
+        self.buffers = buffers = slot_buffers(self.device, ipc_events)
         # Slot sizes: expert inboxes hold dispatched rows (with in-band counts up to max_tokens places), source
         # inboxes hold combined rows.
         expert_slot = max_tokens * self._row_bytes()

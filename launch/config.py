@@ -75,6 +75,10 @@ class ParallelConfig:
                                          "exact-size messages counted on the host (off); auto: on with CUDA "
                                          "(cuda_ipc), off on CPU (shm), where the host read is free",
                                  choices=IN_BAND_COUNTS)
+    cuda_ipc_events: bool = option(False, "transport cuda_ipc: a sender marks each message's copy done with a CUDA "
+                                          "IPC event that the receiver's stream waits for, instead of synchronizing "
+                                          "its stream before posting it (no host wait per dispatch or combine; not "
+                                          "yet run on a GPU, hence off by default; the same on every rank)")
     redundant_experts: int = option(0, "extra expert slots in all, for replicas of the busiest experts")
     rebalance_interval: int = option(0, "recompute the expert placement from observed load every N steps "
                                         "(0: never)")
@@ -130,6 +134,8 @@ class ParallelConfig:
             raise ValueError(f"transport={self.transport!r} is invalid: choose one of {TRANSPORTS}")
         if self.in_band_counts not in IN_BAND_COUNTS:
             raise ValueError(f"in_band_counts={self.in_band_counts!r} is invalid: choose one of {IN_BAND_COUNTS}")
+        if not isinstance(self.cuda_ipc_events, bool):
+            raise ValueError(f"cuda_ipc_events={self.cuda_ipc_events!r} is invalid: pass True or False")
         if self.balancer not in BALANCERS:
             raise ValueError(f"balancer={self.balancer!r} is invalid: choose one of {BALANCERS}")
 

@@ -43,7 +43,8 @@ def _dispatcher(config: EngineConfig, topo: Topology, groups: ProcessGroups, dev
     if use_shm(config, topo, groups, dev.device):
         return ShmDispatcher(**kw, control=groups.control, max_tokens=config.scheduler.max_num_batched_tokens,
                              depth=par.micro_batches + 1, timeout_s=config.collective_timeout_s,
-                             in_band={"auto": None, "on": True, "off": False}[par.in_band_counts])
+                             in_band={"auto": None, "on": True, "off": False}[par.in_band_counts],
+                             ipc_events=par.cuda_ipc_events)
     if dev.gpu_sharers > 1:
         raise RuntimeError(f"{dev.gpu_sharers} ranks share {dev.device} but the cuda_ipc transport cannot carry "
                            f"this job; launch at most one rank per GPU")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 
 import pytest
@@ -80,6 +81,53 @@ def test_the_allocator_publishes_the_payload_before_the_round_word(tmp_path):
     assert type(slot_buffers(torch.device("cuda", 0))) is CudaIpcBuffers
 
 
+def test_each_slot_is_signalled_after_its_payload_and_awaited_before_it_is_read(tmp_path):
+    """The slot signals (cuda_ipc_events: a CUDA IPC event per sender and slot, made by the receiver and opened by
+    the sender) go through the same Inbox/Outlet code with an allocator whose signals are names: the inbox hands
+    them out in its export, each sender picks its own, signals its slot's once the payload is in place and before
+    the round word, and the receiver awaits every sender's signal for that round, after the round words and before
+    it reads the slots; over depth + 1 rounds a slot's signal is reused."""
+    from comm.shm import HostShmBuffers
+
+    depth, log = 2, []
+
+    class Named(HostShmBuffers):
+        def allocate(self, path, nbytes, num_signals):
+            buf, _, export = super().allocate(path, nbytes, num_signals)
+            names = [f"sig{i}" for i in range(num_signals)]
+            return buf, names, names
+
+        def open(self, path, export):
+            return super().open(path, export)[0], export
+
+        def signal(self, sig):
+            log.append(("signal", sig, inbox._flag(senders.index(sig_owner[sig]), rnd, 0), bytes(payload_of(sig))))
+
+        def await_signal(self, sig):
+            log.append(("await", sig, [inbox._flag(s, rnd, 0) for s in range(2)]))
+
+    inbox = Inbox(str(tmp_path), rank=0, num_senders=2, depth=depth, slot_bytes=8, buffers=Named())
+    senders = [Outlet(str(tmp_path), 0, _StoreFence(), s, depth, 8, Named(), inbox.export) for s in range(2)]
+    sig_owner = {sig: out for out in senders for sig in out.signals}
+    payload_of = lambda sig: inbox.slot(senders.index(sig_owner[sig]), rnd)[:2].tolist()   # noqa: E731
+    assert [out.signals for out in senders] == [["sig0", "sig1"], ["sig2", "sig3"]]
+    for rnd in (1, 2, 3):
+        waiting = []      # the receiver waits before anything is sent: its awaits must follow the round words
+        receiver = threading.Thread(target=lambda: waiting.append(inbox.wait(rnd, 5, "test")))
+        receiver.start()
+        time.sleep(0.05)
+        for s, out in enumerate(senders):
+            out.send(rnd, torch.tensor([rnd, s], dtype=torch.uint8), 2)
+        receiver.join(5)
+        (got,) = waiting
+        assert [slot[:2].tolist() for _, slot in got] == [[rnd, 0], [rnd, 1]]
+        mine = [f"sig{s * depth + rnd % depth}" for s in range(2)]
+        previous = rnd - depth if rnd > depth else -1    # the slot's round word before this round's
+        assert log == [("signal", mine[0], previous, bytes([rnd, 0])), ("signal", mine[1], previous, bytes([rnd, 1])),
+                       ("await", mine[0], [rnd, rnd]), ("await", mine[1], [rnd, rnd])], (rnd, log)
+        log.clear()
+
+
 def test_a_fan_out_waits_for_its_copies_once_before_any_round_word(tmp_path):
     """ShmDispatcher._send: every payload is written, then one publish (cuda_ipc: one stream synchronize per
     dispatch or combine, not one per peer), then the round words."""
@@ -97,7 +145,7 @@ def test_a_fan_out_waits_for_its_copies_once_before_any_round_word(tmp_path):
     inboxes = [Inbox(str(tmp_path), rank=r, num_senders=1, depth=2, slot_bytes=8) for r in range(2)]
     outlets = [Outlet(str(tmp_path), r, _StoreFence(), 0, depth=2, slot_bytes=8) for r in range(2)]
     rows = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.uint8)
-    ShmDispatcher._send(SimpleNamespace(outlets=outlets, buffers=Recording()), 1, rows, [1, 2])
+    ShmDispatcher._send(SimpleNamespace(outlets=outlets, buffers=Recording()), 1, rows.split([1, 2]))
     assert seen == [[(-1, [1, 2]), (-1, [3, 4])]]       # one wait, both payloads in place, no round yet
     assert [ib.wait(1, 5, "test")[0][0] for ib in inboxes] == [1, 2]
     assert inboxes[1].slot(0, 1)[:4].tolist() == [3, 4, 5, 6]

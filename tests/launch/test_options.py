@@ -22,7 +22,7 @@ VALUES = {
     "model": "/checkpoints/other", "attention_ranks": 3, "prefill_ranks": 1, "max_decode_passes": 3, "stream_kv": False,
     "expert_ranks": 5, "ranks_per_node": 4,
     "comm": "two_phase", "balancer": "least_loaded", "micro_batches": 3, "micro_batch_min_tokens": 4,
-    "transport": "shm", "in_band_counts": "on",
+    "transport": "shm", "in_band_counts": "on", "cuda_ipc_events": True,
     "redundant_experts": 4, "rebalance_interval": 16, "rebalance_max_slots": 2,
     "autoscale": "/tmp/profile.json", "autoscale_window": 16, "autoscale_margin": 0.3,
     "comm_calibration": "/tmp/calibration.json",
@@ -41,7 +41,8 @@ VALUES = {
 }
 BOOL_FLAGS = {"enable_prefix_caching": ["--no-prefix-caching"], "load_progress": ["--no-load-progress"],
               "sync_audit": ["--sync-audit"], "timing_sync": ["--timing-sync"],
-              "enforce_eager": ["--enforce-eager"], "stream_kv": ["--no-stream-kv"]}
+              "enforce_eager": ["--enforce-eager"], "stream_kv": ["--no-stream-kv"],
+              "cuda_ipc_events": ["--cuda-ipc-events"]}
 # valid only together (prefill_ranks needs more attention ranks than its value)
 COMPANIONS = {"role": ["pool_addr"], "pool_addr": ["role"], "prefill_ranks": ["attention_ranks"]}
 NAMES = [o.name for o in all_options()]
