@@ -173,6 +173,21 @@ class CudaIpcBuffers:
             torch.cuda.current_stream(self.device).wait_event(sig)
 
 
+def ipc_events_refusal(ranks: list[tuple[bool, int]]) -> str | None:
+    """Why the ranks' (cuda_ipc_events, GPU index) settings cannot run (None: they can): every rank must choose the
+    same, and with events all must be on one GPU (a sender records the receiver's event on its own stream, which
+    CUDA allows only on the event's device)."""
+    chosen = {e for e, _ in ranks}
+    if len(chosen) > 1:
+        on = [r for r, (e, _) in enumerate(ranks) if e]
+        return f"cuda_ipc_events is on for ranks {on} only: launch every rank with the same setting"
+    gpus = sorted({g for _, g in ranks})
+    if chosen == {True} and len(gpus) > 1:
+        return (f"cuda_ipc_events needs every rank on one GPU, but the ranks use GPUs {gpus}: turn it off "
+                "(--no-cuda-ipc-events) or place the ranks on one GPU")
+    return None
+
+
 def slot_buffers(device: torch.device, events: bool = False) -> HostShmBuffers | CudaIpcBuffers:
     """The allocator of a rank's inbox payloads on `device`: host shared memory on CPU, CUDA IPC on a GPU (events:
     slots signalled through CUDA IPC events, not a stream synchronize; CudaIpcBuffers)."""

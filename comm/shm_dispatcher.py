@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .blocks import gather_rows, place_rows
 from .dispatcher import Dispatcher, DispatchHandle, PendingDispatch, pack_rows, pack_rows_into, plan_rows, unpack_rows
-from .shm import Inbox, Outlet, _StoreFence, make_shared_dir, slot_buffers
+from .shm import Inbox, Outlet, _StoreFence, ipc_events_refusal, make_shared_dir, slot_buffers
 
 
 class ShmDispatcher(Dispatcher):
@@ -48,8 +48,12 @@ class ShmDispatcher(Dispatcher):
         source_slot = max_tokens * hidden_size * dtype.itemsize
         directory = make_shared_dir(control, self.rank)
         mine = self.device.type == "cuda" if in_band is None else in_band
-        every = [torch.zeros(2, dtype=torch.int64) for _ in range(W)]
-        dist.all_gather(every, torch.tensor([os.getpid(), int(mine)]), group=control)
+        every = [torch.zeros(4, dtype=torch.int64) for _ in range(W)]
+        gpu = self.device.index if self.device.type == "cuda" else -1
+        dist.all_gather(every, torch.tensor([os.getpid(), int(mine), int(ipc_events), gpu]), group=control)
+        refusal = ipc_events_refusal([(bool(e[2]), int(e[3])) for e in every]) if gpu >= 0 else None
+        if refusal is not None:         # (every rank reaches the same answer, and raises it)
+            raise RuntimeError(f"rank {self.rank}: {refusal}")
         self.in_band = W - S > 1 and all(int(e[1]) for e in every)
         peers = list(range(S, W)) if self.is_source else list(range(S))
         self.peer_pids = [int(every[p][0]) for p in peers]

@@ -77,8 +77,10 @@ class ParallelConfig:
                                  choices=IN_BAND_COUNTS)
     cuda_ipc_events: bool = option(False, "transport cuda_ipc: a sender marks each message's copy done with a CUDA "
                                           "IPC event that the receiver's stream waits for, instead of synchronizing "
-                                          "its stream before posting it (no host wait per dispatch or combine; not "
-                                          "yet run on a GPU, hence off by default; the same on every rank)")
+                                          "its stream before posting it (no host wait in a dispatch or combine; "
+                                          "every rank the same and on one GPU; not yet run on a GPU, and a peer "
+                                          "killed between posting and its copy could leave a survivor's stream "
+                                          "waiting for good, hence off by default)")
     redundant_experts: int = option(0, "extra expert slots in all, for replicas of the busiest experts")
     rebalance_interval: int = option(0, "recompute the expert placement from observed load every N steps "
                                         "(0: never)")

@@ -12,8 +12,8 @@
 #   6. decode graphs (not in the default stages): `graphs` runs tests/gpu/test_cuda_graphs.py, `graphs-bench` runs
 #      step 4's bench with micro_batches=1 twice, with graphs (the default) and with --enforce-eager; the two fit
 #      one call (`bash scripts/gpu_check.sh graphs graphs-bench`, at most 560 s).
-#   7. cuda_ipc_events (not in the default stages): `ipc-events` runs tests/gpu/test_cuda_ipc_events.py, the comm
-#      profile of step 3 with and without it, and step 4's bench with micro_batches=1 with it (at most 560 s).
+#   7. cuda_ipc_events (not in the default stages): `ipc-events` runs tests/gpu/test_cuda_ipc_events.py and step 4's
+#      bench with micro_batches=1 without and with it, in one call (at most 520 s).
 # Usage, from the repository root: bash scripts/gpu_check.sh [stage ...]
 #   (stages: tests kernels comm throughput memory graphs graphs-bench ipc-events; gpu: tests/gpu alone, for a run whose
 #   Triton kernels have not changed since their last GPU run)
@@ -56,16 +56,12 @@ for stage in $STAGES; do
                 $([[ $mode == eager ]] && echo --enforce-eager)
         done ;;
     ipc-events)
-        run ipc_events_tests 220 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/gpu/test_cuda_ipc_events.py
+        run ipc_events_tests 200 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/gpu/test_cuda_ipc_events.py
         for mode in sync events; do
-            run "comm_$mode" 100 $PY -m launch.comm_profile --device cuda --attention-ranks 1 --expert-ranks 3 \
-                --transport cuda_ipc --prompts 32 --prompt-len 128 --max-tokens 32 --out "/tmp/comm_$mode" \
-                $([[ $mode == events ]] && echo --cuda-ipc-events) \
-                && cp "/tmp/comm_$mode/profile.json" "$OUT/comm_profile_$mode.json"
-        done
-        run throughput_events 130 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 \
-            --micro-batches 1 --repeats 2 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 \
-            --cuda-ipc-events ;;
+            run "throughput_$mode" 160 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 \
+                --micro-batches 1 --repeats 2 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 \
+                $([[ $mode == events ]] && echo --cuda-ipc-events)
+        done ;;
     *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

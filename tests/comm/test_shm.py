@@ -128,6 +128,15 @@ def test_each_slot_is_signalled_after_its_payload_and_awaited_before_it_is_read(
         log.clear()
 
 
+def test_ipc_events_need_one_setting_and_one_gpu():
+    from comm.shm import ipc_events_refusal
+
+    assert ipc_events_refusal([(False, 0), (False, 1)]) is None      # the synchronize works across GPUs
+    assert ipc_events_refusal([(True, 0), (True, 0), (True, 0)]) is None
+    assert "ranks [1] only" in ipc_events_refusal([(False, 0), (True, 0)])
+    assert "GPUs [0, 1]" in ipc_events_refusal([(True, 0), (True, 1)])
+
+
 def test_a_fan_out_waits_for_its_copies_once_before_any_round_word(tmp_path):
     """ShmDispatcher._send: every payload is written, then one publish (cuda_ipc: one stream synchronize per
     dispatch or combine, not one per peer), then the round words."""

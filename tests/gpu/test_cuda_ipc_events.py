@@ -1,7 +1,6 @@
 """cuda_ipc with slot signals through CUDA IPC events (cuda_ipc_events=True) on a real GPU (skipped without one;
-scripts/gpu_check.sh's `ipc-events` stage runs these): greedy tokens equal transformers' (fp32) with two and three
-expert ranks, with and without decode graphs and micro-batches, a decode step still reads back only the sampled
-ids, and an expert rank SIGKILLed mid-stream is survived as with the stream synchronize."""
+scripts/gpu_check.sh's `ipc-events` stage runs these): greedy tokens equal transformers' (fp32) with one, two and
+three expert ranks, with and without decode graphs and micro-batches, and an expert rank SIGKILLed mid-stream."""
 from __future__ import annotations
 
 import pytest
@@ -30,26 +29,17 @@ def test_greedy_tokens_with_ipc_events(tiny_checkpoint, arch, E, micro_batches, 
     assert [o.token_ids for o in outs] == expected
 
 
-def test_a_decode_step_with_ipc_events_reads_back_only_the_sampled_ids(tiny_checkpoint):
-    path = tiny_checkpoint("qwen3_moe")
-    prompts = make_prompts(4, 256, 3, 20, seed=42)
-    with LLM(path, attention_ranks=1, expert_ranks=2, sync_audit=True, enforce_eager=True, **GPU) as llm:
-        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-        ranks = llm.comm_stats()["ranks"]
-    assert ranks["0"]["host_syncs"]["decode_steps"] >= 1
-    assert ranks["0"]["host_syncs"]["max_per_decode_step"] == 1, ranks["0"]["host_syncs"]
-    for r in (1, 2):
-        assert ranks[str(r)]["host_syncs"]["max_per_decode_step"] == 0, ranks[str(r)]["host_syncs"]
-
-
+@pytest.mark.timeout(150)
 def test_expert_rank_killed_mid_generation_with_ipc_events(tiny_checkpoint):
+    """Survived here says little: the kill lands at a random point, rarely between a round word and the copy it
+    posts (README: what is unproven)."""
     path = tiny_checkpoint("qwen3_moe")
     prompts = make_prompts(6, 256, 5, 30, seed=3)
     expected = hf_greedy(path, prompts, 24)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     with LLM(path, attention_ranks=1, expert_ranks=3, **GPU) as llm:
         pids = llm.worker_pids
-        assert _stream(llm, prompts, params, pids[2], after_tokens=12) == expected
+        assert _stream(llm, prompts, params, pids[2], after_tokens=12, deadline_s=90) == expected
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected     # the re-formed job again
         change, = llm.stats()["membership_changes"]
     assert not alive(pids[2])
