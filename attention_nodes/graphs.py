@@ -69,6 +69,11 @@ def slot_rows(max_rows: int, j: int, drafts: int = 0) -> int:
     return min(max_rows, -(-(max_rows + j * drafts) // (j + 1)))
 
 
+def slot_sizes(max_rows: int, j: int, drafts: int = 0) -> list[int]:
+    """Micro-batch slot j's row buckets (slot_rows' bound, in capture_sizes' buckets)."""
+    return capture_sizes(slot_rows(max_rows, j, drafts))
+
+
 def bucket_for(rows: int, sizes: list[int]) -> int | None:
     """The smallest bucket holding `rows` rows, None above the largest."""
     return next((b for b in sizes if b >= rows), None)
@@ -255,7 +260,7 @@ class DecodeGraphs:
         """Micro-batch slot j's row buckets."""
         got = self._sizes.get(j)
         if got is None:
-            got = self._sizes[j] = capture_sizes(slot_rows(self.max_rows, j, self.drafts))
+            got = self._sizes[j] = slot_sizes(self.max_rows, j, self.drafts)
         return got
 
     def takes(self, j: int, batch: ForwardBatch) -> bool:

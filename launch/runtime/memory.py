@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from attention_nodes.batch import ForwardBatch
-from attention_nodes.graphs import capture_sizes, slot_rows
+from attention_nodes.graphs import slot_sizes
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import ScheduledSeq
@@ -153,7 +153,7 @@ def graph_reserve(model, spec, rows: int, slots: int, block_size: int, max_len: 
     item = torch.empty(0, dtype=dtype).element_size()
     H, width = spec.hidden_size, -(-max_len // block_size)
     per_row = spec.num_moe_layers * (H * item + 16 * spec.top_k) + H * item + 4 * spec.vocab_size + 4 * width + 48
-    tops = [capture_sizes(slot_rows(rows, j, drafts))[-1] for j in range(slots)]
+    tops = [slot_sizes(rows, j, drafts)[-1] for j in range(slots)]
     pools = {top: attention_peak(model, spec, top, top, 1, block_size, dtype) for top in set(tops)}
     return sum(pools[top] + top * per_row for top in tops)
 

@@ -54,6 +54,14 @@ def decode_batch(gen: torch.Generator, rows: int) -> ForwardBatch:
                         torch.arange(rows), graphable=True)
 
 
+def eager_and_graphed(model, graphs, batches, eager_kv, graph_kv) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of the same micro-batches run eagerly (on eager_kv) and then with graphs (on graph_kv)."""
+    model.graphs = None
+    eager = model.forward(batches, eager_kv, FakeExperts())
+    model.graphs = graphs
+    return eager, model.forward(batches, graph_kv, FakeExperts())
+
+
 def models(tiny_checkpoint, arch: str) -> tuple[AttentionModel, KVCache, KVCache]:
     ckpt = Checkpoint(tiny_checkpoint(arch))
     spec, cpu = ckpt.spec, torch.device("cpu")
@@ -174,10 +182,8 @@ def test_a_later_slot_captures_only_its_own_buckets(tiny_checkpoint):
     assert graphs._slots[1].batch.input_ids.shape[0] == 8
     gen = torch.Generator().manual_seed(5)
     batches = [decode_batch(gen, 9), decode_batch(gen, 9)]
-    model.graphs = None
-    eager = model.forward(batches, eager_kv, FakeExperts())
-    model.graphs = graphs
-    torch.testing.assert_close(model.forward(batches, graph_kv, FakeExperts()), eager, rtol=1e-5, atol=1e-5)
+    eager, replayed = eager_and_graphed(model, graphs, batches, eager_kv, graph_kv)
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
     stats = graphs.stats()
     assert (len(stats["captured"]), stats["replays"], stats["eager"]) == (9, 1, 1)
 
@@ -191,10 +197,8 @@ def test_capture_all_captures_every_bucket_and_steps_capture_nothing_more(tiny_c
     gen = torch.Generator().manual_seed(4)
     for rows in (8, 3, 6):
         batches = [decode_batch(gen, rows), decode_batch(gen, rows - 1)]
-        model.graphs = None
-        eager = model.forward(batches, eager_kv, FakeExperts())
-        model.graphs = graphs
-        torch.testing.assert_close(model.forward(batches, graph_kv, FakeExperts()), eager, rtol=1e-5, atol=1e-5)
+        eager, replayed = eager_and_graphed(model, graphs, batches, eager_kv, graph_kv)
+        torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
     assert len(graphs.stats()["captured"]) == 9 and graphs.stats()["replays"] == 6
 
 
@@ -218,10 +222,8 @@ def test_a_failed_capture_turns_graphs_off_and_the_step_runs_eagerly(tiny_checkp
     monkeypatch.setattr(graphs, "_capture", second_slot_reads)
     gen = torch.Generator().manual_seed(5)
     batches = [decode_batch(gen, 3), decode_batch(gen, 2)]
-    model.graphs = None
-    eager = model.forward(batches, eager_kv, FakeExperts())
-    model.graphs = graphs
-    torch.testing.assert_close(model.forward(batches, graph_kv, FakeExperts()), eager, rtol=1e-5, atol=1e-5)
+    eager, replayed = eager_and_graphed(model, graphs, batches, eager_kv, graph_kv)
+    torch.testing.assert_close(replayed, eager, rtol=1e-5, atol=1e-5)
     stats = graphs.stats()
     assert "aten.item" in stats["failed"] and "test_decode_graphs.py" in stats["failed"], stats["failed"]
     assert stats["captured"] == [] and stats["replays"] == 1      # what slot 0 held is let go
@@ -273,9 +275,6 @@ def test_a_value_frozen_from_one_steps_data_gives_wrong_logits(tiny_checkpoint, 
     monkeypatch.setattr(graphs, "_with_plan", host_plan)
     gen = torch.Generator().manual_seed(3)
     batch = decode_batch(gen, 4)
-    model.graphs = None
-    eager = model.forward([batch], eager_kv, FakeExperts())
-    model.graphs = graphs
-    replayed = model.forward([batch], graph_kv, FakeExperts())
+    eager, replayed = eager_and_graphed(model, graphs, [batch], eager_kv, graph_kv)
     assert graphs.stats()["replays"] == 1
     assert (replayed - eager).abs().max() > 1e-3
