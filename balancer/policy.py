@@ -86,13 +86,16 @@ class LeastLoadedPolicy(ReplicaPolicy):
     re-solve, clip and `iterations` rounds of water-filling (moving `step` of the way) where that map puts a
     negative share on a replica. Fractional amounts become integer per-replica quotas by rounding running sums.
     Each attention rank takes the slice of every expert's quotas at its offset among the attention ranks (rank
-    order), so the union over ranks meets every quota exactly. All of it runs on the device, fixed shapes."""
+    order), so the union over ranks meets every quota exactly. All of it runs on the device, fixed shapes, except
+    on the CPU (fixed_shape None: off there), where the plan computes its fallback only when it needs it (the same
+    quotas, a tenth of the time: balancer/water_fill.py)."""
 
     needs_counts = True
 
     def __init__(self, placement: Placement, device: torch.device | str = "cpu", iterations: int = 3,
-                 step: float = 0.3):
+                 step: float = 0.3, fixed_shape: bool | None = None):
         self.iterations, self.step = iterations, step
+        self.fixed_shape = torch.device(device).type != "cpu" if fixed_shape is None else fixed_shape
         super().__init__(placement, device)
 
     def set_placement(self, placement: Placement) -> None:
@@ -106,11 +109,11 @@ class LeastLoadedPolicy(ReplicaPolicy):
     def plan(self, layer: int, total: torch.Tensor) -> torch.Tensor:
         """total `[E]` int64 pairs per expert over all attention ranks -> quotas `[E, P]` int64 (row e sums to
         total[e], zero on padding), on total's device. The same input gives the same output on every rank."""
-        return water_fill.plan(self.tables[layer], total, self.iterations, self.step)
+        return water_fill.plan(self.tables[layer], total, self.iterations, self.step, self.fixed_shape)
 
     def split(self, layer: int, total: torch.Tensor) -> torch.Tensor:
         """The fractional split `[M, P]` float64 of the replicated experts (tables[layer].multi) that plan rounds."""
-        return water_fill.split(self.tables[layer], total, self.iterations, self.step)
+        return water_fill.split(self.tables[layer], total, self.iterations, self.step, self.fixed_shape)
 
     def linear_share(self, layer: int, total: torch.Tensor) -> torch.Tensor:
         """The linear map's split of total `[E]` over the replicated experts' replicas -> `[M, P]` float64."""

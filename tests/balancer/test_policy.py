@@ -1,7 +1,8 @@
 """Replica choice: every policy picks a replica of the right expert; static, round_robin and random choose as
 their host tables did; least_loaded plans what the numpy implementation planned (tests/balancer/
-least_loaded_numpy.py), meets its quotas exactly across attention ranks, computes the same plan on every rank and
-balances skewed routing; and no policy's choose() reads anything on the host."""
+least_loaded_numpy.py), the same bits on the CPU's branching path as on the fixed-shape one a GPU runs, meets its
+quotas exactly across attention ranks, computes the same plan on every rank and balances skewed routing; and no
+policy's choose() reads anything on the host (least_loaded's fixed-shape path, which the GPU runs)."""
 from __future__ import annotations
 
 import numpy as np
@@ -87,14 +88,15 @@ def random_case(seed: int) -> tuple[Placement, list[torch.Tensor]]:
     return p, totals
 
 
-def test_least_loaded_plans_what_the_numpy_implementation_planned():
+@pytest.mark.parametrize("fixed_shape", [True, False])
+def test_least_loaded_plans_what_the_numpy_implementation_planned(fixed_shape):
     """Same splits to float error over many placements and loads. The quotas are equal wherever every running
     sum of the numpy split is clear of a rounding boundary (x.5) and no linear share is within float error of
     the fallback's sign test; elsewhere the two sum in different orders and may round one pair apart."""
     compared = near = failed = 0
     for seed in range(40):
         p, totals = random_case(seed)
-        policy, ref = LeastLoadedPolicy(p), NumpyLeastLoaded(p)
+        policy, ref = LeastLoadedPolicy(p, fixed_shape=fixed_shape), NumpyLeastLoaded(p)
         for i, total in enumerate(totals):
             layer = i % 2
             quota = policy.plan(layer, total).numpy()
@@ -121,6 +123,25 @@ def test_least_loaded_plans_what_the_numpy_implementation_planned():
                 assert np.abs(quota - want).max() <= 1
                 near += 1
     assert compared >= 0.9 * (compared + near + failed) and failed >= 1, (compared, near, failed)
+
+
+def test_least_loaded_plans_the_same_bits_when_it_branches_on_the_cpu():
+    """On the CPU the plan computes its fallback only when the linear split went negative (it reads that on the
+    host); the fixed-shape plan that a GPU runs computes both and picks: the same splits and quotas, bit for bit,
+    over cases where the fallback is needed and where it is not. The policy branches on the CPU only."""
+    taken = skipped = 0
+    for seed in range(40):
+        p, totals = random_case(seed)
+        fixed, branching = LeastLoadedPolicy(p, fixed_shape=True), LeastLoadedPolicy(p, fixed_shape=False)
+        for i, total in enumerate(totals):
+            layer = i % 2
+            assert torch.equal(branching.split(layer, total), fixed.split(layer, total))
+            assert torch.equal(branching.plan(layer, total), fixed.plan(layer, total))
+            negative = fixed.tables[layer].multi.numel() and bool((fixed.linear_share(layer, total) < 0).any())
+            taken, skipped = taken + bool(negative), skipped + (not negative)
+    assert taken >= 50 and skipped >= 50, (taken, skipped)
+    assert not LeastLoadedPolicy(placement()).fixed_shape
+    assert LeastLoadedPolicy(placement(), device="meta").fixed_shape
 
 
 def test_least_loaded_assigns_as_the_numpy_implementation_did():
@@ -158,7 +179,8 @@ def test_least_loaded_quotas_are_met_exactly_across_attention_ranks():
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_choose_reads_nothing_on_the_host(name):
     p = placement()
-    policy = make_policy(name, p)
+    # least_loaded as on a GPU: on the CPU it reads its linear split's sign (CPU memory, no device to wait on)
+    policy = LeastLoadedPolicy(p, fixed_shape=True) if name == "least_loaded" else make_policy(name, p)
     parts = [skewed_ids(T, 40 + i) for i, T in enumerate([50, 70])]
     counts = counts_of(*parts)
     want = policy.choose(0, parts[1], counts, 1) if name != "random" else None
