@@ -137,8 +137,12 @@ POLICIES: dict[str, type[ReplicaPolicy]] = {"static": StaticPolicy, "round_robin
                                             "random": RandomPolicy, "least_loaded": LeastLoadedPolicy}
 
 
-def make_policy(name: str, placement: Placement, device: torch.device | str = "cpu") -> ReplicaPolicy:
-    """The policy called name, its tables on device (where the router's ids will be)."""
+def make_policy(name: str, placement: Placement, device: torch.device | str = "cpu",
+                fixed_shape: bool | None = None) -> ReplicaPolicy:
+    """The policy called name, its tables on device (where the router's ids will be). fixed_shape: least_loaded's
+    (None: as the device wants; True on the CPU: the GPU's path, for the sync audit); the others always are."""
     if name not in POLICIES:
         raise ValueError(f"balancer {name!r} is not available; choose one of {sorted(POLICIES)}")
+    if POLICIES[name] is LeastLoadedPolicy:
+        return LeastLoadedPolicy(placement, device, fixed_shape=fixed_shape)
     return POLICIES[name](placement, device)

@@ -4,14 +4,18 @@ A host sync is an op after which the host must wait for the device stream:
 - a device-to-host read: `aten._local_scalar_dense` (`.item()`, `int(t)`, `float(t)`, `bool(t)`, `if t:`),
   ops that hand back a Python value read from the data (`torch.equal`, `torch.allclose`), and `.tolist()`,
   `.numpy()` and `.cpu()`. A CPU tensor is already on the host, so those three never reach the dispatcher:
-  the audit wraps the `torch.Tensor` methods (on its own thread) while it is active. Every call counts, also
-  on a tensor that would be on the host in a CUDA run too; the site says which;
+  the audit wraps the `torch.Tensor` methods (on its own thread) while it is active. So does `bool(t)` under
+  `torch.inference_mode()` (as the engine runs): there a CPU tensor's truth value is read below the dispatcher
+  too (torch 2.13), so `__bool__` is wrapped as well, and runs with the dispatch modes off so that it counts once
+  either way. Every call counts, also on a tensor that would be on the host in a CUDA run too; the site says
+  which;
 - an op whose output shape depends on the data (the host learns the size before it can allocate):
   PyTorch tags them `torch.Tag.dynamic_output_shape` (`nonzero`, `unique`, `masked_select`, `bincount`,
   `one_hot` ...) and the fake-tensor machinery raises on them. Two tagged ops are static for some arguments
   and count only when not: `aten.index.Tensor` with a bool (mask) index, and `aten.repeat_interleave.Tensor`
   without `output_size`. `index_put_` with a bool index (`t[mask] = v`) runs `nonzero` inside, so it
-  counts too.
+  counts too. Under `torch.inference_mode()` some composite ops reach the audit whole instead of as the ops they
+  decompose into (`torch.where(mask)`, `argwhere`, `repeat_interleave` of self by a tensor): they are listed.
 
 Not seen: a blocking host-to-device copy (`torch.tensor(..., device=d)`, `.to(d)` without `non_blocking`):
 on a CPU run the rank's device is the host, so it cannot be told from a no-op. `torch.tensor([t0, t1])` of
@@ -33,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
 _HERE = os.path.abspath(__file__)
@@ -44,7 +48,13 @@ _SCALAR_READS = frozenset({_aten.equal.default, _aten.allclose.default})
 _MASK_INDEXING = frozenset({_aten.index.Tensor})
 # Untagged (the output has self's shape), but a mask index runs nonzero inside.
 _MASK_PUTS = frozenset({_aten.index_put.default, _aten.index_put_.default, _aten._index_put_impl_.default})
-HOST_METHODS = ("tolist", "numpy", "cpu")   # reads that a CPU tensor serves without the dispatcher
+# Composite ops that sync inside (nonzero, a scalar read). Outside inference mode the audit sees the ops they
+# decompose into; under torch.inference_mode(), as the engine runs, it sees them whole.
+_COMPOSITE_SYNCS = frozenset({_aten.where.default, _aten.argwhere.default, _aten.nonzero_numpy.default,
+                              _aten.is_nonzero.default})
+# Sized from the data unless output_size is given (the first also decomposes into the second).
+_REPEATS = frozenset({_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor})
+HOST_METHODS = ("tolist", "numpy", "cpu", "__bool__")   # reads that a CPU tensor may serve below the dispatcher
 
 
 def host_read(t: torch.Tensor) -> list:
@@ -67,11 +77,11 @@ def _has_mask(indices) -> bool:
 
 def is_sync(func, args: tuple, kwargs: dict) -> bool:
     """Whether this aten op (with these arguments) makes a CUDA host wait for its stream."""
-    if torch.Tag.data_dependent_output in func.tags or func in _SCALAR_READS:
+    if torch.Tag.data_dependent_output in func.tags or func in _SCALAR_READS or func in _COMPOSITE_SYNCS:
         return True
     if func in _MASK_INDEXING or func in _MASK_PUTS:
         return _has_mask(args[1] if len(args) > 1 else kwargs["indices"])
-    if func is _aten.repeat_interleave.Tensor:
+    if func in _REPEATS:
         return kwargs.get("output_size") is None
     return torch.Tag.dynamic_output_shape in func.tags
 
@@ -99,9 +109,11 @@ def hooked_host_reads(hook: Callable[[str, str], None], root: str = ROOT, mark: 
 
     def wrap(name: str, method):
         def hooked(t, *args, **kwargs):
-            if threading.get_ident() == thread:
-                hook(name, caller_site(root))
-            return method(t, *args, **kwargs)
+            if threading.get_ident() != thread:
+                return method(t, *args, **kwargs)
+            hook(name, caller_site(root))
+            with _disable_current_modes():      # outside inference mode bool(t) dispatches: count it here only
+                return method(t, *args, **kwargs)
         hooked.__sync_audit__ = mark
         return hooked
     for name in HOST_METHODS:

@@ -232,8 +232,10 @@ class Runtime(GenerationForming):
 
     def _moe_context(self) -> MoEContext:
         spec, placement = self.ckpt.spec, self.experts.placement
-        return MoEContext(self.dispatcher, make_policy(self.config.parallel.balancer, placement, self.dev.device),
-                          self.topo.num_attention_ranks, placement.num_slots, spec.num_experts,
+        # the sync audit counts what a GPU run would read, so least_loaded plans as on a GPU (no CPU branch)
+        policy = make_policy(self.config.parallel.balancer, placement, self.dev.device,
+                             fixed_shape=True if self.sync_tally is not None else None)
+        return MoEContext(self.dispatcher, policy, self.topo.num_attention_ranks, placement.num_slots, spec.num_experts,
                           self.groups.attention_data, self.topo.rank)
 
     def interrupt_generation(self, store_port: int) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 
@@ -30,6 +31,9 @@ SYNCS = {
     "equal": lambda x, m: torch.equal(x, x),
     "nonzero": lambda x, m: m.nonzero(),
     "where": lambda x, m: torch.where(m),
+    "argwhere": lambda x, m: torch.argwhere(m),
+    "nonzero_tuple": lambda x, m: m.nonzero(as_tuple=True),
+    "if": lambda x, m: 1 if x.sum() else 0,
     "unique": lambda x, m: torch.unique(x),
     "unique_consecutive": lambda x, m: torch.unique_consecutive(x),
     "unique_dim": lambda x, m: torch.unique(x.view(2, 3), dim=0),
@@ -57,11 +61,14 @@ PLAIN = {
 }
 
 
+@pytest.mark.parametrize("inference", [False, True])
 @pytest.mark.parametrize("name", list(SYNCS))
-def test_each_sync_counts_once_at_its_line(name):
+def test_each_sync_counts_once_at_its_line(name, inference):
+    """Also under torch.inference_mode(), as the engine runs its steps: there bool(t) of a CPU tensor is read below
+    the dispatcher (torch 2.13), and only the audit's wrapper of Tensor.__bool__ sees it."""
     fn = SYNCS[name]
     x, m = make_inputs()
-    with SyncAudit() as audit:
+    with torch.inference_mode() if inference else contextlib.nullcontext(), SyncAudit() as audit:
         fn(x, m)
     assert dict(audit.sites) == {f"{HERE}:{fn.__code__.co_firstlineno}": 1}
 
@@ -85,16 +92,16 @@ def test_cpu_numpy_is_the_tensors_memory_and_refuses_other_devices():
 
 def test_methods_are_restored_and_other_threads_not_counted():
     x, _ = make_inputs()
-    originals = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy", "cpu")}
+    originals = {n: getattr(torch.Tensor, n) for n in ("tolist", "numpy", "cpu", "__bool__")}
     with SyncAudit() as audit:
-        worker = threading.Thread(target=lambda: (x.tolist(), x.cpu(), x.numpy()))
+        worker = threading.Thread(target=lambda: (x.tolist(), x.cpu(), x.numpy(), bool(x[0])))
         worker.start()
         worker.join()
         with pytest.raises(RuntimeError, match="do not nest"), SyncAudit():
             pass
     assert audit.num_syncs == 0
     assert {n: getattr(torch.Tensor, n) for n in originals} == originals
-    assert "tolist" not in torch.Tensor.__dict__
+    assert "tolist" not in torch.Tensor.__dict__ and "__bool__" not in torch.Tensor.__dict__
     with SyncAudit() as audit:   # a second audit in the same process works the same
         x.tolist()
     assert audit.num_syncs == 1
