@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from balancer.policy import ReplicaPolicy
-from comm import p2p
 from comm.dispatcher import Dispatcher, PendingDispatch
 from kernels import cpu_ops, ops
 from models.spec import ModelSpec
@@ -43,11 +42,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class MoEContext:
     """How a MoE layer reaches its experts: the balancer's replica choice and the dispatcher.
     phy ids from the policy map to (world rank, slot) via num_attention_ranks and num_slots.
-    Policies that need every attention rank's per-expert counts get them by one all_gather of `[E]`
-    int64 over attention_group per layer and micro-batch (every attention rank joins, in the same order as its
-    dispatches), on the ids' device into a persistent `[A * E]` buffer. attention_group is on the data plane's
-    backend (ProcessGroups.attention_data): NCCL takes the GPU's tensors as they are; only gloo over GPUs that
-    ranks share goes through host memory (p2p.all_gather_into)."""
+    Policies that need every attention rank's per-expert counts get them per layer and micro-batch from the
+    dispatcher's `gather_counts` (every attention rank joins, in the same order as its dispatches), on the ids'
+    device into a persistent `[A * E]` buffer: through the same-host inboxes where the data plane has them, else
+    one all_gather over attention_group, on the data plane's backend (ProcessGroups.attention_data)."""
 
     dispatcher: Dispatcher
     policy: ReplicaPolicy
@@ -57,7 +55,6 @@ class MoEContext:
     attention_group: object
     source: int         # this rank's index among the attention ranks
     counts: torch.Tensor | None = None      # `[A * E]` int64 every attention rank's counts, made on first use
-    gather_via: torch.device | None = None  # where the gather's tensors travel (p2p.wire), decided with counts
     waited_s: float = 0.0                   # seconds this rank's forwards have waited for the experts, so far
 
     def start(self, moe_layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
@@ -71,8 +68,7 @@ class MoEContext:
             if self.num_attention_ranks > 1:
                 if self.counts is None:
                     self.counts = mine.new_empty(self.num_attention_ranks * self.num_experts)
-                    self.gather_via = p2p.wire(mine, self.attention_group)
-                p2p.all_gather_into(self.counts, mine, self.attention_group, self.gather_via)
+                self.dispatcher.gather_counts(self.counts, mine, self.attention_group)
                 counts = self.counts.view(self.num_attention_ranks, self.num_experts)
             else:
                 counts = mine[None]

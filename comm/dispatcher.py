@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from . import p2p
 from .blocks import gather_rows, place_rows
 from .stats import CommStats
 
@@ -92,6 +93,7 @@ class Dispatcher(ABC):
         self.stats = stats or CommStats()
         self.capacity = 0
         self._empty = None      # empty_tokens(), made on first use
+        self._counts_via = p2p.ASK   # where gather_counts' tensors travel, decided on its first call
 
     @property
     def is_source(self) -> bool:
@@ -133,6 +135,16 @@ class Dispatcher(ABC):
     @abstractmethod
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         """expert_out `[N_received, H]` -> `[T, H]` summed over the ranks each token visited."""
+
+    def gather_counts(self, out: torch.Tensor, mine: torch.Tensor, group) -> None:
+        """Every attention rank's per-expert counts `mine` `[E]` int64 into `out` `[A * E]`, in rank order, without
+        a host read where the transport allows: every attention rank calls it, in the same order as its dispatches,
+        and expert ranks never do. Here one all_gather over `group` (the attention ranks on the data plane's
+        backend: NCCL takes the GPU's tensors as they are, gloo over GPUs goes through host memory); where it
+        travels is decided on the first call (p2p.wire)."""
+        if self._counts_via is p2p.ASK:
+            self._counts_via = p2p.wire(mine, group)
+        p2p.all_gather_into(out, mine, group, self._counts_via)
 
     def describe(self) -> dict:
         """Mode-specific facts for comm_stats (auto: its choices and cost model)."""

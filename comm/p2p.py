@@ -130,13 +130,13 @@ def exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tens
     _Posted(works, [c for c, _ in carried], [(t, b) for t, b, _ in landed]).wait()
 
 
-_ASK = object()
+ASK = object()      # all_gather_into's via: not known yet, ask wire()
 
 
-def all_gather_into(out: torch.Tensor, mine: torch.Tensor, group=None, via=_ASK) -> None:
+def all_gather_into(out: torch.Tensor, mine: torch.Tensor, group=None, via=ASK) -> None:
     """dist.all_gather_single that any backend can carry: every rank's `mine` into `out`, in group order. via:
     wire(mine, group) when the caller knows it already (a per-layer caller decides it once), else asked here."""
-    if via is _ASK:
+    if via is ASK:
         via = wire(mine, group)
     if via is None:
         dist.all_gather_single(out, mine, group=group)

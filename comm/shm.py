@@ -220,17 +220,17 @@ class Inbox:
     """This rank's inbox: `num_senders` x `depth` slots of `slot_bytes` payload each. Their flags ([round,
     count] int64 per slot, then the abort word) live in host shared memory; their payloads where `buffers`
     puts them (host shared memory, or device memory shared through CUDA IPC). `export`: what a peer's
-    Outlet needs to open the payloads."""
+    Outlet needs to open the payloads. name: its files' stem in the directory (a rank may own several inboxes)."""
 
     def __init__(self, directory: str, rank: int, num_senders: int, depth: int, slot_bytes: int,
-                 buffers: HostShmBuffers | CudaIpcBuffers | None = None):
+                 buffers: HostShmBuffers | CudaIpcBuffers | None = None, name: str | None = None):
         self.num_senders, self.depth, self.slot_bytes = num_senders, depth, slot_bytes
         self.buffers = buffers = buffers or HostShmBuffers()
-        self.path = os.path.join(directory, f"rank{rank}.buf")
-        self.fifo_path = os.path.join(directory, f"rank{rank}.fifo")
+        stem = os.path.join(directory, name or f"rank{rank}")
+        self.path, self.fifo_path = f"{stem}.buf", f"{stem}.fifo"
         self.flags = _map_words(self.path, num_senders * depth * HEADER + TAIL_WORDS * 8, create=True)
-        self.data, self.signals, self.export = buffers.allocate(os.path.join(directory, f"rank{rank}.data"),
-                                                                num_senders * depth * slot_bytes, num_senders * depth)
+        self.data, self.signals, self.export = buffers.allocate(f"{stem}.data", num_senders * depth * slot_bytes,
+                                                                num_senders * depth)
         for i in range(0, num_senders * depth * 2, 2):
             self.flags[i] = -1
         self.fence = _StoreFence()
@@ -307,16 +307,18 @@ class Inbox:
 class Outlet:
     """A sender's handle on a peer's inbox: write a slot, make the write complete (buffers.publish), fence,
     publish the round, wake the peer. sender_index, depth and slot_bytes describe this sender's place in the
-    peer's Inbox layout; export is the peer inbox's."""
+    peer's Inbox layout; export is the peer inbox's; name its files' stem (as the Inbox was given it)."""
 
     def __init__(self, directory: str, peer: int, fence: _StoreFence, sender_index: int, depth: int,
-                 slot_bytes: int, buffers: HostShmBuffers | CudaIpcBuffers | None = None, export: object = None):
+                 slot_bytes: int, buffers: HostShmBuffers | CudaIpcBuffers | None = None, export: object = None,
+                 name: str | None = None):
         self.sender_index, self.depth, self.slot_bytes = sender_index, depth, slot_bytes
         self.buffers = buffers or HostShmBuffers()
-        self.flags = _map_words(os.path.join(directory, f"rank{peer}.buf"), 0, create=False)
-        self.data, signals = self.buffers.open(os.path.join(directory, f"rank{peer}.data"), export)
+        stem = os.path.join(directory, name or f"rank{peer}")
+        self.flags = _map_words(f"{stem}.buf", 0, create=False)
+        self.data, signals = self.buffers.open(f"{stem}.data", export)
         self.signals = [None] * depth if signals is None else signals[sender_index * depth:(sender_index + 1) * depth]
-        self.fifo = os.open(os.path.join(directory, f"rank{peer}.fifo"), os.O_WRONLY | os.O_NONBLOCK)
+        self.fifo = os.open(f"{stem}.fifo", os.O_WRONLY | os.O_NONBLOCK)
         self.fence = fence
 
     def send(self, rnd: int, payload: torch.Tensor, count: int) -> None:

@@ -9,7 +9,13 @@ per token of the batch for each expert rank, a place no token of the batch takes
 posts the batch's size, which it knows, and the expert rank returns as many rows. No message is padded to the
 step's capacity: a batch of n tokens sends each expert rank n rows, and gets n back from each. Reading counts
 back is a stream synchronize per MoE layer and micro-batch on a GPU, and on the CPU it is free while exact sizes
-copy and compute less: in-band counts are the default on CUDA (cuda_ipc) only."""
+copy and compute less: in-band counts are the default on CUDA (cuda_ipc) only.
+
+With `count_words` (a balancer that plans from every attention rank's per-expert counts, least_loaded), each
+attention rank also owns a counts inbox that the other attention ranks write their `[E]` counts into before each
+dispatch: `gather_counts` carries them without a collective, and on a GPU without a host read (the all_gather it
+replaces went through host memory when ranks share a GPU over gloo, and cost ~1.5 ms per layer between two
+attention ranks on the 2-core VM)."""
 from __future__ import annotations
 
 import os
@@ -31,11 +37,12 @@ class ShmDispatcher(Dispatcher):
     in_band: with two or more expert ranks, counts travel in-band (the module's docstring); None: on CUDA.
     Every rank must agree: the ranks' choices are gathered at set-up and in-band counts are used only if all
     chose them. ipc_events: on CUDA, slots signalled through CUDA IPC events instead of a stream synchronize per
-    dispatch or combine (comm/shm.py CudaIpcBuffers; every rank the same)."""
+    dispatch or combine (comm/shm.py CudaIpcBuffers; every rank the same). count_words: the `[E]` of gather_counts'
+    messages between attention ranks (0: none; gather_counts is then the collective one)."""
 
     def __init__(self, group, hidden_size, top_k, dtype, device, num_sources, stats=None, ranks_per_node=None, *,
                  nodes=None, control, max_tokens: int, depth: int = 2, timeout_s: float = 600.0,
-                 in_band: bool | None = None, ipc_events: bool = False):
+                 in_band: bool | None = None, ipc_events: bool = False, count_words: int = 0):
         super().__init__(group, hidden_size, top_k, dtype, device, num_sources, stats, ranks_per_node, nodes)
         W, S = self.world_size, num_sources
         self.max_tokens, self.depth, self.timeout_s = max_tokens, depth, timeout_s
@@ -64,20 +71,52 @@ class ShmDispatcher(Dispatcher):
         else:               # receives tokens from the sources, returns rows as sender `rank - S`
             self.inbox = Inbox(directory, self.rank, S, depth, expert_slot, buffers)
             index, peer_slot = self.rank - S, source_slot
+        # gather_counts' inboxes: attention rank a's holds a slot per other attention rank (sender b at b - (b > a))
+        self.count_round, self.count_inbox, self.count_outlets = 0, None, []
+        others = [a for a in range(S) if a != self.rank] if self.is_source and count_words and S > 1 else []
+        if others:
+            self.count_inbox = Inbox(directory, self.rank, S - 1, depth, count_words * 8, buffers,
+                                     name=f"counts{self.rank}")
+            self.count_pids, self.count_names = [int(every[a][0]) for a in others], [f"rank {a}" for a in others]
         exports = [None] * W      # CUDA IPC handles of the inboxes' payloads (None in host shared memory)
-        dist.all_gather_object(exports, self.inbox.export, group=control)
+        dist.all_gather_object(exports, (self.inbox.export, self.count_inbox and self.count_inbox.export),
+                               group=control)
         fence = _StoreFence()
-        self.outlets = [Outlet(directory, p, fence, index, depth, peer_slot, buffers, exports[p]) for p in peers]
+        self.outlets = [Outlet(directory, p, fence, index, depth, peer_slot, buffers, exports[p][0]) for p in peers]
+        self.count_outlets = [Outlet(directory, a, fence, self.rank - (self.rank > a), depth, count_words * 8, buffers,
+                                     exports[a][1], name=f"counts{a}") for a in others]
         dist.barrier(group=control)
         if self.rank == 0:  # every rank has mapped and opened what it needs: leave nothing behind
             shutil.rmtree(directory)
 
     def abort(self) -> None:
-        for outlet in self.outlets:
+        for outlet in self.outlets + self.count_outlets:
             outlet.abort()
 
     def interrupt(self) -> None:
         self.inbox.interrupt()
+        if self.count_inbox is not None:
+            self.count_inbox.interrupt()
+
+    def gather_counts(self, out, mine, group):
+        """As Dispatcher.gather_counts, through the counts inboxes when this dispatcher has them: this rank's counts
+        to every other attention rank's inbox (one wait for the copies, then the round words), its own into out,
+        then the others' from its inbox as they arrive (on a GPU: device copies, no host read)."""
+        if self.count_inbox is None:
+            return super().gather_counts(out, mine, group)
+        self.count_round += 1
+        rnd, E, payload = self.count_round, mine.numel(), mine.view(torch.uint8)
+        for outlet in self.count_outlets:
+            outlet.write(rnd, payload)
+        self.buffers.publish()
+        for outlet in self.count_outlets:
+            outlet.post(rnd, E)
+        out[self.rank * E:(self.rank + 1) * E].copy_(mine)
+        slots = self.count_inbox.wait(rnd, self.timeout_s, f"rank {self.rank} expert counts", self.count_pids,
+                                      self.count_names)
+        for i, (_, slot) in enumerate(slots):
+            a = i + (i >= self.rank)
+            out[a * E:(a + 1) * E].copy_(slot[:E * 8].view(torch.int64))
 
     def _send(self, rnd: int, parts) -> None:
         """parts[i] `[n_i, bytes]` uint8 to outlet i, n_i posted as its count: every payload written, one wait

@@ -8,6 +8,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from balancer.policy import POLICIES
 from comm.calibration import shared_model
 from comm.dispatcher import Dispatcher
 from comm.modes import make_dispatcher
@@ -31,20 +32,22 @@ def make_data_plane(config: EngineConfig, topo: Topology, groups: ProcessGroups,
               nodes=topo.nodes)
     if stats is not None:
         kw["stats"] = stats
-    dispatcher = _dispatcher(config, topo, groups, dev, kw)
+    # a balancer planning from every attention rank's counts has them carried by the same-host inboxes too
+    count_words = spec.num_experts if POLICIES[config.parallel.balancer].needs_counts else 0
+    dispatcher = _dispatcher(config, topo, groups, dev, kw, count_words)
     if config.timing_sync and dev.device.type == "cuda":
         dispatcher.stats.sync = partial(torch.cuda.synchronize, dev.device)
     return dispatcher
 
 
 def _dispatcher(config: EngineConfig, topo: Topology, groups: ProcessGroups, dev: DeviceSettings,
-                kw: dict) -> Dispatcher:
+                kw: dict, count_words: int) -> Dispatcher:
     par = config.parallel
     if use_shm(config, topo, groups, dev.device):
         return ShmDispatcher(**kw, control=groups.control, max_tokens=config.scheduler.max_num_batched_tokens,
                              depth=par.micro_batches + 1, timeout_s=config.collective_timeout_s,
                              in_band={"auto": None, "on": True, "off": False}[par.in_band_counts],
-                             ipc_events=par.cuda_ipc_events)
+                             ipc_events=par.cuda_ipc_events, count_words=count_words)
     if dev.gpu_sharers > 1:
         raise RuntimeError(f"{dev.gpu_sharers} ranks share {dev.device} but the cuda_ipc transport cannot carry "
                            f"this job; launch at most one rank per GPU")

@@ -8,6 +8,7 @@ import torch
 from attention_nodes.model import MoEContext
 from balancer.placement import eplb, slot_capacities
 from balancer.policy import LeastLoadedPolicy
+from comm.dispatcher import Dispatcher, Layout
 from tests.dist_utils import run_ranks
 from tests.host_reads import no_host_reads
 
@@ -22,19 +23,29 @@ class RecordingPolicy(LeastLoadedPolicy):
         return super().choose(layer, topk_ids, counts, source)
 
 
-class RecordingDispatcher:
-    def __init__(self):
+class RecordingDispatcher(Dispatcher):
+    """Records what start_dispatch is asked to send; gathers counts as the collective transports do."""
+
+    def __init__(self, world: int, rank: int):
+        super().__init__(Layout(world, rank), 4, K, torch.float32, torch.device("cpu"), world - N_EXPERT_RANKS)
         self.sent = []
 
     def start_dispatch(self, layer, hidden, dst_ranks, slots, weights):
         self.sent.append((dst_ranks, slots))
+
+    def finish_dispatch(self, pending):
+        raise NotImplementedError
+
+    def combine(self, expert_out, handle):
+        raise NotImplementedError
 
 
 def make_context(num_attention_ranks: int, source: int, group=None) -> MoEContext:
     placement = eplb(torch.arange(1, E + 1).double()[None].repeat(2, 1), slot_capacities(E, 4, N_EXPERT_RANKS))
     policy = RecordingPolicy(placement)
     policy.seen = []
-    return MoEContext(RecordingDispatcher(), policy, num_attention_ranks, placement.num_slots, E, group, source)
+    dispatcher = RecordingDispatcher(num_attention_ranks + N_EXPERT_RANKS, source)
+    return MoEContext(dispatcher, policy, num_attention_ranks, placement.num_slots, E, group, source)
 
 
 def routed(rank: int, tokens: int) -> torch.Tensor:

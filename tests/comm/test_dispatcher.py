@@ -105,3 +105,49 @@ def test_plan_rows_dedups_per_destination():
     assert row2token.tolist() == [0, 0, 1] and row_dst.tolist() == [5, 6, 6]
     assert row_slots.tolist() == [[0, 1, -1], [-1, -1, 2], [3, 0, 1]]
     assert row_w[0].tolist() == [0.5, 0.25, 0.0]
+
+
+def counts_of_call(rank: int, call: int, num_experts: int) -> torch.Tensor:
+    """What attention rank `rank` gathers in call `call`: its rank and the call are in every value."""
+    return torch.arange(num_experts) + 100 * rank + 10000 * call
+
+
+def _gather_counts_rank(rank, world, A, depth, num_experts, calls):
+    import torch.distributed as dist
+
+    from comm import p2p
+    from comm.shm_dispatcher import ShmDispatcher
+
+    def collective(*args, **kwargs):
+        raise AssertionError("the collective gather ran")
+    p2p.all_gather_into = collective
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    d = ShmDispatcher(group=dist.group.WORLD, hidden_size=H, top_k=K, dtype=torch.float32,
+                      device=torch.device("cpu"), num_sources=A, control=dist.group.WORLD, max_tokens=16,
+                      depth=depth, timeout_s=30, count_words=num_experts)
+    d.set_capacity(4)
+    seen = []
+    for call in range(calls):   # as the engine runs a layer: the counts, then the dispatch and combine
+        if rank < A:
+            out = torch.full((A * num_experts,), -1, dtype=torch.int64)
+            d.gather_counts(out, counts_of_call(rank, call, num_experts), None)
+            seen.append(out.tolist())
+            hidden, dst, slots, weights = _routing(rank, A, world - A, 3, call)
+        else:
+            hidden, dst, slots, weights = d.empty_tokens()
+        rows, handle = d.dispatch(call, hidden, dst, slots, weights)
+        d.combine(rows.hidden, handle)
+    return d.count_inbox is not None, seen
+
+
+@pytest.mark.parametrize("A,E,depth", [(2, 2, 2), (3, 1, 3)])
+def test_the_same_host_transport_gathers_the_attention_ranks_counts_through_its_inboxes(A, E, depth):
+    """With count_words, every attention rank gets every attention rank's counts, in rank order, call after call
+    (past the slots' depth), interleaved with dispatches as in the engine, and no collective runs; expert ranks
+    own no counts inbox."""
+    num_experts, calls = 6, 2 * depth + 1
+    results = run_ranks(_gather_counts_rank, A + E, A, depth, num_experts, calls)
+    for rank, (has_inbox, seen) in enumerate(results):
+        assert has_inbox == (rank < A)
+        want = [torch.cat([counts_of_call(a, c, num_experts) for a in range(A)]).tolist() for c in range(calls)]
+        assert seen == (want if rank < A else [])
