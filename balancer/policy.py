@@ -88,7 +88,7 @@ class LeastLoadedPolicy(ReplicaPolicy):
     Each attention rank takes the slice of every expert's quotas at its offset among the attention ranks (rank
     order), so the union over ranks meets every quota exactly. All of it runs on the device, fixed shapes, except
     on the CPU (fixed_shape None: off there), where the plan computes its fallback only when it needs it (the same
-    quotas, a tenth of the time: balancer/water_fill.py)."""
+    quotas; a plan that needs none takes a seventh of the time: balancer/water_fill.py)."""
 
     needs_counts = True
 

@@ -140,8 +140,8 @@ class Dispatcher(ABC):
         """Every attention rank's per-expert counts `mine` `[E]` int64 into `out` `[A * E]`, in rank order, without
         a host read where the transport allows: every attention rank calls it, in the same order as its dispatches,
         and expert ranks never do. Here one all_gather over `group` (the attention ranks on the data plane's
-        backend: NCCL takes the GPU's tensors as they are, gloo over GPUs goes through host memory); where it
-        travels is decided on the first call (p2p.wire)."""
+        backend: NCCL takes the GPU's tensors as they are, gloo takes host tensors); where it travels is decided
+        on the first call (p2p.wire)."""
         if self._counts_via is p2p.ASK:
             self._counts_via = p2p.wire(mine, group)
         p2p.all_gather_into(out, mine, group, self._counts_via)

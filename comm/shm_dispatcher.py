@@ -12,10 +12,11 @@ back is a stream synchronize per MoE layer and micro-batch on a GPU, and on the 
 copy and compute less: in-band counts are the default on CUDA (cuda_ipc) only.
 
 With `count_words` (a balancer that plans from every attention rank's per-expert counts, least_loaded), each
-attention rank also owns a counts inbox that the other attention ranks write their `[E]` counts into before each
-dispatch: `gather_counts` carries them without a collective, and on a GPU without a host read (the all_gather it
-replaces went through host memory when ranks share a GPU over gloo, and cost ~1.5 ms per layer between two
-attention ranks on the 2-core VM)."""
+attention rank may also own a counts inbox that the other attention ranks write their `[E]` counts into before
+each dispatch: `gather_counts` carries them without a collective where the collective's all_gather would make the
+host wait, which is over gloo (CPU ranks: ~1.5 ms per layer between two attention ranks on the 2-core VM; ranks
+sharing a GPU: through host memory), or with `ipc_events` (then neither waits on the host). Between GPUs of their
+own without events the NCCL all_gather stays: the inboxes' publish would add a stream synchronize per layer."""
 from __future__ import annotations
 
 import os
@@ -27,6 +28,15 @@ import torch.distributed as dist
 from .blocks import gather_rows, place_rows
 from .dispatcher import Dispatcher, DispatchHandle, PendingDispatch, pack_rows, pack_rows_into, plan_rows, unpack_rows
 from .shm import Inbox, Outlet, _StoreFence, ipc_events_refusal, make_shared_dir, slot_buffers
+
+
+def counts_by_inbox(num_sources: int, gpus: list[int], ipc_events: bool) -> bool:
+    """Whether gather_counts goes through counts inboxes, from every rank's GPU index (-1: CPU), the same answer on
+    every rank: where the collective would make the host wait (gloo: CPU ranks, or GPUs that ranks share, whose
+    all_gather goes through host memory) or with CUDA IPC events (then nothing waits on the host); not between
+    GPUs of their own without events, where NCCL waits on no host and the inboxes' publish would synchronize."""
+    gloo = gpus[0] < 0 or len(set(gpus)) < len(gpus)
+    return num_sources > 1 and (gloo or ipc_events)
 
 
 class ShmDispatcher(Dispatcher):
@@ -73,7 +83,8 @@ class ShmDispatcher(Dispatcher):
             index, peer_slot = self.rank - S, source_slot
         # gather_counts' inboxes: attention rank a's holds a slot per other attention rank (sender b at b - (b > a))
         self.count_round, self.count_inbox, self.count_outlets = 0, None, []
-        others = [a for a in range(S) if a != self.rank] if self.is_source and count_words and S > 1 else []
+        inboxes = bool(count_words) and counts_by_inbox(S, [int(e[3]) for e in every], ipc_events)
+        others = [a for a in range(S) if a != self.rank] if self.is_source and inboxes else []
         if others:
             self.count_inbox = Inbox(directory, self.rank, S - 1, depth, count_words * 8, buffers,
                                      name=f"counts{self.rank}")

@@ -30,6 +30,8 @@ SYNCS = {
     "host_read": lambda x, m: host_read(x),
     "equal": lambda x, m: torch.equal(x, x),
     "nonzero": lambda x, m: m.nonzero(),
+    "float": lambda x, m: float(x.sum()),
+    "index": lambda x, m: [0, 1, 2][x.argmax() % 3],
     "where": lambda x, m: torch.where(m),
     "argwhere": lambda x, m: torch.argwhere(m),
     "nonzero_tuple": lambda x, m: m.nonzero(as_tuple=True),
@@ -52,6 +54,7 @@ PLAIN = {
     "int_index_put": lambda x, m: x.__setitem__(torch.tensor([0, 3]), 1.0),
     "repeat_interleave_sized": lambda x, m: torch.repeat_interleave(torch.tensor([1, 2]), output_size=3),
     "repeat_interleave_int": lambda x, m: x.repeat_interleave(2),
+    "repeat_interleave_self_sized": lambda x, m: x.repeat_interleave(torch.tensor([1, 0, 2, 1, 1, 1]), output_size=6),
     "nonzero_static": lambda x, m: torch.nonzero_static(m, size=6),
     "masked_fill": lambda x, m: x.masked_fill(m, 0.0),
     "where3": lambda x, m: torch.where(m, x, -x),
@@ -73,10 +76,11 @@ def test_each_sync_counts_once_at_its_line(name, inference):
     assert dict(audit.sites) == {f"{HERE}:{fn.__code__.co_firstlineno}": 1}
 
 
+@pytest.mark.parametrize("inference", [False, True])
 @pytest.mark.parametrize("name", list(PLAIN))
-def test_plain_ops_do_not_count(name):
+def test_plain_ops_do_not_count(name, inference):
     x, m = make_inputs()
-    with SyncAudit() as audit:
+    with torch.inference_mode() if inference else contextlib.nullcontext(), SyncAudit() as audit:
         PLAIN[name](x, m)
     assert audit.num_syncs == 0, audit.sites
 
