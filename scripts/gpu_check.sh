@@ -46,8 +46,8 @@ for stage in $STAGES; do
     comm) run comm 120 $PY -m launch.comm_profile --device cuda --attention-ranks 1 --expert-ranks 3 \
               --transport cuda_ipc --prompts 32 --prompt-len 128 --max-tokens 32 --out /tmp/comm_profile \
               && cp /tmp/comm_profile/profile.json "$OUT/comm_profile.json" ;;
-    throughput) run throughput 300 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 --micro-batches 2 \
-                    --repeats 3 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 ;;
+    throughput) run throughput 300 $PY bench/throughput.py --device cuda --synthetic-layers 4 --requests 128 \
+                    --micro-batches 2 --repeats 3 --attention-ranks 1 --expert-ranks 1 --gpu-memory-utilization 0.8 ;;
     graphs) run graphs 220 $PY -m pytest -q -p no:cacheprovider -rfEPs -n 4 tests/gpu/test_cuda_graphs.py ;;
     graphs-bench)
         for mode in graphs eager; do
