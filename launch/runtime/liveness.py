@@ -119,6 +119,38 @@ class Heartbeat:
                 self.store.set(f"{PREFIX}/g{gen}/leaving", b"1")
 
 
+DRAIN_S = 30.0     # the longest a rank leaving a generation waits for its device's work queued so far
+
+
+def stream_done(device) -> Callable[[], bool]:
+    """Whether the work queued so far on `device`'s current stream has finished (asked again and again, never
+    waiting): a CUDA event recorded now; on the CPU work is never queued."""
+    if device.type != "cuda":
+        return lambda: True
+    import torch
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event.query
+
+
+def drain_or_exit(done: Callable[[], bool], deadline_s: float, member: int, exit: Callable[[int], None] = os._exit,
+                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Leaving a generation after a lost peer: wait, polling done(), until the device has finished what this rank
+    queued; past deadline_s exit the process (fail-stop, as a wedged rank does). With cuda_ipc_events a stream may
+    wait on a lost peer's CUDA IPC event that will never be recorded (the peer died between posting a round word
+    and running its copy): no host call can cancel that wait, and every later use of the device would block on
+    it, so the job re-forms without this rank rather than hang in the next generation."""
+    end = clock() + deadline_s
+    while not done():
+        if clock() > end:
+            logger.error("member %d: its device has not finished its queued work %.0fs after a lost peer (a stream "
+                         "waiting on a lost peer's CUDA IPC event?); exiting so the job re-forms without this rank",
+                         member, deadline_s)
+            exit(71)
+            return
+        sleep(0.01)
+
+
 class Peers:
     """The members' processes as the store records them: register this one, look up the others."""
 

@@ -33,7 +33,7 @@ from .autoscale import Autoscaler
 from .changes import Launcher, MembershipSettings
 from .dataplane import make_data_plane
 from .forming import GenerationForming
-from .liveness import MEMBER_IDS, PREFIX, break_connections, draw_member_id
+from .liveness import DRAIN_S, MEMBER_IDS, PREFIX, break_connections, drain_or_exit, draw_member_id, stream_done
 from .membership import Membership
 from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
 from .startup import (build_attention_worker, decode_graph_drafts, decode_graph_rows, draft_passes, leads_pool,
@@ -258,9 +258,11 @@ class Runtime(GenerationForming):
         drop every reference to them; the caller's gc.collect() then lets gloo close their connections, which
         breaks the exchanges of ranks still waiting on this one (a gloo recv ends only when its peer's
         connection does), so they leave too. Called outside any `except` block: a live traceback would keep the
-        failed call's groups alive."""
+        failed call's groups alive. The device must then finish what was queued on it, else this rank exits
+        (liveness.drain_or_exit: a stream left waiting on a lost peer's CUDA IPC event)."""
         self.dispatcher.abort()
         dist.distributed_c10d._abort_process_group()
+        drain_or_exit(stream_done(self.dev.device), DRAIN_S, self.member)
         self._stats = self.dispatcher.stats
         self.dispatcher = self.groups = self.control = None
         self.worker.detach()

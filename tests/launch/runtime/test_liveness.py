@@ -128,3 +128,29 @@ def test_a_process_exits_cleanly_after_its_heartbeat_closes():
         proc = subprocess.run([sys.executable, "-c", EXIT_AFTER_CLOSE], cwd=root, capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += s
+
+
+def test_leaving_a_generation_waits_for_the_device_and_exits_if_it_never_finishes():
+    """drain_or_exit polls until the device's queued work is done; a stream that never finishes (one waiting on
+    a lost peer's CUDA IPC event) makes the rank exit once the deadline has passed, not hang."""
+    import torch
+
+    from launch.runtime.liveness import drain_or_exit, stream_done
+    clock, exits, polls = FakeClock(), [], iter([False] * 5 + [True])
+    drain_or_exit(lambda: next(polls), 1.0, 7, exit=exits.append, clock=clock, sleep=clock.sleep)
+    assert exits == [] and 0.04 < clock.t < 0.06          # five polls 10 ms apart, then done
+    clock = FakeClock()
+    drain_or_exit(lambda: False, 1.0, 7, exit=exits.append, clock=clock, sleep=clock.sleep)
+    assert exits == [71] and 1.0 < clock.t < 1.02          # gave up just past the deadline, once
+    assert stream_done(torch.device("cpu"))()               # the CPU queues nothing
