@@ -15,7 +15,8 @@ A host sync is an op after which the host must wait for the device stream:
   and count only when not: `aten.index.Tensor` with a bool (mask) index, and `aten.repeat_interleave.Tensor`
   without `output_size`. `index_put_` with a bool index (`t[mask] = v`) runs `nonzero` inside, so it
   counts too. Under `torch.inference_mode()` some composite ops reach the audit whole instead of as the ops they
-  decompose into (`torch.where(mask)`, `argwhere`, `repeat_interleave` of self by a tensor): they are listed.
+  decompose into (`torch.where(mask)`, `argwhere`, `repeat_interleave` of self by a tensor, `linalg.solve`,
+  `inv`, `cholesky` with their error checks): they are listed.
 
 Not seen: a blocking host-to-device copy (`torch.tensor(..., device=d)`, `.to(d)` without `non_blocking`):
 on a CPU run the rank's device is the host, so it cannot be told from a no-op. `torch.tensor([t0, t1])` of
@@ -42,8 +43,10 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository
 _HERE = os.path.abspath(__file__)
 _aten = torch.ops.aten
-# Ops returning a Python value read from the data that carry no data_dependent_output tag.
-_SCALAR_READS = frozenset({_aten.equal.default, _aten.allclose.default})
+# Ops returning a Python value read from the data that carry no data_dependent_output tag, and untagged ops that
+# read the device inside: linalg's error check (`linalg.solve` and kin; `solve_ex` skips it), masked_scatter.
+_SCALAR_READS = frozenset({_aten.equal.default, _aten.allclose.default, _aten._linalg_check_errors.default,
+                           _aten.masked_scatter.default, _aten.masked_scatter_.default})
 # Tagged dynamic_output_shape, but static unless an index is a mask.
 _MASK_INDEXING = frozenset({_aten.index.Tensor})
 # Untagged (the output has self's shape), but a mask index runs nonzero inside.
@@ -51,7 +54,8 @@ _MASK_PUTS = frozenset({_aten.index_put.default, _aten.index_put_.default, _aten
 # Composite ops that sync inside (nonzero, a scalar read). Outside inference mode the audit sees the ops they
 # decompose into; under torch.inference_mode(), as the engine runs, it sees them whole.
 _COMPOSITE_SYNCS = frozenset({_aten.where.default, _aten.argwhere.default, _aten.nonzero_numpy.default,
-                              _aten.is_nonzero.default})
+                              _aten.is_nonzero.default, _aten.linalg_solve.default, _aten.linalg_inv.default,
+                              _aten.linalg_cholesky.default})
 # Sized from the data unless output_size is given (the first also decomposes into the second).
 _REPEATS = frozenset({_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor})
 HOST_METHODS = ("tolist", "numpy", "cpu", "__bool__")   # reads that a CPU tensor may serve below the dispatcher

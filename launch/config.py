@@ -80,7 +80,7 @@ class ParallelConfig:
                                           "its stream before posting it (no host wait in a dispatch or combine; "
                                           "every rank the same and on one GPU; not yet run on a GPU, and a peer "
                                           "killed between posting and its copy could leave a survivor's stream "
-                                          "waiting, which then exits within 30 s, hence off by default)")
+                                          "waiting, which the heartbeat then exits, hence off by default)")
     redundant_experts: int = option(0, "extra expert slots in all, for replicas of the busiest experts")
     rebalance_interval: int = option(0, "recompute the expert placement from observed load every N steps "
                                         "(0: never)")

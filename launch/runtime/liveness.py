@@ -119,7 +119,7 @@ class Heartbeat:
                 self.store.set(f"{PREFIX}/g{gen}/leaving", b"1")
 
 
-DRAIN_S = 30.0     # the longest a rank leaving a generation waits for its device's work queued so far
+DRAIN_S = 60.0     # drain_or_exit's own limit: a backstop behind the heartbeat's wedge check (wedge_s, 10 s+)
 
 
 def stream_done(device) -> Callable[[], bool]:
@@ -135,17 +135,26 @@ def stream_done(device) -> Callable[[], bool]:
 
 def drain_or_exit(done: Callable[[], bool], deadline_s: float, member: int, exit: Callable[[int], None] = os._exit,
                   clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
-    """Leaving a generation after a lost peer: wait, polling done(), until the device has finished what this rank
-    queued; past deadline_s exit the process (fail-stop, as a wedged rank does). With cuda_ipc_events a stream may
-    wait on a lost peer's CUDA IPC event that will never be recorded (the peer died between posting a round word
-    and running its copy): no host call can cancel that wait, and every later use of the device would block on
-    it, so the job re-forms without this rank rather than hang in the next generation."""
+    """Leaving a generation: wait, polling done(), until the device has finished what this rank queued, so that
+    the rank stays in the generation meanwhile. With cuda_ipc_events a stream may wait on a lost peer's CUDA IPC
+    event that will never be recorded (the peer died between posting a round word and running its copy): no host
+    call can cancel that wait and every later use of the device would block on it, so the rank must not go on to
+    the next generation. Held here, the heartbeat's wedge check exits it (fail-stop, exit 70) once wedge_s has
+    passed since the generation was given up, and the job re-forms without it (a leader's exit ends the job);
+    past deadline_s, a backstop for a rank without a heartbeat, this exits it itself (71), as it does when the
+    device reports an error."""
     end = clock() + deadline_s
-    while not done():
-        if clock() > end:
-            logger.error("member %d: its device has not finished its queued work %.0fs after a lost peer (a stream "
-                         "waiting on a lost peer's CUDA IPC event?); exiting so the job re-forms without this rank",
-                         member, deadline_s)
+    while True:
+        try:
+            if done():
+                return
+            why = f"has not finished its queued work {deadline_s:.0f}s after leaving its generation" \
+                if clock() > end else None
+        except Exception as e:      # the device itself failed (a CUDA error): nothing queued on it will finish
+            why = f"failed while its queued work was awaited: {str(e).splitlines()[0][:200]}"
+        if why is not None:
+            logger.error("member %d: its device %s (a stream waiting on a lost peer's CUDA IPC event?); exiting so "
+                         "the job re-forms without this rank", member, why)
             exit(71)
             return
         sleep(0.01)

@@ -258,8 +258,9 @@ class Runtime(GenerationForming):
         drop every reference to them; the caller's gc.collect() then lets gloo close their connections, which
         breaks the exchanges of ranks still waiting on this one (a gloo recv ends only when its peer's
         connection does), so they leave too. Called outside any `except` block: a live traceback would keep the
-        failed call's groups alive. The device must then finish what was queued on it, else this rank exits
-        (liveness.drain_or_exit: a stream left waiting on a lost peer's CUDA IPC event)."""
+        failed call's groups alive. The rank stays in the generation until its device has finished what was
+        queued on it (liveness.drain_or_exit: a stream left waiting on a lost peer's CUDA IPC event keeps it there
+        until the heartbeat's wedge check exits it)."""
         self.dispatcher.abort()
         dist.distributed_c10d._abort_process_group()
         drain_or_exit(stream_done(self.dev.device), DRAIN_S, self.member)

@@ -45,6 +45,9 @@ SYNCS = {
     "repeat_interleave": lambda x, m: torch.repeat_interleave(torch.tensor([1, 2])),
     "repeat_interleave_self": lambda x, m: x.repeat_interleave(torch.tensor([1, 0, 2, 1, 1, 1])),
     "bincount": lambda x, m: torch.bincount(torch.tensor([1, 3])),
+    "linalg_solve": lambda x, m: torch.linalg.solve(torch.eye(2) * 2, torch.ones(2)),
+    "linalg_inv": lambda x, m: torch.linalg.inv(torch.eye(2) * 2),
+    "masked_scatter": lambda x, m: x.masked_scatter(m, torch.ones(6)),
 }
 
 PLAIN = {
@@ -61,6 +64,7 @@ PLAIN = {
     "argmax_sort_topk": lambda x, m: (x.argmax(), x.sort(), x.topk(2)),
     "to_dtype": lambda x, m: x.to(torch.float64),
     "cpu_numpy": lambda x, m: cpu_numpy(x),        # a CPU-only fast path's view of its own memory
+    "linalg_solve_ex": lambda x, m: torch.linalg.solve_ex(torch.eye(2) * 2, torch.ones(2)),
 }
 
 

@@ -153,4 +153,9 @@ def test_leaving_a_generation_waits_for_the_device_and_exits_if_it_never_finishe
     clock = FakeClock()
     drain_or_exit(lambda: False, 1.0, 7, exit=exits.append, clock=clock, sleep=clock.sleep)
     assert exits == [71] and 1.0 < clock.t < 1.02          # gave up just past the deadline, once
+
+    def failed():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    drain_or_exit(failed, 1.0, 7, exit=exits.append, clock=clock, sleep=clock.sleep)
+    assert exits == [71, 71]                                # a device error: exits at once, no traceback
     assert stream_done(torch.device("cpu"))()               # the CPU queues nothing
