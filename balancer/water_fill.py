@@ -179,13 +179,13 @@ def split(t: LayerTables, total: torch.Tensor, iterations: int, step: float, fix
     tf = total.to(F64)
     if t.multi.numel() == 0:              # fixed by the placement, not by the counts
         return tf.new_zeros(t.valid.shape)
-    c = tf[t.multi]
     # Step 1: the linear split
     linear = linear_share(t, tf)
     if not fixed_shape and cpu_numpy(linear).min() >= 0:
         return linear
     # Step 2: the fallback. Solve without the replicas step 1 drained, clip what is still negative, then let
     # water-filling put load back where it fits.
+    c = tf[t.multi]
     active = keep_one(t.valid & (linear > 0), linear, t.valid)
     share = least_squares(t, active, tf[:, None])[..., 0].clamp(min=0.0)
     row = share.sum(dim=1)

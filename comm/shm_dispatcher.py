@@ -116,12 +116,8 @@ class ShmDispatcher(Dispatcher):
         if self.count_inbox is None:
             return super().gather_counts(out, mine, group)
         self.count_round += 1
-        rnd, E, payload = self.count_round, mine.numel(), mine.view(torch.uint8)
-        for outlet in self.count_outlets:
-            outlet.write(rnd, payload)
-        self.buffers.publish()
-        for outlet in self.count_outlets:
-            outlet.post(rnd, E)
+        rnd, E = self.count_round, mine.numel()
+        self._send(rnd, [mine.view(torch.uint8).view(E, 8)] * len(self.count_outlets), self.count_outlets)
         out[self.rank * E:(self.rank + 1) * E].copy_(mine)
         slots = self.count_inbox.wait(rnd, self.timeout_s, f"rank {self.rank} expert counts", self.count_pids,
                                       self.count_names)
@@ -129,13 +125,15 @@ class ShmDispatcher(Dispatcher):
             a = i + (i >= self.rank)
             out[a * E:(a + 1) * E].copy_(slot[:E * 8].view(torch.int64))
 
-    def _send(self, rnd: int, parts) -> None:
-        """parts[i] `[n_i, bytes]` uint8 to outlet i, n_i posted as its count: every payload written, one wait
-        for the copies (cuda_ipc: a stream synchronize for all of them), then every round word."""
-        for outlet, part in zip(self.outlets, parts):
+    def _send(self, rnd: int, parts, outlets: list[Outlet] | None = None) -> None:
+        """parts[i] `[n_i, bytes]` uint8 to outlets[i] (default: the dispatch and combine peers'), n_i posted as its
+        count: every payload written, one wait for the copies (cuda_ipc: a stream synchronize for all of them), then
+        every round word."""
+        outlets = self.outlets if outlets is None else outlets
+        for outlet, part in zip(outlets, parts):
             outlet.write(rnd, part.reshape(-1))
         self.buffers.publish()
-        for outlet, part in zip(self.outlets, parts):
+        for outlet, part in zip(outlets, parts):
             outlet.post(rnd, part.shape[0])
 
     def set_capacity(self, capacity: int) -> None:
