@@ -48,9 +48,9 @@ def _dispatcher(config: EngineConfig, topo: Topology, groups: ProcessGroups, dev
                              depth=par.micro_batches + 1, timeout_s=config.collective_timeout_s,
                              in_band={"auto": None, "on": True, "off": False}[par.in_band_counts],
                              ipc_events=par.cuda_ipc_events, count_words=count_words)
-    if dev.gpu_sharers > 1:
-        raise RuntimeError(f"{dev.gpu_sharers} ranks share {dev.device} but the cuda_ipc transport cannot carry "
-                           f"this job; launch at most one rank per GPU")
+    if dev.node_shares_gpus:
+        raise RuntimeError(f"this node's ranks share its {dev.gpus} GPU(s) ({dev.gpu_sharers} on {dev.device}) but "
+                           f"the cuda_ipc transport cannot carry this job; launch at most one rank per GPU")
     if par.comm == "auto":   # a collective: every rank measures (or rank 0 loads) the same model
         kw["model"] = shared_model(par.comm_calibration, config.scheduler.max_num_batched_tokens, **kw)
     return make_dispatcher(par.comm, **kw)

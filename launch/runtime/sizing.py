@@ -30,6 +30,12 @@ class DeviceSettings:
     gpu_sharers: int = 1        # ranks of this node on this rank's GPU (1: a GPU of its own)
     gpus: int = 0               # GPUs this rank's machine shows it
 
+    @property
+    def node_shares_gpus(self) -> bool:
+        """Whether this node's ranks share its GPUs (then every rank of the node runs gloo, even one alone on
+        its GPU, and only the cuda_ipc transport carries the data plane)."""
+        return self.device.type == "cuda" and self.backend == "gloo"
+
 
 def gpu_placement(local_rank: int, local_world_size: int, device_count: int, transport: str, comm: str,
                   one_node: bool) -> tuple[int, int]:
@@ -54,6 +60,13 @@ def gpu_placement(local_rank: int, local_world_size: int, device_count: int, tra
     return index, sharers
 
 
+def gpu_backend(local_world_size: int, device_count: int) -> str:
+    """The process groups' backend of a CUDA node's ranks, the same on each of them: nccl when every rank has a
+    GPU of its own, else gloo, also for a rank alone on its GPU (3 ranks on 2 GPUs: GPU 1's rank would
+    otherwise pick nccl while the ranks sharing GPU 0 pick gloo, and the groups could not form)."""
+    return "nccl" if local_world_size <= device_count else "gloo"
+
+
 def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
     """Pick this rank's device (CUDA: gpu_placement by LOCAL_RANK) and, on CPU, its threads (threads_per_rank,
     else the machine's cores shared by the job's ranks) and allocator behaviour."""
@@ -65,7 +78,8 @@ def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
                                        torch.cuda.device_count(), par.transport, par.comm, one_node)
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
-        backend, gpus = "nccl" if sharers == 1 else "gloo", torch.cuda.device_count()
+        gpus = torch.cuda.device_count()
+        backend = gpu_backend(local_world, gpus)
     else:
         device, sharers, backend, gpus = torch.device("cpu"), 1, "gloo", 0
         tune_allocator()

@@ -153,3 +153,24 @@ def test_decode_threads_default_shares_the_cores_among_attention_ranks(monkeypat
     assert decode_threads(config) == want
     config = EngineConfig.from_options(str(tmp_path), attention_ranks, 1, device="cpu", decode_threads=3)
     assert decode_threads(config) == 3
+
+
+def test_every_rank_of_a_node_sharing_gpus_unevenly_picks_the_same_backend(monkeypatch):
+    """3 ranks on 2 GPUs: GPU 1's rank has its GPU alone but must talk gloo like the two sharing GPU 0, or the
+    node's process groups would mix nccl and gloo and never form. Through set_device, as each rank runs it."""
+    from launch.config import EngineConfig
+    from launch.runtime.sizing import set_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    config = EngineConfig.from_options("/m", 1, 2, device="cuda", transport="cuda_ipc", kernel_backend="torch")
+    placed = []
+    for r in range(3):
+        monkeypatch.setenv("LOCAL_RANK", str(r))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+        dev = set_device(config, 3)
+        placed.append((dev.device.index, dev.gpu_sharers, dev.backend, dev.node_shares_gpus))
+    assert placed == [(0, 2, "gloo", True), (1, 1, "gloo", True), (0, 2, "gloo", True)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)   # a GPU each: NCCL everywhere
+    assert {(set_device(config, 3).backend, set_device(config, 3).node_shares_gpus)} == {("nccl", False)}
