@@ -21,7 +21,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from . import water_fill
+from comm.sync_audit import cpu_numpy
+
+from . import water_fill, water_fill_host
 from .placement import Placement
 
 
@@ -86,9 +88,10 @@ class LeastLoadedPolicy(ReplicaPolicy):
     re-solve, clip and `iterations` rounds of water-filling (moving `step` of the way) where that map puts a
     negative share on a replica. Fractional amounts become integer per-replica quotas by rounding running sums.
     Each attention rank takes the slice of every expert's quotas at its offset among the attention ranks (rank
-    order), so the union over ranks meets every quota exactly. All of it runs on the device, fixed shapes, except
-    on the CPU (fixed_shape None: off there), where the plan computes its fallback only when it needs it (the same
-    quotas; a plan that needs none takes a seventh of the time: balancer/water_fill.py)."""
+    order), so the union over ranks meets every quota exactly. All of it runs on the device, fixed shapes
+    (balancer/water_fill.py), except on the CPU (fixed_shape None: off there), where the same algorithm runs in
+    numpy, computing its fallback only when it needs it (balancer/water_fill_host.py: numpy's calls cost a
+    fraction of torch's on arrays this small)."""
 
     needs_counts = True
 
@@ -96,6 +99,9 @@ class LeastLoadedPolicy(ReplicaPolicy):
                  step: float = 0.3, fixed_shape: bool | None = None):
         self.iterations, self.step = iterations, step
         self.fixed_shape = torch.device(device).type != "cpu" if fixed_shape is None else fixed_shape
+        if not self.fixed_shape and torch.device(device).type != "cpu":
+            raise ValueError(f"least_loaded plans on the host only for CPU ranks (device {device}); use "
+                             f"fixed_shape=True or None")
         super().__init__(placement, device)
 
     def set_placement(self, placement: Placement) -> None:
@@ -105,15 +111,22 @@ class LeastLoadedPolicy(ReplicaPolicy):
         self.tables = [water_fill.build_tables(log2phy[layer], placement.num_ranks, placement.num_slots,
                                     None if load is None else load[layer].to(torch.float64), self.step
                                     ).to(self.device) for layer in range(placement.num_layers)]
+        self.host = None if self.fixed_shape else [water_fill_host.HostTables.of(t) for t in self.tables]
 
     def plan(self, layer: int, total: torch.Tensor) -> torch.Tensor:
         """total `[E]` int64 pairs per expert over all attention ranks -> quotas `[E, P]` int64 (row e sums to
         total[e], zero on padding), on total's device. The same input gives the same output on every rank."""
-        return water_fill.plan(self.tables[layer], total, self.iterations, self.step, self.fixed_shape)
+        if self.host is not None:
+            return torch.from_numpy(water_fill_host.plan(self.host[layer], cpu_numpy(total), self.iterations,
+                                                         self.step))
+        return water_fill.plan(self.tables[layer], total, self.iterations, self.step)
 
     def split(self, layer: int, total: torch.Tensor) -> torch.Tensor:
         """The fractional split `[M, P]` float64 of the replicated experts (tables[layer].multi) that plan rounds."""
-        return water_fill.split(self.tables[layer], total, self.iterations, self.step, self.fixed_shape)
+        if self.host is not None:
+            return torch.from_numpy(water_fill_host.split(self.host[layer], cpu_numpy(total), self.iterations,
+                                                          self.step))
+        return water_fill.split(self.tables[layer], total, self.iterations, self.step)
 
     def linear_share(self, layer: int, total: torch.Tensor) -> torch.Tensor:
         """The linear map's split of total `[E]` over the replicated experts' replicas -> `[M, P]` float64."""
@@ -122,6 +135,13 @@ class LeastLoadedPolicy(ReplicaPolicy):
     def choose(self, layer, topk_ids, counts=None, source=0):
         if counts is None:
             raise ValueError("least_loaded needs every attention rank's per-expert counts")
+        if self.host is not None:      # the host plan and assignment: numpy views, no copy
+            every = cpu_numpy(counts)
+            quota = water_fill_host.plan(self.host[layer], every.sum(axis=0), self.iterations, self.step)
+            flat = cpu_numpy(topk_ids.reshape(-1))
+            phy = water_fill_host.assign(self.host[layer].phy, flat, quota, every[:source].sum(axis=0),
+                                         every[source])
+            return torch.from_numpy(phy).view(topk_ids.shape)
         quota = self.plan(layer, counts.sum(dim=0))
         return self.apply(layer, topk_ids, quota, counts[:source].sum(dim=0), counts[source])
 

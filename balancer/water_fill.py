@@ -10,13 +10,10 @@ PRIOR_WEIGHT * |share - fraction * total|^2 (the prior toward the placement's sp
 1. The linear split: without the sign constraint the optimum is linear in the per-expert totals, so
    `build_tables` solves the KKT system once per placement and a plan is one matrix-vector product.
 2. The fallback, for a split that step 1 drives negative (a rank already over the level from its single
-   experts): solve again without the drained replicas, clip, rescale, and polish by rounds of water-filling. With
-   `fixed_shape` (on a GPU) it is computed every time, with masks instead of a smaller system, and `torch.where`
-   picks it only where step 1 went negative: a branch on the data would read it on the host. On the CPU the host
-   is the device, so the plan reads the sign and computes the fallback only when it is needed (the same bits:
-   tests/balancer/test_policy.py). The fallback is ~110 of the plan's ~150 ops; at the shipped model's shape (8
-   experts, 4 of them replicated, 2 expert ranks) a plan without it took 0.15 ms instead of 1.05 ms on the 2-core
-   VM, one thread.
+   experts): solve again without the drained replicas, clip, rescale, and polish by rounds of water-filling. It
+   is computed every time, with masks instead of a smaller system, and `torch.where` picks it only where step 1
+   went negative: a branch on the data would read it on the host. The fallback is ~110 of the plan's ~150 ops.
+   CPU ranks run the same algorithm in numpy instead, branching (balancer/water_fill_host.py).
 3. Integer quotas by rounding running sums: every row keeps its total and no entry moves by a whole unit.
 `assign` then gives each of this rank's pairs its replica by the pair's rank among the pairs of its expert.
 
@@ -31,8 +28,6 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
-
-from comm.sync_audit import cpu_numpy
 
 PRIOR_WEIGHT = 1e-3          # pull of the least-squares split toward the placement's split (makes it unique)
 WARM_START_ITERATIONS = 64   # water-filling rounds for the split of the load the placement was made for
@@ -171,18 +166,15 @@ def linear_share(t: LayerTables, total: torch.Tensor) -> torch.Tensor:
     return out.index_copy(0, t.linear_rows, t.linear @ total.to(F64)).view(M, P)
 
 
-def split(t: LayerTables, total: torch.Tensor, iterations: int, step: float, fixed_shape: bool = True
-          ) -> torch.Tensor:
+def split(t: LayerTables, total: torch.Tensor, iterations: int, step: float) -> torch.Tensor:
     """total `[E]` int64 pairs per expert over all attention ranks -> the replicated experts' split `[M, P]`
-    float64 (steps 1 and 2; row mi sums to total[multi[mi]], zero on padding). fixed_shape: compute the fallback
-    every time and pick with `torch.where` (no host read); False, for a CPU total only: only when needed."""
+    float64 (steps 1 and 2; row mi sums to total[multi[mi]], zero on padding): the fallback computed every time
+    and picked with `torch.where` (no host read)."""
     tf = total.to(F64)
     if t.multi.numel() == 0:              # fixed by the placement, not by the counts
         return tf.new_zeros(t.valid.shape)
     # Step 1: the linear split
     linear = linear_share(t, tf)
-    if not fixed_shape and cpu_numpy(linear).min() >= 0:
-        return linear
     # Step 2: the fallback. Solve without the replicas step 1 drained, clip what is still negative, then let
     # water-filling put load back where it fits.
     c = tf[t.multi]
@@ -192,18 +184,17 @@ def split(t: LayerTables, total: torch.Tensor, iterations: int, step: float, fix
     share = torch.where((row > 0)[:, None], share * (c / torch.where(row > 0, row, 1.0))[:, None],
                         t.fraction * c[:, None])
     share = polish(t, tf, share, iterations, step)
-    return torch.where((linear < 0).any(), share, linear) if fixed_shape else share
+    return torch.where((linear < 0).any(), share, linear)
 
 
-def plan(t: LayerTables, total: torch.Tensor, iterations: int, step: float, fixed_shape: bool = True
-         ) -> torch.Tensor:
+def plan(t: LayerTables, total: torch.Tensor, iterations: int, step: float) -> torch.Tensor:
     """total `[E]` int64 pairs per expert over all attention ranks -> quotas `[E, P]` int64 (row e sums to
-    total[e], zero on padding). fixed_shape as in `split`."""
+    total[e], zero on padding)."""
     E, P = t.phy.shape
     quota = torch.zeros(E, P, dtype=torch.int64, device=total.device)
     quota[:, 0] = torch.where(t.single, total, 0)
     # Step 3: integers by rounding running sums
-    cum = split(t, total, iterations, step, fixed_shape).cumsum(dim=1).round().to(torch.int64)
+    cum = split(t, total, iterations, step).cumsum(dim=1).round().to(torch.int64)
     return quota.index_copy(0, t.multi, torch.diff(cum, dim=1, prepend=torch.zeros_like(cum[:, :1])))
 
 

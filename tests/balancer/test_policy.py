@@ -1,6 +1,6 @@
 """Replica choice: every policy picks a replica of the right expert; static, round_robin and random choose as
 their host tables did; least_loaded plans what the numpy implementation planned (tests/balancer/
-least_loaded_numpy.py), the same bits on the CPU's branching path as on the fixed-shape one a GPU runs, meets its
+least_loaded_numpy.py), the CPU's numpy plan agrees with the fixed-shape one a GPU runs, meets its
 quotas exactly across attention ranks, computes the same plan on every rank and balances skewed routing; and no
 policy's choose() reads anything on the host (least_loaded's fixed-shape path, which the GPU runs)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from balancer import water_fill
+from balancer import water_fill, water_fill_host
 from balancer.placement import Placement, eplb, slot_capacities
 from balancer.policy import POLICIES, LeastLoadedPolicy, make_policy
 from tests.balancer.least_loaded_numpy import NumpyLeastLoaded
@@ -125,25 +125,53 @@ def test_least_loaded_plans_what_the_numpy_implementation_planned(fixed_shape):
     assert compared >= 0.9 * (compared + near + failed) and failed >= 1, (compared, near, failed)
 
 
-def test_least_loaded_plans_the_same_bits_when_it_branches_on_the_cpu():
-    """On the CPU the plan computes its fallback only when the linear split went negative (it reads that on the
-    host); the fixed-shape plan that a GPU runs computes both and picks: the same splits and quotas, bit for bit,
-    over cases where the fallback is needed and where it is not. The policy branches on the CPU only."""
-    taken = skipped = 0
+def test_the_cpu_host_plan_agrees_with_the_device_plan():
+    """CPU ranks plan in numpy (balancer/water_fill_host.py), computing the fallback only where the linear split
+    went negative; a GPU runs the fixed-shape torch plan, which computes both and picks. The same splits to float
+    error, and the same quotas wherever every running sum is clear of a rounding boundary (else one pair apart),
+    over cases where the fallback is needed and where it is not."""
+    taken = skipped = compared = 0
     for seed in range(40):
         p, totals = random_case(seed)
-        fixed, branching = LeastLoadedPolicy(p, fixed_shape=True), LeastLoadedPolicy(p, fixed_shape=False)
+        fixed, host = LeastLoadedPolicy(p, fixed_shape=True), LeastLoadedPolicy(p)
+        assert host.host is not None and fixed.host is None
         for i, total in enumerate(totals):
             layer = i % 2
-            assert torch.equal(branching.split(layer, total), fixed.split(layer, total))
-            assert torch.equal(branching.plan(layer, total), fixed.plan(layer, total))
+            share = fixed.split(layer, total).numpy()
+            assert np.allclose(host.split(layer, total).numpy(), share, rtol=1e-9, atol=1e-6)
+            quota, want = host.plan(layer, total).numpy(), fixed.plan(layer, total).numpy()
+            assert quota.sum(axis=1).tolist() == total.tolist() and (quota >= 0).all()
+            cum = np.cumsum(share, axis=1)
+            if (np.abs(cum - np.floor(cum) - 0.5) > 1e-9).all():
+                np.testing.assert_array_equal(quota, want)
+                compared += 1
+            else:
+                assert np.abs(quota - want).max() <= 1
             if fixed.tables[layer].multi.numel() == 0:
                 continue                        # nothing replicated: no split at all
             negative = bool((fixed.linear_share(layer, total) < 0).any())
             taken, skipped = taken + negative, skipped + (not negative)
-    assert taken >= 50 and skipped >= 50, (taken, skipped)
+    assert taken >= 50 and skipped >= 50 and compared >= 700, (taken, skipped, compared)
     assert not LeastLoadedPolicy(placement()).fixed_shape
     assert LeastLoadedPolicy(placement(), device="meta").fixed_shape
+    with pytest.raises(ValueError, match="on the host only for CPU ranks"):
+        LeastLoadedPolicy(placement(), device="meta", fixed_shape=False)
+
+
+def test_the_cpu_host_assignment_gives_each_pair_the_device_assignments_replica():
+    """From the same quotas, the host assignment and the device one give every pair the same replica, on each
+    attention rank (one with no tokens among them)."""
+    p = placement()
+    fixed, host = LeastLoadedPolicy(p, fixed_shape=True), LeastLoadedPolicy(p)
+    parts = [skewed_ids(T, 50 + i) for i, T in enumerate([100, 0, 257, 64])]
+    counts = counts_of(*parts)
+    for layer in range(2):
+        quota = fixed.plan(layer, counts.sum(0))
+        for a, ids in enumerate(parts):
+            want = fixed.apply(layer, ids, quota, counts[:a].sum(0), counts[a])
+            got = water_fill_host.assign(host.host[layer].phy, ids.reshape(-1).numpy(), quota.numpy(),
+                                         counts[:a].sum(0).numpy(), counts[a].numpy())
+            np.testing.assert_array_equal(got, want.reshape(-1).numpy())
 
 
 def test_least_loaded_assigns_as_the_numpy_implementation_did():
@@ -159,9 +187,10 @@ def test_least_loaded_assigns_as_the_numpy_implementation_did():
         assert torch.equal(got, ref.apply(1, ids, quota, before.numpy(), mine.numpy()))
 
 
-def test_least_loaded_quotas_are_met_exactly_across_attention_ranks():
+@pytest.mark.parametrize("fixed_shape", [True, None])     # the device plan, and the CPU's host plan
+def test_least_loaded_quotas_are_met_exactly_across_attention_ranks(fixed_shape):
     p = placement()
-    policy = LeastLoadedPolicy(p)
+    policy = LeastLoadedPolicy(p, fixed_shape=fixed_shape)
     parts = [skewed_ids(T, 10 + i) for i, T in enumerate([100, 0, 257])]   # one rank has no tokens
     counts = counts_of(*parts)
     quota = policy.plan(0, counts.sum(0))
