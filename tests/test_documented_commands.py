@@ -143,6 +143,7 @@ RUN_BY = {
     "bench/throughput.py": "tests/bench/test_bench_smoke.py (--smoke)",
     "bench/step_breakdown.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full)",
     "bench/balancer.py": "tests/bench/test_bench_smoke.py (--smoke)",
+    "bench/balancer_engine.py": "tests/bench/test_bench_smoke.py (--smoke)",
     "bench/sync_audit.py": "tests/bench/test_bench_smoke.py (--smoke)",
     "bench/serve_load.py": "tests/bench/test_bench_smoke.py (--smoke, make test-full; --peer vllm needs "
                            ".venv-vllm: make peers)",

@@ -49,6 +49,15 @@ def test_balancer_smoke():
     assert "target: least_loaded max/mean at 25% redundancy, Zipf 1.0, 16 ranks" in out
 
 
+def test_balancer_engine_smoke():
+    """static, then least_loaded, each on an engine of its own: both rates and their ratio as printed."""
+    out = _smoke("balancer_engine.py")
+    static = float(re.search(r"static: ([\d.]+) tok/s", out).group(1))
+    ll, ratio = re.search(r"least_loaded: ([\d.]+) tok/s, ([\d.]+)x static", out).groups()
+    assert static > 0 and abs(float(ratio) - float(ll) / static) < 0.01, out
+    assert re.search(r"least_loaded against static: [\d.]+x \(median over 1 rounds", out), out
+
+
 @pytest.mark.timeout(600)
 def test_sync_audit_smoke():
     out = _smoke("sync_audit.py")
