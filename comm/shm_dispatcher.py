@@ -30,13 +30,13 @@ from .dispatcher import Dispatcher, DispatchHandle, PendingDispatch, pack_rows, 
 from .shm import Inbox, Outlet, _StoreFence, ipc_events_refusal, make_shared_dir, slot_buffers
 
 
-def counts_by_inbox(num_sources: int, gpus: list[int], ipc_events: bool) -> bool:
-    """Whether gather_counts goes through counts inboxes, from every rank's GPU index (-1: CPU), the same answer on
-    every rank: where the collective would make the host wait (gloo: CPU ranks, or GPUs that ranks share, whose
-    all_gather goes through host memory) or with CUDA IPC events (then nothing waits on the host); not between
-    GPUs of their own without events, where NCCL waits on no host and the inboxes' publish would synchronize."""
-    gloo = gpus[0] < 0 or len(set(gpus)) < len(gpus)
-    return num_sources > 1 and (gloo or ipc_events)
+def counts_by_inbox(num_sources: int, backend: str, ipc_events: bool) -> bool:
+    """Whether gather_counts goes through counts inboxes, from the job's process-group backend (the same on every
+    rank): where the collective would make the host wait (gloo: CPU ranks, or GPU ranks of a node whose ranks
+    share its GPUs, whose all_gather goes through host memory) or with CUDA IPC events (then nothing waits on
+    the host); not over NCCL without events, which waits on no host, where the inboxes' publish would
+    synchronize."""
+    return num_sources > 1 and (backend == "gloo" or ipc_events)
 
 
 class ShmDispatcher(Dispatcher):
@@ -83,7 +83,7 @@ class ShmDispatcher(Dispatcher):
             index, peer_slot = self.rank - S, source_slot
         # gather_counts' inboxes: attention rank a's holds a slot per other attention rank (sender b at b - (b > a))
         self.count_round, self.count_inbox, self.count_outlets = 0, None, []
-        inboxes = bool(count_words) and counts_by_inbox(S, [int(e[3]) for e in every], ipc_events)
+        inboxes = bool(count_words) and counts_by_inbox(S, dist.get_backend(group), ipc_events)
         others = [a for a in range(S) if a != self.rank] if self.is_source and inboxes else []
         if others:
             self.count_inbox = Inbox(directory, self.rank, S - 1, depth, count_words * 8, buffers,

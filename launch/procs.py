@@ -103,13 +103,17 @@ def leave_process(code: int = 0) -> None:
     os._exit(code)
 
 
-def rank_env(rank: int, world_size: int, port: int, join: bool, slot: int | None = None) -> dict[str, str]:
+def rank_env(rank: int, world_size: int, port: int, join: bool, slot: int | None = None,
+             local_world: int | None = None) -> dict[str, str]:
     """The environment torchrun would give a spawned rank (a fresh interpreter). A joiner's `rank` is its member
     id, which grows past the first launch's world size; its LOCAL_RANK is `slot` (free_slot: a place on the node
-    no live rank holds; on CUDA it picks its GPU by it), and the node then counts at least slot + 1 local ranks."""
+    no live rank holds; on CUDA it picks its GPU by it), and the node then counts at least slot + 1 local ranks
+    beside the `local_world` ranks its first launch had there (default world_size: a launch of one host). That
+    count decides a CUDA rank's backend (sizing.gpu_backend), so a joiner counts the node as its first ranks do."""
     local = rank if slot is None else slot
+    first = world_size if local_world is None else local_world
     env = dict(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local),
-               LOCAL_WORLD_SIZE=str(max(world_size, local + 1) if join else world_size),
+               LOCAL_WORLD_SIZE=str(max(first, local + 1) if join else world_size),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if join:
         env["AFSERVE_MEMBER"] = str(rank)
@@ -186,13 +190,15 @@ def _release_fork_server() -> None:
 
 
 def start_rank(ctx, member: int, port: int, config, queues: tuple, join: bool = False,
-               slot: int | None = None):
+               slot: int | None = None, local_world: int | None = None):
     """One rank's process (rank_main in ctx: rank_context's), started; queues: (inbox, outbox, status). A joiner
-    (join) takes `member` as its member id and `slot` as its local rank. The rank runs with this process's
-    environment as it is now (a fork server's own is that of its start)."""
+    (join) takes `member` as its member id, `slot` as its local rank and `local_world` as its node's first
+    launch's local ranks (rank_env). The rank runs with this process's environment as it is now (a fork server's
+    own is that of its start)."""
     name = f"afserve-member{member}" if join else f"afserve-rank{member}"
     p = ctx.Process(target=rank_main, name=name, daemon=True,
-                    args=(member, config.parallel.world_size, port, config, *queues, join, slot, dict(os.environ)))
+                    args=(member, config.parallel.world_size, port, config, *queues, join, slot, dict(os.environ),
+                          local_world))
     p.start()
     return p
 
@@ -202,23 +208,25 @@ def start_joiner(ctx, member: int, role: str, port: int, pool_addr: str, config,
     """A rank that joins the running job through its store at pool_addr in `role`, as member `member`, started
     beside procs (slots: theirs; both get the new one) in joiner_slot's slot; returns its process."""
     slot = joiner_slot(slots, procs, visible_gpus(config), first_world, held=held)
-    proc = start_rank(ctx, member, port, replace(config, role=role, pool_addr=pool_addr), queues, True, slot)
+    proc = start_rank(ctx, member, port, replace(config, role=role, pool_addr=pool_addr), queues, True, slot,
+                      first_world)
     slots.append(slot)
     procs.append(proc)
     return proc
 
 
 def rank_main(rank: int, world_size: int, port: int, config, inbox, outbox, status, join: bool = False,
-              slot: int | None = None, env: dict | None = None) -> None:
+              slot: int | None = None, env: dict | None = None, local_world: int | None = None) -> None:
     """Entry point of one spawned rank. Reports ("ready", rank, info) or ("error", rank, text) on status.
     join: a rank that joins the running job (config has its role and the pool address), `rank` its member id,
-    `slot` its local rank (rank_env); env: its starter's environment, which replaces this process's."""
+    `slot` its local rank and `local_world` its node's first launch's local ranks (rank_env); env: its starter's
+    environment, which replaces this process's."""
     die_with_parent()
     _release_fork_server()
     if env is not None:
         os.environ.clear()
         os.environ.update(env)
-    os.environ.update(rank_env(rank, world_size, port, join, slot))
+    os.environ.update(rank_env(rank, world_size, port, join, slot, local_world))
     from .runtime import Runtime, follow, lead
 
     runtime = None

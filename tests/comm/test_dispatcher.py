@@ -155,8 +155,7 @@ def test_the_same_host_transport_gathers_the_attention_ranks_counts_through_its_
 
 def test_counts_go_by_inbox_where_the_collective_would_wait_on_the_host():
     from comm.shm_dispatcher import counts_by_inbox
-    assert counts_by_inbox(2, [-1, -1, -1, -1], False)          # CPU ranks: the collective is gloo
-    assert counts_by_inbox(2, [0, 0, 0, 1], False)              # ranks sharing a GPU: gloo through host memory
-    assert not counts_by_inbox(2, [0, 1, 2, 3], False)          # a GPU each: NCCL, no host wait
-    assert counts_by_inbox(2, [0, 0, 0, 0], True)               # events: no host wait either way
-    assert not counts_by_inbox(1, [-1, -1], False)              # one attention rank gathers nothing
+    assert counts_by_inbox(2, "gloo", False)        # CPU ranks, or GPU ranks sharing GPUs: gloo through host memory
+    assert not counts_by_inbox(2, "nccl", False)    # a GPU each: NCCL, no host wait
+    assert counts_by_inbox(2, "nccl", True)         # events: no host wait either way
+    assert not counts_by_inbox(1, "gloo", False)    # one attention rank gathers nothing

@@ -174,3 +174,41 @@ def test_every_rank_of_a_node_sharing_gpus_unevenly_picks_the_same_backend(monke
     assert placed == [(0, 2, "gloo", True), (1, 1, "gloo", True), (0, 2, "gloo", True)]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)   # a GPU each: NCCL everywhere
     assert {(set_device(config, 3).backend, set_device(config, 3).node_shares_gpus)} == {("nccl", False)}
+
+
+def test_a_torchrun_joiner_counts_its_node_as_the_first_launch_did():
+    """Two nodes of 3 torchrun ranks on 4 GPUs each (nccl: a GPU per rank). A joiner spawned beside the leader
+    takes the free GPU 3; counting the job's 6 ranks as its node's it would have picked gloo against its node's
+    nccl, and its groups could not form."""
+    from launch.runtime.sizing import gpu_backend
+
+    assert gpu_backend(3, 4) == "nccl"
+    assert joiner_slot([], [], 4, 3, held=range(3)) == 3
+    env = rank_env(6, 6, 1234, join=True, slot=3, local_world=3)
+    local, world = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"])
+    assert (local, world) == (3, 4)
+    assert gpu_placement(local, world, 4, "auto", "two_phase", False) == (3, 1) and gpu_backend(world, 4) == "nccl"
+    assert rank_env(6, 6, 1234, join=True, slot=3)["LOCAL_WORLD_SIZE"] == "6"    # the job's count: gloo
+
+
+def test_start_joiner_hands_the_first_launchs_local_world_to_the_joiner(monkeypatch):
+    """What start_joiner gives the joiner's process: slot 3 and the node's first 3 ranks, so rank_env counts 4."""
+    from types import SimpleNamespace
+
+    import launch.procs as procs
+    from launch.config import EngineConfig
+
+    made = []
+
+    class Ctx:
+        def Process(self, target, name, daemon, args):
+            made.append(args)
+            return SimpleNamespace(start=lambda: None)
+
+    monkeypatch.setattr(procs, "visible_gpus", lambda config: 4)
+    config = EngineConfig.from_options("/m", 1, 1, device="cpu")
+    procs.start_joiner(Ctx(), 6, "expert", 1234, "h:1", config, (None, None, None), [], [], 3, held=range(3))
+    (args,) = made
+    rank, world, port, join, slot, local_world = args[0], args[1], args[2], args[7], args[8], args[10]
+    assert (rank, join, slot, local_world) == (6, True, 3, 3)
+    assert procs.rank_env(rank, world, port, join, slot, local_world)["LOCAL_WORLD_SIZE"] == "4"
