@@ -11,7 +11,8 @@ runtime, the tests and bench/balancer.py call them the same way.
   its own share of each expert's per-replica quotas. Ranks agree without a coordinator.
 
 Every choose() is device tensor ops of fixed shapes: no host read (`.item()`, `.tolist()`, `.cpu()`), no
-shape that depends on the data, so the decode path never waits on the host here.
+shape that depends on the data, so the decode path never waits on the host here; except least_loaded on CPU
+ranks, where the host is the device: it plans and assigns in numpy there (balancer/water_fill_host.py).
 
 Names: L MoE layers, E experts, n expert ranks, P max replicas of one expert, A attention ranks.
 """

@@ -3,10 +3,10 @@ formula, where the host is the device.
 
 Why a second form: the plan is ~150 calls on arrays of a few dozen numbers, so its cost is the per-call
 overhead, ~4-8 us for a torch op on the 2-core dev VM against ~1 us for numpy's. At the shipped model's shape
-the torch plan with its fallback took ~0.8 ms per MoE layer and micro-batch, and least_loaded ran at 0.70x
-`static`'s throughput at 1+2 (docs/benchmarks.md has the figures of this form). On the host, shapes may
-depend on the data: the fallback runs only when the linear split went negative, and the assignment repeats
-each replica's phy id by its count instead of a running count over positions.
+the torch plan with its fallback took ~0.75 ms per MoE layer and micro-batch (this form: ~0.03 ms), and
+least_loaded ran at 0.67-0.78x `static`'s throughput at 1+2 (docs/benchmarks.md has this form's). On the
+host, shapes may depend on the data: the fallback runs only when the linear split went negative, and the
+assignment repeats each replica's phy id by its count instead of a running count over positions.
 
 The split agrees with water_fill's to float error (numpy and torch sum in their own orders); the quotas agree
 wherever no running sum is within float error of a rounding boundary, else by one pair per replica

@@ -4,8 +4,8 @@
 The engine: `LLM` with --split A+E ranks and --redundant-experts slots (EPLB's start-up placement of an unknown
 load, as a launch makes it), the shipped model by default. Workload: bench/throughput.py's (64 requests, outputs
 of at most 128 tokens, every request in flight at once). Per round and policy an engine starts, warms up on 16
-requests and runs the workload --repeats times (the median counts); rounds alternate the policies, so a drift of
-the machine's speed hits each alike. Printed per round each policy's tok/s and its ratio to static's in that
+requests and runs the workload --repeats times (the median counts); odd rounds run the policies in the given
+order, even rounds in reverse (A B, B A, ...), so a steady drift of the machine's speed favours none. Printed per round each policy's tok/s and its ratio to static's in that
 round, then the median ratio over the rounds; with --breakdown also the attention rank's forward seconds and each
 expert rank's FFN seconds (comm_stats), the where of a difference.
 """
@@ -70,7 +70,7 @@ def main() -> None:
     ratios = {b: [] for b in policies[1:]}
     for r in range(args.rounds):
         rates = {}
-        for b in policies:
+        for b in policies if r % 2 == 0 else policies[::-1]:
             rates[b], busy = measure(args.model, b, split, args.redundant_experts, prompts, olens, args.repeats)
             extra = "" if not args.breakdown else "  (" + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()) + ")"
             vs = "" if b == "static" else f", {rates[b] / rates['static']:.2f}x static"

@@ -165,6 +165,18 @@ def test_the_cpu_host_assignment_gives_each_pair_the_device_assignments_replica(
     fixed, host = LeastLoadedPolicy(p, fixed_shape=True), LeastLoadedPolicy(p)
     parts = [skewed_ids(T, 50 + i) for i, T in enumerate([100, 0, 257, 64])]
     counts = counts_of(*parts)
+    _assigns_alike(fixed, host, parts, counts)
+    # more than 256 experts: the host sorts a uint16 key instead of uint8
+    g = torch.Generator().manual_seed(9)
+    load = (torch.rand(2, 300, generator=g) ** 3 * 100).double()
+    p = eplb(load, slot_capacities(300, 20, 4))
+    fixed, host = LeastLoadedPolicy(p, fixed_shape=True), LeastLoadedPolicy(p)
+    parts = [torch.stack([torch.multinomial(load[0] + 1, 4, generator=g) for _ in range(T)]) for T in (90, 40)]
+    _assigns_alike(fixed, host, parts, counts_of(*parts, num_experts=300))
+
+
+def _assigns_alike(fixed: LeastLoadedPolicy, host: LeastLoadedPolicy, parts: list[torch.Tensor],
+                   counts: torch.Tensor) -> None:
     for layer in range(2):
         quota = fixed.plan(layer, counts.sum(0))
         for a, ids in enumerate(parts):

@@ -54,7 +54,7 @@ def test_balancer_engine_smoke():
     out = _smoke("balancer_engine.py")
     static = float(re.search(r"static: ([\d.]+) tok/s", out).group(1))
     ll, ratio = re.search(r"least_loaded: ([\d.]+) tok/s, ([\d.]+)x static", out).groups()
-    assert static > 0 and abs(float(ratio) - float(ll) / static) < 0.01, out
+    assert static > 0 and abs(float(ratio) - float(ll) / static) < 0.02, out   # rates printed to whole tok/s
     assert re.search(r"least_loaded against static: [\d.]+x \(median over 1 rounds", out), out
 
 
