@@ -1,0 +1,117 @@
+"""The front's incremental detokenisation (launch/frontend/text.py) against the tokenizer's own full decode, which
+it replaces per chunk: the texts it returns add up to `decode(ids)` after every token, for the shipped byte-level
+BPE tokenizer and for a SentencePiece-style one with byte fallback (Llama's decoder); a TextStream's pieces, in
+any chunking, add up to the full decode cut at its first stop string; and each token's text end is where the
+full decode of the tokens up to it ends."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from launch.frontend.text import Detokenizer, TextStream, TokenSpans
+from models import SHIPPED_MODEL
+
+TEXT = "Wherefore art thou, Romeo? Café, naïve façade — 東京 😀 ¿qué? ∑x² … fin.\n\tEnd"
+
+
+def shipped():
+    return AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+
+
+def sentencepiece_style():
+    """A Llama-like tokenizer: BPE over "▁"-marked pieces, unknown characters as <0xNN> byte tokens, decoded by
+    replacing "▁" with a space, fusing bytes and stripping the first space."""
+    pieces = ["▁the", "▁a", "▁of", "▁and", "▁to", "th", "e", "a", "o", "n", "d", "▁", "s", "t", "r", "h", "i", ","]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    vocab.update({p: 259 + i for i, p in enumerate(pieces)})
+    tk = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def sequences(tok, rng: random.Random, count: int) -> list[list[int]]:
+    """Random ids (special ones among them) and pieces of the encoding of multi-byte text, mixed. Byte-level BPE:
+    pieces cut anywhere. Byte fallback: pieces cut between runs of byte tokens and random ids that are not byte
+    tokens, so every run of them is whole UTF-8 (Detokenizer's docstring: a full decode replaces an invalid run
+    as a whole, also characters already streamed)."""
+    text_ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    is_byte = [tok.convert_ids_to_tokens(t).startswith("<0x") for t in range(len(tok))]
+    cuts = [i for i in range(len(text_ids) + 1) if not (0 < i < len(text_ids) and is_byte[text_ids[i - 1]]
+                                                        and is_byte[text_ids[i]])]
+    others = [t for t in range(len(tok)) if not is_byte[t]]
+    out = []
+    for _ in range(count):
+        ids = []
+        while len(ids) < 60:
+            if rng.random() < 0.5:
+                lo = rng.randrange(len(cuts) - 1)
+                ids += text_ids[cuts[lo]:cuts[min(len(cuts) - 1, lo + rng.randrange(1, 6))]]
+            else:
+                ids += [rng.choice(others) for _ in range(rng.randrange(1, 4))]
+        out.append(ids)
+    return out
+
+
+@pytest.mark.parametrize("make", [shipped, sentencepiece_style])
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_incremental_text_is_the_full_decode_after_every_token(make, skip):
+    tok = make()
+    assert len(set(tok(TEXT, add_special_tokens=False)["input_ids"])) > 10
+    # Byte fallback: a prefix that ends inside a run of byte tokens decodes the whole run as U+FFFD (the run is
+    # not yet valid), so the texts agree after tokens that end a run.
+    byte = [tok.convert_ids_to_tokens(t).startswith("<0x") for t in range(len(tok))]
+    unfinished = compared = 0
+    for ids in sequences(tok, random.Random(1), 40):
+        d, text = Detokenizer(tok, skip), ""
+        for i, t in enumerate(ids):
+            text += d.add(t)
+            unfinished += bool(d.pending)
+            if i + 1 < len(ids) and byte[t] and byte[ids[i + 1]]:
+                continue
+            assert text + d.pending == tok.decode(ids[:i + 1], skip_special_tokens=skip), (ids[:i + 1], text)
+            compared += 1
+    assert unfinished >= 20 and compared >= 1500    # characters split over tokens were exercised
+
+
+@pytest.mark.parametrize("make", [shipped, sentencepiece_style])
+def test_streamed_pieces_add_up_to_the_full_decode_cut_at_the_first_stop_string(make):
+    tok = make()
+    rng = random.Random(2)
+    stopped = 0
+    for ids in sequences(tok, rng, 60):
+        full = tok.decode(ids, skip_special_tokens=True)
+        stops = [] if rng.random() < 0.3 else [full[k:k + rng.randrange(1, 5)] for k in
+                                               (rng.randrange(max(1, len(full) - 4)) for _ in range(2))]
+        stops = [s for s in stops if s]
+        stream, pieces, i = TextStream(tok, stops, spans=rng.random() < 0.5), [], 0
+        while i < len(ids):
+            n = rng.randrange(1, 5)
+            last = i + n >= len(ids)
+            pieces.append(stream.add(ids[i:i + n], final=last))
+            i += n
+            if stream.stopped:
+                break
+        hits = [full.find(s) for s in stops if full.find(s) >= 0]
+        assert "".join(pieces) == (full[:min(hits)] if hits else full), (ids[:i], stops)
+        assert stream.stopped == bool(hits)
+        stopped += stream.stopped
+    assert stopped >= 20
+
+
+def test_each_tokens_text_ends_where_the_full_decode_of_it_and_those_before_ends():
+    """TokenSpans.ends[i]: the length of decode(ids[:i + 1]) (an unfinished character counts as the U+FFFD it
+    shows), never less than the token before's."""
+    tok = shipped()
+    for ids in sequences(tok, random.Random(3), 30):
+        spans, want = TokenSpans(tok, True), []
+        for i in range(len(ids)):
+            want.append(max([len(tok.decode(ids[:i + 1], skip_special_tokens=True)), *want[-1:]]))
+        spans.add(ids[:7])
+        spans.add(ids[7:])
+        assert spans.ends == want
+
