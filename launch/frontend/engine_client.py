@@ -148,8 +148,10 @@ class EngineClient:
 
     def _deliver(self, outputs: list) -> None:
         """outputs: the leader's rows [request or sample id, [new token ids], finish_reason or None, new prompt
-        logprobs or None, new token logprobs or None]; each goes to its handler's sink as a `Progress`."""
+        logprobs or None, new token logprobs or None]; each goes to its handler's sink as a `Progress`, all of
+        them in one callback on the loop (each call_soon_threadsafe wakes the loop through its self-pipe)."""
         now = time.monotonic()
+        handed: list[tuple[asyncio.Queue, Progress]] = []
         with self._lock:
             for row in outputs:
                 got = Progress(*row)
@@ -168,7 +170,9 @@ class EngineClient:
                     del self._tracks[rid]
                     self._forget_if_done(track.request_id)
                     self._record_finish(track, finish)
-                self.loop.call_soon_threadsafe(track.sink.put_nowait, got)
+                handed.append((track.sink, got))
+            if handed:      # under the lock, as before: ahead of anything fail() hands the same sinks
+                self.loop.call_soon_threadsafe(_hand_over, handed)
 
     def _record_finish(self, track: _Track, reason: str) -> None:
         now = time.monotonic()
@@ -194,6 +198,11 @@ class EngineClient:
 
 def engine_down(why: str) -> APIError:
     return APIError(503, f"the engine is down: {why}", kind="server_error", code="engine_dead")
+
+
+def _hand_over(handed: list[tuple[asyncio.Queue, Progress]]) -> None:
+    for sink, got in handed:
+        sink.put_nowait(got)
 
 
 def _resolve(fut: asyncio.Future, value) -> None:
