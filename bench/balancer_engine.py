@@ -55,23 +55,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per engine (the median counts)")
     ap.add_argument("--breakdown", action="store_true", help="also print the ranks' busy seconds")
-    ap.add_argument("--smoke", action="store_true", help="8 requests of at most 16 tokens, one round, one run")
+    ap.add_argument("--smoke", action="store_true", help="8 requests of at most 16 tokens, two rounds of one run")
     args = ap.parse_args()
     try:
         (split,) = parse_splits(args.split)
     except ValueError as e:
         ap.error(str(e).replace("--splits", "--split"))
     if args.smoke:
-        args.requests, args.rounds, args.repeats = 8, 1, 1
+        args.requests, args.rounds, args.repeats = 8, 2, 1
     prompts, olens = workload(args.requests, max_output=16 if args.smoke else 128, model=args.model)
     policies = ["static", *[b for b in args.balancers if b != "static"]]
     print(f"{args.requests} requests, {sum(olens)} output tokens; {split[0]}+{split[1]} ranks, "
           f"{args.redundant_experts} redundant expert slots; median of {args.repeats} runs per engine")
     ratios = {b: [] for b in policies[1:]}
     for r in range(args.rounds):
-        rates = {}
-        for b in policies if r % 2 == 0 else policies[::-1]:
-            rates[b], busy = measure(args.model, b, split, args.redundant_experts, prompts, olens, args.repeats)
+        got = {b: measure(args.model, b, split, args.redundant_experts, prompts, olens, args.repeats)
+               for b in (policies if r % 2 == 0 else policies[::-1])}
+        rates = {b: rate for b, (rate, _) in got.items()}
+        for b in policies:
+            busy = got[b][1]
             extra = "" if not args.breakdown else "  (" + ", ".join(f"{k} {v:.2f}" for k, v in busy.items()) + ")"
             vs = "" if b == "static" else f", {rates[b] / rates['static']:.2f}x static"
             print(f"round {r + 1}: {b:>12s}: {rates[b]:.0f} tok/s{vs}{extra}", flush=True)
