@@ -169,9 +169,9 @@ async def _drive(eng: EngineClient, routes: dict[str, list[_Choice]], sink: asyn
                 c.num_tokens += len(toks)
                 c.sample.add(toks, got.logprobs, finish)
                 piece = c.stream.add(toks, final=finish is not None)
-                stopped = c.stream.stopped and finish is None
+                stopped = c.stream.stopped and finish is None      # still running in the engine: release it
                 is_stopped |= stopped
-                ended = "stop" if stopped else finish
+                ended = "stop" if c.stream.stopped else finish     # a stop string ends it, whatever the engine says
                 if ended is not None:
                     c.finish = "stop" if ended == "abort" else ended
                 yield c, piece, c.take_positions(got.logprobs)

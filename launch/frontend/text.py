@@ -16,7 +16,9 @@ class Detokenizer:
     SentencePiece's byte fallback), with one exception, which no stream can follow: a byte-fallback tokenizer's
     full decode replaces a whole run of byte tokens that is not valid UTF-8, including characters of it that
     had been valid (and streamed) before the run went on (vLLM's streams, through the same windows, do as this
-    does)."""
+    does). A tokenizer whose decode cleans up spaces around punctuation (`clean_up_tokenization_spaces`, off by
+    default in transformers 5 and in every tokenizer here) cleans each window, which may differ from cleaning
+    the whole text."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool):
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
@@ -87,7 +89,9 @@ class TextStream:
     """Generated ids -> text pieces, with stop strings. A piece is held back while it could still become a stop
     string or while it ends in an incomplete UTF-8 sequence. The text is decoded incrementally (`Detokenizer`),
     and only its unsent end (plus the `hold` characters a stop string may start in) is kept for the stop
-    search. With `spans`, it also tracks where each token's text ends (`spans.ends`) and how many tokens are
+    search; the whole characters of a token that ends in part of one are searched and sent at once, as a full
+    decode would show them (tokens that all end inside characters hold their text back until one does not, as
+    vLLM's streams do). With `spans`, it also tracks where each token's text ends (`spans.ends`) and how many tokens are
     wholly in the text sent so far."""
 
     def __init__(self, tokenizer, stops: list[str], spans: bool = False):
@@ -114,9 +118,12 @@ class TextStream:
             if final and self.spans is not None:
                 self.spans.close(0, True)
             return ""
-        tail, at = self._tail + new, self._tail_at
-        if final:
-            tail += self._detok.pending       # an unfinished character shows as a full decode shows it
+        at = self._tail_at
+        whole = self._tail + new              # the text of whole characters, from `at`
+        # and what a full decode shows of the tokens since: at the end all of it (an unfinished character as
+        # U+FFFD), before then the whole characters that share a token with the unfinished one
+        pending = self._detok.pending
+        tail = whole + (pending if final else pending.rstrip("\ufffd"))
         if self.stops:
             start = max(0, self.sent - self.hold) - at
             hits = [i for i in (tail.find(s, start) for s in self.stops) if i >= 0]
@@ -131,8 +138,8 @@ class TextStream:
         self.sent = max(end, self.sent)
         if final and self.spans is not None:
             self.spans.close(at + len(tail), complete=not self.stopped)
-        keep = max(0, self.sent - self.hold)
-        self._tail, self._tail_at = tail[keep - at:], keep
+        keep = min(max(0, self.sent - self.hold), at + len(whole))
+        self._tail, self._tail_at = whole[keep - at:], keep
         return piece
 
     @property

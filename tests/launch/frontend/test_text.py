@@ -1,14 +1,14 @@
 """The front's incremental detokenisation (launch/frontend/text.py) against the tokenizer's own full decode, which
 it replaces per chunk: the texts it returns add up to `decode(ids)` after every token, for the shipped byte-level
-BPE tokenizer and for a SentencePiece-style one with byte fallback (Llama's decoder); a TextStream's pieces, in
-any chunking, add up to the full decode cut at its first stop string; and each token's text end is where the
-full decode of the tokens up to it ends."""
+BPE tokenizer and for a SentencePiece-style one with byte fallback (Llama's decoder); a TextStream sends, after
+each chunk of any chunking, the full decode so far held back for stop strings and cut at the first; and each
+token's text end is where the full decode of the tokens up to it ends."""
 from __future__ import annotations
 
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from launch.frontend.text import Detokenizer, TextStream, TokenSpans
@@ -19,6 +19,29 @@ TEXT = "Wherefore art thou, Romeo? Café, naïve façade — 東京 😀 ¿qué?
 
 def shipped():
     return AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+
+
+def byte_level_mixed():
+    """A byte-level BPE tokenizer whose merges join bytes across characters: every adjacent byte pair of TEXT
+    with a byte of a multi-byte character in it, so tokens end inside characters that others start (b"f\\xc3"
+    of "Café"), and a token can hold whole characters and part of the next."""
+    b2u = bytes_to_unicode()
+    vocab = {b2u[b]: b for b in range(256)}
+    raw = TEXT.encode()
+    merges = list(dict.fromkeys((b2u[x], b2u[y]) for x, y in zip(raw, raw[1:]) if max(x, y) >= 0x80))
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tk = Tokenizer(models.BPE(vocab, merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="\u0100")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of bytes to printable characters (byte-level BPE's alphabet)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in bs]
+    return {**{b: chr(b) for b in bs}, **{b: chr(256 + i) for i, b in enumerate(extra)}}
 
 
 def sentencepiece_style():
@@ -57,7 +80,7 @@ def sequences(tok, rng: random.Random, count: int) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("make", [shipped, sentencepiece_style])
+@pytest.mark.parametrize("make", [shipped, byte_level_mixed, sentencepiece_style])
 @pytest.mark.parametrize("skip", [True, False])
 def test_the_incremental_text_is_the_full_decode_after_every_token(make, skip):
     tok = make()
@@ -78,29 +101,56 @@ def test_the_incremental_text_is_the_full_decode_after_every_token(make, skip):
     assert unfinished >= 20 and compared >= 1500    # characters split over tokens were exercised
 
 
-@pytest.mark.parametrize("make", [shipped, sentencepiece_style])
-def test_streamed_pieces_add_up_to_the_full_decode_cut_at_the_first_stop_string(make):
+@pytest.mark.parametrize("make", [shipped, byte_level_mixed])
+def test_streamed_pieces_are_the_text_so_far_held_back_for_stop_strings_and_cut_at_the_first(make):
+    """Byte-level BPE (also with tokens that hold whole characters and part of the next), random chunkings and
+    stop strings (some overlapping, some spanning chunks). What a chunk makes visible is the full decode of the
+    tokens so far less its unfinished character (U+FFFD), all of it with the last chunk. After each chunk the
+    text sent is the visible text less the last len(longest stop) - 1 characters (a stop string may still
+    start there) and less a U+FFFD it would end in; the first chunk whose visible text holds a stop string
+    (searched where the earlier chunks could not have seen it whole) ends the stream, cut before the earliest
+    hit."""
     tok = make()
     rng = random.Random(2)
-    stopped = 0
-    for ids in sequences(tok, rng, 60):
+    stopped = held = 0
+    for ids in sequences(tok, rng, 80):
         full = tok.decode(ids, skip_special_tokens=True)
-        stops = [] if rng.random() < 0.3 else [full[k:k + rng.randrange(1, 5)] for k in
-                                               (rng.randrange(max(1, len(full) - 4)) for _ in range(2))]
-        stops = [s for s in stops if s]
-        stream, pieces, i = TextStream(tok, stops, spans=rng.random() < 0.5), [], 0
-        while i < len(ids):
+        stops = [full[k:k + rng.randrange(1, 5)] for k in (rng.randrange(max(1, len(full) - 4)) for _ in range(3))]
+        stops = [st for st in stops if st and "\ufffd" not in st][:rng.randrange(0, 4)]
+        hold = max((len(st) for st in stops), default=1) - 1
+        stream, sent, i, want = TextStream(tok, stops, spans=rng.random() < 0.5), "", 0, ""
+        while i < len(ids) and not stream.stopped:
             n = rng.randrange(1, 5)
             last = i + n >= len(ids)
-            pieces.append(stream.add(ids[i:i + n], final=last))
+            sent += stream.add(ids[i:i + n], final=last)
             i += n
-            if stream.stopped:
+            seen = tok.decode(ids[:i], skip_special_tokens=True)
+            seen = seen if last else seen.rstrip("\ufffd")
+            hits = [h for h in (seen.find(st, max(0, len(want) - hold)) for st in stops) if h >= 0]
+            if hits or last:
+                want = seen[:min(hits)] if hits else seen
+                assert sent == want and stream.stopped == bool(hits), (ids[:i], stops, sent, want)
                 break
-        hits = [full.find(s) for s in stops if full.find(s) >= 0]
-        assert "".join(pieces) == (full[:min(hits)] if hits else full), (ids[:i], stops)
-        assert stream.stopped == bool(hits)
+            cut = max(len(want), len(seen) - hold)
+            while cut > len(want) and seen[cut - 1] == "\ufffd":    # nor does a piece end in U+FFFD before the end
+                cut -= 1
+            want = seen[:cut]
+            assert sent == want, (ids[:i], stops, sent, want)
+            held += len(seen) > len(want)
         stopped += stream.stopped
-    assert stopped >= 20
+    assert stopped >= 20 and held >= 20, (stopped, held)
+
+
+def test_a_sentencepiece_stream_adds_up_to_the_full_decode():
+    tok = sentencepiece_style()
+    rng = random.Random(4)
+    for ids in sequences(tok, rng, 40):
+        stream, sent, i = TextStream(tok, [], spans=rng.random() < 0.5), "", 0
+        while i < len(ids):
+            n = rng.randrange(1, 5)
+            sent += stream.add(ids[i:i + n], final=i + n >= len(ids))
+            i += n
+        assert sent == tok.decode(ids, skip_special_tokens=True)
 
 
 def test_each_tokens_text_ends_where_the_full_decode_of_it_and_those_before_ends():
