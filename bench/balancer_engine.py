@@ -64,7 +64,7 @@ def main() -> None:
     if args.smoke:
         args.requests, args.rounds, args.repeats = 8, 2, 1
     prompts, olens = workload(args.requests, max_output=16 if args.smoke else 128, model=args.model)
-    policies = ["static", *[b for b in args.balancers if b != "static"]]
+    policies = list(dict.fromkeys(["static", *args.balancers]))
     print(f"{args.requests} requests, {sum(olens)} output tokens; {split[0]}+{split[1]} ranks, "
           f"{args.redundant_experts} redundant expert slots; median of {args.repeats} runs per engine")
     ratios = {b: [] for b in policies[1:]}

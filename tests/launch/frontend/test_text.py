@@ -5,6 +5,7 @@ each chunk of any chunking, the full decode so far held back for stop strings an
 token's text end is where the full decode of the tokens up to it ends."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -135,28 +136,45 @@ def test_streamed_pieces_are_the_text_so_far_held_back_for_stop_strings_and_cut_
             while cut > len(want) and seen[cut - 1] == "\ufffd":    # nor does a piece end in U+FFFD before the end
                 cut -= 1
             want = seen[:cut]
-            assert sent == want, (ids[:i], stops, sent, want)
+            assert sent == want and not stream.stopped, (ids[:i], stops, sent, want)
             held += len(seen) > len(want)
+            if stream.spans is not None:     # tokens whose text (as far as a full decode shows it) was all sent
+                ends = itertools.accumulate((len(tok.decode(ids[:j + 1], skip_special_tokens=True))
+                                             for j in range(i)), max)
+                assert stream.num_sent_tokens == sum(e <= len(sent) for e in ends)
         stopped += stream.stopped
     assert stopped >= 20 and held >= 20, (stopped, held)
 
 
-def test_a_sentencepiece_stream_adds_up_to_the_full_decode():
+def test_a_sentencepiece_stream_is_the_full_decode_up_to_a_stop_string():
+    """Byte fallback (runs of byte tokens whole), random chunkings and stop strings: what was sent is the full
+    decode, or a prefix of it that a stop string follows and that holds none."""
     tok = sentencepiece_style()
     rng = random.Random(4)
-    for ids in sequences(tok, rng, 40):
-        stream, sent, i = TextStream(tok, [], spans=rng.random() < 0.5), "", 0
-        while i < len(ids):
+    stopped = 0
+    for ids in sequences(tok, rng, 60):
+        full = tok.decode(ids, skip_special_tokens=True)
+        stops = [full[k:k + rng.randrange(1, 5)] for k in (rng.randrange(max(1, len(full) - 4)) for _ in range(2))]
+        stops = [st for st in stops if st][:rng.randrange(0, 3)]
+        stream, sent, i = TextStream(tok, stops, spans=rng.random() < 0.5), "", 0
+        while i < len(ids) and not stream.stopped:
             n = rng.randrange(1, 5)
             sent += stream.add(ids[i:i + n], final=i + n >= len(ids))
             i += n
-        assert sent == tok.decode(ids, skip_special_tokens=True)
+        assert not any(st in sent for st in stops), (sent, stops)
+        if stream.stopped:
+            assert full.startswith(sent) and any(full.startswith(st, len(sent)) for st in stops), (sent, stops)
+        else:
+            assert sent == full
+        stopped += stream.stopped
+    assert stopped >= 15, stopped
 
 
-def test_each_tokens_text_ends_where_the_full_decode_of_it_and_those_before_ends():
+@pytest.mark.parametrize("make", [shipped, byte_level_mixed])
+def test_each_tokens_text_ends_where_the_full_decode_of_it_and_those_before_ends(make):
     """TokenSpans.ends[i]: the length of decode(ids[:i + 1]) (an unfinished character counts as the U+FFFD it
     shows), never less than the token before's."""
-    tok = shipped()
+    tok = make()
     for ids in sequences(tok, random.Random(3), 30):
         spans, want = TokenSpans(tok, True), []
         for i in range(len(ids)):
