@@ -25,7 +25,7 @@ from .water_fill import PRIOR_WEIGHT, LayerTables
 
 @dataclass(slots=True, frozen=True)
 class HostTables:
-    """A layer's `LayerTables` as numpy views of its CPU tensors (no copy), plus the replicas' ranks flattened."""
+    """A layer's `LayerTables` as numpy views of its CPU tensors (no copy)."""
 
     multi: np.ndarray
     single: np.ndarray

@@ -74,11 +74,11 @@ def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
         par = config.parallel
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
         one_node = (par.ranks_per_node or local_world) >= world_size
-        index, sharers = gpu_placement(int(os.environ.get("LOCAL_RANK", "0")), local_world,
-                                       torch.cuda.device_count(), par.transport, par.comm, one_node)
+        gpus = torch.cuda.device_count()
+        index, sharers = gpu_placement(int(os.environ.get("LOCAL_RANK", "0")), local_world, gpus, par.transport,
+                                       par.comm, one_node)
         device = torch.device("cuda", index)
         torch.cuda.set_device(device)
-        gpus = torch.cuda.device_count()
         backend = gpu_backend(local_world, gpus)
     else:
         device, sharers, backend, gpus = torch.device("cpu"), 1, "gloo", 0

@@ -139,34 +139,28 @@ def test_stop_strings_and_stop_token_ids(client, reference):
     stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2]
                 and text.find(text[i:i + 2]) == i)
     for stream in (False, True):
-        res = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=12,
-                                        stop=[stop, "never-appears"], stream=stream, extra_body={"ignore_eos": True})
-        if stream:
-            chunks = list(res)
-            out = "".join(c.choices[0].text for c in chunks)
-            reason = chunks[-1].choices[0].finish_reason
-        else:
-            out, reason = res.choices[0].text, res.choices[0].finish_reason
+        out, reason = _stopped_completion(client, 12, [stop, "never-appears"], stream)
         assert out == text[:text.index(stop)] and reason == "stop", (stream, out, stop, text)
     # a stop string whose first occurrence ends the n-th token: the engine finishes the request (length) in the
-    # same step as the front finds the stop, which names the reason (as vLLM does)
-    def decoded(n: int) -> str:
-        return reference.tokenizer.decode(full.token_ids[:n], skip_special_tokens=True)
-
-    # (not seen whole before the n-th token: not in what the first n - 1 tokens show)
-    n, text, last = next((n, decoded(n), decoded(n)[-k:]) for n in range(12, 2, -1) for k in range(1, 9)
-                         if "\ufffd" not in decoded(n)[-k:] and decoded(n).find(decoded(n)[-k:]) == len(decoded(n)) - k
-                         and decoded(n)[-k:] not in decoded(n - 1).rstrip("\ufffd"))
+    # same step as the front finds the stop, which names the reason (as vLLM does); it is not seen whole before
+    # the n-th token (not in what the first n - 1 tokens show)
+    shown = [reference.tokenizer.decode(full.token_ids[:n], skip_special_tokens=True) for n in range(13)]
+    n, last = next((n, shown[n][-k:]) for n in range(12, 2, -1) for k in range(1, 9)
+                   if "\ufffd" not in shown[n][-k:] and shown[n].find(shown[n][-k:]) == len(shown[n]) - k
+                   and shown[n][-k:] not in shown[n - 1].rstrip("\ufffd"))
     for stream in (False, True):
-        res = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=n,
-                                        stop=[last], stream=stream, extra_body={"ignore_eos": True})
-        if stream:
-            chunks = list(res)
-            out = "".join(c.choices[0].text for c in chunks)
-            reason = chunks[-1].choices[0].finish_reason
-        else:
-            out, reason = res.choices[0].text, res.choices[0].finish_reason
-        assert out == text[:-len(last)] and reason == "stop", (stream, out, last, text)
+        out, reason = _stopped_completion(client, n, [last], stream)
+        assert out == shown[n][:-len(last)] and reason == "stop", (stream, out, last, shown[n])
+
+
+def _stopped_completion(client, max_tokens: int, stop: list[str], stream: bool) -> tuple[str, str]:
+    """"Hello experts" greedily to max_tokens with these stop strings, streamed or not: (text, finish_reason)."""
+    res = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=max_tokens,
+                                    stop=stop, stream=stream, extra_body={"ignore_eos": True})
+    if not stream:
+        return res.choices[0].text, res.choices[0].finish_reason
+    chunks = list(res)
+    return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
 
 
 def test_seed_makes_sampling_reproducible(client):
