@@ -7,7 +7,7 @@ import logging
 import os
 import queue
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
@@ -16,29 +16,9 @@ from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
 from .procs import Outbox, free_port, rank_context, spawn_is_fresh, start_joiner, start_rank
 from .runtime.planning import check_autoscale, check_scale
-from .samples import Sample, chosen, split_id
+from .samples import RequestOutput, Sample, chosen, split_id
 
 logger = logging.getLogger("afserve")
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One prompt's result. token_ids: the generated ids only; text: decoded (None without a tokenizer);
-    finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context limit) or "abort".
-    prompt_logprobs: with SamplingParams.prompt_logprobs set, one entry per prompt token: None for the first,
-    then {token id: log-probability} holding the prompt token and the top alternatives asked for.
-    logprobs: with SamplingParams.logprobs set, one such dict per generated token.
-    samples: the SamplingParams.n samples (with best_of: the best n, best first); token_ids, text, finish_reason
-    and logprobs above are the first one's."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    logprobs: list[dict[int, float]] | None = None
-    samples: list[Sample] = field(default_factory=list)
 
 
 def _load_tokenizer(path: str):

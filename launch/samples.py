@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.sequence import sample_ids
 
-__all__ = ["Sample", "chosen", "sample_ids", "split_id"]
+__all__ = ["RequestOutput", "Sample", "chosen", "sample_ids", "split_id"]
 
 
 def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
@@ -38,6 +38,26 @@ class Sample:
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(e[t] for t, e in zip(tokens, logprobs))
         if finish is not None:
             self.finish_reason = finish
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One prompt's result. token_ids: the generated ids only; text: decoded (None without a tokenizer);
+    finish_reason: "stop" (EOS or a stop token), "length" (max_tokens or the context limit) or "abort".
+    prompt_logprobs: with SamplingParams.prompt_logprobs set, one entry per prompt token: None for the first,
+    then {token id: log-probability} holding the prompt token and the top alternatives asked for.
+    logprobs: with SamplingParams.logprobs set, one such dict per generated token.
+    samples: the SamplingParams.n samples (with best_of: the best n, best first); token_ids, text, finish_reason
+    and logprobs above are the first one's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    logprobs: list[dict[int, float]] | None = None
+    samples: list[Sample] = field(default_factory=list)
 
 
 def chosen(samples: list[Sample], params: SamplingParams) -> list[Sample]:
