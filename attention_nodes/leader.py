@@ -231,6 +231,7 @@ class Leader:
         """Engine counters summed over attention ranks, as of the last step, per-rank free and total KV
         blocks, and the KV-cache bytes one token takes per layer (every attention rank holds the same layout)."""
         return {"steps": self.step_id,
+                "micro_batches": self.micro_batches,
                 "num_micro_batched_steps": self.num_split_steps,
                 **{name: sum(getattr(r, field) for r in self.reports) for name, field in SUMMED.items()},
                 "num_waiting": sum(r.num_waiting for r in self.reports) + len(self.pending),

@@ -12,7 +12,7 @@ passages each run, the same in both engines: the cross-run cache hits are gone.
   it), `LLM(dtype="float32", max_num_seqs=64, max_num_batched_tokens=512)` and `LLM.generate` on token-id prompts,
   with bench/vllm_peer.py's environment.
 - afserve: `LLM` at each split of --splits (A+E: A attention + E expert ranks; default 1+1,1+2), max_num_seqs=64 // A
-  per attention rank (64 in flight in all), micro_batches=--micro-batches.
+  per attention rank (64 in flight in all), micro_batches=--micro-batches (default: auto, the engine's).
 One engine runs at a time, never two:
 1. afserve at the first split generates the first --num-check requests (greedy tokens);
 2. vLLM generates them and fails (status 3, first differing position) if they differ, before any timing; then a
@@ -108,8 +108,9 @@ def run_split(model: str, split: tuple[int, int], micro_batches: int, kv_space_g
         if timed:
             llm.generate(prompts[:WARMUP_REQUESTS], greedy(olens[:WARMUP_REQUESTS]))
             runs = [timed_run(llm, p, o) for p, o in timed]
+        picked = llm.stats()["micro_batches"]     # the leader's count (auto's pick when micro_batches is 0)
     return {"split": f"{A}+{E}", "attention_ranks": A, "expert_ranks": E, "max_num_seqs": IN_FLIGHT // A,
-            "micro_batches": micro_batches, "check_tokens": check, "runs": runs}
+            "micro_batches": micro_batches, "micro_batches_run": picked, "check_tokens": check, "runs": runs}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -132,7 +133,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per system, after a warm-up")
     ap.add_argument("--splits", default="1+1,1+2", help="afserve's attention+expert ranks, comma-separated")
-    ap.add_argument("--micro-batches", type=int, default=2, help="afserve's micro_batches (the engine default: 2)")
+    ap.add_argument("--micro-batches", type=int, default=0, help="afserve's micro_batches (default 0: the engine's "
+                    "default, auto)")
     ap.add_argument("--num-check", type=int, default=4, help="requests whose greedy tokens must agree")
     ap.add_argument("--kv-space-gib", type=int, default=1, help="KV cache GiB for each engine (afserve: split among "
                                                                 "its attention ranks)")

@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads-per-rank", type=int, default=None)
-    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=0, help="micro_batches (default 0: the engine's auto)")
     ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
     ap.add_argument("--attention-ranks", type=int, default=1)
     ap.add_argument("--expert-ranks", type=int, default=2)
@@ -146,10 +146,12 @@ def main() -> None:
             ours.append(n / dt)
             dt, n = run_hf(hf, prompts, olens)
             base.append(n / dt)
-        kv_blocks = llm.stats()["kv_blocks"]
+        stats = llm.stats()
+        kv_blocks = stats["kv_blocks"]
         graphs = [r.get("graphs") for r in llm.comm_stats()["ranks"].values() if r.get("graphs") is not None]
     mo, mb = statistics.median(ours), statistics.median(base)
-    print(f"device {args.device}, dtype {dtype}, model {args.model}, KV blocks per attention rank {kv_blocks}")
+    print(f"device {args.device}, dtype {dtype}, model {args.model}, KV blocks per attention rank {kv_blocks}, "
+          f"micro-batches {stats['micro_batches']} (--micro-batches {args.micro_batches})")
     print("decode graphs: " + ("; ".join(f"{len(g['captured'])} captured, {g['replays']} replays, {g['eager']} too "
                                          f"big, failed {g['failed']}" for g in graphs) or "off"))
     print(f"afserve {A}+{E} ranks      : {mo:8.1f} output tok/s (runs: {', '.join(f'{x:.1f}' for x in ours)})")

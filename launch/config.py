@@ -59,8 +59,10 @@ class ParallelConfig:
                                  "exchange per node pair) or auto (per call, whichever the cost model predicts "
                                  "faster)", choices=COMM_MODES)
     balancer: str = option("static", "which replica of an expert a token goes to", choices=BALANCERS)
-    micro_batches: int = option(2, "ping-pong micro-batches per step (>1: attention computes one while the "
-                                   "experts serve another; 1: never split)")
+    micro_batches: int = option(0, "ping-pong micro-batches per step (>1: attention computes one while the "
+                                   "experts serve another; 1: never split; 0, auto: 2 where every rank has a "
+                                   "core or a GPU of its own, counting serve.py's HTTP front as one more process on "
+                                   "the leader's host, else 1)")
     micro_batch_min_tokens: int = option(16, "with micro_batches > 1, split a step only when every attention "
                                              "rank runs at least this many tokens per micro-batch (else one "
                                              "batch)")
@@ -103,7 +105,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _int("attention_ranks", self.attention_ranks, 1)
-        _int("micro_batches", self.micro_batches, 1)
+        _int("micro_batches", self.micro_batches, 0)
         _int("micro_batch_min_tokens", self.micro_batch_min_tokens, 0)
         _int("expert_ranks", self.expert_ranks, 1)
         _int("prefill_ranks", self.prefill_ranks, 0)
@@ -144,6 +146,12 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.attention_ranks + self.expert_ranks
+
+    @property
+    def micro_batch_capacity(self) -> int:
+        """The most micro-batches a step may run, which every rank sizes for (data-plane rounds in flight, decode
+        graph slots, an expert rank's exchanges): micro_batches, or 2 when auto (the leader picks 1 or 2)."""
+        return self.micro_batches or 2
 
 
 @dataclass(slots=True)

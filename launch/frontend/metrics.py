@@ -136,6 +136,10 @@ class _EngineSeries:
             ratio.add_metric([str(r)], (n - free) / n if n else 0.0)
         yield from (total, used, ratio)
         yield CounterMetricFamily("afserve_engine_steps", "Engine steps", value=s["steps"])
+        yield GaugeMetricFamily("afserve_micro_batches", "Ping-pong micro-batches a step may split into "
+                                "(micro_batches, or the leader's pick with 0, auto)", value=s["micro_batches"])
+        yield CounterMetricFamily("afserve_micro_batched_steps", "Engine steps split into micro-batches",
+                                  value=s["num_micro_batched_steps"])
         yield CounterMetricFamily("afserve_preemptions", "Preempted requests", value=s["num_preemptions"])
         yield CounterMetricFamily("afserve_prefix_cache_queries", "Prompt tokens of admitted requests looked up in "
                                   "the prefix cache", value=s["prefix_cache_queries"])

@@ -127,7 +127,8 @@ class StepCosts:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """A deployment: pool sizes, ping-pong micro-batches and the scheduler's limits (the engine's defaults)."""
+    """A deployment: pool sizes, ping-pong micro-batches (a count: the planner compares 1 and 2 where the
+    engine's default, auto, picks one by the cores or GPUs) and the scheduler's limits (the engine's defaults)."""
 
     attention_ranks: int
     expert_ranks: int

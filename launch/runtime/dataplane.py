@@ -45,7 +45,7 @@ def _dispatcher(config: EngineConfig, topo: Topology, groups: ProcessGroups, dev
     par = config.parallel
     if use_shm(config, topo, groups, dev.device):
         return ShmDispatcher(**kw, control=groups.control, max_tokens=config.scheduler.max_num_batched_tokens,
-                             depth=par.micro_batches + 1, timeout_s=config.collective_timeout_s,
+                             depth=par.micro_batch_capacity + 1, timeout_s=config.collective_timeout_s,
                              in_band={"auto": None, "on": True, "off": False}[par.in_band_counts],
                              ipc_events=par.cuda_ipc_events, count_words=count_words)
     if dev.node_shares_gpus:

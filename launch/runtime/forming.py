@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -133,6 +134,10 @@ class GenerationForming:
                 self.leader.regroup(plan["attention_keep"], plan["kv_blocks"], handover, held,
                                     plan.get("prefill_ranks"))
                 self.leader.num_expert_ranks = topo.num_expert_ranks
+                self.leader.micro_batches = self.micro_batches()   # auto follows the ranks on this host
+                if self.leader.autoscaler is not None:
+                    self.leader.autoscaler.plan = replace(self.leader.autoscaler.plan,
+                                                          micro_batches=self.leader.micro_batches)
         else:
             state.staged = {}
             self.worker.rank = topo.rank

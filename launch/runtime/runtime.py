@@ -35,7 +35,8 @@ from .dataplane import make_data_plane
 from .forming import GenerationForming
 from .liveness import DRAIN_S, MEMBER_IDS, PREFIX, break_connections, drain_or_exit, draw_member_id, stream_done
 from .membership import Membership
-from .sizing import check_expert_memory, expert_budget, max_model_len, plans_gpu_memory, set_device
+from .sizing import (auto_micro_batches, check_expert_memory, expert_budget, host_cores, max_model_len,
+                     plans_gpu_memory, set_device)
 from .startup import (build_attention_worker, decode_graph_drafts, decode_graph_rows, draft_passes, leads_pool,
                       load_attention_model, open_store, uses_decode_graphs)
 
@@ -56,8 +57,9 @@ class Runtime(GenerationForming):
     The job's generation: `generation` (-1 before the first), `members` (member ids by rank), `member` (this
     rank's), `topo`, `groups`, `control` and `dispatcher` (None after leaving it, until the next one)."""
 
-    def __init__(self, config: EngineConfig):
-        self.config = config
+    def __init__(self, config: EngineConfig, http_front: bool = False):
+        """http_front: serve.py's HTTP front runs on this host too (micro_batches=0 counts it)."""
+        self.config, self.http_front = config, http_front
         self.store: dist.Store | None = None
         self.membership: Membership | None = None
         self.leader: Leader | None = None
@@ -123,8 +125,8 @@ class Runtime(GenerationForming):
                 peak = memory.expert_peak(slots, rows, spec.top_k, spec.hidden_size, self.dev.dtype, self.dev.device)
                 memory.plan(self.dev.device, False, peak, self.groups.control,
                             config.cache.gpu_memory_utilization)
-            self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers, par.micro_batches,
-                                       spec.num_mtp_layers)
+            self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers,
+                                       par.micro_batch_capacity, spec.num_mtp_layers)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control)
@@ -170,7 +172,8 @@ class Runtime(GenerationForming):
         else:
             empty = torch.full((spec.num_moe_layers, 0), -1, dtype=torch.int64)
             slots = ExpertSlots.empty(self.ckpt, empty, self.dev.dtype, self.dev.device, self.dev.kernel_backend)
-            self.worker = ExpertWorker(-1, slots, None, spec.num_moe_layers, par.micro_batches, spec.num_mtp_layers)
+            self.worker = ExpertWorker(-1, slots, None, spec.num_moe_layers, par.micro_batch_capacity,
+                                       spec.num_mtp_layers)
             blocks = 0
         self.membership.join(config.role, {**self.member_info(config.role), "kv_blocks": blocks})
         self.info = RankInfo(blocks, config.cache.block_size, max_model_len(config, spec))
@@ -196,7 +199,7 @@ class Runtime(GenerationForming):
                                          self.dev.dtype)
             if uses_decode_graphs(config, self.dev):
                 peak += memory.graph_reserve(model, self.ckpt.spec, decode_graph_rows(config),
-                                             config.parallel.micro_batches, config.cache.block_size,
+                                             config.parallel.micro_batch_capacity, config.cache.block_size,
                                              max_model_len(config, self.ckpt.spec), self.dev.dtype,
                                              decode_graph_drafts(config))
             kv_bytes = memory.plan(self.dev.device, True, peak, group, config.cache.gpu_memory_utilization)
@@ -206,12 +209,12 @@ class Runtime(GenerationForming):
             par = self.config.parallel
             self.leader = Leader(self.worker, self.topo.num_attention_ranks, self.config.cache.block_size,
                                  par.rebalance_interval, self.worker.block_pool.track_events,
-                                 par.micro_batches, par.micro_batch_min_tokens, *draft_passes(config),
+                                 self.micro_batches(), par.micro_batch_min_tokens, *draft_passes(config),
                                  par.prefill_ranks, par.max_decode_passes, par.stream_kv)
             self.leader.num_expert_ranks = self.topo.num_expert_ranks
             if par.autoscale:
                 sched = config.scheduler
-                plan = Plan(1, 1, par.micro_batches, max_num_seqs=min(sched.max_num_seqs,
+                plan = Plan(1, 1, self.leader.micro_batches, max_num_seqs=min(sched.max_num_seqs,
                                                                        sched.max_num_batched_tokens),
                             max_num_batched_tokens=sched.max_num_batched_tokens,
                             micro_batch_min_tokens=par.micro_batch_min_tokens)
@@ -221,6 +224,19 @@ class Runtime(GenerationForming):
                 self.leader.membership_changes = self.membership.changes
             if self.store is not None:   # what ranks joining later take (launch/runtime/membership.py, "Joining")
                 self.store.set(f"{PREFIX}/config", msgpack.packb(self.config.leader_settings()))
+
+    def micro_batches(self) -> int:
+        """The leader's micro-batches per step: micro_batches, or auto's pick (sizing.auto_micro_batches) for the
+        generation's ranks on this host: all of them when the launch put every rank here (LLM's spawned ranks,
+        a one-node torchrun, and the ranks that join them), else this host's LOCAL_WORLD_SIZE (which misses a
+        separate pool launched on the same host, and joiners started beside the leader of a multi-host job)."""
+        par = self.config.parallel
+        if par.micro_batches:
+            return par.micro_batches
+        world = self.topo.world_size if not self.topo.forming else par.world_size
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return auto_micro_batches(self.dev, world if local >= par.world_size else local, self.http_front,
+                                  host_cores())
 
     def _bytes_per_slot(self) -> int:
         return ExpertSlots.bytes_per_slot(self.ckpt, self.dev.dtype)

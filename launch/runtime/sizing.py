@@ -89,6 +89,25 @@ def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
                           backend, sharers, gpus)
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def auto_micro_batches(dev: DeviceSettings, ranks_on_host: int, http_front: bool, cores: int) -> int:
+    """micro_batches=0 (auto), the leader's choice: 2 (ping-pong) where every rank has a core or a GPU of its
+    own, else 1. Ping-pong overlaps one micro-batch's attention with the other's experts, which pays only when
+    both run at once; ranks that time-share a core or a GPU split each op's cost instead, and the extra
+    exchanges then cost more than the overlap saves. Measured (docs/benchmarks.md, "Ping-pong when the ranks
+    share cores"): on 2 cores, 1+1 offline 12-16% faster with 2; 1+2 and 2+1 offline, and 1+1 served beside
+    the HTTP front, 13-30% faster with 1; one GPU shared by 1+1 through cuda_ipc, 13-30% faster with 1.
+    ranks_on_host: the job's ranks on the leader's machine; http_front: serve.py's HTTP front runs there
+    too (JSON and detokenising take most of a core under load)."""
+    if dev.device.type == "cuda":
+        return 1 if dev.node_shares_gpus else 2
+    return 2 if cores >= ranks_on_host + int(http_front) else 1
+
+
 DECODE_THREADS_MAX = 16   # the default's cap: the decode is memory-bound, and a wake-up per thread costs per call
 
 
@@ -100,8 +119,7 @@ def decode_threads(config: EngineConfig) -> int:
     yielding, then sleep."""
     if config.decode_threads:
         return config.decode_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(DECODE_THREADS_MAX, cores // config.parallel.attention_ranks))
+    return max(1, min(DECODE_THREADS_MAX, host_cores() // config.parallel.attention_ranks))
 
 
 def tune_allocator() -> None:

@@ -66,7 +66,7 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
         model.graphs = DecodeGraphs(model, kv, decode_graph_rows(config),
                                     -(-max_model_len(config, spec) // cache.block_size), num_blocks,
                                     emulate=dev.device.type == "cpu", drafts=decode_graph_drafts(config))
-        model.graphs.capture_all(par.micro_batches)
+        model.graphs.capture_all(par.micro_batch_capacity)
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
@@ -77,8 +77,8 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     mtp = None if not config.scheduler.uses_mtp else MTPProposer(
         model, num_blocks, cache.block_size, config.scheduler.max_num_seqs, speculative.num_speculative_tokens,
         dev.dtype, dev.device, exclusive)
-    return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device, par.micro_batches,
-                           speculative, draft, mtp)
+    return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device,
+                           par.micro_batch_capacity, speculative, draft, mtp)
 
 
 def uses_decode_graphs(config: EngineConfig, dev: DeviceSettings) -> bool:

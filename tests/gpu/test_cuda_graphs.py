@@ -20,7 +20,7 @@ def generate(path: str, prompts: list[list[int]], max_new: list[int], A: int = 1
              **options):
     """Greedy tokens, each attention rank's graph stats (ranks: a list that gets every rank's comm stats)."""
     with LLM(path, attention_ranks=A, expert_ranks=E, device="cuda", dtype="float32", transport="cuda_ipc",
-             max_num_batched_tokens=64, kv_cache_memory=KV, micro_batch_min_tokens=1, max_num_seqs=16,
+             max_num_batched_tokens=64, kv_cache_memory=KV, micro_batches=2, micro_batch_min_tokens=1, max_num_seqs=16,
              **options) as llm:
         outs = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_new])
         stats = llm.comm_stats()["ranks"]

@@ -35,7 +35,8 @@ def test_graphs_give_transformers_tokens(tiny_checkpoint, emulated, arch):
     with max_num_seqs 5 the second slot's buckets (up to slot_rows' 3 rows: 4) hold every second micro-batch."""
     path = tiny_checkpoint(arch)
     prompts = make_prompts(5, 256, 2, 14, seed=11)
-    tokens, comm = run(path, prompts, attention_ranks=1, expert_ranks=1, micro_batch_min_tokens=1, max_num_seqs=5)
+    tokens, comm = run(path, prompts, attention_ranks=1, expert_ranks=1, micro_batches=2, micro_batch_min_tokens=1,
+                       max_num_seqs=5)
     assert tokens == hf_greedy(path, prompts, MAX_NEW)
     (stats,) = graph_stats(comm, 1)
     assert stats["failed"] is None

@@ -3,6 +3,7 @@ including mixed prompt lengths, chunked prefill and preemption in the same batch
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -29,9 +30,10 @@ def test_greedy_matches_transformers(tiny_checkpoint, arch, attention_ranks, exp
     # Mixed lengths; one prompt (70 tokens) is longer than the 48-token budget, so it is chunked.
     prompts = make_prompts(7, 256, 3, 40, seed=1) + [make_prompts(1, 256, 70, 70, seed=2)[0]]
     expected = hf_greedy(path, prompts, MAX_NEW)
-    # 14 blocks of 16 tokens per attention rank cannot hold all requests at once: preemption happens.
+    # 14 blocks of 16 tokens per attention rank cannot hold all requests at once: preemption happens. Two ping-pong
+    # micro-batches in every topology (asked for: micro_batches' auto would pick 1 past a core per rank).
     with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, num_kv_blocks=14,
-             max_num_batched_tokens=48, max_num_seqs=8) as llm:
+             max_num_batched_tokens=48, max_num_seqs=8, micro_batches=2) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         stats = llm.stats()
     assert [o.token_ids for o in outs] == expected
@@ -58,7 +60,7 @@ def test_ping_pong_micro_batches_match_transformers(tiny_checkpoint, arch, atten
 
 
 def test_micro_batches_split_only_steps_with_enough_tokens(tiny_checkpoint):
-    """The defaults, micro_batches=2 and micro_batch_min_tokens=16: a step splits only when the attention rank
+    """micro_batches=2 with the default micro_batch_min_tokens=16: a step splits only when the attention rank
     runs at least 2 x 16 tokens (its running sequences' and its new prompts'); a small batch runs whole. Tokens
     equal transformers' either way."""
     path = tiny_checkpoint("qwen3_moe")
@@ -66,7 +68,7 @@ def test_micro_batches_split_only_steps_with_enough_tokens(tiny_checkpoint):
     expected = hf_greedy(path, prompts, MAX_NEW)
     greedy = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     short = SamplingParams(max_tokens=2, ignore_eos=True)
-    with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
+    with LLM(path, attention_ranks=1, expert_ranks=1, micro_batches=2) as llm:
         small = llm.generate(prompts[:3], greedy)
         after_small = llm.stats()
         outs = llm.generate(prompts, [greedy] * 20 + [short] * 20)    # 40 rows for two steps, then 20
@@ -78,18 +80,43 @@ def test_micro_batches_split_only_steps_with_enough_tokens(tiny_checkpoint):
     assert split == 2 and after_all["steps"] - after_small["steps"] == MAX_NEW   # the prompts' step and 40 rows
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+def test_auto_micro_batches_split_only_where_each_rank_has_a_core(tiny_checkpoint, monkeypatch, cores):
+    """micro_batches=0, the default: 1+1 ranks ping-pong on two cores of their own and never split on one
+    (the ranks, spawned from this thread rather than forked from the shared fork server, inherit its
+    affinity). Tokens equal transformers' either way."""
+    if len(os.sched_getaffinity(0)) < cores:
+        pytest.skip(f"this machine lets the test run on {len(os.sched_getaffinity(0))} core(s), not {cores}")
+    monkeypatch.setenv("AFSERVE_START_METHOD", "spawn")
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(40, 256, 2, 12, seed=6)
+    expected = hf_greedy(path, prompts, 4)
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(before)[:cores])
+    try:
+        with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+            stats = llm.stats()
+    finally:
+        os.sched_setaffinity(0, before)
+    assert [o.token_ids for o in outs] == expected
+    assert stats["micro_batches"] == cores
+    assert (stats["num_micro_batched_steps"] > 0) == (cores == 2), stats    # 40 rows: every step could split
+
+
 @pytest.mark.parametrize("arch,transport,attention_ranks,expert_ranks,ranks_per_node", [
     ("qwen3_moe", "collective", 1, 2, None), ("olmoe", "collective", 2, 2, None), ("qwen3_moe", "auto", 2, 2, 2),
     wider("olmoe", "collective", 1, 2, None), wider("qwen3_moe", "collective", 2, 2, None),
     wider("olmoe", "auto", 2, 2, 2)])
 def test_gloo_transport_matches_transformers(tiny_checkpoint, arch, transport, attention_ranks, expert_ranks,
                                              ranks_per_node):
-    """The gloo data plane (forced, or chosen by auto because the topology spans two emulated nodes)."""
+    """The gloo data plane (forced, or chosen by auto because the topology spans two emulated nodes), in two
+    ping-pong micro-batches (asked for: auto picks 1 for 3-4 ranks on CI's 2 cores)."""
     path = tiny_checkpoint(arch)
     prompts = make_prompts(5, 256, 2, 30, seed=5)
     expected = hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, transport=transport,
-             ranks_per_node=ranks_per_node) as llm:
+             ranks_per_node=ranks_per_node, micro_batches=2) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
 
@@ -97,23 +124,25 @@ def test_gloo_transport_matches_transformers(tiny_checkpoint, arch, transport, a
 @pytest.mark.parametrize("arch,attention_ranks", [("qwen3_moe", 1), ("olmoe", 2)])
 def test_shm_in_band_counts_match_transformers(tiny_checkpoint, arch, attention_ranks):
     """The same-host transport with each source's row count in its message (what cuda_ipc does on a GPU), forced on
-    the CPU: fixed blocks placed on the device, results gathered back by position."""
+    the CPU: fixed blocks placed on the device, results gathered back by position; two micro-batches."""
     path = tiny_checkpoint(arch)
     prompts = make_prompts(5, 256, 2, 30, seed=7)
     expected = hf_greedy(path, prompts, MAX_NEW)
-    with LLM(path, attention_ranks=attention_ranks, expert_ranks=2, transport="shm", in_band_counts="on") as llm:
+    with LLM(path, attention_ranks=attention_ranks, expert_ranks=2, transport="shm", in_band_counts="on",
+             micro_batches=2) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
 
 
 @pytest.mark.parametrize("attention_ranks,expert_ranks,ranks_per_node", [(2, 2, 2), wider(4, 4, 2), wider(4, 4, 4)])
 def test_two_phase_matches_transformers(tiny_checkpoint, attention_ranks, expert_ranks, ranks_per_node):
-    """comm='two_phase' over emulated nodes: tokens gathered per node, one message per node pair."""
+    """comm='two_phase' over emulated nodes: tokens gathered per node, one message per node pair; two
+    micro-batches."""
     path = tiny_checkpoint("qwen3_moe")
     prompts = make_prompts(6, 256, 2, 30, seed=6)
     expected = hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, comm="two_phase",
-             ranks_per_node=ranks_per_node) as llm:
+             ranks_per_node=ranks_per_node, micro_batches=2) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
         stats = llm.comm_stats()
     assert [o.token_ids for o in outs] == expected

@@ -15,7 +15,8 @@ def make_stats(free_kv_blocks=(40, 10), kv_blocks=(100, 50), num_running=3, num_
             "kv_transfer_seconds": 0.0, "kv_blocks_reused": 0, "kv_transfer_buckets": [0] * (len(TRANSFER_BUCKETS) + 1),
             "requests_waiting_for_decode": 0, "multi_pass_steps": 0, "kv_blocks_streamed": 0, "kv_bytes_streamed": 0,
             "kv_stream_seconds": 0.0}
-    return {"steps": 12, "num_preemptions": 0, "num_running": num_running, "num_waiting": num_waiting,
+    return {"steps": 12, "micro_batches": 2, "num_micro_batched_steps": 9,
+            "num_preemptions": 0, "num_running": num_running, "num_waiting": num_waiting,
             "free_kv_blocks": list(free_kv_blocks), "kv_blocks": list(kv_blocks),
             "prefix_cache_queries": 0, "prefix_cache_hits": 0, "pool_ranks": {"attention": 2, "expert": 2},
             "membership_changes": [{"generation": 1}], "num_moved_requests": 3, "num_handed_over_requests": 2,

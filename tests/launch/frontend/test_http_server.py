@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
 import re
 import signal
 import time
@@ -29,7 +30,6 @@ COLLECTIVE_TIMEOUT_S = 4
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_checkpoint, tmp_path_factory):
-    import os
     import shutil
     path = os.path.join(tmp_path_factory.mktemp("served"), MODEL)
     shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
@@ -385,6 +385,9 @@ def test_metrics_cover_latency_tokens_and_per_layer_comm(server, client):
                        rf'role="{role}"\}} (\S+)$')
                 m = re.search(pat, text, re.M)
                 assert m and float(m.group(1)) > 0, pat
+    # micro_batches auto: 3 ranks and the HTTP front ping-pong only with a core each
+    cores = len(os.sched_getaffinity(0))
+    assert re.search(rf'^afserve_micro_batches {2 if cores >= 4 else 1}\.0$', text, re.M), cores
 
 
 def test_idle_server_outlives_the_collective_timeout(server, client):
