@@ -147,12 +147,6 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.attention_ranks + self.expert_ranks
 
-    @property
-    def micro_batch_capacity(self) -> int:
-        """The most micro-batches a step may run, which every rank sizes for (data-plane rounds in flight, decode
-        graph slots, an expert rank's exchanges): micro_batches, or 2 when auto (the leader picks 1 or 2)."""
-        return self.micro_batches or 2
-
 
 @dataclass(slots=True)
 class CacheConfig:

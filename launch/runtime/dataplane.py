@@ -19,7 +19,7 @@ from comm.topology import ProcessGroups, Topology
 from models.spec import ModelSpec
 
 from ..config import EngineConfig
-from .sizing import DeviceSettings
+from .sizing import DeviceSettings, micro_batch_capacity
 
 
 def make_data_plane(config: EngineConfig, topo: Topology, groups: ProcessGroups, dev: DeviceSettings,
@@ -45,7 +45,8 @@ def _dispatcher(config: EngineConfig, topo: Topology, groups: ProcessGroups, dev
     par = config.parallel
     if use_shm(config, topo, groups, dev.device):
         return ShmDispatcher(**kw, control=groups.control, max_tokens=config.scheduler.max_num_batched_tokens,
-                             depth=par.micro_batch_capacity + 1, timeout_s=config.collective_timeout_s,
+                             depth=micro_batch_capacity(par.micro_batches, dev) + 1,
+                             timeout_s=config.collective_timeout_s,
                              in_band={"auto": None, "on": True, "off": False}[par.in_band_counts],
                              ipc_events=par.cuda_ipc_events, count_words=count_words)
     if dev.node_shares_gpus:

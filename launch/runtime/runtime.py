@@ -36,7 +36,7 @@ from .forming import GenerationForming
 from .liveness import DRAIN_S, MEMBER_IDS, PREFIX, break_connections, drain_or_exit, draw_member_id, stream_done
 from .membership import Membership
 from .sizing import (auto_micro_batches, check_expert_memory, expert_budget, host_cores, max_model_len,
-                     plans_gpu_memory, set_device)
+                     micro_batch_capacity, plans_gpu_memory, set_device)
 from .startup import (build_attention_worker, decode_graph_drafts, decode_graph_rows, draft_passes, leads_pool,
                       load_attention_model, open_store, uses_decode_graphs)
 
@@ -126,7 +126,7 @@ class Runtime(GenerationForming):
                 memory.plan(self.dev.device, False, peak, self.groups.control,
                             config.cache.gpu_memory_utilization)
             self.worker = ExpertWorker(self.topo.rank, slots, self.dispatcher, spec.num_moe_layers,
-                                       par.micro_batch_capacity, spec.num_mtp_layers)
+                                       micro_batch_capacity(par.micro_batches, self.dev), spec.num_mtp_layers)
         # The smallest KV pool bounds what any request may need; rank 0 reports it to the front.
         blocks = torch.tensor([self.worker.block_pool.num_blocks if self.topo.is_attention else 2**62])
         dist.all_reduce(blocks, op=dist.ReduceOp.MIN, group=self.groups.control)
@@ -172,8 +172,8 @@ class Runtime(GenerationForming):
         else:
             empty = torch.full((spec.num_moe_layers, 0), -1, dtype=torch.int64)
             slots = ExpertSlots.empty(self.ckpt, empty, self.dev.dtype, self.dev.device, self.dev.kernel_backend)
-            self.worker = ExpertWorker(-1, slots, None, spec.num_moe_layers, par.micro_batch_capacity,
-                                       spec.num_mtp_layers)
+            self.worker = ExpertWorker(-1, slots, None, spec.num_moe_layers,
+                                       micro_batch_capacity(par.micro_batches, self.dev), spec.num_mtp_layers)
             blocks = 0
         self.membership.join(config.role, {**self.member_info(config.role), "kv_blocks": blocks})
         self.info = RankInfo(blocks, config.cache.block_size, max_model_len(config, spec))
@@ -199,7 +199,8 @@ class Runtime(GenerationForming):
                                          self.dev.dtype)
             if uses_decode_graphs(config, self.dev):
                 peak += memory.graph_reserve(model, self.ckpt.spec, decode_graph_rows(config),
-                                             config.parallel.micro_batch_capacity, config.cache.block_size,
+                                             micro_batch_capacity(config.parallel.micro_batches, self.dev),
+                                             config.cache.block_size,
                                              max_model_len(config, self.ckpt.spec), self.dev.dtype,
                                              decode_graph_drafts(config))
             kv_bytes = memory.plan(self.dev.device, True, peak, group, config.cache.gpu_memory_utilization)

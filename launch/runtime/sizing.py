@@ -108,6 +108,14 @@ def auto_micro_batches(dev: DeviceSettings, ranks_on_host: int, http_front: bool
     return 2 if cores >= ranks_on_host + int(http_front) else 1
 
 
+def micro_batch_capacity(micro_batches: int, dev: DeviceSettings) -> int:
+    """The most micro-batches a step may run, which every rank sizes for (data-plane rounds in flight, decode
+    graph slots and their memory, an expert rank's exchanges): micro_batches, or with 0 (auto) the most that
+    auto_micro_batches can pick: 1 where the node's ranks share GPUs (a job of that one node, whose ranks all
+    see the same), else 2."""
+    return micro_batches or (1 if dev.node_shares_gpus else 2)
+
+
 DECODE_THREADS_MAX = 16   # the default's cap: the decode is memory-bound, and a wake-up per thread costs per call
 
 

@@ -24,7 +24,8 @@ from models.checkpoint import Checkpoint
 from models.spec import ModelSpec
 
 from ..config import EngineConfig
-from .sizing import DeviceSettings, DraftKV, decode_threads, max_model_len, num_host_blocks, num_kv_blocks
+from .sizing import (DeviceSettings, DraftKV, decode_threads, max_model_len, micro_batch_capacity, num_host_blocks,
+                     num_kv_blocks)
 
 
 def leads_pool(role: str | None, leader_host: str | None) -> bool:
@@ -66,7 +67,7 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
         model.graphs = DecodeGraphs(model, kv, decode_graph_rows(config),
                                     -(-max_model_len(config, spec) // cache.block_size), num_blocks,
                                     emulate=dev.device.type == "cpu", drafts=decode_graph_drafts(config))
-        model.graphs.capture_all(par.micro_batch_capacity)
+        model.graphs.capture_all(micro_batch_capacity(par.micro_batches, dev))
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
@@ -78,7 +79,7 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
         model, num_blocks, cache.block_size, config.scheduler.max_num_seqs, speculative.num_speculative_tokens,
         dev.dtype, dev.device, exclusive)
     return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device,
-                           par.micro_batch_capacity, speculative, draft, mtp)
+                           micro_batch_capacity(par.micro_batches, dev), speculative, draft, mtp)
 
 
 def uses_decode_graphs(config: EngineConfig, dev: DeviceSettings) -> bool:

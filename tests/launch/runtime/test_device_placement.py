@@ -237,6 +237,20 @@ def test_auto_micro_batches_on_cuda_follows_gpu_sharing_not_cores():
     assert auto_micro_batches(_device("cuda", "gloo"), 2, False, 64) == 1
 
 
+def test_every_rank_sizes_for_the_most_the_leader_may_pick():
+    """Buffers, graph slots and their memory: an explicit count as given; auto 2, or 1 where the node's ranks share
+    GPUs (they then form a job of one node, so every rank sizes alike), never below what auto picks."""
+    from launch.runtime.sizing import micro_batch_capacity
+    cpu, own, shared = _device("cpu"), _device("cuda", "nccl"), _device("cuda", "gloo")
+    assert [micro_batch_capacity(0, d) for d in (cpu, own, shared)] == [2, 2, 1]
+    assert [micro_batch_capacity(3, d) for d in (cpu, own, shared)] == [3, 3, 3]
+    for dev in (cpu, own, shared):
+        for ranks in range(1, 6):
+            for front in (False, True):
+                for cores in (1, 2, 4, 8):
+                    assert auto_micro_batches(dev, ranks, front, cores) <= micro_batch_capacity(0, dev)
+
+
 @pytest.mark.parametrize("micro_batches,local_world,launched,now,front,want", [
     (0, 3, 3, 3, False, 1),     # LLM's 1+2 on this 2-core host
     (0, 2, 2, 2, False, 2),     # its 1+1
