@@ -61,8 +61,7 @@ class ParallelConfig:
     balancer: str = option("static", "which replica of an expert a token goes to", choices=BALANCERS)
     micro_batches: int = option(0, "ping-pong micro-batches per step (>1: attention computes one while the "
                                    "experts serve another; 1: never split; 0, auto: 2 where every rank has a "
-                                   "core or a GPU of its own, counting serve.py's HTTP front as one more process on "
-                                   "the leader's host, else 1)")
+                                   "core or a GPU of its own, else 1)")
     micro_batch_min_tokens: int = option(16, "with micro_batches > 1, split a step only when every attention "
                                              "rank runs at least this many tokens per micro-batch (else one "
                                              "batch)")

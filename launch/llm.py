@@ -36,16 +36,14 @@ class LLM:
     """Attention and expert ranks serving one checkpoint. From a plain process it spawns attention_ranks +
     expert_ranks local ranks; under torchrun (RANK and WORLD_SIZE set) it joins the job: every rank constructs it and
     calls generate() together, and rank 0 gets the outputs (other ranks get []). serving: under torchrun, the leader
-    leads until shutdown and the others follow (serve.py); autoscale's joiners start beside it (launch/joiners.py).
-    http_front: under torchrun, serve.py's HTTP front runs on the leader's host (micro_batches=0 counts it)."""
+    leads until shutdown and the others follow (serve.py); autoscale's joiners start beside it (launch/joiners.py)."""
 
     def __init__(self, model: str, attention_ranks: int = option_default("attention_ranks"),
-                 expert_ranks: int = option_default("expert_ranks"), *, serving: bool = False,
-                 http_front: bool = False, **options):
+                 expert_ranks: int = option_default("expert_ranks"), *, serving: bool = False, **options):
         torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
         self._front(model, attention_ranks, expert_ranks, options, torchrun and not serving)
         if torchrun:
-            self._join(http_front)
+            self._join()
         else:
             self._spawn()
 
@@ -85,9 +83,9 @@ class LLM:
         self._set_limits(ready[0])
         self._serving = True
 
-    def _join(self, http_front: bool) -> None:
+    def _join(self) -> None:
         from .runtime import Runtime
-        self.runtime = rt = Runtime(self.config, http_front)
+        self.runtime = rt = Runtime(self.config)
         if rt.leader is not None and self.config.parallel.autoscale:
             rt.launcher = JoinerStarter.beside_leader(self.config, rt.store)
         self._inbox, self._outbox = queue.Queue(), queue.Queue()

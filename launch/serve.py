@@ -111,7 +111,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     if _leads(args):   # the HTTP front in its own process, listening before the weights load
         from launch.frontend.process import FrontProcess
         front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs)
-    llm = LLM(args.model, serving=True, http_front=front is not None, **llm_kwargs)
+    llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
     if rt.leader is None:

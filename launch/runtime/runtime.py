@@ -57,9 +57,8 @@ class Runtime(GenerationForming):
     The job's generation: `generation` (-1 before the first), `members` (member ids by rank), `member` (this
     rank's), `topo`, `groups`, `control` and `dispatcher` (None after leaving it, until the next one)."""
 
-    def __init__(self, config: EngineConfig, http_front: bool = False):
-        """http_front: serve.py's HTTP front runs on this host too (micro_batches=0 counts it)."""
-        self.config, self.http_front = config, http_front
+    def __init__(self, config: EngineConfig):
+        self.config = config
         self.store: dist.Store | None = None
         self.membership: Membership | None = None
         self.leader: Leader | None = None
@@ -236,8 +235,7 @@ class Runtime(GenerationForming):
             return par.micro_batches
         world = self.topo.world_size if not self.topo.forming else par.world_size
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return auto_micro_batches(self.dev, world if local >= par.world_size else local, self.http_front,
-                                  host_cores())
+        return auto_micro_batches(self.dev, world if local >= par.world_size else local, host_cores())
 
     def _bytes_per_slot(self) -> int:
         return ExpertSlots.bytes_per_slot(self.ckpt, self.dev.dtype)

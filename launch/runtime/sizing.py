@@ -94,18 +94,19 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def auto_micro_batches(dev: DeviceSettings, ranks_on_host: int, http_front: bool, cores: int) -> int:
+def auto_micro_batches(dev: DeviceSettings, ranks_on_host: int, cores: int) -> int:
     """micro_batches=0 (auto), the leader's choice: 2 (ping-pong) where every rank has a core or a GPU of its
     own, else 1. Ping-pong overlaps one micro-batch's attention with the other's experts, which pays only when
     both run at once; ranks that time-share a core or a GPU split each op's cost instead, and the extra
     exchanges then cost more than the overlap saves. Measured (docs/benchmarks.md, "Ping-pong when the ranks
-    share cores"): on 2 cores, 1+1 offline 12-16% faster with 2; 1+2 and 2+1 offline, and 1+1 served beside
-    the HTTP front, 13-30% faster with 1; one GPU shared by 1+1 through cuda_ipc, 13-30% faster with 1.
-    ranks_on_host: the job's ranks on the leader's machine; http_front: serve.py's HTTP front runs there
-    too (JSON and detokenising take most of a core under load)."""
+    share cores"): on 2 cores, 1+1 offline 12-28% faster with 2; 1+2 offline 10-16% faster with 1 on repeated
+    prompts and the same on fresh ones, 2+1 14% faster with 1; one GPU shared by 1+1 through cuda_ipc, 13-30%
+    faster with 1. serve.py's HTTP front is not counted: 1+1 served beside it was 16-30% faster with 1 in one
+    session, the same or up to 15% slower in ten pairs the next. ranks_on_host: the job's ranks on the leader's
+    machine."""
     if dev.device.type == "cuda":
         return 1 if dev.node_shares_gpus else 2
-    return 2 if cores >= ranks_on_host + int(http_front) else 1
+    return 2 if cores >= ranks_on_host else 1
 
 
 def micro_batch_capacity(micro_batches: int, dev: DeviceSettings) -> int:

@@ -222,19 +222,18 @@ def _device(kind: str, backend: str = "gloo") -> DeviceSettings:
                           backend)
 
 
-@pytest.mark.parametrize("ranks,front,cores,want", [
-    (2, False, 2, 2),     # offline 1+1 on 2 cores: a core each (measured 12-16% faster with 2)
-    (3, False, 2, 1),     # 1+2 or 2+1 on 2 cores (measured 13-30% faster with 1)
-    (2, True, 2, 1),      # 1+1 served: the HTTP front is a third busy process (measured 16-30% faster with 1)
-    (3, True, 4, 2), (4, False, 4, 2), (5, False, 4, 1), (1, True, 1, 1)])
-def test_auto_micro_batches_ping_pong_only_with_a_core_per_process(ranks, front, cores, want):
-    assert auto_micro_batches(_device("cpu"), ranks, front, cores) == want
+@pytest.mark.parametrize("ranks,cores,want", [
+    (2, 2, 2),     # 1+1 on 2 cores: a core each (measured 12-28% faster with 2)
+    (3, 2, 1),     # 1+2 or 2+1 on 2 cores (measured up to 16% faster with 1)
+    (4, 4, 2), (5, 4, 1), (2, 1, 1), (8, 64, 2)])
+def test_auto_micro_batches_ping_pong_only_with_a_core_per_rank(ranks, cores, want):
+    assert auto_micro_batches(_device("cpu"), ranks, cores) == want
 
 
 def test_auto_micro_batches_on_cuda_follows_gpu_sharing_not_cores():
     # a GPU per rank: nccl; ranks sharing a GPU talk gloo + cuda_ipc (1+1 on one GPU: 1 was 13-30% faster)
-    assert auto_micro_batches(_device("cuda", "nccl"), 8, True, 1) == 2
-    assert auto_micro_batches(_device("cuda", "gloo"), 2, False, 64) == 1
+    assert auto_micro_batches(_device("cuda", "nccl"), 8, 1) == 2
+    assert auto_micro_batches(_device("cuda", "gloo"), 2, 64) == 1
 
 
 def test_every_rank_sizes_for_the_most_the_leader_may_pick():
@@ -246,26 +245,24 @@ def test_every_rank_sizes_for_the_most_the_leader_may_pick():
     assert [micro_batch_capacity(3, d) for d in (cpu, own, shared)] == [3, 3, 3]
     for dev in (cpu, own, shared):
         for ranks in range(1, 6):
-            for front in (False, True):
-                for cores in (1, 2, 4, 8):
-                    assert auto_micro_batches(dev, ranks, front, cores) <= micro_batch_capacity(0, dev)
+            for cores in (1, 2, 4, 8):
+                assert auto_micro_batches(dev, ranks, cores) <= micro_batch_capacity(0, dev)
 
 
-@pytest.mark.parametrize("micro_batches,local_world,launched,now,front,want", [
-    (0, 3, 3, 3, False, 1),     # LLM's 1+2 on this 2-core host
-    (0, 2, 2, 2, False, 2),     # its 1+1
-    (0, 2, 2, 3, False, 1),     # 1+1 grown by a joiner spawned here: 3 ranks on the host now
-    (0, 3, 3, 2, False, 2),     # 1+2 after a rank left
-    (0, 2, 4, 4, False, 2),     # torchrun on two hosts of 2 ranks: only this host's count
-    (0, 2, 2, 2, True, 1),      # serve.py's HTTP front beside 1+1
-    (3, 3, 3, 3, True, 3)])     # an explicit count is kept
+@pytest.mark.parametrize("micro_batches,local_world,launched,now,want", [
+    (0, 3, 3, 3, 1),     # LLM's 1+2 on this 2-core host
+    (0, 2, 2, 2, 2),     # its 1+1
+    (0, 2, 2, 3, 1),     # 1+1 grown by a joiner spawned here: 3 ranks on the host now
+    (0, 3, 3, 2, 2),     # 1+2 after a rank left
+    (0, 2, 4, 4, 2),     # torchrun on two hosts of 2 ranks: only this host's count
+    (3, 3, 3, 3, 3)])    # an explicit count is kept
 def test_the_leader_counts_the_ranks_on_its_host(monkeypatch, tmp_path, micro_batches, local_world, launched, now,
-                                                 front, want):
+                                                 want):
     from launch.config import EngineConfig
     from launch.runtime.runtime import Runtime
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     config = EngineConfig.from_options(str(tmp_path), 1, launched - 1, device="cpu", micro_batches=micro_batches)
-    rank0 = SimpleNamespace(config=config, topo=Topology(0, now, 1, now), dev=_device("cpu"), http_front=front)
+    rank0 = SimpleNamespace(config=config, topo=Topology(0, now, 1, now), dev=_device("cpu"))
     assert Runtime.micro_batches(rank0) == want
