@@ -21,12 +21,13 @@ KV = 64 << 20               # KV bytes per attention rank: several engines may s
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("A,E", [(1, 1), (1, 3)])
 def test_greedy_on_one_gpu_through_cuda_ipc(tiny_checkpoint, arch, A, E):
-    """fp32 on the GPU against transformers in fp32 on the CPU; every rank on GPU 0, which NCCL would refuse."""
+    """fp32 on the GPU against transformers in fp32 on the CPU; every rank on GPU 0, which NCCL would refuse; two
+    ping-pong micro-batches (asked for: auto runs one where ranks share a GPU)."""
     path = tiny_checkpoint(arch)
     prompts = make_prompts(4, 256, 3, 30, seed=21)
     expected = hf_greedy(path, prompts, MAX_NEW)
     with LLM(path, attention_ranks=A, expert_ranks=E, device="cuda", dtype="float32", transport="cuda_ipc",
-             max_num_batched_tokens=48, kv_cache_memory=KV) as llm:
+             max_num_batched_tokens=48, kv_cache_memory=KV, micro_batches=2) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == expected
 
