@@ -105,7 +105,7 @@ def auto_micro_batches(dev: DeviceSettings, ranks_on_host: int, cores: int) -> i
     session, the same or up to 15% slower in ten pairs the next. ranks_on_host: the job's ranks on the leader's
     machine."""
     if dev.device.type == "cuda":
-        return 1 if dev.node_shares_gpus else 2
+        return micro_batch_capacity(0, dev)    # 1 where the node's ranks share GPUs, else 2
     return 2 if cores >= ranks_on_host else 1
 
 
