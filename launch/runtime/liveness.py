@@ -179,6 +179,10 @@ class Peers:
         """The host a member runs on, as that host sees its own name."""
         return self.proc(member)[0].partition("/")[0]
 
+    def count_here(self, members: list[int]) -> int:
+        """How many of members run on this machine (the same host identity: hostname and boot id)."""
+        return sum(self.proc(m)[0] == self.host for m in members)
+
     def process_gone(self, member: int) -> bool:
         """The member's process is on this host and has exited (a quicker verdict than a silent heartbeat)."""
         host, pid = self.proc(member)

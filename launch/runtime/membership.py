@@ -206,6 +206,10 @@ class Membership(Generations):
         """The ranks whose process runs on one of hosts (hostnames, as the process's host sees its own)."""
         return [r for r, m in enumerate(self._rt.members) if self._peers.hostname(m) in hosts]
 
+    def ranks_here(self) -> int:
+        """How many of the generation's ranks run on this rank's machine, whichever launch started them."""
+        return self._peers.count_here(self._rt.members)
+
     def change_as_leader(self, retire: list[int], join: list[tuple[int, dict]], cause: str) -> dict | None:
         """Leader, between steps: a planned change (nobody failed): the members in retire leave (they exit),
         the joiners (member, info) join. Plan and publish the next generation, admit the joiners, tell every

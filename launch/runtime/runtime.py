@@ -227,15 +227,19 @@ class Runtime(GenerationForming):
 
     def micro_batches(self) -> int:
         """The leader's micro-batches per step: micro_batches, or auto's pick (sizing.auto_micro_batches) for the
-        generation's ranks on this host: all of them when the launch put every rank here (LLM's spawned ranks,
-        a one-node torchrun, and the ranks that join them), else this host's LOCAL_WORLD_SIZE (which misses a
-        separate pool launched on the same host, and joiners started beside the leader of a multi-host job)."""
+        generation's ranks on this machine, as each member recorded its host in the store (whichever launch
+        started it: torchrun, LLM's spawned ranks, a separate pool, a joiner). Without a store of ours (the
+        caller formed the groups): all ranks when the launch put every rank here, else LOCAL_WORLD_SIZE."""
         par = self.config.parallel
         if par.micro_batches:
             return par.micro_batches
-        world = self.topo.world_size if not self.topo.forming else par.world_size
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        return auto_micro_batches(self.dev, world if local >= par.world_size else local, host_cores())
+        if self.membership is not None:
+            here = self.membership.ranks_here()
+        else:
+            world = self.topo.world_size
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            here = world if local >= par.world_size else local
+        return auto_micro_batches(self.dev, here, host_cores())
 
     def _bytes_per_slot(self) -> int:
         return ExpertSlots.bytes_per_slot(self.ckpt, self.dev.dtype)

@@ -249,20 +249,53 @@ def test_every_rank_sizes_for_the_most_the_leader_may_pick():
                 assert auto_micro_batches(dev, ranks, cores) <= micro_batch_capacity(0, dev)
 
 
-@pytest.mark.parametrize("micro_batches,local_world,launched,now,want", [
-    (0, 3, 3, 3, 1),     # LLM's 1+2 on this 2-core host
-    (0, 2, 2, 2, 2),     # its 1+1
-    (0, 2, 2, 3, 1),     # 1+1 grown by a joiner spawned here: 3 ranks on the host now
-    (0, 3, 3, 2, 2),     # 1+2 after a rank left
-    (0, 2, 4, 4, 2),     # torchrun on two hosts of 2 ranks: only this host's count
-    (3, 3, 3, 3, 3)])    # an explicit count is kept
-def test_the_leader_counts_the_ranks_on_its_host(monkeypatch, tmp_path, micro_batches, local_world, launched, now,
-                                                 want):
+def test_peers_count_the_members_on_this_machine():
+    """Each member records its host identity (hostname and boot id) in the store; the count compares them, so a
+    member elsewhere, or on a machine of the same name booted apart, is not counted."""
+    import msgpack
+    import torch.distributed as dist
+
+    from comm.shm import host_identity
+    from launch.runtime.liveness import PREFIX, Peers
+
+    store = dist.HashStore()
+    peers = [Peers(store, m) for m in (0, 2, 5)]        # three processes here (this one, registered three times)
+    name = host_identity().partition("/")[0]
+    store.set(f"{PREFIX}/proc/3", msgpack.packb(["other-host/boot", 1]))
+    store.set(f"{PREFIX}/proc/4", msgpack.packb([f"{name}/another-boot", 1]))
+    assert peers[0].count_here([0, 2, 3, 4, 5]) == 3
+    assert peers[1].count_here([3, 4]) == 0
+
+
+def _rank0(tmp_path, micro_batches, launched, now, membership=None):
     from launch.config import EngineConfig
+
+    config = EngineConfig.from_options(str(tmp_path), 1, launched - 1, device="cpu", micro_batches=micro_batches)
+    return SimpleNamespace(config=config, topo=Topology(0, now, 1, now), dev=_device("cpu"), membership=membership)
+
+
+@pytest.mark.parametrize("micro_batches,here,want", [
+    (0, 3, 1),     # LLM's 1+2 on this 2-core host, or 1+1 grown by a joiner spawned here
+    (0, 2, 2),     # its 1+1, or 1+2 after a rank left
+    (0, 4, 1),     # a 1+1 pool launched beside another (--role) on this host
+    (3, 4, 3)])    # an explicit count is kept
+def test_the_leader_counts_the_ranks_its_members_record_on_its_host(monkeypatch, tmp_path, micro_batches, here,
+                                                                   want):
+    from launch.runtime.runtime import Runtime
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")     # not read: the members' records say where they run
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    rank0 = _rank0(tmp_path, micro_batches, 2, 2, SimpleNamespace(ranks_here=lambda: here))
+    assert Runtime.micro_batches(rank0) == want
+
+
+@pytest.mark.parametrize("local_world,launched,want", [
+    (3, 3, 1),     # groups formed by the caller, every rank on this 2-core host
+    (2, 2, 2),
+    (2, 4, 2)])    # two hosts of 2 ranks: only this host's count
+def test_without_a_store_the_leader_counts_from_local_world_size(monkeypatch, tmp_path, local_world, launched, want):
     from launch.runtime.runtime import Runtime
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    config = EngineConfig.from_options(str(tmp_path), 1, launched - 1, device="cpu", micro_batches=micro_batches)
-    rank0 = SimpleNamespace(config=config, topo=Topology(0, now, 1, now), dev=_device("cpu"))
-    assert Runtime.micro_batches(rank0) == want
+    assert Runtime.micro_batches(_rank0(tmp_path, 0, launched, launched)) == want

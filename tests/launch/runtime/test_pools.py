@@ -20,6 +20,7 @@ import pytest
 
 from launch.local_server import ROOT, LocalServer
 from launch.procs import free_port
+from launch.runtime.sizing import host_cores
 from tests.conftest import FULL, hf_greedy
 from tests.dist_utils import alive
 from tests.launch.frontend.test_http_server import post
@@ -138,6 +139,8 @@ def test_separate_pool_launches_serve_and_survive(model_dir):
         srv.start()                     # healthy once the three expert ranks registered and loaded
         joiner = PoolLaunch(model_dir, "attention", addr, "--leader-host", "not-this-host", *common)
         wait_for_pools(srv, 2, 3)
+        # auto's micro-batches count the five ranks of the four launches on this machine, not the leader's launch
+        assert gauge(srv, "afserve_micro_batches") == (2 if host_cores() >= 5 else 1)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=240)
         for p, want in zip(prompts[:2], expected[:2]):
             got = client.completions.create(model="tiny", prompt=p, max_tokens=MAX_NEW, temperature=0,
@@ -166,6 +169,7 @@ def test_separate_pool_launches_serve_and_survive(model_dir):
         out = stream_through(srv, prompts[4:6], 8, joiner.kill)
         assert out == [(e, "length") for e in expected[4:6]]
         wait_for_pools(srv, 1, 1)
+        assert gauge(srv, "afserve_micro_batches") == (2 if host_cores() >= 2 else 1)
         assert gauge(srv, "afserve_requests_moved_total") >= 1
         got = client.completions.create(model="tiny", prompt=prompts[6], max_tokens=MAX_NEW, temperature=0,
                                         extra_body={"ignore_eos": True})
