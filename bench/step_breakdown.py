@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--model", default=SHIPPED_MODEL)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=0, help="micro_batches (default 0: the engine's auto)")
     ap.add_argument("--threads-per-rank", type=int, default=None)
     ap.add_argument("--attention-ranks", type=int, default=1)
     ap.add_argument("--expert-ranks", type=int, default=2)
@@ -87,6 +87,7 @@ def main() -> None:
              kernel_backend=args.kernel_backend) as llm:
         measure(llm, prompts[:16], olens[:16])  # warm-up
         runs = [measure(llm, prompts, olens) for _ in range(args.repeats)]
+        ran = llm.stats()["micro_batches"]
     run = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2]  # the median run, whole
     wall, steps = run["wall_s"], run["steps"]
     att = run["ranks"]["0"]
@@ -95,7 +96,8 @@ def main() -> None:
     outside = wall - att["steps"]
     rates = ", ".join(f"{r['tokens'] / r['wall_s']:.0f}" for r in runs)
     print(f"{run['tokens']} output tokens in {wall:.2f} s ({run['tokens'] / wall:.0f} tok/s; runs: {rates}), "
-          f"{steps} steps, {1e3 * wall / steps:.2f} ms/step")
+          f"{steps} steps, {1e3 * wall / steps:.2f} ms/step; {A}+{args.expert_ranks} ranks, micro_batches "
+          f"{args.micro_batches} (the leader's count: {ran})")
     print(f"{'attention rank 0':<50} {'s':>7} {'share':>6} {'ms/step':>8}")
     for name, t in [("attention-side compute (attn, router, head)", att["compute"]),
                     ("dispatch (send + wait)", att["dispatch"]), ("combine (wait + receive)", att["combine"]),
