@@ -295,6 +295,8 @@ class Scheduler:
                     appended.append(t)
                     if seq.append_token(t, eos_token_ids, max_model_len) is not None:
                         break
+                if len(appended) < len(tokens):    # finished inside the accepted drafts: the rest's KV is dropped
+                    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
                 produced.append((seq, appended))
             if self.enable_prefix_caching:     # after the append: the accepted drafts' blocks hold those tokens
                 self.register_full_blocks(seq)

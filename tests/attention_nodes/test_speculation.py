@@ -127,6 +127,29 @@ def test_a_draft_chunk_is_scheduled_batched_and_rolled_back():
     assert_same_as_rebuilt(batch, out)
 
 
+@pytest.mark.parametrize("params", [{"stop_token_ids": [10]}, {"max_tokens": 2}])
+def test_a_finish_inside_the_accepted_drafts_drops_the_rest_with_prefix_caching_on(params):
+    """The target accepts every draft, but the first one ends the request (a stop token, or max_tokens): the tokens
+    after it are dropped, and so is their KV, so the blocks the prefix cache takes hold only the tokens kept (the
+    accepted chunk reached a block the kept tokens do not fill)."""
+    sched = Scheduler(BlockPool(16, BS), max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    seq = _seq([1, 2, 3, 4, 5], **params)
+    sched.add(seq)
+    sched.update(sched.schedule(), [9], EOS, 100)          # 6 tokens, 5 computed
+    seq.spec_tokens = [10, 11, 12]
+    out = sched.schedule()
+    assert out.scheduled[0].drafts == [10, 11, 12] and len(seq.block_table) == 3   # positions 5..8
+    produced = sched.update(out, [[10, 11, 12, 13]], EOS, 100)
+    assert produced == [(seq, [10])] and seq.token_ids == [1, 2, 3, 4, 5, 9, 10]
+    assert seq.finish_reason == ("stop" if "stop_token_ids" in params else "length")
+    assert sched.block_pool.num_free_blocks == 16 and not sched.has_work
+    # only block 0 ([1, 2, 3, 4]) is full of kept tokens; the next request finds it, and no more
+    again = _seq([1, 2, 3, 4, 5, 9, 10, 11, 12, 13])
+    sched.add(again)
+    sched.schedule()
+    assert sched.num_prefix_hits == BS
+
+
 def assert_same_as_rebuilt(batch: ForwardBatch, out) -> None:
     want = ForwardBatch.from_scheduled(out.scheduled, BS, torch.device("cpu"))
     for name in ("input_ids", "positions", "slot_mapping", "logit_rows"):
