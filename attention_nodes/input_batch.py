@@ -15,7 +15,10 @@ by row number (`sampling_columns`), staged like the inputs, instead of building 
 Rows are handed out on first sight of a sequence and taken back lazily: when none is free, rows whose sequence has
 finished go back; if none has, the array doubles. `clear` drops every row (the rank handed its sequences over).
 The staging buffer is reused from step to step (`begin_step`): a batch's tensors, views of it on the CPU, are only
-valid until the next step begins.
+valid until the next step begins. On CUDA its copies to the device are queued, not done, when `prepare` returns: an
+event recorded after them is waited for before the next step rewrites the buffer. A step that samples reads its ids
+back after its forward, so the wait is over by then; one that samples nothing (prompt chunks only) reads nothing
+back, and without the event the host could rewrite the buffer before the stream had copied it.
 """
 from __future__ import annotations
 
@@ -34,7 +37,10 @@ _TOP_K_CAP = 2**24     # top_k is kept as a float32 column: larger values (all a
 
 
 class InputBatch:
-    def __init__(self, block_size: int, num_blocks: int, max_model_len: int, device: torch.device, rows: int = 64):
+    def __init__(self, block_size: int, num_blocks: int, max_model_len: int, device: torch.device, rows: int = 64,
+                 copy_event=None):
+        """copy_event: what marks the staging buffer's copies done (record after them, synchronize before reuse):
+        a CUDA event by default on CUDA, none on the CPU (its copies are done when they return)."""
         if num_blocks * block_size >= 2**31:
             raise ValueError(f"{num_blocks} KV blocks of {block_size} tokens: slot numbers overflow int32; use a "
                              f"smaller KV cache per attention rank (at most {2**31 // block_size - 1} blocks)")
@@ -51,6 +57,8 @@ class InputBatch:
         self._stage = self._host((4096,))
         self._stage_np = self._stage.numpy()
         self._used = 0
+        self._copied = copy_event if copy_event is not None else torch.cuda.Event() if self._pin else None
+        self._copy_pending = False
         self.num_row_writes = 0                          # (partial) row writes so far: what a step changed
 
     def _host(self, shape: tuple[int, ...], fill: int = 0) -> torch.Tensor:
@@ -74,7 +82,11 @@ class InputBatch:
         return self._tables.shape[0]
 
     def begin_step(self) -> None:
-        """A new step: its batches are staged from the start of the buffer again."""
+        """A new step: its batches are staged from the start of the buffer again, once the last step's copies out
+        of it have run (the module docstring)."""
+        if self._copy_pending:
+            self._copied.synchronize()
+            self._copy_pending = False
         self._used = 0
 
     def clear(self) -> None:
@@ -146,7 +158,7 @@ class InputBatch:
         for p, n in zip(parts, sizes):
             self._stage_np[at:at + n] = p
             at += n
-        staged = self._stage[first:at].to(self.device, non_blocking=True)
+        staged = self._upload(first, at - first)
         views = staged.split(sizes)
         v_ids, v_pos, v_slots, v_logits, v_dlens, v_dtab, v_cu, v_plens, v_ptab = views
         decode = prefill = None
@@ -167,7 +179,7 @@ class InputBatch:
         """An int64 index on the device, staged like the step's inputs (one non-blocking copy)."""
         first = self._staged(len(values))
         self._stage_np[first:first + len(values)] = values
-        return self._stage[first:first + len(values)].to(self.device, non_blocking=True).long()
+        return self._upload(first, len(values)).long()
 
     def sampling_columns(self, seqs: list[Sequence]) -> SamplingColumns | None:
         """The sampling parameters of seqs (one per logit row of the step's draw) gathered from their rows on the
@@ -179,9 +191,17 @@ class InputBatch:
         rows = [self._sync(seq) for seq in seqs]
         first = self._staged(len(rows))
         self._stage_np[first:first + len(rows)] = rows
-        index = self._stage[first:first + len(rows)].to(self.device, non_blocking=True)
+        index = self._upload(first, len(rows))
         picked = self._sampling_dev.index_select(0, index)
         return SamplingColumns(picked[:, 0], picked[:, 1].long(), picked[:, 2])
+
+    def _upload(self, first: int, n: int) -> torch.Tensor:
+        """Staging entries [first, first + n) on the device (one non-blocking copy, marked by copy_event)."""
+        out = self._stage[first:first + n].to(self.device, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+            self._copy_pending = True
+        return out
 
     def _staged(self, n: int) -> int:
         """Where the next n entries of the staging buffer start (grown, never shrunk, when a step needs more)."""

@@ -163,3 +163,31 @@ def test_rows_are_reused_after_their_sequences_finish_and_grow_when_all_are_live
 def test_a_cache_too_large_for_int32_slots_is_refused():
     with pytest.raises(ValueError, match="overflow int32"):
         InputBatch(16, 2**27, 1024, torch.device("cpu"))
+
+
+def test_a_step_rewrites_the_staging_buffer_only_after_the_last_steps_copies_ran():
+    """On CUDA the staging buffer's copies are queued, not done, when prepare returns, and a step that samples nothing
+    reads nothing back: the next step waits for the copy event before it stages again (here a stand-in event, the
+    logic CUDA runs with torch.cuda.Event), and only when a copy is pending."""
+    log = []
+
+    class Event:
+        def record(self):
+            log.append("record")
+
+        def synchronize(self):
+            log.append("sync")
+
+    pool = BlockPool(64, BS)
+    inputs = InputBatch(BS, 64, MAX_LEN, torch.device("cpu"), copy_event=Event())
+    seq = Sequence.from_request("r", [5, 6, 7], SamplingParams(), 1)
+    seq.block_table.extend(pool.allocate(1))
+    inputs.begin_step()
+    assert log == []                               # nothing staged yet: no wait
+    inputs.prepare([ScheduledSeq.from_seq(seq, 2)])      # a prompt chunk: nothing sampled, nothing read back
+    assert log == ["record"]
+    inputs.begin_step()
+    assert log == ["record", "sync"]               # the chunk's copy ran before its bytes are staged over
+    inputs.begin_step()
+    assert log == ["record", "sync"]               # no copy since: no wait
+    assert InputBatch(BS, 64, MAX_LEN, torch.device("cpu"))._copied is None   # CPU copies are done on return
