@@ -13,9 +13,9 @@ stream_options.continuous_usage_stats.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from attention_nodes.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -42,6 +42,18 @@ class _Request(BaseModel):
     """A request body or a part of one: strict types, unknown fields kept aside (`model_extra`)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """An explicit null for an optional field that cannot hold null means its default, as OpenAI's schema marks
+        them nullable and vLLM takes them (e.g. "stream": null, "n": null); a required field's null is still a
+        400, and a field that can hold null keeps it."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()
+                or type(None) in get_args(fields[k].annotation)}
 
     def ignored_fields(self) -> list[str]:
         """Dotted paths of the fields sent that no model here defines, nested parts included
