@@ -8,7 +8,9 @@ records latency metrics as tokens arrive. Handlers put commands ("add", "abort",
 
 A request drawing several samples (SamplingParams.num_samples > 1) has one track per sample, under the
 sample's id (`sample_ids`), and its latency metrics (TTFT, TPOT, e2e, finish reason) are recorded per sample,
-as vLLM v1 records them per child request; its prompt tokens count once.
+as vLLM v1 records them per child request; its prompt tokens count once. A sample the engine has finished keeps
+its track until its handler says how it ended (`finished`: a stop string in the last tokens makes a "length" a
+"stop"), or lets it go (`release`: the engine's reason, or the handler's for one still running).
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ class _Track:
     first: float | None = None
     last: float | None = None
     num_tokens: int = 0
+    finish: str | None = None      # the engine's finish reason, once it has finished the sample
+    end: float | None = None       # when that finish arrived
 
 
 class EngineClient:
@@ -82,9 +86,9 @@ class EngineClient:
     def submit(self, ids: list[int], params: SamplingParams, sink: asyncio.Queue) -> str:
         """Queue a request whose progress goes to sink; returns its request id (its samples' ids:
         `sample_ids(request id, params.num_samples)`)."""
-        if self.dead:
-            raise engine_down(self.dead)
         with self._lock:   # registered before the router can see the request's first tokens
+            if self.dead:  # checked under the lock that fail() sets it under: no track is left after fail()
+                raise engine_down(self.dead)
             rid = self.llm.enqueue(ids, params)   # the handler checked ids and params already
             now = time.monotonic()
             self._samples[rid] = sample_ids(rid, params.num_samples)
@@ -103,10 +107,19 @@ class EngineClient:
             ids = self._samples[owner] if some_id == owner else [some_id]
             tracks = [t for t in (self._tracks.pop(i, None) for i in ids) if t is not None]
             self._forget_if_done(owner)
-        if tracks:
+        if any(t.finish is None for t in tracks):
             self.llm.inbox.put(("abort", some_id))   # a request id aborts each of its samples still running
-            for track in tracks:
-                self._record_finish(track, reason)
+        for track in tracks:
+            self._record_finish(track, track.finish or reason)
+
+    def finished(self, sample_id: str, reason: str) -> None:
+        """The handler has seen the engine finish a sample and says how it ended (its finish_reason)."""
+        with self._lock:
+            track = self._tracks.pop(sample_id, None)
+            if track is None:
+                return
+            self._forget_if_done(track.request_id)
+        self._record_finish(track, reason)
 
     def _forget_if_done(self, rid: str) -> None:
         """Drop rid's sample list once none of its samples is open (with the lock held)."""
@@ -116,10 +129,10 @@ class EngineClient:
     async def query(self, kind: str, *args, timeout_s: float = QUERY_TIMEOUT_S) -> dict:
         """("stats",), ("comm_stats",) or ("scale", request) through the leader; the answer comes back on the
         outbox."""
-        if self.dead:
-            raise engine_down(self.dead)
         fut = self.loop.create_future()
         with self._lock:
+            if self.dead:
+                raise engine_down(self.dead)
             self._waiters[kind].append(fut)
             self.llm.inbox.put((kind, *args))
         return await asyncio.wait_for(fut, timeout_s)
@@ -166,16 +179,14 @@ class EngineClient:
                     track.last = now
                     track.num_tokens += len(toks)
                     self.metrics.generated.inc(len(toks))
-                if finish is not None:
-                    del self._tracks[rid]
-                    self._forget_if_done(track.request_id)
-                    self._record_finish(track, finish)
+                if finish is not None:         # recorded once the handler says how it ended (`finished`)
+                    track.finish, track.end = finish, now
                 handed.append((track.sink, got))
             if handed:      # under the lock, as before: ahead of anything fail() hands the same sinks
                 self.loop.call_soon_threadsafe(_hand_over, handed)
 
     def _record_finish(self, track: _Track, reason: str) -> None:
-        now = time.monotonic()
+        now = track.end or time.monotonic()
         self.metrics.e2e.observe(now - track.arrival)
         if track.num_tokens > 1:
             self.metrics.tpot.observe((track.last - track.first) / (track.num_tokens - 1))
@@ -184,14 +195,17 @@ class EngineClient:
     def fail(self, why: str) -> None:
         """Fail every open request and query with a 503 naming why (the engine is gone or stopping)."""
         logger.warning("failing open requests: %s", why)
-        self.dead = why
         with self._lock:
+            self.dead = why
             tracks, self._tracks, self._samples = list(self._tracks.items()), {}, {}
             waiters = [f for q in self._waiters.values() for f in q]
             for q in self._waiters.values():
                 q.clear()
         for rid, track in tracks:
-            self.loop.call_soon_threadsafe(track.sink.put_nowait, Progress(rid, None, why))
+            if track.finish is not None:     # finished in the engine, its last row already handed over
+                self._record_finish(track, track.finish)
+            else:
+                self.loop.call_soon_threadsafe(track.sink.put_nowait, Progress(rid, None, why))
         for fut in waiters:
             self.loop.call_soon_threadsafe(_resolve, fut, engine_down(why))
 

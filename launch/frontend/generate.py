@@ -177,6 +177,9 @@ async def _drive(eng: EngineClient, routes: dict[str, list[_Choice]], sink: asyn
                 yield c, piece, c.take_positions(got.logprobs)
             if is_stopped:
                 eng.release(row, "stop")
+            elif finish is not None:
+                # the metrics count how the client sees it end (a stop string in the last tokens: "stop")
+                eng.finished(row, finish if finish == "abort" else route[0].finish)
             if finish is not None or is_stopped:
                 open_.discard(row)
     finally:
@@ -217,8 +220,9 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
             submitted.append(rid)
             shown = None if echo is None else _Echo.from_prompt(tok, echo[p], ids, has_logprobs)
             rows = sample_ids(rid, params.num_samples)
-            mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, spans=has_logprobs), Sample(i),
-                            echo=shown, scores=[] if has_logprobs else None) for i in range(max(n, len(rows)))]
+            mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, has_logprobs, params.min_tokens),
+                            Sample(i), echo=shown, scores=[] if has_logprobs else None)
+                    for i in range(max(n, len(rows)))]
             routes.update({rows[0]: mine} if len(rows) == 1 else {row: [c] for row, c in zip(rows, mine)})
             choices += mine
     except BaseException:

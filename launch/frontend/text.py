@@ -92,11 +92,13 @@ class TextStream:
     search; the whole characters of a token that ends in part of one are searched and sent at once, as a full
     decode would show them (tokens that all end inside characters hold their text back until one does not, as
     vLLM's streams do). With `spans`, it also tracks where each token's text ends (`spans.ends`) and how many tokens are
-    wholly in the text sent so far."""
+    wholly in the text sent so far. As vLLM's, the stop search starts once more than `min_tokens` tokens are out
+    (the request's min_tokens), from the text the later tokens add (and the `hold` characters before it)."""
 
-    def __init__(self, tokenizer, stops: list[str], spans: bool = False):
+    def __init__(self, tokenizer, stops: list[str], spans: bool = False, min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stops = stops
+        self.min_tokens = min_tokens
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
         self.sent = 0
@@ -124,7 +126,7 @@ class TextStream:
         # U+FFFD), before then the whole characters that share a token with the unfinished one
         pending = self._detok.pending
         tail = whole + (pending if final else pending.rstrip("\ufffd"))
-        if self.stops:
+        if self.stops and len(self.ids) > self.min_tokens:
             start = max(0, self.sent - self.hold) - at
             hits = [i for i in (tail.find(s, start) for s in self.stops) if i >= 0]
             if hits:

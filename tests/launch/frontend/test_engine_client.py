@@ -40,3 +40,70 @@ def test_a_steps_progress_reaches_the_event_loop_in_one_callback_in_order():
     fn(*args)
     got = [[(p.token_ids, p.finish) for p in (s.get_nowait() for _ in range(s.qsize()))] for s in sinks]
     assert got == [[([5], None), ([8], "length")], [([6], None)]]
+
+
+def test_the_finish_reason_counted_is_the_one_the_client_sees():
+    """A finished sample's reason is counted when its handler says how it ended (a stop string in the last tokens
+    turns the engine's "length" into "stop"); released before that, the engine's own reason; released while still
+    running, the release's, and only then is the engine told to abort."""
+    import queue
+
+    leader = Leader()
+    leader.inbox = queue.Queue()
+    metrics = Metrics()
+    client = EngineClient(leader, metrics)
+    client.loop = Loop()
+
+    def counted(reason):
+        return metrics.registry.get_sample_value("afserve_requests_finished_total", {"finish_reason": reason}) or 0
+
+    a, b, c = (client.submit([1, 2], SamplingParams(), asyncio.Queue()) for _ in range(3))
+    client._deliver([[a, [5], "length", None, None], [b, [6], "length", None, None], [c, [7], None, None, None]])
+    assert counted("length") == counted("stop") == 0       # not yet: the handlers have not looked at the text
+    client.finished(a, "stop")                             # its stop string ended the last token's text
+    assert (counted("stop"), counted("length")) == (1, 0)
+    client.release(b, "abort")                             # its client left after the engine had finished it
+    assert counted("length") == 1 and leader.inbox.empty()
+    client.release(c, "abort")                             # still running: aborted in the engine
+    assert counted("abort") == 1 and leader.inbox.get_nowait() == ("abort", c)
+    client.finished(a, "stop")                             # once only
+    assert counted("stop") == 1 and not client._tracks and not client._samples
+
+
+def test_a_stream_whose_client_left_before_its_body_started_is_aborted():
+    """The client is gone by the time the handler returns its streamed response (uvicorn's ASGI 2.3: Starlette
+    cancels the body as soon as it listens for the disconnect). The body still runs up to its first wait, where
+    the cancellation reaches _drive's cleanup, which aborts every request the handler submitted, once."""
+    from types import SimpleNamespace
+
+    from launch.frontend.generate import respond
+    from launch.frontend.protocol import CompletionRequest
+
+    released = []
+
+    class Engine:
+        llm = SimpleNamespace(tokenizer=None)
+
+        def submit(self, ids, params, sink):
+            return f"r{len(ids)}"
+
+        def release(self, rid, reason):
+            released.append((rid, reason))
+
+    body = CompletionRequest.model_validate({"model": "m", "prompt": [[1, 2], [3, 4, 5]], "stream": True})
+    request = SimpleNamespace(state=SimpleNamespace())
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message["type"])
+
+    async def serve():
+        response = await respond("m", Engine(), body, request, [[1, 2], [3, 4, 5]], SamplingParams(), chat=False)
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+
+    asyncio.run(serve())
+    assert "http.response.body" not in sent          # no token was ever sent
+    assert sorted(released) == [("r2", "abort"), ("r3", "abort")]

@@ -153,6 +153,27 @@ def test_stop_strings_and_stop_token_ids(client, reference):
         assert out == shown[n][:-len(last)] and reason == "stop", (stream, out, last, shown[n])
 
 
+def test_stop_strings_are_looked_for_only_past_min_tokens(client, reference):
+    """As vLLM: with min_tokens m, a stop string the first m tokens show does not end the request; the text ends
+    before its first occurrence in what the later tokens add."""
+    full = reference.generate(["Hello experts"], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    shown = [reference.tokenizer.decode(full.token_ids[:n], skip_special_tokens=True) for n in range(25)]
+    text = shown[24]
+    found = [(m, ch) for m in range(3, 12) if "\ufffd" not in shown[m] for ch in shown[m][:len(shown[m]) // 2]
+             if ch.strip() and ch != "\ufffd" and ch in text[len(shown[m]):].rstrip("\ufffd")]
+    assert found, f"no character of the early text comes back later: {text!r}"
+    m, stop = found[0]
+    for stream in (False, True):
+        res = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=24,
+                                        stop=[stop], stream=stream, extra_body={"ignore_eos": True, "min_tokens": m})
+        chunks = [res] if not stream else list(res)
+        out = "".join(c.choices[0].text for c in chunks)
+        assert out == text[:text.index(stop, len(shown[m]))], (stream, m, stop, out, text)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    # without min_tokens the first occurrence, within the first m tokens' text, ends it
+    assert _stopped_completion(client, 24, [stop], False) == (text[:text.index(stop)], "stop")
+
+
 def _stopped_completion(client, max_tokens: int, stop: list[str], stream: bool) -> tuple[str, str]:
     """"Hello experts" greedily to max_tokens with these stop strings, streamed or not: (text, finish_reason)."""
     res = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=max_tokens,
