@@ -133,7 +133,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         _warn_ignored(body, request)
         eng = engine()
         check_request(body, state.served)
-        ids = chat_ids(eng.llm.tokenizer, body, state.model_name)
+        ids = chat_ids(eng.llm.tokenizer, body, state.model_name, body.continue_final_message)
         prompts = [prompt_ids(eng.llm, ids, "messages")]
         limit = body.limit()
         room = min(eng.llm.max_model_len, eng.llm.kv_capacity_tokens) - len(ids)   # the default: all that fits

@@ -237,9 +237,13 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict | None = None
     response_format: dict | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False     # vLLM's: the last (assistant) message is continued, left open
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        if self.continue_final_message and self.add_generation_prompt:
+            out.append(("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                                                  "true; set add_generation_prompt to false"))
         if self.top_logprobs and not self.logprobs:
             out.append(("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true; set logprobs or "
                                         "leave top_logprobs out"))

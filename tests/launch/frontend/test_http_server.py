@@ -126,6 +126,22 @@ def test_chat_equals_generate_on_the_template(client, reference):
     assert chunks[-1].usage.total_tokens == len(ids) + 8
 
 
+def test_chat_continues_the_final_message(client, reference, server):
+    """vLLM's continue_final_message: the last (assistant) message is continued, its turn left open, as
+    transformers' template renders it; with add_generation_prompt (its default, true) it is a 400 naming it."""
+    messages = [{"role": "user", "content": "Hello experts"}, {"role": "assistant", "content": "Well met"}]
+    tok = reference.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages, continue_final_message=True, tokenize=False),
+                     add_special_tokens=False)
+    want = reference.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    got = client.chat.completions.create(model=MODEL, messages=messages, extra_body={
+        "ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False}, **GREEDY)
+    assert got.choices[0].message.content == want.text and got.usage.prompt_tokens == len(ids)
+    code, data = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages,
+                                                        "continue_final_message": True})
+    assert code == 400 and data["error"]["param"] == "continue_final_message", data
+
+
 def test_stop_strings_and_stop_token_ids(client, reference):
     full = reference.generate(["Hello experts"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     # a stop token id: generation ends on it (its text is a special-free decode, so compare token counts)
