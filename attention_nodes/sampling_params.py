@@ -11,7 +11,7 @@ MAX_SAMPLES = 64   # the most samples (n, best_of) one request may draw
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters.
+    temperature 0 means greedy. top_k 0 or -1 (vLLM's) and top_p == 1 disable those filters.
     seed makes sampling reproducible per request, whatever else is in the batch.
     stop_token_ids end generation like EOS does (the stop token is kept in the output).
     ignore_eos keeps generating past EOS until max_tokens.
@@ -71,10 +71,13 @@ class SamplingParams:
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
                 or not (0.0 < float(self.top_p) <= 1.0):
             raise bad("top_p", self.top_p, "pass a number in (0, 1]")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "pass an integer >= 0 (0 = disabled)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "pass an integer >= 0, or 0 or -1 (vLLM's) to disable it")
+        self.top_k = max(self.top_k, 0)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", self.seed, "pass an integer or None")
+        if self.stop_token_ids is None:      # vLLM's default
+            self.stop_token_ids = []
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "pass a list of non-negative token ids")
@@ -111,6 +114,12 @@ class SamplingParams:
             raise bad("best_of", self.best_of, f"pass None or an integer in [n={self.n}, {MAX_SAMPLES}]")
         if self.num_samples > 1 and self.max_tokens == 0:
             raise bad("n", self.n, "with max_tokens=0 nothing is sampled: pass n=1 and best_of=None")
+        if self.max_tokens and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"it exceeds max_tokens={self.max_tokens}: pass at most that")
+        # torch.Generator.manual_seed takes [-2**63, 2**64 - 1], and sample i of a request draws from seed + i
+        if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.num_samples:
+            raise bad("seed", self.seed, f"pass an integer in [-2**63, 2**64 - {self.num_samples}] (sample i of "
+                                         f"the request draws from seed + i)")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.stop_token_ids = list(self.stop_token_ids)

@@ -167,8 +167,10 @@ class LLM:
 
     def enqueue_all(self, ids: list[list[int]], params: list[SamplingParams], stream: bool = True) -> list[str]:
         """enqueue for several requests in one inbox message: the leader takes them all before its next step."""
-        reqs = [{"id": f"req-{next(self._ids)}", "prompt": i, "params": p.to_dict(), "stream": stream}
-                for i, p in zip(ids, params)]
+        # checked again here, in the caller's process: a field changed after construction would fail on a rank
+        checked = [SamplingParams.from_dict(p.to_dict()).to_dict() for p in params]
+        reqs = [{"id": f"req-{next(self._ids)}", "prompt": i, "params": d, "stream": stream}
+                for i, d in zip(ids, checked)]
         self._inbox.put(("add", *reqs))
         return [r["id"] for r in reqs]
 

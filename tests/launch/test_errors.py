@@ -127,10 +127,32 @@ def test_prompt_errors(llm):
     ({"max_tokens": 0}, "max_tokens=0"), ({"temperature": -1.0}, "temperature=-1.0"),
     ({"top_p": 1.5}, "top_p=1.5"), ({"top_k": -3}, "top_k=-3"), ({"seed": "x"}, "seed='x'"),
     ({"stop_token_ids": [-1]}, "stop_token_ids=\\[-1\\]"), ({"max_tokens": 2.5}, "max_tokens=2.5"),
+    ({"seed": 2**64}, f"seed={2**64}"), ({"seed": -2**63 - 1}, f"seed={-2**63 - 1}"),
+    ({"seed": 2**64 - 1, "n": 2}, f"seed={2**64 - 1}.*2\\*\\*64 - 2"),   # sample 1 would draw from 2**64
+    ({"min_tokens": 10, "max_tokens": 5}, "min_tokens=10.*max_tokens=5"),
 ])
 def test_bad_sampling_params(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_vllms_spellings_of_off_and_none_are_taken():
+    p = SamplingParams(top_k=-1, stop_token_ids=None)
+    assert (p.top_k, p.stop_token_ids) == (0, [])
+    assert SamplingParams(seed=2**64 - 2, n=2).seed == 2**64 - 2
+
+
+def test_params_changed_after_construction_are_checked_in_the_caller(llm):
+    """A field set to a bad value after construction fails in generate, not on a rank (whose death would end
+    the job); the next test then finds the engine serving."""
+    p = SamplingParams(max_tokens=4)
+    p.top_p = 0
+    with pytest.raises(ValueError, match="top_p=0"):
+        llm.generate([[5, 6, 7]], p)
+    p = SamplingParams(max_tokens=4, n=2, seed=2**64 - 2)
+    p.n = 3
+    with pytest.raises(ValueError, match="seed="):
+        llm.generate([[5, 6, 7]], p)
 
 
 def test_engine_still_serves_after_bad_requests(llm):
