@@ -163,14 +163,12 @@ class Leader:
         elif kind == "abort":     # a request's id, or one sample's (f"{request id}#{index}")
             rid = cmd[1]
             base = request_of(rid)
-            dropped = [r for r in self.pending if r["id"] in (rid, base)]
-            if dropped:           # not assigned (or moved back from a lost rank): its open samples end here
-                self.pending = deque(r for r in self.pending if r not in dropped)
-                req = dropped[0]
-                done = self.finished.get(req["id"], set())
-                ids = sample_ids(req["id"], _num_samples(req))
-                self.put(outbox, ("out", [[i, [], "abort", None, None] for n, i in enumerate(ids) if n not in done]))
-                self._forget(req["id"])
+            queued = next((i for i, r in enumerate(self.pending) if r["id"] == base), None)
+            if queued is not None:    # not assigned (or moved back from a lost rank): the samples named end here
+                if self._end_samples(self.pending[queued], rid, outbox):
+                    self.pending[queued] = self._resumed(self.pending[queued])
+                else:
+                    del self.pending[queued]
             elif base in self.req2rank:
                 aborts.setdefault(str(self.req2rank[base]), []).append(rid)
         elif kind == "stats":
@@ -291,7 +289,7 @@ class Leader:
         if self.unheld:       # PD moves of a failed step that no rank held, and that did not finish in it
             back = [rid for rid in sorted(self.unheld) if rid in self.assigned and rid not in self.req2rank]
             self.unheld.clear()
-            self.pending.extendleft(reversed([self._resumed(rid) for rid in back]))
+            self.pending.extendleft(reversed([self._resumed(self.assigned[rid]) for rid in back]))
             self.num_moved_requests += len(back)
         if outputs:
             self.held += outputs
@@ -360,13 +358,13 @@ class Leader:
             d.max_next_tokens = min(self.token_budget, d.max_next_tokens + s.max_next_tokens)
             d.num_running, d.num_waiting = d.num_running + s.num_running, d.num_waiting + s.num_waiting
             d.num_free_blocks -= s.num_blocks - s.num_free_blocks
-        aborted: set[str] = set()
+        aborted: dict[str, list[str]] = {}   # request id -> what the aborts in flight to a lost rank name of it
         if header is not None:
             header.prefill_ranks = self.prefill_ranks
             header.decode_passes = header.decode_passes if self.prefill_ranks else 1   # no decode rank committed any
             for r, ids in header.aborts.items():
-                if int(r) not in new_rank:
-                    aborted.update(request_of(i) for i in ids)
+                for i in ids if int(r) not in new_rank else ():
+                    aborted.setdefault(request_of(i), []).append(i)
             header.new_requests = {str(new_rank[int(r)]): reqs for r, reqs in header.new_requests.items()
                                    if int(r) in new_rank}
             header.aborts = {str(new_rank[int(r)]): ids for r, ids in header.aborts.items() if int(r) in new_rank}
@@ -377,13 +375,8 @@ class Leader:
                 continue
             del self.req2rank[rid]
             req = self.assigned[rid]
-            if rid in aborted:
-                open_ids = [i for i in range(_num_samples(req)) if i not in self.finished[rid]]
-                ids = sample_ids(rid, _num_samples(req))
-                self.put(self.outbox, ("out", [[ids[i], [], "abort", None, None] for i in open_ids]))
-                self._forget(rid)
-                continue
-            moved.append(self._resumed(rid))
+            if all(self._end_samples(req, i, self.outbox) for i in aborted.get(rid, ())):
+                moved.append(self._resumed(req))
         self.pending.extendleft(reversed(moved))
         self.num_moved_requests += len(moved)
         blocks = iter(kv_blocks)
@@ -396,13 +389,27 @@ class Leader:
             rep.rank = r
         self.num_attention_ranks = len(keep)
 
+    def _end_samples(self, req: dict, some_id: str, outbox) -> bool:
+        """End the open samples of req (no rank holds it) that some_id names: a request's id names each, a
+        sample's that one. -> whether a sample of req is still open (else the request is forgotten)."""
+        rid, n = req["id"], _num_samples(req)
+        ids, done = sample_ids(rid, n), self.finished.setdefault(rid, set())
+        ending = [i for i in range(n) if i not in done and some_id in (rid, ids[i])]
+        if ending:
+            self.put(outbox, ("out", [[ids[i], [], "abort", None, None] for i in ending]))
+        done.update(ending)
+        if len(done) < n:
+            self.open_samples[rid] = n - len(done)
+            return True
+        self._forget(rid)
+        return False
 
-    def _resumed(self, rid: str) -> dict:
-        """A request to assign again (its rank was lost): resumed from the tokens its open samples streamed."""
-        req = self.assigned[rid]
-        open_ids = [i for i in range(_num_samples(req)) if i not in self.finished[rid]]
-        streamed = self.streamed[rid]
-        resume = {str(i): streamed.get(i, []) for i in open_ids} if streamed or _num_samples(req) == 1 else {}
+    def _resumed(self, req: dict) -> dict:
+        """req to assign again (its rank was lost, or a sample of it ended while queued): resumed from the tokens
+        its open samples streamed (a request of several samples none of which streamed or ended starts afresh)."""
+        rid, n = req["id"], _num_samples(req)
+        done, streamed = self.finished.get(rid, set()), self.streamed.get(rid, {})
+        resume = {str(i): streamed.get(i, []) for i in range(n) if i not in done} if streamed or done or n == 1 else {}
         return dict(req, resume=resume, prompt_logprobs_sent=self.prompt_logprobs_sent.get(rid, 0))
 
 

@@ -82,6 +82,60 @@ def test_a_moved_request_aborted_while_queued_ends_only_its_open_samples():
     assert not leader.pending and "b" not in leader.assigned and not aborts
 
 
+def test_one_sample_aborted_while_queued_ends_that_sample_only():
+    """A stop string ends one sample (the front aborts its sample id) while its request waits to be assigned
+    again: the other samples go on from what they streamed."""
+    leader, outbox = _leader(2), queue.Queue()
+    leader.outbox = outbox
+    leader.pending.append(_req("b", n=3))
+    leader.next_step({})
+    leader.req2rank["b"] = 1
+    rep = [StepReport(0, 90, 0, 0), StepReport(1, 90, 1, 0)]
+    rep[1].outputs = [_out("b#0", [1]), _out("b#1", [2]), _out("b#2", [3])]
+    leader.collect(rep, outbox)
+    outbox.get_nowait()
+    leader.regroup([0])
+    aborts: dict = {}
+    leader.handle(("abort", "b#1"), aborts, outbox)
+    assert outbox.get_nowait() == ("out", [["b#1", [], "abort", None, None]])
+    assert [r["resume"] for r in leader.pending] == [{"0": [1], "2": [3]}] and not aborts
+    leader.handle(("abort", "b#1"), aborts, outbox)           # again: nothing more ends
+    assert outbox.empty() and len(leader.pending) == 1
+    # re-assigned, its two open samples finishing end the request
+    leader.next_step({})
+    rep = [StepReport(0, 90, 0, 0)]
+    rep[0].outputs = [_out("b#0", [4], "length"), _out("b#2", [5], "length")]
+    leader.collect(rep, outbox)
+    assert "b" not in leader.assigned and not leader.has_work
+
+
+def test_one_sample_of_a_request_never_assigned_ends_alone():
+    leader, outbox = _leader(1), queue.Queue()
+    leader.outbox = outbox
+    leader.pending.append(_req("x", n=2))
+    leader.handle(("abort", "x#0"), {}, outbox)
+    assert outbox.get_nowait() == ("out", [["x#0", [], "abort", None, None]])
+    assert [r["resume"] for r in leader.pending] == [{"1": []}]
+    header = leader.next_step({})
+    assert header.new_requests["0"][0]["resume"] == {"1": []} and leader.open_samples["x"] == 1
+
+
+def test_a_sample_abort_in_flight_to_a_lost_rank_ends_that_sample_only():
+    leader, outbox = _leader(2), queue.Queue()
+    leader.outbox = outbox
+    leader.pending.append(_req("b", n=2))
+    leader.next_step({})
+    leader.req2rank["b"] = 1
+    rep = [StepReport(0, 90, 0, 0), StepReport(1, 90, 1, 0)]
+    rep[1].outputs = [_out("b#0", [1]), _out("b#1", [2])]
+    leader.collect(rep, outbox)
+    outbox.get_nowait()
+    leader.inflight = leader.next_step({"1": ["b#0"]})
+    leader.regroup([0])
+    assert outbox.get_nowait() == ("out", [["b#0", [], "abort", None, None]])
+    assert [r["resume"] for r in leader.pending] == [{"1": [2]}] and leader.open_samples["b"] == 1
+
+
 def test_joining_ranks_get_fresh_tables_and_take_new_requests():
     leader, outbox = _leader(2), queue.Queue()
     leader.outbox = outbox
