@@ -135,9 +135,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         check_request(body, state.served)
         ids = chat_ids(eng.llm.tokenizer, body, state.model_name, body.continue_final_message)
         prompts = [prompt_ids(eng.llm, ids, "messages")]
-        limit = body.limit()
-        room = min(eng.llm.max_model_len, eng.llm.kv_capacity_tokens) - len(ids)   # the default: all that fits
-        params = sampling_params(eng.llm, body, limit if limit is not None else max(1, room), prompts)
+        params = sampling_params(eng.llm, body, body.limit(), prompts)
         return await respond(state.model_name, eng, body, request, prompts, params, chat=True)
 
     @app.post("/tokenize", dependencies=[Depends(authorized)])

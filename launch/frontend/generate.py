@@ -50,24 +50,31 @@ def check_request(body, served: tuple[str, str]) -> None:
         raise APIError(400, problems[0][1], problems[0][0], "unsupported_parameter")
 
 
-def sampling_params(llm, body, max_tokens: int, prompts: list[list[int]]) -> SamplingParams:
-    """The engine's parameters for body; a 400 for bad values, token ids outside the vocabulary, or a prompt
-    that does not fit with max_tokens."""
-    params = body.sampling_params(max_tokens, llm.spec.vocab_size)
-    bad = [t for t in params.stop_token_ids if t >= llm.spec.vocab_size]
-    if bad:
-        raise APIError(400, f"stop_token_ids has {bad[0]}, outside the vocabulary [0, {llm.spec.vocab_size})",
-                       "stop_token_ids")
-    try:
-        llm.check_samples(params)
-    except ValueError as e:
-        raise APIError(400, str(e), "best_of" if params.best_of is not None else "n") from e
+def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]]) -> list[SamplingParams]:
+    """The engine's parameters for body, one per prompt. max_tokens None: all the room the prompt leaves in
+    max_model_len and one rank's KV cache (vLLM's default for a null max_tokens). A 400 for bad values, token
+    ids outside the vocabulary, or a prompt that does not fit with max_tokens."""
+    room = min(llm.max_model_len, llm.kv_capacity_tokens)
+    made: dict[int, SamplingParams] = {}
+    out = []
     for ids in prompts:
+        limit = max(1, room - len(ids)) if max_tokens is None else max_tokens
+        if limit not in made:
+            made[limit] = params = body.sampling_params(limit, llm.spec.vocab_size)
+            bad = [t for t in params.stop_token_ids if t >= llm.spec.vocab_size]
+            if bad:
+                raise APIError(400, f"stop_token_ids has {bad[0]}, outside the vocabulary [0, "
+                                    f"{llm.spec.vocab_size})", "stop_token_ids")
+            try:
+                llm.check_samples(params)
+            except ValueError as e:
+                raise APIError(400, str(e), "best_of" if params.best_of is not None else "n") from e
         try:
-            llm.check_fits(ids, params)
+            llm.check_fits(ids, made[limit])
         except ValueError as e:
             raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from e
-    return params
+        out.append(made[limit])
+    return out
 
 
 @dataclass(slots=True)
@@ -202,10 +209,11 @@ def _best(choices: list[_Choice], params: SamplingParams, n: int) -> list[_Choic
 
 
 async def respond(model_name: str, eng: EngineClient, body, request: Request, prompts: list[list[int]],
-                  params: SamplingParams, chat: bool, echo: list | None = None):
+                  per_prompt: list[SamplingParams], chat: bool, echo: list | None = None):
     """Submit every prompt (n choices each: one per sample, or with best_of the best n samples) and answer as
-    body asks: streamed or one JSON body. echo: the prompts as sent (strings or ids), to return first
-    (completions)."""
+    body asks: streamed or one JSON body. per_prompt: each prompt's parameters (they differ in max_tokens at
+    most); echo: the prompts as sent (strings or ids), to return first (completions)."""
+    params = per_prompt[0]
     stops = body.stop_strings()
     n = body.n
     sink: asyncio.Queue = asyncio.Queue()
@@ -216,7 +224,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     has_logprobs = params.logprobs is not None
     try:
         for p, ids in enumerate(prompts):
-            rid = eng.submit(ids, params, sink)
+            rid = eng.submit(ids, per_prompt[p], sink)
             submitted.append(rid)
             shown = None if echo is None else _Echo.from_prompt(tok, echo[p], ids, has_logprobs)
             rows = sample_ids(rid, params.num_samples)

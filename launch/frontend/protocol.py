@@ -176,13 +176,13 @@ class CompletionRequest(_Sampling):
     def sample_counts(self) -> tuple[int, int | None]:
         return self.n, self.best_of
 
-    def limit(self) -> int:
-        """max_tokens, checked: 0 needs echo (there is nothing else to return)."""
-        limit = 16 if self.max_tokens is None else self.max_tokens
-        if limit == 0 and not self.echo:
+    def limit(self) -> int | None:
+        """max_tokens, checked: 0 needs echo (there is nothing else to return); left out, 16 (OpenAI's default);
+        null, None: all the room each prompt leaves (vLLM's)."""
+        if self.max_tokens == 0 and not self.echo:
             raise APIError(400, "max_tokens=0 is only allowed with echo=true (the prompt comes back, scored with "
                                 "logprobs); pass max_tokens >= 1", "max_tokens")
-        return limit
+        return self.max_tokens
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """With echo, the prompt is scored too: always when max_tokens is 0 (the engine scores the prompt or

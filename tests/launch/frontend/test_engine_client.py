@@ -101,7 +101,8 @@ def test_a_stream_whose_client_left_before_its_body_started_is_aborted():
         sent.append(message["type"])
 
     async def serve():
-        response = await respond("m", Engine(), body, request, [[1, 2], [3, 4, 5]], SamplingParams(), chat=False)
+        response = await respond("m", Engine(), body, request, [[1, 2], [3, 4, 5]], [SamplingParams()] * 2,
+                                  chat=False)
         await response({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
 
     asyncio.run(serve())

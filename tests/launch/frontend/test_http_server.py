@@ -243,6 +243,18 @@ def test_bad_chat_requests_get_openai_errors(server):
     assert code == 400 and data["error"]["code"] == "context_length_exceeded"
 
 
+def test_completion_max_tokens_null_is_all_that_fits_each_prompt(server):
+    """vLLM reads a completion's "max_tokens": null as the room its prompt leaves in max_model_len (each prompt
+    of a batch its own); left out, it is OpenAI's 16."""
+    prompts = [list(range(5, 105)), list(range(5, 115))]
+    for sent, want in (({"max_tokens": None}, [MAX_LEN - 100, MAX_LEN - 110]), ({}, [16, 16])):
+        code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": prompts, "temperature": 0,
+                                                      "ignore_eos": True, **sent})
+        assert code == 200, data
+        assert [c["finish_reason"] for c in data["choices"]] == ["length", "length"]
+        assert data["usage"]["completion_tokens"] == sum(want), (sent, data["usage"])
+
+
 def test_api_key_is_required(server):
     for path, body in (("/v1/completions", {"model": MODEL, "prompt": "hi"}), ("/tokenize", {"prompt": "hi"}),
                        ("/detokenize", {"tokens": [5]})):

@@ -12,7 +12,7 @@ def test_null_for_an_optional_field_means_its_default():
     got = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stream": None, "n": None, "echo": None,
                                             "ignore_eos": None, "min_tokens": None, "max_tokens": None})
     assert (got.stream, got.n, got.echo, got.ignore_eos, got.min_tokens) == (False, 1, False, False, 0)
-    assert got.max_tokens is None           # a field that can hold null keeps it (the server reads it as 16)
+    assert got.max_tokens is None           # a field that can hold null keeps it (the server: all that fits)
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                                  "logprobs": None, "add_generation_prompt": None})
     assert (chat.logprobs, chat.add_generation_prompt) == (False, True)
