@@ -14,7 +14,7 @@ from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
-from .procs import Outbox, free_port, rank_context, spawn_is_fresh, start_joiner, start_rank
+from .procs import LocalOutbox, Outbox, free_port, rank_context, spawn_is_fresh, start_joiner, start_rank
 from .runtime.planning import check_autoscale, check_scale
 from .samples import RequestOutput, Sample, chosen, split_id
 
@@ -88,7 +88,7 @@ class LLM:
         self.runtime = rt = Runtime(self.config)
         if rt.leader is not None and self.config.parallel.autoscale:
             rt.launcher = JoinerStarter.beside_leader(self.config, rt.store)
-        self._inbox, self._outbox = queue.Queue(), queue.Queue()
+        self._inbox, self._outbox = queue.Queue(), LocalOutbox()
         self._set_limits(asdict(self.runtime.info))
 
     def _lead(self, stop_when_idle: bool) -> str:
@@ -300,12 +300,18 @@ class LLM:
         return result
 
     def _reply(self, kind: str, timeout_s: float = 60) -> dict:
-        """The leader's answer to a ("stats",), ("comm_stats",) or ("scale", request) command put on the inbox."""
+        """The leader's answer to a ("stats",), ("comm_stats",) or ("scale", request) command put on the inbox;
+        the progress read on the way goes back to the outbox's front, for its reader (`submit`)."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            msg = self._poll(self._outbox, deadline, kind)
-            if msg[0] == kind:
-                return msg[1]
+        passed = []
+        try:
+            while True:
+                msg = self._poll(self._outbox, deadline, kind)
+                if msg[0] == kind:
+                    return msg[1]
+                passed.append(msg)
+        finally:
+            self._outbox.put_back(passed)
 
     def decode(self, ids: list[int]) -> str | None:
         """Token ids -> text with the checkpoint's tokenizer (None without one)."""

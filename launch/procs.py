@@ -8,13 +8,16 @@ import fcntl
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 
@@ -23,6 +26,8 @@ logger = logging.getLogger("afserve")
 # without importing them (~2.5 s of CPU for torch, ~3 s more for transformers' config and modeling modules)
 RANK_PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "launch.runtime"]
 OUTBOX_PIPE_BYTES = 1 << 20    # what the outbox's pipe holds before the leader's put waits for its reader
+_FRAME = struct.Struct("!Q")   # an outbox message's length, before its pickled bytes
+_NOTHING = object()
 
 
 class Outbox:
@@ -34,10 +39,12 @@ class Outbox:
     The pipe holds OUTBOX_PIPE_BYTES (where the system allows): a reader that falls that far behind holds the
     leader back rather than losing progress. Once the reader has closed its end (its process is gone), puts
     drop their messages: nobody is left to receive them. get() is queue.Queue's, for one or more threads of
-    the reading process."""
+    the reading process; it takes a message's bytes as they arrive, so a leader that dies in the middle of
+    writing one leaves get() timing out (and its caller free to see the rank gone), never stuck in a read.
+    put_back() returns messages taken out of turn (LLM.stats' wait) to the front."""
 
     def __init__(self, ctx) -> None:
-        self._reader, self._writer = ctx.Pipe(duplex=False)
+        self._reader, self._writer = ctx.Pipe(duplex=False)   # file descriptors that pickle to a spawned process
         with contextlib.suppress(OSError, AttributeError):
             with open("/proc/sys/fs/pipe-max-size") as f:
                 size = min(OUTBOX_PIPE_BYTES, int(f.read()))
@@ -47,6 +54,8 @@ class Outbox:
     def _init_local(self) -> None:
         self._lock = threading.Lock()
         self._gone = False
+        self._partial = bytearray()      # the reader's bytes of messages not yet whole
+        self._held: deque = deque()      # messages put back, served first
 
     def __getstate__(self):
         return self._reader, self._writer
@@ -58,25 +67,65 @@ class Outbox:
     def put(self, msg) -> None:
         if self._gone:
             return
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(_FRAME.pack(len(data)) + data)
         try:
-            self._writer.send(msg)
+            while view:
+                view = view[os.write(self._writer.fileno(), view):]
         except (BrokenPipeError, ConnectionResetError):
             self._gone = True
             logger.warning("the leader's progress reader has gone; its outbox messages are dropped from now on")
 
     def get(self, block: bool = True, timeout: float | None = None):
+        deadline = None if timeout is None or not block else time.monotonic() + timeout
         with self._lock:
-            if not self._reader.poll(timeout if block else 0):
-                raise queue.Empty
-            return self._reader.recv()
+            while True:
+                if self._held:
+                    return self._held.popleft()
+                msg = self._whole()
+                if msg is not _NOTHING:
+                    return msg
+                wait = 0 if not block else None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._reader.poll(wait):
+                    raise queue.Empty
+                chunk = os.read(self._reader.fileno(), 1 << 20)
+                if not chunk:
+                    raise EOFError("every writer of the leader's outbox has closed it")
+                self._partial += chunk
 
     def get_nowait(self):
         return self.get(block=False)
+
+    def put_back(self, msgs: list) -> None:
+        """msgs (taken by get, in order) come out again before anything else."""
+        with self._lock:
+            self._held.extendleft(reversed(msgs))
+
+    def _whole(self):
+        """The first message of what has arrived, if it is all there (else _NOTHING)."""
+        if len(self._partial) < _FRAME.size:
+            return _NOTHING
+        end = _FRAME.size + _FRAME.unpack_from(self._partial)[0]
+        if len(self._partial) < end:
+            return _NOTHING
+        msg = pickle.loads(memoryview(self._partial)[_FRAME.size:end])
+        del self._partial[:end]
+        return msg
 
     def close_reader(self) -> None:
         """The writing process, once the reader's process has its end: drop this one, so that a put finds
         out when the reader is gone instead of filling the pipe."""
         self._reader.close()
+
+
+class LocalOutbox(queue.Queue):
+    """The leader's outbox when it runs in the caller's own process (torchrun): a queue.Queue with Outbox's
+    put_back."""
+
+    def put_back(self, msgs: list) -> None:
+        with self.mutex:
+            self.queue.extendleft(reversed(msgs))
+            self.not_empty.notify()
 
 
 def free_port() -> int:

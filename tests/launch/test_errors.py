@@ -162,6 +162,24 @@ def test_engine_still_serves_after_bad_requests(llm):
     assert isinstance(outs[1].text, str) and outs[1].prompt_token_ids == llm.tokenizer.encode("Hello experts")
 
 
+def test_stats_while_progress_waits_loses_none_of_it(llm):
+    """stats() reads the outbox for its answer: the progress of a submitted request read on the way is put back
+    for the caller (it was dropped: the request never finished for its reader)."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    want = llm.generate([[5, 6, 7]], params)[0].token_ids
+    rid = llm.submit([5, 6, 7], params)
+    time.sleep(1.0)                    # its outputs are on the outbox before stats() asks
+    assert llm.stats()["steps"] > 0
+    got, finish = [], None
+    while finish is None:
+        msg = llm.outbox.get(timeout=30)
+        for row, toks, finish_reason, *_ in msg[1] if msg[0] == "out" else ():
+            assert row == rid
+            got += toks
+            finish = finish_reason
+    assert got == want and finish == "length"
+
+
 @pytest.mark.parametrize("expert_ranks,victim,message", [
     (2, 0, "rank 0 died"),                                    # the leader: the single point of failure
     (1, 1, r"every expert rank died \(ranks \[1\]\)"),       # no survivor can take the experts

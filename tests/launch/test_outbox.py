@@ -2,10 +2,12 @@
 import logging
 import multiprocessing as mp
 import queue
+import threading
+import time
 
 import pytest
 
-from launch.procs import OUTBOX_PIPE_BYTES, Outbox
+from launch.procs import OUTBOX_PIPE_BYTES, LocalOutbox, Outbox
 
 
 def _write(outbox: Outbox, n: int) -> None:
@@ -39,3 +41,47 @@ def test_a_put_after_the_reader_has_gone_drops_the_message(caplog):
         outbox.put(("out", []))
     assert [r.getMessage() for r in caplog.records].count(
         "the leader's progress reader has gone; its outbox messages are dropped from now on") == 1
+
+
+def _write_too_much(outbox: Outbox) -> None:
+    outbox.put(("small", 1))
+    outbox.put(("big", b"x" * (4 * OUTBOX_PIPE_BYTES)))   # the pipe fills: the writer is killed in the middle
+
+
+def test_a_writer_dying_inside_a_message_leaves_get_timing_out_not_stuck():
+    """The leader dying in the middle of writing a message: get() times out (its caller then sees the dead
+    rank) instead of waiting forever in a read for the rest, which never comes while any process holds the
+    pipe's write end (this one does)."""
+    ctx = mp.get_context("spawn")
+    outbox = Outbox(ctx)
+    proc = ctx.Process(target=_write_too_much, args=(outbox,))
+    proc.start()
+    assert outbox.get(timeout=60) == ("small", 1)
+    time.sleep(2.0)                                   # the writer is blocked with the pipe full
+    proc.kill()
+    proc.join(timeout=30)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(_get_or_empty(outbox, 0.5)), daemon=True)
+    reader.start()
+    reader.join(timeout=20)
+    assert not reader.is_alive() and got == ["empty"]
+
+
+def _get_or_empty(outbox: Outbox, timeout: float):
+    try:
+        return outbox.get(timeout=timeout)
+    except queue.Empty:
+        return "empty"
+
+
+def test_put_back_messages_come_out_first_in_order():
+    outbox = Outbox(mp.get_context("spawn"))
+    for i in range(4):
+        outbox.put(("out", i))
+    taken = [outbox.get(timeout=5), outbox.get(timeout=5)]
+    outbox.put_back(taken)
+    assert [outbox.get(timeout=5) for _ in range(4)] == [("out", i) for i in range(4)]
+    local = LocalOutbox()
+    local.put(("out", 2))
+    local.put_back([("out", 0), ("out", 1)])
+    assert [local.get(timeout=5) for _ in range(3)] == [("out", i) for i in range(3)]
