@@ -153,7 +153,7 @@ class Membership(Generations):
         if request.get("spawn") and not request.get("spawned") and (outbox is not None or rt.launcher):
             spawn = [name for name, _, need, got in needs for _ in range(need - got)]
             # this host's ranks and the registered joiners (admitted or not) each hold a GPU already
-            here = len(self.ranks_on([self._peers.hostname(rt.member)]))
+            here = self.ranks_here()
             if why := planning.gpu_room_refusal(rt.dev.backend, rt.dev.gpus, here + len(waiting), len(spawn)):
                 return {"error": why}
             request["spawned"] = True     # from the pools as they are now, which only the leader knows
