@@ -16,7 +16,7 @@ from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
 from .procs import LocalOutbox, Outbox, free_port, rank_context, spawn_is_fresh, start_joiner, start_rank
 from .runtime.planning import check_autoscale, check_scale
-from .samples import RequestOutput, Sample, chosen, split_id
+from .samples import RequestOutput, Sample, chosen, split_id, split_rows
 
 logger = logging.getLogger("afserve")
 
@@ -61,6 +61,7 @@ class LLM:
         self._serving = False      # past start-up: a lost rank other than the leader is survivable
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
         self.retired_ranks: list[int] = []   # and those a scale-in retired (they exit on their own)
+        self._abandoned: set[str] = set()     # requests of a generate() that raised: their progress is dropped
         self.runtime = None
 
     # ----- start-up -------------------------------------------------------------------------------------
@@ -213,19 +214,25 @@ class LLM:
         prompt_logprobs = {rid: [] if p.prompt_logprobs is not None else None for rid, p in zip(rids, params)}
         grouped = {rid for rid, p in zip(rids, params) if p.num_samples > 1}
         num_open = sum(p.num_samples for p in params)
-        while num_open:
-            msg = self._poll(self._outbox, None, "generate")
-            if msg[0] != "out":
-                continue
-            for row_id, toks, reason, new_prompt_logprobs, new_logprobs in msg[1]:
-                rid, index = split_id(row_id, grouped)
-                if rid not in samples:
-                    continue
-                sample = samples[rid].setdefault(index, Sample(index))
-                sample.add(toks, new_logprobs, reason)
-                if new_prompt_logprobs:
-                    prompt_logprobs[rid].extend(new_prompt_logprobs)
-                num_open -= reason is not None
+        passed = []     # what is not this call's (a submit caller's progress, an answer): put back after
+        try:
+            while num_open:
+                msg = self._poll(self._outbox, None, "generate")
+                own, other = split_rows(msg, samples, grouped, self._abandoned)
+                passed += [other] if other is not None else []
+                for row_id, toks, reason, new_prompt_logprobs, new_logprobs in own:
+                    rid, index = split_id(row_id, grouped)
+                    sample = samples[rid].setdefault(index, Sample(index))
+                    sample.add(toks, new_logprobs, reason)
+                    if new_prompt_logprobs:
+                        prompt_logprobs[rid].extend(new_prompt_logprobs)
+                    num_open -= reason is not None
+        finally:
+            if num_open:    # raised (an interrupt, a dead rank): what still runs is aborted, its progress dropped
+                self._abandoned.update(rids)
+                for rid in rids:
+                    self._inbox.put(("abort", rid))
+            self._outbox.put_back(passed)
         outs = []
         for rid, i, p in zip(rids, ids, params):
             best = chosen(list(samples[rid].values()), p)

@@ -125,7 +125,7 @@ class LocalOutbox(queue.Queue):
     def put_back(self, msgs: list) -> None:
         with self.mutex:
             self.queue.extendleft(reversed(msgs))
-            self.not_empty.notify()
+            self.not_empty.notify(len(msgs))
 
 
 def free_port() -> int:

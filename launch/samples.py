@@ -19,6 +19,20 @@ def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
     return row_id, 0
 
 
+def split_rows(msg: tuple, mine: dict | set, grouped: set[str], dropped: set[str]) -> tuple[list, tuple | None]:
+    """An outbox message generate() read -> (its rows of the requests in mine, what is left for another reader:
+    someone else's rows or answer, or None). Rows of dropped requests (a generate that raised) are dropped."""
+    if msg[0] != "out":
+        return [], msg
+    own, others = [], []
+    for row in msg[1]:
+        if split_id(row[0], grouped)[0] in mine:
+            own.append(row)
+        elif split_id(row[0], dropped)[0] not in dropped:
+            others.append(row)
+    return own, ("out", others) if others else None
+
+
 @dataclass(slots=True)
 class Sample:
     """One sample of a request. logprobs: one {token id: log-probability} per token when asked for (or needed

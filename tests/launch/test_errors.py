@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shutil
 import threading
@@ -178,6 +179,47 @@ def test_stats_while_progress_waits_loses_none_of_it(llm):
             got += toks
             finish = finish_reason
     assert got == want and finish == "length"
+
+
+def test_generate_leaves_a_submitted_requests_progress_to_its_reader(llm):
+    """generate() reads the outbox for its own requests; a submit()ted request's progress read on the way is put
+    back for its reader (it was dropped)."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    want = llm.generate([[5, 6, 7]], params)[0].token_ids
+    rid = llm.submit([5, 6, 7], params)
+    assert llm.generate([[8, 9]], params)[0].token_ids == llm.generate([[8, 9]], params)[0].token_ids
+    got, finish = [], None
+    while finish is None:
+        msg = llm.outbox.get(timeout=30)
+        for row, toks, finish_reason, *_ in msg[1] if msg[0] == "out" else ():
+            assert row == rid
+            got += toks
+            finish = finish_reason
+    assert got == want and finish == "length"
+
+
+def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
+    """An interrupt (or any error) inside generate() aborts its requests in the engine and drops their progress,
+    so later calls neither wait behind them nor read it."""
+    real_poll, calls = llm._poll, []
+
+    def interrupted(q, deadline, what):
+        calls.append(what)
+        if what == "generate" and len(calls) == 1:
+            time.sleep(0.3)                            # the request is running by now
+            raise KeyboardInterrupt
+        return real_poll(q, deadline, what)
+
+    monkeypatch.setattr(llm, "_poll", interrupted)
+    long = SamplingParams(max_tokens=llm.max_model_len - 3, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7]], long)
+    monkeypatch.setattr(llm, "_poll", real_poll)
+    outs = llm.generate([[8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(outs[0].token_ids) == 3
+    assert llm.stats()["num_running"] == 0          # aborted: not decoding on to max_model_len
+    with pytest.raises(queue.Empty):
+        llm.outbox.get(timeout=0.5)                 # and nothing of it was put back
 
 
 @pytest.mark.parametrize("expert_ranks,victim,message", [
