@@ -186,6 +186,7 @@ class Scheduler:
         out = SchedulerOutput.empty()
         # Step 1: running sequences, oldest first; preempt the newest when blocks run out.
         i = 0
+        reserve = self._later_needs() if any(s.spec_tokens for s in self._running) else None
         while i < len(self._running) and budget > 0:
             seq = self._running[i]
             if self.prefill_only and seq.prefilled:
@@ -193,10 +194,10 @@ class Scheduler:
                 continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # a decode with drafts runs them too, as many as the budget leaves room for once each later running
-            # sequence has its one token, and only when the blocks they reach are free now: drafts never cost
-            # another sequence its blocks or its token
+            # sequence has its one token, and only when the blocks they reach are free now beside those the later
+            # ones' next tokens need: drafts never cost another sequence its blocks or its token
             drafts = seq.spec_tokens[:max(0, budget - len(self._running) + i)] if num_new == 1 else []
-            if drafts and not self._drafts_fit(seq, len(drafts)):
+            if drafts and not self._drafts_fit(seq, len(drafts), reserve[i + 1]):
                 drafts = []
             num_new += len(drafts)
             assert num_new > 0, f"running request {seq.request_id!r} has no token to compute"
@@ -363,13 +364,22 @@ class Scheduler:
             self.block_pool.register(seq.block_table[i], keys[i])
         seq.num_registered_blocks = full
 
-    def _drafts_fit(self, seq: Sequence, num_drafts: int) -> bool:
+    def _drafts_fit(self, seq: Sequence, num_drafts: int, reserved: int) -> bool:
         """The blocks a decode of seq with num_drafts drafts needs beyond its own are free (with one more for a
-        copy on write), and the chunk's blocks fit the pool."""
+        copy on write) beside `reserved` more, and the chunk's blocks fit the pool."""
         pool = self.block_pool
         needed = pool.blocks_needed(seq.num_computed_tokens + 1 + num_drafts)
         return needed <= pool.num_blocks and pool.can_allocate(
-            max(0, needed - len(seq.block_table)) + self._is_shared_tail(seq))
+            max(0, needed - len(seq.block_table)) + self._is_shared_tail(seq) + reserved)
+
+    def _later_needs(self) -> list[int]:
+        """Per running index i, the blocks the next tokens of the running sequences from i on need that they do
+        not hold (a new block, or an own copy of a shared tail); one more entry past the end, 0."""
+        out = [0] * (len(self._running) + 1)
+        for i in range(len(self._running) - 1, -1, -1):
+            seq = self._running[i]
+            out[i] = out[i + 1] + self._num_missing_blocks(seq, 1) + self._is_shared_tail(seq)
+        return out
 
     def _is_shared_tail(self, seq: Sequence) -> bool:
         """The block this step's first token goes into exists and other samples hold it too (only the partly

@@ -264,3 +264,20 @@ def test_counts_add_up_over_ranks():
     b.add([1], [1])                 # accepted 0
     assert summed([a.to_list(), b.to_list(), []]) == {
         "num_drafts": 3, "num_draft_tokens": 6, "num_accepted_tokens": 3, "num_accepted_tokens_per_pos": [2, 1, 0]}
+
+
+def test_drafts_never_take_the_block_a_later_sequence_needs():
+    """Review finding: the oldest sequence's drafts took the last free block that the next sequence's own token
+    needed, which then preempted itself (recomputing its whole context) for drafts that may be rejected."""
+    pool = BlockPool(3, 4)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=64)
+    a = Sequence.from_request("a", [1, 2, 3], SamplingParams(max_tokens=8), 0)      # its next token fits its block
+    b = Sequence.from_request("b", [1, 2, 3, 4], SamplingParams(max_tokens=8), 1)   # its next token needs a block
+    for seq in (a, b):
+        sched.add(seq)
+    sched.update(sched.schedule(), [[5], [5]], frozenset(), 64)
+    assert pool.num_free_blocks == 1
+    a.spec_tokens = [6, 7, 8]
+    out = sched.schedule()
+    assert not out.preempted and [(s.seq.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1),
+                                                                                                    ("b", 1)]
