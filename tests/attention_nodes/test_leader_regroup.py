@@ -64,16 +64,22 @@ def test_lost_rank_requests_resume_and_ranks_are_renumbered():
     assert leader.prompt_logprobs_sent["c"] == 3
 
 
-def test_a_moved_request_aborted_while_queued_ends_only_its_open_samples():
+def _moved(n: int, outputs: list) -> tuple[Leader, queue.Queue]:
+    """A 2-rank leader whose request "b" (n samples) ran on rank 1 and reported outputs there."""
     leader, outbox = _leader(2), queue.Queue()
     leader.outbox = outbox
-    leader.pending.append(_req("b", n=2))
+    leader.pending.append(_req("b", n=n))
     leader.next_step({})
     leader.req2rank["b"] = 1
     rep = [StepReport(0, 90, 0, 0), StepReport(1, 90, 1, 0)]
-    rep[1].outputs = [_out("b#0", [1], "length"), _out("b#1", [2])]
+    rep[1].outputs = outputs
     leader.collect(rep, outbox)
     outbox.get_nowait()
+    return leader, outbox
+
+
+def test_a_moved_request_aborted_while_queued_ends_only_its_open_samples():
+    leader, outbox = _moved(2, [_out("b#0", [1], "length"), _out("b#1", [2])])
     leader.regroup([0])
     assert [r["resume"] for r in leader.pending] == [{"1": [2]}]
     aborts: dict = {}
@@ -85,15 +91,7 @@ def test_a_moved_request_aborted_while_queued_ends_only_its_open_samples():
 def test_one_sample_aborted_while_queued_ends_that_sample_only():
     """A stop string ends one sample (the front aborts its sample id) while its request waits to be assigned
     again: the other samples go on from what they streamed."""
-    leader, outbox = _leader(2), queue.Queue()
-    leader.outbox = outbox
-    leader.pending.append(_req("b", n=3))
-    leader.next_step({})
-    leader.req2rank["b"] = 1
-    rep = [StepReport(0, 90, 0, 0), StepReport(1, 90, 1, 0)]
-    rep[1].outputs = [_out("b#0", [1]), _out("b#1", [2]), _out("b#2", [3])]
-    leader.collect(rep, outbox)
-    outbox.get_nowait()
+    leader, outbox = _moved(3, [_out("b#0", [1]), _out("b#1", [2]), _out("b#2", [3])])
     leader.regroup([0])
     aborts: dict = {}
     leader.handle(("abort", "b#1"), aborts, outbox)
@@ -121,15 +119,7 @@ def test_one_sample_of_a_request_never_assigned_ends_alone():
 
 
 def test_a_sample_abort_in_flight_to_a_lost_rank_ends_that_sample_only():
-    leader, outbox = _leader(2), queue.Queue()
-    leader.outbox = outbox
-    leader.pending.append(_req("b", n=2))
-    leader.next_step({})
-    leader.req2rank["b"] = 1
-    rep = [StepReport(0, 90, 0, 0), StepReport(1, 90, 1, 0)]
-    rep[1].outputs = [_out("b#0", [1]), _out("b#1", [2])]
-    leader.collect(rep, outbox)
-    outbox.get_nowait()
+    leader, outbox = _moved(2, [_out("b#0", [1]), _out("b#1", [2])])
     leader.inflight = leader.next_step({"1": ["b#0"]})
     leader.regroup([0])
     assert outbox.get_nowait() == ("out", [["b#0", [], "abort", None, None]])

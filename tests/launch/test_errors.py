@@ -163,6 +163,18 @@ def test_engine_still_serves_after_bad_requests(llm):
     assert isinstance(outs[1].text, str) and outs[1].prompt_token_ids == llm.tokenizer.encode("Hello experts")
 
 
+def _read_to_the_end(llm, rid: str) -> tuple[list[int], str]:
+    """rid's tokens and finish reason as its submit caller reads them off the outbox (only rid's rows there)."""
+    got, finish = [], None
+    while finish is None:
+        msg = llm.outbox.get(timeout=30)
+        for row, toks, finish_reason, *_ in msg[1] if msg[0] == "out" else ():
+            assert row == rid
+            got += toks
+            finish = finish_reason
+    return got, finish
+
+
 def test_stats_while_progress_waits_loses_none_of_it(llm):
     """stats() reads the outbox for its answer: the progress of a submitted request read on the way is put back
     for the caller (it was dropped: the request never finished for its reader)."""
@@ -171,14 +183,7 @@ def test_stats_while_progress_waits_loses_none_of_it(llm):
     rid = llm.submit([5, 6, 7], params)
     time.sleep(1.0)                    # its outputs are on the outbox before stats() asks
     assert llm.stats()["steps"] > 0
-    got, finish = [], None
-    while finish is None:
-        msg = llm.outbox.get(timeout=30)
-        for row, toks, finish_reason, *_ in msg[1] if msg[0] == "out" else ():
-            assert row == rid
-            got += toks
-            finish = finish_reason
-    assert got == want and finish == "length"
+    assert _read_to_the_end(llm, rid) == (want, "length")
 
 
 def test_generate_leaves_a_submitted_requests_progress_to_its_reader(llm):
@@ -188,14 +193,7 @@ def test_generate_leaves_a_submitted_requests_progress_to_its_reader(llm):
     want = llm.generate([[5, 6, 7]], params)[0].token_ids
     rid = llm.submit([5, 6, 7], params)
     assert llm.generate([[8, 9]], params)[0].token_ids == llm.generate([[8, 9]], params)[0].token_ids
-    got, finish = [], None
-    while finish is None:
-        msg = llm.outbox.get(timeout=30)
-        for row, toks, finish_reason, *_ in msg[1] if msg[0] == "out" else ():
-            assert row == rid
-            got += toks
-            finish = finish_reason
-    assert got == want and finish == "length"
+    assert _read_to_the_end(llm, rid) == (want, "length")
 
 
 def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
