@@ -108,9 +108,9 @@ class Outbox:
         end = _FRAME.size + _FRAME.unpack_from(self._partial)[0]
         if len(self._partial) < end:
             return _NOTHING
-        msg = pickle.loads(memoryview(self._partial)[_FRAME.size:end])
-        del self._partial[:end]
-        return msg
+        data = bytes(self._partial[_FRAME.size:end])
+        del self._partial[:end]      # first: a message that fails to unpickle is lost alone, as recv() lost it
+        return pickle.loads(data)
 
     def close_reader(self) -> None:
         """The writing process, once the reader's process has its end: drop this one, so that a put finds
