@@ -96,6 +96,10 @@ class TwoPhaseDispatcher(Dispatcher):
         self.node_index = torch.full((max(self.node_of) + 1,), -1, dtype=torch.int64, device=device)
         self.node_index[self.dst_nodes] = torch.arange(len(self.dst_nodes), device=device)
         self.rank_node_index = self.node_index[torch.tensor(self.node_of, device=device)]   # rank -> the same
+        # rank -> its place in node_experts (-1: not an expert rank of this node). A re-formed job's node may hold
+        # ranks that are not consecutive (a joiner is numbered last but fills the lowest node with room)
+        self.fan_index = torch.full((W,), -1, dtype=torch.int64, device=device)
+        self.fan_index[self.node_experts] = torch.arange(len(self.node_experts), device=device)
         self._combine_sends: list = []     # the last combine's send works, waited at the next dispatch
 
     def gateways(self, ns: int, nd: int) -> tuple[int, int]:
@@ -231,7 +235,8 @@ class TwoPhaseDispatcher(Dispatcher):
             valid = torch.cat([valid_places(c[None], n)[0] for c, n in zip(handle.from_gateways, bounds)])
             merged = torch.cat([g[1:] for g in got])                                      # [R, B]
             codes = merged[:, hb:hb + 4 * K].contiguous().view(torch.int32).to(torch.int64)
-            rank = torch.where(valid[:, None] & (codes >= 0), (codes >> SLOT_BITS) - self.node_experts[0], -1)
+            named = torch.where(codes >= 0, codes >> SLOT_BITS, 0)
+            rank = torch.where(valid[:, None] & (codes >= 0), self.fan_index[named], -1)
             fan, n = len(self.node_experts), self._nd_bound(me, C)
             blocks, handle.fan_hit, handle.fan_pos = place_rows(
                 merged[:, :hb], rank, codes & ((1 << SLOT_BITS) - 1),

@@ -90,6 +90,8 @@ CASES = [
     # their nodes (0 | 1, 1 | 2, 2); and labels out of order, nodes mixing attention and expert ranks
     (2, 3, [0, 1, 1, 2, 2], [6, 4], False),
     wider(2, 3, [3, 1, 1, 3, 5], [5, 8], False),
+    # an expert joiner numbered last fills the lowest node with room: node 1 holds expert ranks 2 and 4, not 3
+    (2, 3, [0, 0, 1, 2, 1], [6, 4], False),
 ]
 
 
