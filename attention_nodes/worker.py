@@ -117,15 +117,18 @@ class AttentionWorker:
         A request moved here from a lost attention rank also has "resume": {sample index: [tokens generated
         so far]} (the samples still open; empty when none was drawn yet) and "prompt_logprobs_sent": how many
         prompt-logprob entries were already reported; it is recomputed from prompt plus those tokens and goes
-        on from there."""
+        on from there. Only its first resumed sample reports the prompt logprobs still unsent, as a request's
+        prefill does before it forks."""
         for r in requests:
             params = SamplingParams.from_dict(r["params"])
             resume = sorted((int(i), toks) for i, toks in r.get("resume", {}).items())
+            sent = r.get("prompt_logprobs_sent", 0)
             for i, toks in resume or [(None, None)]:
                 arrival = self.next_arrival()
                 seq = Sequence.from_request(r["id"], r["prompt"], params, arrival, self.device) if i is None else \
                     Sequence.resumed(r["id"], i, r["prompt"], toks, params, arrival, self.device)
-                _skip_prompt_logprobs(seq, r.get("prompt_logprobs_sent", 0))
+                _skip_prompt_logprobs(seq, sent)
+                sent = len(r["prompt"])          # every entry, for the samples after the first
                 self.scheduler.add(seq)
 
     def abort(self, request_ids: list[str]) -> None:

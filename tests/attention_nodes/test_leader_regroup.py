@@ -3,11 +3,17 @@ queue resumed from what they streamed, the in-flight header and the per-rank tab
 numbers, and an abort meant for the lost rank ends its request at the leader."""
 from __future__ import annotations
 
+import itertools
 import queue
 from types import SimpleNamespace
 
+import torch
+
+from attention_nodes.block_pool import BlockPool
 from attention_nodes.leader import Leader
 from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.scheduler import Scheduler
+from attention_nodes.worker import AttentionWorker
 from comm.control import StepReport
 
 
@@ -116,6 +122,23 @@ def test_one_sample_of_a_request_never_assigned_ends_alone():
     assert [r["resume"] for r in leader.pending] == [{"1": []}]
     header = leader.next_step({})
     assert header.new_requests["0"][0]["resume"] == {"1": []} and leader.open_samples["x"] == 1
+
+
+def test_open_samples_resumed_before_any_streamed_score_the_prompt_once():
+    """Two of three samples resume before the prompt was scored: the rank that takes them reports each prompt
+    logprob once (as one request's prefill does before it forks), not once per sample."""
+    leader, outbox = _leader(1), queue.Queue()
+    leader.outbox = outbox
+    leader.pending.append(_req("x", n=3, prompt_logprobs=1))
+    leader.handle(("abort", "x#0"), {}, outbox)
+    req = leader.next_step({}).new_requests["0"][0]
+    assert req["resume"] == {"1": [], "2": []}
+    arrivals = itertools.count()
+    worker = SimpleNamespace(scheduler=Scheduler(BlockPool(8, 4), 4, 64), next_arrival=lambda: next(arrivals),
+                             device=torch.device("cpu"))
+    AttentionWorker.add_requests(worker, [req])
+    scored = {s.request_id: list(s.prompt_logprob_positions(0, 3)) for s in worker.scheduler.waiting}
+    assert scored == {"x#1": [0, 1], "x#2": []}
 
 
 def test_a_sample_abort_in_flight_to_a_lost_rank_ends_that_sample_only():
