@@ -28,6 +28,7 @@ RANK_PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "launch.
 OUTBOX_PIPE_BYTES = 1 << 20    # what the outbox's pipe holds before the leader's put waits for its reader
 _FRAME = struct.Struct("!Q")   # an outbox message's length, before its pickled bytes
 _NOTHING = object()
+_POLL_S = 0.05                 # how long a reader waits on the pipe before letting another reader have a turn
 
 
 class Outbox:
@@ -78,20 +79,27 @@ class Outbox:
 
     def get(self, block: bool = True, timeout: float | None = None):
         deadline = None if timeout is None or not block else time.monotonic() + timeout
-        with self._lock:
-            while True:
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._lock.acquire(block, -1 if left is None else left):
+                raise queue.Empty
+            try:
                 if self._held:
                     return self._held.popleft()
                 msg = self._whole()
                 if msg is not _NOTHING:
                     return msg
-                wait = 0 if not block else None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self._reader.poll(wait):
+                # a slice at a time, the lock released in between: another reader's timeout and put_back go on
+                wait = 0 if not block else _POLL_S if left is None else min(left, _POLL_S)
+                if self._reader.poll(wait):
+                    chunk = os.read(self._reader.fileno(), 1 << 20)
+                    if not chunk:
+                        raise EOFError("every writer of the leader's outbox has closed it")
+                    self._partial += chunk
+                elif not block or (deadline is not None and time.monotonic() >= deadline):
                     raise queue.Empty
-                chunk = os.read(self._reader.fileno(), 1 << 20)
-                if not chunk:
-                    raise EOFError("every writer of the leader's outbox has closed it")
-                self._partial += chunk
+            finally:
+                self._lock.release()
 
     def get_nowait(self):
         return self.get(block=False)

@@ -85,3 +85,18 @@ def test_put_back_messages_come_out_first_in_order():
     local.put(("out", 2))
     local.put_back([("out", 0), ("out", 1)])
     assert [local.get(timeout=5) for _ in range(3)] == [("out", i) for i in range(3)]
+
+
+def test_a_reader_waiting_holds_back_neither_another_readers_timeout_nor_put_back():
+    """Two threads of the reading process (LLM.generate and LLM.stats): one waiting long on an empty outbox
+    lets the other time out on its own, shorter, timeout and put messages back, which the first then gets."""
+    outbox = Outbox(mp.get_context("spawn"))
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(_get_or_empty(outbox, 60)), daemon=True)
+    waiting.start()
+    time.sleep(0.3)                                   # the first reader is in its wait
+    assert _get_or_empty(outbox, 0.2) == "empty"
+    assert waiting.is_alive() and not got             # timed out before the first reader's wait ended
+    outbox.put_back([("out", 7)])
+    waiting.join(timeout=30)
+    assert not waiting.is_alive() and got == [("out", 7)]
