@@ -61,7 +61,8 @@ class LLM:
         self._serving = False      # past start-up: a lost rank other than the leader is survivable
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
         self.retired_ranks: list[int] = []   # and those a scale-in retired (they exit on their own)
-        self._abandoned: set[str] = set()     # requests of a generate() that raised: their progress is dropped
+        self._abandoned: dict[str, int] = {}  # requests of a generate() that raised -> samples still open: their
+        #                                       progress is dropped, each until its samples' last rows arrive
         self.runtime = None
 
     # ----- start-up -------------------------------------------------------------------------------------
@@ -229,9 +230,10 @@ class LLM:
                     num_open -= reason is not None
         finally:
             if num_open:    # raised (an interrupt, a dead rank): what still runs is aborted, its progress dropped
-                self._abandoned.update(rids)
-                for rid in rids:
-                    self._inbox.put(("abort", rid))
+                for rid, p in zip(rids, params):
+                    if left := p.num_samples - sum(s.finish_reason is not None for s in samples[rid].values()):
+                        self._abandoned[rid] = left
+                        self._inbox.put(("abort", rid))
             self._outbox.put_back(passed)
         outs = []
         for rid, i, p in zip(rids, ids, params):
@@ -316,7 +318,8 @@ class LLM:
                 msg = self._poll(self._outbox, deadline, kind)
                 if msg[0] == kind:
                     return msg[1]
-                passed.append(msg)
+                _, rest = split_rows(msg, (), (), self._abandoned)
+                passed += [rest] if rest is not None else []
         finally:
             self._outbox.put_back(passed)
 

@@ -19,17 +19,23 @@ def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
     return row_id, 0
 
 
-def split_rows(msg: tuple, mine: dict | set, grouped: set[str], dropped: set[str]) -> tuple[list, tuple | None]:
+def split_rows(msg: tuple, mine: dict | set, grouped: set[str], dropped: dict[str, int]
+               ) -> tuple[list, tuple | None]:
     """An outbox message generate() read -> (its rows of the requests in mine, what is left for another reader:
-    someone else's rows or answer, or None). Rows of dropped requests (a generate that raised) are dropped."""
+    someone else's rows or answer, or None). Rows of dropped requests (a generate that raised -> its samples
+    still open) are dropped; a dropped request leaves `dropped` with its last sample's final row."""
     if msg[0] != "out":
         return [], msg
     own, others = [], []
     for row in msg[1]:
         if split_id(row[0], grouped)[0] in mine:
             own.append(row)
-        elif split_id(row[0], dropped)[0] not in dropped:
+        elif (rid := split_id(row[0], dropped)[0]) not in dropped:
             others.append(row)
+        elif row[2] is not None:
+            dropped[rid] -= 1
+            if not dropped[rid]:
+                del dropped[rid]
     return own, ("out", others) if others else None
 
 

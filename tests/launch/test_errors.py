@@ -1,6 +1,7 @@
 """Bad input raises ValueError naming the bad value; a crashed rank fails generate fast, with no orphans."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -211,13 +212,21 @@ def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     monkeypatch.setattr(llm, "_poll", interrupted)
     long = SamplingParams(max_tokens=llm.max_model_len - 3, ignore_eos=True)
     with pytest.raises(KeyboardInterrupt):
-        llm.generate([[5, 6, 7]], long)
+        llm.generate([[5, 6, 7], [5, 6]], [long, SamplingParams(max_tokens=long.max_tokens, ignore_eos=True, n=2)])
     monkeypatch.setattr(llm, "_poll", real_poll)
+    llm.stats()     # reads the outbox up to its answer: the tokens it passes on the way are not put back
+    later = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            later.append(llm.outbox.get(timeout=0.5))
+    assert not any(toks for msg in later if msg[0] == "out" for _, toks, *_ in msg[1]), later
+    llm.outbox.put_back(later)                      # (the aborts' rows, for the LLM to read)
     outs = llm.generate([[8, 9]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(outs[0].token_ids) == 3
     assert llm.stats()["num_running"] == 0          # aborted: not decoding on to max_model_len
     with pytest.raises(queue.Empty):
         llm.outbox.get(timeout=0.5)                 # and nothing of it was put back
+    assert not llm._abandoned                       # each sample's abort row read: nothing left to drop
 
 
 @pytest.mark.parametrize("expert_ranks,victim,message", [
