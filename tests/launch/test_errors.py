@@ -182,7 +182,8 @@ def test_stats_while_progress_waits_loses_none_of_it(llm):
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
     want = llm.generate([[5, 6, 7]], params)[0].token_ids
     rid = llm.submit([5, 6, 7], params)
-    time.sleep(1.0)                    # its outputs are on the outbox before stats() asks
+    first = llm.outbox.get(timeout=30)
+    llm.outbox.put_back([first])       # its outputs are on the outbox before stats() asks
     assert llm.stats()["steps"] > 0
     assert _read_to_the_end(llm, rid) == (want, "length")
 
