@@ -21,6 +21,7 @@ from . import step_protocol
 from .changes import FormingFailed
 from .dataplane import make_data_plane
 from .liveness import PREFIX, socket_inodes
+from .planning import placement_of
 
 logger = logging.getLogger("afserve")
 RENDEZVOUS_S = 10.0   # the longest a generation's groups wait in their rendezvous (at least 3 x rank_failure_s)
@@ -57,7 +58,7 @@ class GenerationForming:
         gen, A, members = plan["gen"], plan["attention_ranks"], list(plan["members"])
         topo = Topology(members.index(self.member), len(members), A, plan["ranks_per_node"], nodes=plan["nodes"])
         bound = min(self.config.collective_timeout_s, self.rendezvous_s)
-        slot2expert = torch.tensor(plan["slot2expert"], dtype=torch.int64)
+        placement = placement_of(plan, self.ckpt.spec.num_experts)
         failed, prepared = None, None
         try:
             self._form_groups(gen, topo, bound)
@@ -67,7 +68,7 @@ class GenerationForming:
         if failed is None:
             step_protocol.fault_point("groups", self.member, gen)   # formed the groups, no weights yet
             try:
-                prepared = self._prepare_generation(plan, topo, slot2expert)
+                prepared = self._prepare_generation(plan, topo, placement.slot2expert)
             except Exception as e:
                 if not is_peer_failure(e):
                     raise
@@ -81,7 +82,7 @@ class GenerationForming:
             agree(False)
             self._drop_forming()
             raise FormingFailed(failed)
-        self._adopt_generation(plan, topo, slot2expert, prepared)
+        self._adopt_generation(plan, topo, placement, prepared)
         logger.info("rank %d (member %d): generation %d formed", self.topo.rank, self.member, self.generation)
         groups_s = prepared["data_plane_at"] - t0
         return {"groups_s": groups_s, "weights_s": time.perf_counter() - t0 - groups_s}
@@ -113,13 +114,12 @@ class GenerationForming:
         self.dispatcher = self.groups = self.control = None
         self.data_sockets = set()
 
-    def _adopt_generation(self, plan: dict, topo: Topology, slot2expert: torch.Tensor, prepared: dict) -> None:
+    def _adopt_generation(self, plan: dict, topo: Topology, placement: Placement, prepared: dict) -> None:
         """Every member has its weights: take the generation on (no exchange with peers here)."""
         spec, par, state = self.ckpt.spec, self.config.parallel, self.experts
         self.generation, self.members, self.topo = plan["gen"], list(plan["members"]), topo
         self.left = False
-        load = None if state.placement is None else state.placement.load
-        state.placement = Placement(slot2expert, spec.num_experts, load)
+        state.placement = placement
         state.capacity = slot_capacities(spec.num_experts, par.redundant_experts, topo.num_expert_ranks)
         state.rank_node = self._expert_nodes()
         # every rank starts its load EMA afresh (a joiner has none; the plan used the old one), so that all compute

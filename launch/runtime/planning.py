@@ -81,7 +81,8 @@ def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: lis
     Keys: gen, members (member ids by new rank), attention_ranks, attention_keep (old attention rank of each
     new one, -1: joined), prefill_ranks (plan_attention), keep (old expert index of each new expert rank, -1:
     joined), staged, joined, kv_blocks (of joining attention ranks, in their new order), ranks_per_node,
-    slot2expert `[L, n, S]`, moves (balancer/replan.py), from_peers, from_checkpoint."""
+    slot2expert `[L, n, S]`, load (`[L, E]` the load it was placed for, or None), moves (balancer/replan.py),
+    from_peers, from_checkpoint."""
     A, members = job.num_attention_ranks, job.members
     gone = [members.index(m) for m in lost]
     attention_keep, new_attention, prefill_ranks = plan_attention(job, set(gone), joined)
@@ -123,9 +124,17 @@ def plan_generation(job: Job, generation: int, infos: dict[int, dict], lost: lis
             "kv_blocks": [joined_info[m].get("kv_blocks", 0) for m in new_attention],
             "ranks_per_node": job.ranks_per_node, "nodes": nodes,
             "slot2expert": replan.placement.slot2expert.tolist(),
+            "load": None if replan.placement.load is None else replan.placement.load.tolist(),
             "moves": [list(m) for m in replan.moves], "handoff": handoff,
             "from_peers": replan.num_from_peers + len(staged) + len(handoff),
             "from_checkpoint": replan.num_from_checkpoint - len(staged) - len(handoff)}
+
+
+def placement_of(plan: dict, num_experts: int) -> Placement:
+    """The placement every member of the planned generation adopts: the plan's slots and the load they were placed
+    for, so that a joiner's least_loaded tables are the kept ranks' (each rank's own old load would differ)."""
+    load = None if plan["load"] is None else torch.tensor(plan["load"], dtype=torch.float64)
+    return Placement(torch.tensor(plan["slot2expert"], dtype=torch.int64), num_experts, load)
 
 
 def keep_nodes(nodes: list[int], ranks_per_node: int) -> list[int] | None:

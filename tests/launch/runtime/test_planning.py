@@ -2,13 +2,17 @@
 values are stated from the placement itself (which experts the lost rank held), not from the plan."""
 from __future__ import annotations
 
+import dataclasses
+
+import msgpack
 import pytest
 import torch
 
-from balancer.placement import Placement
+from balancer.placement import Placement, eplb, slot_capacities
+from balancer.policy import LeastLoadedPolicy
 from launch.runtime.handoff import side_moves
 from launch.runtime.planning import (Job, MembershipError, check_scale, grown_ranks_per_node, joiner_refusal,
-                                     plan_generation, plan_handover)
+                                     placement_of, plan_generation, plan_handover)
 
 L, E = 2, 8
 BIG = {"expert_budget": 2**40}
@@ -78,6 +82,25 @@ def test_joiners_come_after_the_kept_ranks_of_their_role():
     assert plan["members"] == [0, 1, 11, 2, 3, 10]
     assert plan["attention_keep"] == [0, 1, -1] and plan["keep"] == [0, 1, -1]
     assert plan["kv_blocks"] == [7] and plan["joined"] == [10, 11]
+
+
+def test_every_member_adopts_the_load_the_plan_placed_for():
+    """A joining attention rank has no load of its own: it builds its least_loaded tables from the plan's, which are
+    then the kept ranks' (it built them from no load, and the replicas' shares differed between ranks). With the
+    expert pool unchanged the placement and its load stay; losing an expert rank re-places for the load EMA."""
+    g = torch.Generator().manual_seed(3)
+    placed_for, ema = torch.rand(L, E, generator=g, dtype=torch.float64) + 0.1, torch.rand(L, E, generator=g) + 0.1
+    job = make_job(num_attention=1, num_expert=3)
+    job.placement, job.load_ema, job.redundant_experts = eplb(placed_for, slot_capacities(E, 4, 3)), ema, 4
+    joined = plan_generation(job, 1, {m: BIG for m in job.members}, [], [(11, {"role": "attention", "kv_blocks": 7})])
+    adopted = placement_of(msgpack.unpackb(msgpack.packb(joined), strict_map_key=False), E)
+    assert torch.equal(adopted.slot2expert, job.placement.slot2expert) and torch.equal(adopted.load, placed_for)
+    kept, joiner = LeastLoadedPolicy(job.placement), LeastLoadedPolicy(adopted)
+    assert all(torch.equal(getattr(k, f.name), getattr(j, f.name))
+               for k, j in zip(kept.tables, joiner.tables) for f in dataclasses.fields(k))
+    lost = placement_of(plan_generation(job, 1, {m: BIG for m in job.members}, [3]), E)
+    assert torch.equal(lost.load, ema.to(torch.float64))
+    assert placement_of(plan_generation(make_job(), 1, {m: BIG for m in range(4)}, [], []), E).load is None
 
 
 def test_members_stay_on_their_nodes_when_the_job_re_forms():
