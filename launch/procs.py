@@ -28,7 +28,7 @@ RANK_PRELOAD = ["torch", "transformers", "transformers.modeling_utils", "launch.
 OUTBOX_PIPE_BYTES = 1 << 20    # what the outbox's pipe holds before the leader's put waits for its reader
 _FRAME = struct.Struct("!Q")   # an outbox message's length, before its pickled bytes
 _NOTHING = object()
-_POLL_S = 0.05                 # how long a reader waits on the pipe before letting another reader have a turn
+_POLL_S = 0.05                 # how long a reader waits on the pipe before looking for messages put back
 
 
 class Outbox:
@@ -80,26 +80,17 @@ class Outbox:
     def get(self, block: bool = True, timeout: float | None = None):
         deadline = None if timeout is None or not block else time.monotonic() + timeout
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._lock.acquire(block, -1 if left is None else left):
-                raise queue.Empty
-            try:
+            with self._lock:
                 if self._held:
                     return self._held.popleft()
-                msg = self._whole()
+                msg = self._take()
                 if msg is not _NOTHING:
                     return msg
-                # a slice at a time, the lock released in between: another reader's timeout and put_back go on
-                wait = 0 if not block else _POLL_S if left is None else min(left, _POLL_S)
-                if self._reader.poll(wait):
-                    chunk = os.read(self._reader.fileno(), 1 << 20)
-                    if not chunk:
-                        raise EOFError("every writer of the leader's outbox has closed it")
-                    self._partial += chunk
-                elif not block or (deadline is not None and time.monotonic() >= deadline):
-                    raise queue.Empty
-            finally:
-                self._lock.release()
+            left = None if deadline is None else deadline - time.monotonic()
+            if not block or (left is not None and left <= 0):
+                raise queue.Empty
+            # waits outside the lock (a slice at a time, for put_back): another reader's timeout and put_back go on
+            self._reader.poll(_POLL_S if left is None else min(left, _POLL_S))
 
     def get_nowait(self):
         return self.get(block=False)
@@ -108,6 +99,18 @@ class Outbox:
         """msgs (taken by get, in order) come out again before anything else."""
         with self._lock:
             self._held.extendleft(reversed(msgs))
+
+    def _take(self):
+        """With the lock held: the first whole message, reading what the pipe holds now (else _NOTHING). Only a
+        reader holding the lock reads, and only what poll says is there: no read waits."""
+        while True:
+            msg = self._whole()
+            if msg is not _NOTHING or not self._reader.poll(0):
+                return msg
+            chunk = os.read(self._reader.fileno(), 1 << 20)
+            if not chunk:
+                raise EOFError("every writer of the leader's outbox has closed it")
+            self._partial += chunk
 
     def _whole(self):
         """The first message of what has arrived, if it is all there (else _NOTHING)."""

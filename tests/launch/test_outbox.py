@@ -88,8 +88,8 @@ def test_put_back_messages_come_out_first_in_order():
 
 
 def test_a_reader_waiting_holds_back_neither_another_readers_timeout_nor_put_back():
-    """Two threads of the reading process (LLM.generate and LLM.stats): one waiting long on an empty outbox
-    lets the other time out on its own, shorter, timeout and put messages back, which the first then gets."""
+    """Two threads of the reading process: one waiting long on an empty outbox lets the other time out on its
+    own, shorter, timeout and put messages back, which the first then gets."""
     outbox = Outbox(mp.get_context("spawn"))
     got = []
     waiting = threading.Thread(target=lambda: got.append(_get_or_empty(outbox, 60)), daemon=True)
