@@ -14,9 +14,10 @@ from models.checkpoint import Checkpoint
 
 from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
-from .procs import LocalOutbox, Outbox, free_port, rank_context, spawn_is_fresh, start_joiner, start_rank
+from .procs import (Answers, LocalOutbox, Outbox, free_port, kill_all, rank_context, spawn_is_fresh, start_joiner,
+                    start_rank)
 from .runtime.planning import check_autoscale, check_scale
-from .samples import RequestOutput, Sample, chosen, split_id, split_rows
+from .samples import Abandoned, RequestOutput, Sample, chosen, split_id, split_rows
 
 logger = logging.getLogger("afserve")
 
@@ -61,8 +62,8 @@ class LLM:
         self._serving = False      # past start-up: a lost rank other than the leader is survivable
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
         self.retired_ranks: list[int] = []   # and those a scale-in retired (they exit on their own)
-        self._abandoned: dict[str, int] = {}  # requests of a generate() that raised -> samples still open: their
-        #                                       progress is dropped, each until its samples' last rows arrive
+        self._abandoned = Abandoned()       # requests of a generate() that raised: their progress is dropped
+        self._answers = Answers()           # stats() and the like's answers that generate() read in another thread
         self.runtime = None
 
     # ----- start-up -------------------------------------------------------------------------------------
@@ -219,6 +220,8 @@ class LLM:
         try:
             while num_open:
                 msg = self._poll(self._outbox, None, "generate")
+                if self._answers.keep(msg):      # for a stats(), comm_stats() or scale() in another thread
+                    continue
                 own, other = split_rows(msg, samples, grouped, self._abandoned)
                 passed += [other] if other is not None else []
                 for row_id, toks, reason, new_prompt_logprobs, new_logprobs in own:
@@ -232,7 +235,7 @@ class LLM:
             if num_open:    # raised (an interrupt, a dead rank): what still runs is aborted, its progress dropped
                 for rid, p in zip(rids, params):
                     if left := p.num_samples - sum(s.finish_reason is not None for s in samples[rid].values()):
-                        self._abandoned[rid] = left
+                        self._abandoned.add(rid, left)
                         self._inbox.put(("abort", rid))
             self._outbox.put_back(passed)
         outs = []
@@ -315,11 +318,11 @@ class LLM:
         passed = []
         try:
             while True:
-                msg = self._poll(self._outbox, deadline, kind)
+                msg = self._poll(self._outbox, deadline, kind, lambda: self._answers.take(kind))
                 if msg[0] == kind:
                     return msg[1]
-                _, rest = split_rows(msg, (), (), self._abandoned)
-                passed += [rest] if rest is not None else []
+                if not self._answers.keep(msg):    # another call's answer: kept for it; progress: put back
+                    passed += [r for r in split_rows(msg, (), (), self._abandoned)[1:] if r is not None]
         finally:
             self._outbox.put_back(passed)
 
@@ -327,11 +330,13 @@ class LLM:
         """Token ids -> text with the checkpoint's tokenizer (None without one)."""
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _poll(self, q, deadline: float | None, what: str):
+    def _poll(self, q, deadline: float | None, what: str, ready=None):
         """Wait on q while watching the ranks: a dead rank raises within ~0.2 s and takes the others down. The
         leader's ("spawn", roles) on the outbox (a scale request's joiners) starts those ranks here, and its
-        ("autoscaled", record) is taken here."""
+        ("autoscaled", record) is taken here. ready: returns what another thread read for this one, or None."""
         while True:
+            if ready is not None and (got := ready()) is not None:
+                return got
             try:
                 msg = q.get(timeout=0.2)
                 if msg[0] not in ("spawn", "autoscaled") or q is not self._outbox:
@@ -383,11 +388,7 @@ class LLM:
 
     # ----- shutdown -------------------------------------------------------------------------------------
     def _kill(self) -> None:
-        for p in self._procs:
-            if p.is_alive():
-                p.kill()
-        for p in self._procs:
-            p.join(timeout=5)
+        kill_all(self._procs)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -139,6 +139,39 @@ class LocalOutbox(queue.Queue):
             self.not_empty.notify(len(msgs))
 
 
+class Answers:
+    """The leader's answers to stats(), comm_stats() and scale() (("stats", ...) and so on on the outbox) that one
+    thread of the reading process took while another waits for them: kept here for that one."""
+
+    KINDS = ("stats", "comm_stats", "scale")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._got: dict[str, deque] = {k: deque() for k in self.KINDS}
+
+    def keep(self, msg: tuple) -> bool:
+        """Keep msg if it is an answer (-> True)."""
+        if msg[0] not in self._got:
+            return False
+        with self._lock:
+            self._got[msg[0]].append(msg)
+        return True
+
+    def take(self, kind: str) -> tuple | None:
+        """The oldest answer of kind kept, if any."""
+        with self._lock:
+            return self._got[kind].popleft() if self._got[kind] else None
+
+
+def kill_all(procs: list) -> None:
+    """SIGKILL the live processes of procs, then reap each (5 s at most)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@ under its own id, f"{request id}#{index}" (see Sequence.group_id); the front gat
 with best_of, returns the n whose tokens have the highest summed log-probability."""
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from attention_nodes.sampling_params import SamplingParams
@@ -19,23 +20,48 @@ def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
     return row_id, 0
 
 
-def split_rows(msg: tuple, mine: dict | set, grouped: set[str], dropped: dict[str, int]
-               ) -> tuple[list, tuple | None]:
+class Abandoned:
+    """The requests of a generate() that raised -> how many of their samples are still open: their rows are
+    dropped, each request until its last sample's final row. Safe to share between the threads reading the
+    outbox (generate(), and stats() from another)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, rid: str, open_samples: int) -> None:
+        with self._lock:
+            self._open[rid] = open_samples
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._open
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def drops(self, rid: str, final: bool) -> bool:
+        """Whether a row of rid (final: it ends its sample) is dropped; a final one is counted."""
+        with self._lock:
+            if rid not in self._open:
+                return False
+            if final:
+                self._open[rid] -= 1
+                if not self._open[rid]:
+                    del self._open[rid]
+            return True
+
+
+def split_rows(msg: tuple, mine: dict | set, grouped: set[str], dropped: Abandoned) -> tuple[list, tuple | None]:
     """An outbox message generate() read -> (its rows of the requests in mine, what is left for another reader:
-    someone else's rows or answer, or None). Rows of dropped requests (a generate that raised -> its samples
-    still open) are dropped; a dropped request leaves `dropped` with its last sample's final row."""
+    someone else's rows or answer, or None). Rows of dropped requests (a generate that raised) are dropped."""
     if msg[0] != "out":
         return [], msg
     own, others = [], []
     for row in msg[1]:
         if split_id(row[0], grouped)[0] in mine:
             own.append(row)
-        elif (rid := split_id(row[0], dropped)[0]) not in dropped:
+        elif not dropped.drops(split_id(row[0], dropped)[0], row[2] is not None):
             others.append(row)
-        elif row[2] is not None:
-            dropped[rid] -= 1
-            if not dropped[rid]:
-                del dropped[rid]
     return own, ("out", others) if others else None
 
 

@@ -198,6 +198,23 @@ def test_generate_leaves_a_submitted_requests_progress_to_its_reader(llm):
     assert _read_to_the_end(llm, rid) == (want, "length")
 
 
+def test_stats_from_another_thread_while_generate_runs(llm):
+    """A monitoring thread's stats() while the main thread's generate() reads the outbox: generate() keeps the
+    answer it reads for stats(), which returns while generate() still runs (it held the answer until it returned,
+    and a generate() longer than a minute made stats() time out and stop every rank)."""
+    params = SamplingParams(max_tokens=llm.max_model_len - 3, ignore_eos=True)
+    outs = []
+    running = threading.Thread(target=lambda: outs.append(llm.generate([[5 + i, 6, 7] for i in range(8)], params)))
+    running.start()
+    time.sleep(0.5)                                  # generate() is reading the outbox by now
+    stats = llm.stats()
+    assert running.is_alive() and stats["num_running"] > 0
+    running.join(timeout=120)
+    assert not running.is_alive() and [len(o.token_ids) for o in outs[0]] == [params.max_tokens] * 8
+    with pytest.raises(queue.Empty):
+        llm.outbox.get(timeout=0.5)                  # nothing left behind on the outbox
+
+
 def test_an_interrupted_generate_aborts_its_requests(llm, monkeypatch):
     """An interrupt (or any error) inside generate() aborts its requests in the engine and drops their progress,
     so later calls neither wait behind them nor read it."""
