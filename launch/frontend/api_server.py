@@ -40,6 +40,7 @@ from .protocol import (
     DetokenizeRequest,
     DrainRequest,
     TokenizeRequest,
+    generation_defaults,
 )
 from .text import TextStream
 from .tokens import chat_ids, detokenize, prompt_ids, tokenize
@@ -218,7 +219,10 @@ def _warn_ignored(body, request: Request) -> None:
 
 
 def _short(value, limit: int = 60) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    try:
+        text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    except (TypeError, ValueError):      # not a JSON value: a body sent without a JSON content type arrives as bytes
+        text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -227,6 +231,7 @@ def attach(app: FastAPI, llm, timeout_s: float = 60.0) -> EngineClient:
     state: _ServerState = app.state.afserve
     if not state.loop_ready.wait(timeout_s):
         raise RuntimeError(f"the HTTP server did not start within {timeout_s} s")
+    generation_defaults(llm.config.model)    # read once now: a malformed generation_config.json fails the start
     client = EngineClient(llm, state.metrics)
     client.start(state.loop)
     state.engine = client

@@ -31,7 +31,7 @@ from ..samples import Sample, chosen, sample_ids
 from .access_log import access_record
 from .engine_client import EngineClient, Progress, engine_down
 from .logprobs import Position, TokenNames, chat_logprobs, completion_logprobs
-from .protocol import APIError
+from .protocol import APIError, generation_defaults
 from .text import TextStream, TokenSpans, prompt_text
 
 
@@ -58,9 +58,15 @@ def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]])
     made: dict[int, SamplingParams] = {}
     out = []
     for ids in prompts:
-        limit = max(1, room - len(ids)) if max_tokens is None else max_tokens
+        if max_tokens is None and len(ids) >= room:
+            raise APIError(400, f"the prompt has {len(ids)} tokens, which leaves no room for a completion within "
+                                f"this model's context of {room} tokens (max_model_len and one rank's KV cache); "
+                                f"shorten the prompt", "messages" if hasattr(body, "messages") else "prompt",
+                           "context_length_exceeded")
+        limit = room - len(ids) if max_tokens is None else max_tokens
         if limit not in made:
-            made[limit] = params = body.sampling_params(limit, llm.spec.vocab_size)
+            made[limit] = params = body.sampling_params(limit, llm.spec.vocab_size,
+                                                        generation_defaults(llm.config.model))
             bad = [t for t in params.stop_token_ids if t >= llm.spec.vocab_size]
             if bad:
                 raise APIError(400, f"stop_token_ids has {bad[0]}, outside the vocabulary [0, "
@@ -124,6 +130,8 @@ class _Choice:
     num_reported: int = 0              # generated tokens whose logprobs were handed out
     num_tokens: int = 0
     finish: str | None = None
+    stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (None: EOS, length)
+    stop_ids: frozenset = frozenset()      # the request's stop_token_ids
     text: list[str] = field(default_factory=list)
     positions: list[Position] = field(default_factory=list)
 
@@ -181,6 +189,9 @@ async def _drive(eng: EngineClient, routes: dict[str, list[_Choice]], sink: asyn
                 ended = "stop" if c.stream.stopped else finish     # a stop string ends it, whatever the engine says
                 if ended is not None:
                     c.finish = "stop" if ended == "abort" else ended
+                    last = c.stream.ids[-1] if c.stream.ids else None
+                    c.stop_reason = c.stream.stop_reason if c.stream.stopped else \
+                        last if ended == "stop" and last in c.stop_ids else None
                 yield c, piece, c.take_positions(got.logprobs)
             if is_stopped:
                 eng.release(row, "stop")
@@ -222,14 +233,16 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     submitted: list[str] = []
     tok = eng.llm.tokenizer
     has_logprobs = params.logprobs is not None
+    stop_ids = frozenset(params.stop_token_ids)
     try:
         for p, ids in enumerate(prompts):
             rid = eng.submit(ids, per_prompt[p], sink)
             submitted.append(rid)
             shown = None if echo is None else _Echo.from_prompt(tok, echo[p], ids, has_logprobs)
             rows = sample_ids(rid, params.num_samples)
-            mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, has_logprobs, params.min_tokens),
-                            Sample(i), echo=shown, scores=[] if has_logprobs else None)
+            mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, has_logprobs, params.min_tokens,
+                                                                     body.include_stop_str_in_output),
+                            Sample(i), echo=shown, scores=[] if has_logprobs else None, stop_ids=stop_ids)
                     for i in range(max(n, len(rows)))]
             routes.update({rows[0]: mine} if len(rows) == 1 else {row: [c] for row, c in zip(rows, mine)})
             choices += mine
@@ -259,7 +272,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     if body.stream:
         opts = body.stream_options
         include_usage = opts is not None and opts.include_usage
-        continuous = opts is not None and opts.continuous_usage_stats
+        continuous = include_usage and opts.continuous_usage_stats      # (vLLM's: only with include_usage)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice_list: list, usage_of: list[_Choice] | None = None) -> str:
@@ -282,7 +295,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                         part = {"index": c.index, "delta": {"content": piece} if piece else {}}
                     else:
                         part = {"index": c.index, "text": piece}
-                    part.update(logprobs=logprobs(positions), finish_reason=c.finish)
+                    part.update(logprobs=logprobs(positions), finish_reason=c.finish, stop_reason=c.stop_reason)
                     yield chunk([part], [c] if continuous else None)   # usage per choice, as vLLM
                 if include_usage:
                     yield chunk([], choices)
@@ -315,11 +328,12 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     answered = _best(choices, params, n)
     if chat:
         out = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": logprobs(c.positions), "finish_reason": c.finish} for c in answered]
+                "logprobs": logprobs(c.positions), "finish_reason": c.finish, "stop_reason": c.stop_reason}
+               for c in answered]
         obj = "chat.completion"
     else:
         out = [{"index": c.index, "text": "".join(c.text), "logprobs": logprobs(c.positions),
-                "finish_reason": c.finish} for c in answered]
+                "finish_reason": c.finish, "stop_reason": c.stop_reason} for c in answered]
         obj = "text_completion"
     return {"id": resp_id, "object": obj, "created": created, "model": model_name, "choices": out,
             "usage": usage(answered)}

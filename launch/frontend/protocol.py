@@ -8,10 +8,12 @@ them (`unsupported`), so a client learns what to change instead of getting silen
 Fields nobody here defines (other servers' extensions, newer OpenAI fields) are accepted and ignored, at
 any depth; `ignored_fields` names them so the server can log them, as vLLM does.
 Extensions that vLLM also takes: top_k, stop_token_ids, ignore_eos, repetition_penalty, min_tokens,
-stream_options.continuous_usage_stats.
+include_stop_str_in_output, stream_options.continuous_usage_stats.
 """
 from __future__ import annotations
 
+import functools
+import os
 import re
 from typing import Annotated, Literal, get_args
 
@@ -20,10 +22,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from attention_nodes.sampling_params import MAX_LOGPROBS, SamplingParams
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-Seed = Annotated[int, Field(ge=0, lt=2**63)]
+Seed = Annotated[int, Field(ge=-2**63, lt=2**63)]       # vLLM takes any int64; the engine too
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 Bias = Annotated[float, Field(ge=-100, le=100)]
+
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+@functools.lru_cache(maxsize=8)
+def generation_defaults(model_dir: str) -> tuple[tuple[str, float], ...]:
+    """The sampling defaults a checkpoint's generation_config.json sets (those of GENERATION_DEFAULTS that
+    differ from transformers' own), for requests that leave them out: vLLM's --generation-config auto."""
+    if not os.path.exists(os.path.join(model_dir, "generation_config.json")):
+        return ()
+    from transformers import GenerationConfig
+    set_here = GenerationConfig.from_pretrained(model_dir, local_files_only=True).to_diff_dict()
+    return tuple((k, set_here[k]) for k in GENERATION_DEFAULTS if set_here.get(k) is not None)
 
 
 class APIError(Exception):
@@ -77,7 +93,7 @@ class StreamOptions(_Request):
 class _Sampling(_Request):
     """Fields shared by completions and chat completions."""
 
-    model: str
+    model: str | None = None         # None: the served model (as vLLM)
     temperature: Annotated[float, Field(ge=0, le=1e6)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
@@ -92,6 +108,7 @@ class _Sampling(_Request):
     frequency_penalty: Penalty | None = 0.0
     repetition_penalty: Annotated[float, Field(gt=0, le=1e6)] | None = None    # vLLM's; None = 1 = off
     min_tokens: Annotated[int, Field(ge=0, lt=2**31)] = 0
+    include_stop_str_in_output: bool = False     # vLLM's: the text keeps the stop string that ended it
     logit_bias: dict[str, Bias] | None = None
     user: str | None = None
 
@@ -129,10 +146,12 @@ class _Sampling(_Request):
             out[int(key)] = bias
         return out
 
-    def sampling_params(self, max_tokens: int, vocab_size: int) -> SamplingParams:
-        """The engine's parameters (stop strings are the front's job, not the engine's). A 400 naming the field
-        for a value the engine refuses."""
-        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0
+    def sampling_params(self, max_tokens: int, vocab_size: int, defaults: tuple = ()) -> SamplingParams:
+        """The engine's parameters (stop strings are the front's job, not the engine's). defaults: the
+        checkpoint's (generation_defaults) for the fields left out. A 400 naming the field for a value the engine
+        refuses."""
+        given = dict(defaults) | {k: getattr(self, k) for k in GENERATION_DEFAULTS if getattr(self, k) is not None}
+        top_k = given["top_k"] if given.get("top_k", 0) > 0 else 0
         if self.min_tokens > max_tokens:
             raise APIError(400, f"min_tokens={self.min_tokens} exceeds max_tokens={max_tokens}; lower min_tokens",
                            "min_tokens")
@@ -143,12 +162,12 @@ class _Sampling(_Request):
                 SamplingParams(n=n, best_of=best_of)     # still a 400 for values the engine refuses
                 n, best_of = 1, None
             return SamplingParams(
-                max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k, seed=self.seed,
+                max_tokens=max_tokens, temperature=given.get("temperature", 1.0), top_p=given.get("top_p", 1.0),
+                top_k=top_k, seed=self.seed,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=given.get("repetition_penalty", 1.0),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size), n=n, best_of=best_of)
         except ValueError as e:
             named = re.match(r"SamplingParams\.(\w+)=", str(e))

@@ -95,9 +95,12 @@ class TextStream:
     wholly in the text sent so far. As vLLM's, the stop search starts once more than `min_tokens` tokens are out
     (the request's min_tokens), from the text the later tokens add (and the `hold` characters before it)."""
 
-    def __init__(self, tokenizer, stops: list[str], spans: bool = False, min_tokens: int = 0):
+    def __init__(self, tokenizer, stops: list[str], spans: bool = False, min_tokens: int = 0,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stops = stops
+        self.include_stop = include_stop      # vLLM's include_stop_str_in_output: the text ends after the stop string
+        self.stop_reason: str | None = None   # the stop string that ended the text
         self.min_tokens = min_tokens
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
@@ -109,8 +112,8 @@ class TextStream:
         self._tail_at = 0
 
     def add(self, toks: list[int], final: bool) -> str:
-        """Append tokens; returns the new text to send. Sets `stopped` when a stop string appeared (the text
-        ends before it)."""
+        """Append tokens; returns the new text to send. Sets `stopped` and `stop_reason` when a stop string
+        appeared (the text ends before it, or with include_stop after it; the earliest one, when several)."""
         self.ids.extend(toks)
         if self.spans is not None:
             new = self.spans.add(toks)
@@ -128,9 +131,10 @@ class TextStream:
         tail = whole + (pending if final else pending.rstrip("\ufffd"))
         if self.stops and len(self.ids) > self.min_tokens:
             start = max(0, self.sent - self.hold) - at
-            hits = [i for i in (tail.find(s, start) for s in self.stops) if i >= 0]
+            hits = [(i, s) for i, s in ((tail.find(s, start), s) for s in self.stops) if i >= 0]
             if hits:
-                tail, final, self.stopped = tail[:min(hits)], True, True
+                i, self.stop_reason = min(hits, key=lambda h: h[0])
+                tail, final, self.stopped = tail[:i + (len(self.stop_reason) if self.include_stop else 0)], True, True
         end = at + len(tail)
         if not final:
             end -= self.hold

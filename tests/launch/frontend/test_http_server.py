@@ -56,9 +56,10 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def post(server, path: str, body, key: str | None = KEY, raw: bytes | None = None) -> tuple[int, dict]:
+def post(server, path: str, body, key: str | None = KEY, raw: bytes | None = None,
+         content_type: str = "application/json") -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": content_type}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     conn.request("POST", path, body=raw if raw is not None else json.dumps(body), headers=headers)
@@ -150,6 +151,7 @@ def test_stop_strings_and_stop_token_ids(client, reference):
     got = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=12,
                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
     assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == first + 1
+    assert got.choices[0].stop_reason == stop_id          # vLLM's stop_reason: the stop token id
     # a stop string: the text ends right before its first occurrence
     text = full.text
     stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2]
@@ -157,6 +159,17 @@ def test_stop_strings_and_stop_token_ids(client, reference):
     for stream in (False, True):
         out, reason = _stopped_completion(client, 12, [stop, "never-appears"], stream)
         assert out == text[:text.index(stop)] and reason == "stop", (stream, out, stop, text)
+        # stop_reason names the stop string; include_stop_str_in_output (vLLM's) keeps it in the text
+        for keep in (False, True):
+            res = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=12,
+                                            stop=[stop], stream=stream,
+                                            extra_body={"ignore_eos": True, "include_stop_str_in_output": keep})
+            chunks = list(res) if stream else [res]
+            out = "".join(c.choices[0].text for c in chunks)
+            assert out == text[:text.index(stop) + (len(stop) if keep else 0)], (stream, keep, out, stop, text)
+            assert [c.choices[0].stop_reason for c in chunks][-1] == stop, (stream, keep)
+    assert client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=3,
+                                     extra_body={"ignore_eos": True}).choices[0].stop_reason is None   # length
     # a stop string whose first occurrence ends the n-th token: the engine finishes the request (length) in the
     # same step as the front finds the stop, which names the reason (as vLLM does); it is not seen whole before
     # the n-th token (not in what the first n - 1 tokens show)
@@ -200,6 +213,17 @@ def _stopped_completion(client, max_tokens: int, stop: list[str], stream: bool) 
     return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
 
 
+def test_model_may_be_left_out_and_a_seed_may_be_negative(server):
+    """As vLLM: a body without "model" (or with null) is served by the served model; a seed is any int64."""
+    body = {"prompt": "Hello experts", "max_tokens": 6, "temperature": 1.0, "seed": -5, "ignore_eos": True}
+    texts = []
+    for model in ({}, {"model": None}, {"model": MODEL}):
+        code, data = post(server, "/v1/completions", {**body, **model})
+        assert code == 200, data
+        texts.append(data["choices"][0]["text"])
+    assert texts[0] == texts[1] == texts[2] and data["model"] == MODEL
+
+
 def test_seed_makes_sampling_reproducible(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt="Hello", temperature=1.0, top_p=0.9, max_tokens=12,
@@ -222,9 +246,15 @@ def test_seed_makes_sampling_reproducible(client):
     ({"model": MODEL, "prompt": [], "max_tokens": 2}, None, 400, "empty"),
     ({"model": MODEL, "prompt": [999999]}, None, 400, "vocabulary"),
     ({"model": MODEL, "prompt": "hi", "stop": [""]}, None, 400, "stop"),
+    # a prompt that fills the context, with max_tokens null: the prompt is named, not a max_tokens never sent
+    ({"model": MODEL, "prompt": list(range(3, 3 + MAX_LEN)), "max_tokens": None}, None, 400, "prompt has 128 tokens"),
+    # JSON sent as a form (curl -d without a JSON content type): a 400 naming the body, not a 500
+    (None, b'{"model": "tiny", "prompt": "hi"}', 400, "body: Input should be"),
 ])
 def test_bad_completion_requests_get_openai_errors(server, body, raw, status, words):
-    code, data = post(server, "/v1/completions", body, raw=raw)
+    form = "application/x-www-form-urlencoded"
+    code, data = post(server, "/v1/completions", body, raw=raw, content_type=form if words.startswith("body") else
+                      "application/json")
     assert code == status, data
     err = data["error"]
     assert words in err["message"] and err["type"] == "invalid_request_error", err
@@ -319,9 +349,14 @@ def test_continuous_usage_stats_count_the_tokens_streamed(client, reference):
         messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False))
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=3, temperature=0, stream=True,
-        stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
     usages = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chunks]
     assert usages[0] == (num_chat_prompt, 0) and usages[-1] == (num_chat_prompt, 3), usages
+    # continuous_usage_stats alone: no usage at all (as vLLM, which counts it only with include_usage)
+    chunks = list(client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, stream=True,
+        stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    assert len(chunks) >= 2 and all(c.usage is None for c in chunks), chunks
 
 
 def test_access_log_has_status_tokens_latency_and_errors(server, client):

@@ -103,14 +103,15 @@ def test_the_incremental_text_is_the_full_decode_after_every_token(make, skip):
 
 
 @pytest.mark.parametrize("make", [shipped, byte_level_mixed])
-def test_streamed_pieces_are_the_text_so_far_held_back_for_stop_strings_and_cut_at_the_first(make):
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_streamed_pieces_are_the_text_so_far_held_back_for_stop_strings_and_cut_at_the_first(make, include_stop):
     """Byte-level BPE (also with tokens that hold whole characters and part of the next), random chunkings and
     stop strings (some overlapping, some spanning chunks). What a chunk makes visible is the full decode of the
     tokens so far less its unfinished character (U+FFFD), all of it with the last chunk. After each chunk the
     text sent is the visible text less the last len(longest stop) - 1 characters (a stop string may still
     start there) and less a U+FFFD it would end in; the first chunk whose visible text holds a stop string
     (searched where the earlier chunks could not have seen it whole) ends the stream, cut before the earliest
-    hit."""
+    hit (after it with include_stop, vLLM's include_stop_str_in_output), which is the stream's stop_reason."""
     tok = make()
     rng = random.Random(2)
     stopped = held = 0
@@ -119,7 +120,7 @@ def test_streamed_pieces_are_the_text_so_far_held_back_for_stop_strings_and_cut_
         stops = [full[k:k + rng.randrange(1, 5)] for k in (rng.randrange(max(1, len(full) - 4)) for _ in range(3))]
         stops = [st for st in stops if st and "\ufffd" not in st][:rng.randrange(0, 4)]
         hold = max((len(st) for st in stops), default=1) - 1
-        stream, sent, i, want = TextStream(tok, stops, spans=rng.random() < 0.5), "", 0, ""
+        stream, sent, i, want = TextStream(tok, stops, rng.random() < 0.5, 0, include_stop), "", 0, ""
         while i < len(ids) and not stream.stopped:
             n = rng.randrange(1, 5)
             last = i + n >= len(ids)
@@ -127,10 +128,13 @@ def test_streamed_pieces_are_the_text_so_far_held_back_for_stop_strings_and_cut_
             i += n
             seen = tok.decode(ids[:i], skip_special_tokens=True)
             seen = seen if last else seen.rstrip("\ufffd")
-            hits = [h for h in (seen.find(st, max(0, len(want) - hold)) for st in stops) if h >= 0]
+            hits = sorted((h, k, st) for k, (h, st) in enumerate((seen.find(st, max(0, len(want) - hold)), st)
+                                                                  for st in stops) if h >= 0)
             if hits or last:
-                want = seen[:min(hits)] if hits else seen
+                at, _, first = hits[0] if hits else (len(seen), 0, None)
+                want = seen[:at + (len(first) if first and include_stop else 0)]
                 assert sent == want and stream.stopped == bool(hits), (ids[:i], stops, sent, want)
+                assert stream.stop_reason == first, (ids[:i], stops, stream.stop_reason)
                 break
             cut = max(len(want), len(seen) - hold)
             while cut > len(want) and seen[cut - 1] == "\ufffd":    # nor does a piece end in U+FFFD before the end
