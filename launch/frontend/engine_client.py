@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from attention_nodes.sampling_params import SamplingParams
 
+from ..procs import Answers
 from ..samples import sample_ids
 from .metrics import Metrics
 from .protocol import APIError
@@ -70,7 +71,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._tracks: dict[str, _Track] = {}           # sample id -> its track, while open
         self._samples: dict[str, list[str]] = {}       # request id -> its sample ids, while any is open
-        self._waiters: dict[str, deque] = {"stats": deque(), "comm_stats": deque(), "scale": deque()}
+        self._waiters: dict[str, deque] = {k: deque() for k in Answers.KINDS}   # the leader's answers' kinds
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
