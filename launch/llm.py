@@ -321,8 +321,9 @@ class LLM:
                 msg = self._poll(self._outbox, deadline, kind, lambda: self._answers.take(kind))
                 if msg[0] == kind:
                     return msg[1]
-                if not self._answers.keep(msg):    # another call's answer: kept for it; progress: put back
-                    passed += [r for r in split_rows(msg, (), (), self._abandoned)[1:] if r is not None]
+                # another call's answer: kept for it; progress (less the abandoned requests'): put back
+                if not self._answers.keep(msg) and (rest := split_rows(msg, (), (), self._abandoned)[1]) is not None:
+                    passed.append(rest)
         finally:
             self._outbox.put_back(passed)
 
