@@ -1,5 +1,6 @@
-"""What changes a request's logits before temperature, top-k and top-p: min_tokens, logit_bias and the
-repetition, frequency and presence penalties (SamplingParams documents each; the order is vLLM's).
+"""What changes a request's logits before temperature, top-k and top-p: allowed_token_ids, bad words, min_tokens,
+logit_bias and the repetition, frequency and presence penalties (SamplingParams documents each; the order is
+vLLM's).
 
 R = rows to sample, V = vocabulary size.
 """
@@ -24,6 +25,19 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
     logits = logits.clone(memory_format=torch.contiguous_format)
     vocab = logits.shape[1]
     flat = logits.view(-1)
+    # Step 0a: allowed_token_ids: every other token is -inf.
+    allowed = {i: [t for t in s.params.allowed_token_ids if t < vocab] for i, s in enumerate(seqs)
+               if s.params.allowed_token_ids}
+    if allowed:
+        rows = torch.tensor(list(allowed), dtype=torch.int64, device=logits.device)
+        keep = torch.zeros(len(allowed) * vocab, dtype=torch.bool, device=logits.device)
+        keep[_flat_ids(dict(enumerate(allowed.values())), vocab, logits.device)] = True
+        logits[rows] = logits[rows].masked_fill(~keep.view(-1, vocab), float("-inf"))
+    # Step 0b: bad words: a word's last token is -inf where the output ends with the rest of it.
+    banned = {i: hits for i, s in enumerate(seqs) if s.params.bad_words_token_ids
+              and (hits := _bad_word_ends(s.params.bad_words_token_ids, s.token_ids, s.num_output_tokens, vocab))}
+    if banned:
+        flat.index_fill_(0, _flat_ids(banned, vocab, logits.device), float("-inf"))
     # Step 1: min_tokens: EOS and stop tokens are -inf until enough tokens are out.
     stops = {i: [t for t in (*s.params.stop_token_ids, *(() if s.params.ignore_eos else eos_token_ids)) if t < vocab]
              for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens}
@@ -57,6 +71,13 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
         presence = _column(seqs, "presence_penalty", logits)[rows]
         flat[ids] = flat[ids] - (frequency * times + presence)
     return logits
+
+
+def _bad_word_ends(words: list[list[int]], token_ids: list[int], num_output: int, vocab: int) -> list[int]:
+    """The last tokens of the words whose other tokens end the output (vLLM's rule: the prompt does not count)."""
+    end = len(token_ids)
+    return [w[-1] for w in words if w[-1] < vocab and len(w) - 1 <= num_output
+            and token_ids[end - len(w) + 1:end] == w[:-1]]
 
 
 def _column(seqs: list[Sequence], name: str, like: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,10 @@ class SamplingParams:
     max_tokens may be 0 only with prompt_logprobs: the prompt is scored and nothing is generated ("length").
     min_tokens: EOS and stop_token_ids cannot end generation before this many tokens (their logits are -inf).
     logit_bias: {token id: bias in [-100, 100]} added to the logits (OpenAI's meaning).
+    allowed_token_ids (vLLM's): None, or the only token ids that may be sampled (every other logit is -inf).
+    bad_words_token_ids: token id sequences that may not be generated: a sequence's last token is -inf wherever
+        the output so far ends with the rest of it (a one-token sequence always). vLLM's bad_words, tokenized (the
+        HTTP front turns words into these as vLLM does); as vLLM's, only generated tokens count, not the prompt.
     repetition_penalty (> 0, 1 = off): a token already in the prompt or the output has a positive logit divided
         by it and a negative one multiplied (HF's and vLLM's meaning).
     frequency_penalty, presence_penalty (in [-2, 2]): subtracted from a token's logit per time it was generated
@@ -31,8 +35,8 @@ class SamplingParams:
         cumulative log-probability of their tokens are returned. The samples are forked from the request once its
         prompt is computed: they share its KV blocks and copy only the last, partly filled one before writing
         to it. With a seed, sample i draws from its own generator seeded with seed + i.
-    Order, as vLLM's sampler: min_tokens, logit_bias, repetition, frequency and presence penalties, temperature,
-    top-k, top-p.
+    Order, as vLLM's sampler: allowed_token_ids, bad words, min_tokens, logit_bias, repetition, frequency and
+    presence penalties, temperature, top-k, top-p.
     """
 
     max_tokens: int = 16
@@ -46,6 +50,8 @@ class SamplingParams:
     logprobs: int | None = None
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -103,6 +109,18 @@ class SamplingParams:
                     raise bad("logit_bias", self.logit_bias, f"the bias of token {t} is {b!r}: pass a number in "
                                                              f"[-100, 100]")
             self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids or not all(
+                    _is_id(t) for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", self.allowed_token_ids,
+                          "pass None or a non-empty list of token ids (integers >= 0)")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(
+                    isinstance(w, (list, tuple)) and w and all(_is_id(t) for t in w) for w in self.bad_words_token_ids):
+                raise bad("bad_words_token_ids", self.bad_words_token_ids,
+                          "pass None or a list of non-empty lists of token ids (integers >= 0)")
+            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
         self.repetition_penalty = number("repetition_penalty", 1e-6, 1e6,
                                          "pass a number in (0, 1e6] (1 = off)")
         self.frequency_penalty = number("frequency_penalty", -2, 2, "pass a number in [-2, 2]")
@@ -136,7 +154,8 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """True if anything but temperature, top-k and top-p changes this request's logits."""
-        return bool(self.min_tokens or self.logit_bias or self.repetition_penalty != 1.0
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
+                    or self.repetition_penalty != 1.0
                     or self.frequency_penalty or self.presence_penalty)
 
     def to_dict(self) -> dict:
@@ -146,3 +165,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict) -> SamplingParams:
         return cls(**d)
+
+
+def _is_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0

@@ -1,4 +1,5 @@
-"""min_tokens, logit_bias and the repetition, frequency and presence penalties, against cases worked by hand."""
+"""allowed_token_ids, bad words, min_tokens, logit_bias and the repetition, frequency and presence penalties,
+against cases worked by hand and a plain per-row reference."""
 import pytest
 import torch
 
@@ -42,6 +43,20 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert shape_logits(torch.zeros(1, 6), [ignoring], EOS)[0, 0] == 0   # EOS is not a stop here anyway
 
 
+def test_allowed_tokens_and_bad_words_worked_by_hand():
+    logits = torch.arange(6, dtype=torch.float32).repeat(3, 1)
+    inf = float("-inf")
+    only = seq([1], [2], allowed_token_ids=[1, 4, 9])                 # 9: outside the vocabulary, skipped
+    # words: [3] always; [2, 5] after a 2 (the output ends with 2); [4, 1] not (the output does not end with 4);
+    # [1, 0] not: its 1 is the prompt's, which does not count (vLLM's rule)
+    bad = seq([1], [2], bad_words_token_ids=[[3], [2, 5], [4, 1], [1, 0]])
+    early = seq([2], [], bad_words_token_ids=[[2, 5]])                 # no output yet: only the prompt ends in 2
+    out = shape_logits(logits, [only, bad, early], EOS)
+    assert out[0].tolist() == [inf, 1, inf, inf, 4, inf]
+    assert out[1].tolist() == [0, 1, 2, inf, 4, inf]
+    assert out[2].tolist() == [0, 1, 2, 3, 4, 5]
+
+
 def test_untouched_requests_share_the_tensor():
     logits = torch.randn(2, 5)
     assert shape_logits(logits, [seq([1], []), seq([2], [])], EOS) is logits
@@ -59,7 +74,9 @@ def test_token_logprobs_hold_the_token_and_top_k():
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"presence_penalty": -3}, "presence_penalty"), ({"min_tokens": -1}, "min_tokens"),
     ({"logit_bias": {"7": 1.0}}, "logit_bias"), ({"logit_bias": {7: 101}}, "logit_bias"),
-    ({"logprobs": 21}, "logprobs"), ({"max_tokens": 0}, "max_tokens")])
+    ({"logprobs": 21}, "logprobs"), ({"max_tokens": 0}, "max_tokens"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"), ({"bad_words_token_ids": [[4], []]}, "bad_words_token_ids"),
+    ({"bad_words_token_ids": [5]}, "bad_words_token_ids")])
 def test_bad_values_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{name}="):
         SamplingParams(**kwargs)
@@ -71,6 +88,14 @@ def per_row_reference(logits: torch.Tensor, seqs: list[Sequence], eos: frozenset
     vocab = logits.shape[1]
     for row, s in zip(out, seqs):
         p = s.params
+        if p.allowed_token_ids:
+            for t in range(vocab):
+                if t not in p.allowed_token_ids:
+                    row[t] = float("-inf")
+        for w in p.bad_words_token_ids or []:
+            k = len(w) - 1
+            if w[-1] < vocab and s.num_output_tokens >= k and (k == 0 or s.output_token_ids[-k:] == w[:-1]):
+                row[w[-1]] = float("-inf")
         if s.num_output_tokens < p.min_tokens:
             for t in [*p.stop_token_ids, *([] if p.ignore_eos else eos)]:
                 if t < vocab:
@@ -103,8 +128,13 @@ def make_mixed_seqs(num_rows: int, vocab: int, seed: int) -> list[Sequence]:
         params = {} if i % 3 == 1 else dict(min_tokens=pick(0, 2, 5), stop_token_ids=pick([], [3, vocab + 4], [7]),
                       ignore_eos=pick(False, True), repetition_penalty=pick(1.0, 1.3, 0.7),
                       frequency_penalty=pick(0.0, 0.6, -1.1), presence_penalty=pick(0.0, 0.4, -2.0),
-                      logit_bias=pick(None, {}, {1: 2.5, 9: -100.0, vocab + 1: 3.0}, {0: 7.0}))
-        seqs.append(seq(tokens(pick(1, 6, 20)), tokens(pick(0, 3, 9)), **params))
+                      logit_bias=pick(None, {}, {1: 2.5, 9: -100.0, vocab + 1: 3.0}, {0: 7.0}),
+                      allowed_token_ids=pick(None, None, tokens(12) + [vocab + 2]))
+        output = tokens(pick(0, 3, 9))
+        # bad words: one token, and the output's last one or two tokens followed by another (or not)
+        params["bad_words_token_ids"] = pick(None, [tokens(1), output[-2:] + tokens(1), tokens(2)]) if i % 3 != 1 \
+            and output else None
+        seqs.append(seq(tokens(pick(1, 6, 20)), output, **params))
     return seqs
 
 
