@@ -12,6 +12,7 @@ from dataclasses import asdict
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
+from .admission import Admission, generation_defaults
 from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
 from .procs import (Answers, LocalOutbox, Outbox, free_port, kill_all, rank_context, spawn_is_fresh, start_joiner,
@@ -107,6 +108,8 @@ class LLM:
     def _set_limits(self, info: dict) -> None:
         self.max_model_len = info["max_model_len"]
         self.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
+        self.admission = Admission(self.tokenizer, self.spec.vocab_size, self.config.scheduler.max_num_seqs,
+                                   self.max_model_len, self.kv_capacity_tokens)
 
     @property
     def is_leader(self) -> bool:
@@ -117,54 +120,15 @@ class LLM:
         return [p.pid for p in self._procs]
 
     # ----- requests -------------------------------------------------------------------------------------
-    def prompt_ids(self, prompt) -> list[int]:
-        """A prompt (string or token ids) -> checked token ids; ValueError names what is wrong."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"prompt {prompt[:40]!r} is a string but {self.config.model!r} has no tokenizer; "
-                                 f"pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            ids = list(prompt)
-        else:
-            raise ValueError(f"prompt {str(prompt)[:60]!r} is neither a string nor a list of token ids")
-        if not ids:
-            raise ValueError("empty prompt: pass at least one token")
-        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.spec.vocab_size})")
-        return ids
-
-    def check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        """ValueError unless prompt + max_tokens fits max_model_len and one attention rank's KV cache, and its
-        samples fit max_num_seqs (`check_samples`)."""
-        self.check_samples(params)
-        need = len(ids) + params.max_tokens
-        if need > self.max_model_len:  # max_tokens >= 1, so this also covers len(ids) >= max_model_len
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds "
-                             f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
-        if need > self.kv_capacity_tokens:
-            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds the KV "
-                             f"cache of one attention rank ({self.kv_capacity_tokens} tokens); give more "
-                             f"kv_cache_memory or shorten the request")
-
-    def check_samples(self, params: SamplingParams) -> None:
-        """ValueError unless the request's samples (side by side) fit max_num_seqs: else they would wait forever."""
-        limit = self.config.scheduler.max_num_seqs
-        if params.num_samples > limit:
-            raise ValueError(f"n={params.n}, best_of={params.best_of}: {params.num_samples} samples exceed "
-                             f"max_num_seqs={limit}; draw fewer or raise max_num_seqs")
-
     def submit(self, prompt, params: SamplingParams) -> str:
         """Validate one request and queue it for the leader; returns its request id. Progress arrives on `outbox`
         as ("out", [[request_id, [new ids], finish_reason or None, new prompt / token logprobs or None], ...])."""
-        ids = self.prompt_ids(prompt)
-        self.check_fits(ids, params)
+        ids = self.admission.prompt_ids(prompt)
+        self.admission.check(ids, params)
         return self.enqueue(ids, params)
 
     def enqueue(self, ids: list[int], params: SamplingParams, stream: bool = True) -> str:
-        """Queue token ids already checked by prompt_ids and check_fits; returns the request id. stream=False:
+        """Queue token ids already checked by `admission`; returns the request id. stream=False:
         the leader may hold its progress back to send it in fewer messages (attention_nodes/leader.py)."""
         return self.enqueue_all([ids], [params], stream)[0]
 
@@ -197,15 +161,17 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts={prompts!r} is empty or not a list; pass at least one prompt")
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        # none given: the checkpoint's generation_config.json defaults, as vLLM's LLM.generate (else greedy)
+        params = sampling_params if sampling_params is not None else \
+            SamplingParams(**dict(generation_defaults(self.config.model)))
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be SamplingParams instances")
-        ids = [self.prompt_ids(p) for p in prompts]
+        ids = [self.admission.prompt_ids(p) for p in prompts]
         for i, p in zip(ids, params):
-            self.check_fits(i, p)
+            self.admission.check(i, p)
         if not self.is_leader:
             self._follow()
             return []

@@ -24,11 +24,12 @@ import secrets
 import threading
 import time
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..admission import generation_defaults
 from .access_log import ACCESS_LOGGER, AccessLog, access_record
 from .engine_client import EngineClient
 from .generate import check_model, check_request, respond, sampling_params
@@ -40,7 +41,6 @@ from .protocol import (
     DetokenizeRequest,
     DrainRequest,
     TokenizeRequest,
-    generation_defaults,
 )
 from .text import TextStream
 from .tokens import chat_ids, detokenize, prompt_ids, tokenize
@@ -51,8 +51,8 @@ logger = logging.getLogger("afserve.http")
 
 
 class _ServerState:
-    def __init__(self, model_name: str, model_path: str, api_key: str | None):
-        self.model_name, self.model_path, self.api_key = model_name, model_path, api_key
+    def __init__(self, model_name: str, model_path: str):
+        self.model_name, self.model_path = model_name, model_path
         self.engine: EngineClient | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -70,7 +70,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     """The app; `attach(app, llm)` connects it to an engine once every rank is ready (until then /health and
     the API answer 503). With `access_log`, one INFO line per request goes to logger "afserve.http.access";
     that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING)."""
-    state = _ServerState(model_name, model_path, api_key)
+    state = _ServerState(model_name, model_path)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -84,19 +84,13 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
                   version="0.1.0", lifespan=lifespan)
     app.state.afserve = state
     _add_error_handlers(app)
+    if api_key is not None:
+        app.add_middleware(ApiKey, key=api_key)     # inside AccessLog, so a refused request is logged too
     if access_log:
         app.add_middleware(AccessLog)
         access = logging.getLogger(ACCESS_LOGGER)
         if access.level == logging.NOTSET:
             access.setLevel(logging.INFO)
-
-    def authorized(request: Request) -> None:
-        if state.api_key is None:
-            return
-        got = request.headers.get("authorization", "")
-        if not secrets.compare_digest(got.encode(), f"Bearer {state.api_key}".encode()):
-            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
 
     def engine() -> EngineClient:
         if state.engine is None:
@@ -112,48 +106,53 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
             return JSONResponse({"status": "dead", "reason": state.engine.dead}, status_code=503)
         return {"status": "ok"}
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models():
         llm = engine().llm
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "afserve", "max_model_len": llm.max_model_len}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _warn_ignored(body, request)
-        eng = engine()
         check_request(body, state.served)
+        eng = engine()
+        keep = body.truncation(eng.llm.max_model_len)
         sent = body.prompts()
-        prompts = [prompt_ids(eng.llm, p, "prompt") for p in sent]
+        whole = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens) for p in sent]
+        prompts = [ids[-keep:] if keep else ids for ids in whole]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
-        return await respond(state.model_name, eng, body, request, prompts, params, chat=False,
-                             echo=sent if body.echo else None)
+        # a prompt truncate_prompt_tokens cut is echoed as the tokens the model saw
+        echo = [p if len(w) == len(ids) else ids for p, w, ids in zip(sent, whole, prompts)] if body.echo else None
+        return await respond(state.model_name, eng, body, request, prompts, params, chat=False, echo=echo)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _warn_ignored(body, request)
-        eng = engine()
         check_request(body, state.served)
-        ids = chat_ids(eng.llm.tokenizer, body, state.model_name, body.continue_final_message)
-        prompts = [prompt_ids(eng.llm, ids, "messages")]
+        eng = engine()
+        keep = body.truncation(eng.llm.max_model_len)
+        ids = chat_ids(eng.llm.tokenizer, body, state.model_name, body.continue_final_message,
+                       body.add_special_tokens)
+        prompts = [prompt_ids(eng.llm, ids[-keep:] if keep else ids, "messages")]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
         return await respond(state.model_name, eng, body, request, prompts, params, chat=True)
 
-    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest, request: Request):
         _warn_ignored(body, request)
-        eng = engine()
         check_model(body.model, state.served)
+        eng = engine()
         return tokenize(eng.llm, body, state.model_name)
 
-    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    @app.post("/detokenize")
     async def detokenize_(body: DetokenizeRequest, request: Request):
         _warn_ignored(body, request)
-        eng = engine()
         check_model(body.model, state.served)
+        eng = engine()
         return detokenize(eng.llm, body, state.model_name)
 
-    @app.post("/admin/drain", dependencies=[Depends(authorized)])
+    @app.post("/admin/drain")
     async def drain(body: DrainRequest, request: Request):
         """Remove the given ranks between steps (launch/runtime/membership.py); answers the membership change."""
         _warn_ignored(body, request)
@@ -208,6 +207,26 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _crash(request: Request, exc: Exception):
         logger.exception("unhandled error")
         return answer(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"))
+
+
+class ApiKey:
+    """ASGI middleware: with --api-key, every path but OPEN answers 401 unless the request carries the key, before
+    its body is read (a malformed body without the key is a 401, as vLLM's check, not a 400)."""
+
+    OPEN = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+    def __init__(self, app, key: str):
+        self.app, self.want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN or secrets.compare_digest(
+                dict(scope["headers"]).get(b"authorization", b""), self.want):
+            return await self.app(scope, receive, send)
+        err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+        if (rec := scope.get("state", {}).get("access")) is not None:
+            rec.error = err.message
+        await JSONResponse(err.body(), status_code=401)(scope, receive, send)
 
 
 def _warn_ignored(body, request: Request) -> None:

@@ -27,12 +27,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from attention_nodes.sampling_params import SamplingParams
 
+from ..admission import generation_defaults
 from ..samples import Sample, chosen, sample_ids
 from .access_log import access_record
 from .engine_client import EngineClient, Progress, engine_down
 from .logprobs import Position, TokenNames, chat_logprobs, completion_logprobs
-from .protocol import APIError, generation_defaults
+from .protocol import APIError, param_of
 from .text import TextStream, TokenSpans, prompt_text
+from .tokens import bad_words_ids
 
 
 def check_model(model: str | None, served: tuple[str, str]) -> None:
@@ -55,6 +57,7 @@ def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]])
     max_model_len and one rank's KV cache (vLLM's default for a null max_tokens). A 400 for bad values, token
     ids outside the vocabulary, or a prompt that does not fit with max_tokens."""
     room = min(llm.max_model_len, llm.kv_capacity_tokens)
+    bad_words = bad_words_ids(llm.tokenizer, body.bad_words)
     made: dict[int, SamplingParams] = {}
     out = []
     for ids in prompts:
@@ -66,17 +69,21 @@ def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]])
         limit = room - len(ids) if max_tokens is None else max_tokens
         if limit not in made:
             made[limit] = params = body.sampling_params(limit, llm.spec.vocab_size,
-                                                        generation_defaults(llm.config.model))
+                                                        generation_defaults(llm.config.model), bad_words)
             bad = [t for t in params.stop_token_ids if t >= llm.spec.vocab_size]
             if bad:
                 raise APIError(400, f"stop_token_ids has {bad[0]}, outside the vocabulary [0, "
                                     f"{llm.spec.vocab_size})", "stop_token_ids")
             try:
-                llm.check_samples(params)
+                llm.admission.check_samples(params)
             except ValueError as e:
                 raise APIError(400, str(e), "best_of" if params.best_of is not None else "n") from e
+            try:
+                llm.admission.check_vocab(params)
+            except ValueError as e:
+                raise APIError(400, str(e), param_of(e)) from e
         try:
-            llm.check_fits(ids, made[limit])
+            llm.admission.check(ids, made[limit])
         except ValueError as e:
             raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from e
         out.append(made[limit])
@@ -233,7 +240,9 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     submitted: list[str] = []
     tok = eng.llm.tokenizer
     has_logprobs = params.logprobs is not None
-    stop_ids = frozenset(params.stop_token_ids)
+    # vLLM's stop_reason: a stop token id, unless it is the tokenizer's EOS (a stop of its own, reason null)
+    eos = {getattr(tok, "eos_token_id", None)} if not params.ignore_eos else set()
+    stop_ids = frozenset(params.stop_token_ids) - eos
     try:
         for p, ids in enumerate(prompts):
             rid = eng.submit(ids, per_prompt[p], sink)
@@ -241,7 +250,8 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
             shown = None if echo is None else _Echo.from_prompt(tok, echo[p], ids, has_logprobs)
             rows = sample_ids(rid, params.num_samples)
             mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, has_logprobs, params.min_tokens,
-                                                                     body.include_stop_str_in_output),
+                                                                     body.include_stop_str_in_output,
+                                                                     body.skip_special_tokens),
                             Sample(i), echo=shown, scores=[] if has_logprobs else None, stop_ids=stop_ids)
                     for i in range(max(n, len(rows)))]
             routes.update({rows[0]: mine} if len(rows) == 1 else {row: [c] for row, c in zip(rows, mine)})

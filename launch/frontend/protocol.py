@@ -8,18 +8,19 @@ them (`unsupported`), so a client learns what to change instead of getting silen
 Fields nobody here defines (other servers' extensions, newer OpenAI fields) are accepted and ignored, at
 any depth; `ignored_fields` names them so the server can log them, as vLLM does.
 Extensions that vLLM also takes: top_k, stop_token_ids, ignore_eos, repetition_penalty, min_tokens,
-include_stop_str_in_output, stream_options.continuous_usage_stats.
+include_stop_str_in_output, stream_options.continuous_usage_stats, allowed_token_ids, bad_words,
+skip_special_tokens, spaces_between_special_tokens, add_special_tokens, truncate_prompt_tokens.
 """
 from __future__ import annotations
 
-import functools
-import os
 import re
 from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from attention_nodes.sampling_params import MAX_LOGPROBS, SamplingParams
+
+from ..admission import GENERATION_DEFAULTS
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Seed = Annotated[int, Field(ge=-2**63, lt=2**63)]       # vLLM takes any int64; the engine too
@@ -28,18 +29,11 @@ Penalty = Annotated[float, Field(ge=-2, le=2)]
 Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
-
-
-@functools.lru_cache(maxsize=8)
-def generation_defaults(model_dir: str) -> tuple[tuple[str, float], ...]:
-    """The sampling defaults a checkpoint's generation_config.json sets (those of GENERATION_DEFAULTS that
-    differ from transformers' own), for requests that leave them out: vLLM's --generation-config auto."""
-    if not os.path.exists(os.path.join(model_dir, "generation_config.json")):
-        return ()
-    from transformers import GenerationConfig
-    set_here = GenerationConfig.from_pretrained(model_dir, local_files_only=True).to_diff_dict()
-    return tuple((k, set_here[k]) for k in GENERATION_DEFAULTS if set_here.get(k) is not None)
+def param_of(error: ValueError) -> str | None:
+    """The request field a SamplingParams ValueError names (its "SamplingParams.<field>" prefix), as the client
+    sent it: bad_words_token_ids are the front's tokens of bad_words."""
+    named = re.search(r"SamplingParams\.(\w+)", str(error))
+    return None if named is None else "bad_words" if named.group(1) == "bad_words_token_ids" else named.group(1)
 
 
 class APIError(Exception):
@@ -111,13 +105,34 @@ class _Sampling(_Request):
     include_stop_str_in_output: bool = False     # vLLM's: the text keeps the stop string that ended it
     logit_bias: dict[str, Bias] | None = None
     user: str | None = None
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None   # vLLM's: only these
+    bad_words: list[str] | None = None           # vLLM's: words the output may not contain
+    skip_special_tokens: bool = True             # vLLM's: special tokens are left out of the text
+    # vLLM's; no effect here: transformers 5's decode has no such option (vLLM's fast-tokenizer path ignores it too)
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # vLLM's: keep the prompt's last k tokens
+    prompt_logprobs: int | None = None           # vLLM's; refused (see unsupported)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every set field this server does not implement."""
         out = []
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream=true"))
+        if self.prompt_logprobs is not None:
+            out.append(("prompt_logprobs", "prompt_logprobs is not supported; on /v1/completions pass echo=true "
+                                           "with logprobs to have the prompt scored"))
         return out
+
+    def truncation(self, max_model_len: int) -> int | None:
+        """truncate_prompt_tokens checked: how many of the prompt's last tokens to keep (None: all). -1 is
+        max_model_len and 0 a 400, as in vLLM; so is more than max_model_len."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return None
+        if k == 0 or k > max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens={k} is invalid: pass an integer in [1, max_model_len="
+                                f"{max_model_len}], or -1 for max_model_len", "truncate_prompt_tokens")
+        return max_model_len if k == -1 else k
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -146,10 +161,11 @@ class _Sampling(_Request):
             out[int(key)] = bias
         return out
 
-    def sampling_params(self, max_tokens: int, vocab_size: int, defaults: tuple = ()) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, vocab_size: int, defaults: tuple = (),
+                        bad_words: list[list[int]] | None = None) -> SamplingParams:
         """The engine's parameters (stop strings are the front's job, not the engine's). defaults: the
-        checkpoint's (generation_defaults) for the fields left out. A 400 naming the field for a value the engine
-        refuses."""
+        checkpoint's (generation_defaults) for the fields left out; bad_words: `bad_words` as token ids. A 400
+        naming the field for a value the engine refuses."""
         given = dict(defaults) | {k: getattr(self, k) for k in GENERATION_DEFAULTS if getattr(self, k) is not None}
         top_k = given["top_k"] if given.get("top_k", 0) > 0 else 0
         if self.min_tokens > max_tokens:
@@ -168,10 +184,10 @@ class _Sampling(_Request):
                 prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=given.get("repetition_penalty", 1.0),
-                min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size), n=n, best_of=best_of)
+                min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size), n=n, best_of=best_of,
+                allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words or None)
         except ValueError as e:
-            named = re.match(r"SamplingParams\.(\w+)=", str(e))
-            raise APIError(400, str(e), named.group(1) if named else None) from e
+            raise APIError(400, str(e), param_of(e)) from e
 
 
 class CompletionRequest(_Sampling):
@@ -181,6 +197,7 @@ class CompletionRequest(_Sampling):
     logprobs: NumLogprobs | None = None
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True      # vLLM's: a string prompt gets the tokenizer's special tokens (its BOS)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -257,6 +274,7 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # vLLM's: the last (assistant) message is continued, left open
+    add_special_tokens: bool = False     # vLLM's: the templated text gets the tokenizer's special tokens too
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()

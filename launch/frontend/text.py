@@ -91,12 +91,13 @@ class TextStream:
     and only its unsent end (plus the `hold` characters a stop string may start in) is kept for the stop
     search; the whole characters of a token that ends in part of one are searched and sent at once, as a full
     decode would show them (tokens that all end inside characters hold their text back until one does not, as
-    vLLM's streams do). With `spans`, it also tracks where each token's text ends (`spans.ends`) and how many tokens are
-    wholly in the text sent so far. As vLLM's, the stop search starts once more than `min_tokens` tokens are out
-    (the request's min_tokens), from the text the later tokens add (and the `hold` characters before it)."""
+    vLLM's streams do). skip_special_tokens (vLLM's, default True) leaves special tokens' text out. With `spans`,
+    it also tracks where each token's text ends (`spans.ends`) and how many tokens are wholly in the text sent so
+    far. As vLLM's, the stop search starts once more than `min_tokens` tokens are out (the request's min_tokens),
+    from the text the later tokens add (and the `hold` characters before it)."""
 
     def __init__(self, tokenizer, stops: list[str], spans: bool = False, min_tokens: int = 0,
-                 include_stop: bool = False):
+                 include_stop: bool = False, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stops = stops
         self.include_stop = include_stop      # vLLM's include_stop_str_in_output: the text ends after the stop string
@@ -106,8 +107,9 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0
         self.stopped = False
-        self.spans = TokenSpans(tokenizer, skip_special_tokens=True) if spans else None
-        self._detok = self.spans.detok if spans else None if tokenizer is None else Detokenizer(tokenizer, True)
+        self.spans = TokenSpans(tokenizer, skip_special_tokens) if spans else None
+        self._detok = self.spans.detok if spans else None if tokenizer is None else Detokenizer(tokenizer,
+                                                                                               skip_special_tokens)
         self._tail = ""          # the text from `_tail_at` on (never later than sent - hold)
         self._tail_at = 0
 

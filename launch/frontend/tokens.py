@@ -5,12 +5,32 @@ from __future__ import annotations
 from .protocol import APIError, DetokenizeRequest, TokenizeRequest
 
 
-def prompt_ids(llm, prompt, param: str) -> list[int]:
+def prompt_ids(llm, prompt, param: str, add_special_tokens: bool = True) -> list[int]:
     """A completion prompt (string or ids) -> checked ids; a 400 naming `param` when it is bad."""
     try:
-        return llm.prompt_ids(prompt)
+        return llm.admission.prompt_ids(prompt, add_special_tokens)
     except ValueError as e:
         raise APIError(400, str(e), param) from e
+
+
+def bad_words_ids(tok, words: list[str] | None) -> list[list[int]]:
+    """vLLM's bad_words as token id sequences, by its rule: each word (leading spaces stripped) as the start of the
+    text, and with one leading space (mid-text) when that is a distinct token sequence of the same length; a 400
+    for an empty word or without a tokenizer."""
+    if not words:
+        return []
+    if tok is None:
+        raise APIError(400, "bad_words needs the model's tokenizer, and this model has none", "bad_words")
+    out = []
+    for word in words:
+        if not word.strip():
+            raise APIError(400, f"bad_words has the empty word {word!r}; pass words with text in them", "bad_words")
+        alone = tok.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    return out
 
 
 def chat_ids(tok, body, model_name: str, continue_final: bool = False, add_special_tokens: bool = False

@@ -58,19 +58,29 @@ def test_prompt_logprobs_rejects_bad_values(bad):
 def test_generated_logprobs_prompt_scoring_and_logit_shaping_match_transformers(tiny_checkpoint):
     """One engine (1+2 ranks): (a) each generated token's logprob and top-3 equal transformers' log-softmax over the
     prompt plus the tokens before it; (b) max_tokens=0 with prompt_logprobs scores the prompt and generates
-    nothing; (c) greedy with repetition_penalty=1.3 equals transformers' generate with it, and (d) a -100
-    logit_bias on greedy's first choice equals transformers' with the same sequence_bias (each changes the
-    tokens: the test fails if the engine ignores it)."""
+    nothing; (c) greedy with repetition_penalty=1.3 equals transformers' generate with it, (d) a -100
+    logit_bias on greedy's first choice equals transformers' with the same sequence_bias, (e) allowed_token_ids
+    equals transformers' with prefix_allowed_tokens_fn giving the same set, and (f) bad_words_token_ids (one
+    token, and greedy's 2nd and 3rd tokens as one word) equal transformers' bad_words_ids (each changes the
+    tokens: the test fails if the engine ignores it). A token id outside the vocabulary in allowed_token_ids
+    is a ValueError naming it."""
     path = tiny_checkpoint("qwen3_moe")
     a, b, c = make_prompts(3, 256, 8, 20, seed=26)
     free = hf_greedy(path, [c], MAX_NEW)[0]
     banned = free[0]
+    allowed = sorted(set(range(3, 256, 5)) - {banned})
+    bad_words = [[free[3]], [free[1], free[2]]]
+    assert c[-1] != free[1]     # transformers also matches a word's start against the prompt; the engine does not
     with LLM(path, attention_ranks=1, expert_ranks=2) as llm:
-        scored, none, penalized, biased = llm.generate([a, b, c, c], [
+        scored, none, penalized, biased, only, clean = llm.generate([a, b, c, c, c, c], [
             SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=3),
             SamplingParams(max_tokens=0, prompt_logprobs=2),
             SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3),
-            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logit_bias={banned: -100})])
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logit_bias={banned: -100}),
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, allowed_token_ids=allowed),
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, bad_words_token_ids=bad_words)])
+        with pytest.raises(ValueError, match=r"allowed_token_ids has token id 999999"):
+            llm.generate([c], SamplingParams(allowed_token_ids=[5, 999999]))
     # (a)
     assert scored.token_ids == hf_greedy(path, [a], MAX_NEW)[0] and len(scored.logprobs) == MAX_NEW
     want = _hf_prompt_logprobs(path, a + scored.token_ids)
@@ -92,5 +102,9 @@ def test_generated_logprobs_prompt_scoring_and_logit_shaping_match_transformers(
             return model.generate(torch.tensor([c]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
                                   **kw)[0, len(c):].tolist()
         want_pen, want_bias = ref(repetition_penalty=1.3), ref(sequence_bias={(banned,): -100.0})
+        want_only = ref(prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+        want_clean = ref(bad_words_ids=bad_words)
     assert penalized.token_ids == want_pen != free
     assert biased.token_ids == want_bias != free and banned not in want_bias
+    assert only.token_ids == want_only != free and set(want_only) <= set(allowed)
+    assert clean.token_ids == want_clean != free and free[3] not in want_clean

@@ -213,6 +213,71 @@ def _stopped_completion(client, max_tokens: int, stop: list[str], stream: bool) 
     return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
 
 
+def test_vllm_sampling_and_text_options(server, reference):
+    """vLLM's request extensions: allowed_token_ids and bad_words equal LLM.generate with the same engine
+    parameters (bad_words as vLLM tokenizes a word: alone, and after a space when that is another sequence of the
+    same length); skip_special_tokens false shows the special tokens generated; truncate_prompt_tokens keeps the
+    prompt's last k tokens (-1: max_model_len; 0 or more than max_model_len: a 400) and echo shows those; a stop
+    token that is EOS has stop_reason null unless ignore_eos; prompt_logprobs is a 400 naming it; none is logged as
+    ignored."""
+    tok = reference.tokenizer
+    start = len(server.log())
+
+    def complete(prompt, **extra) -> dict:
+        code, data = post(server, "/v1/completions", {"prompt": prompt, "ignore_eos": True, **GREEDY, **extra})
+        assert code == 200, data
+        return data
+
+    def generate(prompt, **params):
+        return reference.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, **params))[0]
+
+    prompt = "Hello experts"
+    free = generate(prompt)
+    allowed = sorted(set(range(3, 300, 7)) - {free.token_ids[0]})
+    want = generate(prompt, allowed_token_ids=allowed)
+    assert complete(prompt, allowed_token_ids=allowed)["choices"][0]["text"] == want.text != free.text
+
+    def vllm_ids(word: str) -> list[list[int]]:   # vLLM's SamplingParams.update_from_tokenizer, as it reads
+        alone, spaced = tok.encode(word.lstrip()), tok.encode(" " + word.lstrip())
+        return [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+
+    def bites(words: list[list[int]]) -> bool:    # the greedy output has one of them
+        out = free.token_ids
+        return any(w == out[i:i + len(w)] for w in words for i in range(len(out)))
+
+    # a word of the greedy output (two tokens if one bites, else one) that the rule bans: the output changes
+    word = next(w for n in (2, 1) for i in range(len(free.token_ids) - n + 1)
+                if (w := tok.decode(free.token_ids[i:i + n])).strip() and "\ufffd" not in w and bites(vllm_ids(w)))
+    want = generate(prompt, bad_words_token_ids=vllm_ids(word))
+    assert complete(prompt, bad_words=[word])["choices"][0]["text"] == want.text != free.text, word
+    # special tokens: EOS forced twice is in the text only with skip_special_tokens false
+    eos = tok.eos_token_id
+    forced = {"logit_bias": {str(eos): 100}, "max_tokens": 2}
+    assert complete(prompt, **forced)["choices"][0]["text"] == ""
+    assert complete(prompt, **forced, skip_special_tokens=False)["choices"][0]["text"] == tok.eos_token * 2
+    # a stop token id that is EOS: stop_reason null, as vLLM (unless ignore_eos: then it is only a stop token)
+    for ignore_eos, reason in ((False, None), (True, eos)):
+        choice = complete(prompt, **forced, stop_token_ids=[eos], ignore_eos=ignore_eos)["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", reason), choice
+    # truncate_prompt_tokens: the last k tokens are the prompt, and echo shows them
+    ids = list(range(5, 45))
+    for sent, k, kept in ((ids, 10, ids[-10:]), (ids, -1, ids), ("Hello experts, the quick brown fox", 3, None)):
+        kept = kept or tok.encode(sent)[-k:]
+        data = complete(sent, truncate_prompt_tokens=k, echo=True)
+        assert data["usage"]["prompt_tokens"] == len(kept), (k, data["usage"])
+        shown = tok.decode(kept, skip_special_tokens=False)
+        assert data["choices"][0]["text"] == shown + generate(kept).text, (k, data)
+    for k in (0, MAX_LEN + 1):
+        code, data = post(server, "/v1/completions", {"prompt": ids, "truncate_prompt_tokens": k})
+        assert code == 400 and data["error"]["param"] == "truncate_prompt_tokens", data
+    code, data = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                       "prompt_logprobs": 1})
+    assert code == 400 and data["error"]["param"] == "prompt_logprobs", data
+    code, data = post(server, "/v1/completions", {"prompt": ids, "allowed_token_ids": [5, 999999]})
+    assert code == 400 and data["error"]["param"] == "allowed_token_ids" and "999999" in data["error"]["message"]
+    assert not log_lines(server, start, "were present in the request but ignored", timeout_s=0)
+
+
 def test_model_may_be_left_out_and_a_seed_may_be_negative(server):
     """As vLLM: a body without "model" (or with null) is served by the served model; a seed is any int64."""
     body = {"prompt": "Hello experts", "max_tokens": 6, "temperature": 1.0, "seed": -5, "ignore_eos": True}

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from launch.frontend.protocol import ChatCompletionRequest, CompletionRequest, generation_defaults
+from launch.admission import generation_defaults
+from launch.frontend.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def test_null_for_an_optional_field_means_its_default():

@@ -1,0 +1,85 @@
+"""What a request must be before it is queued: its prompt as checked token ids, and sampling parameters the
+engine can serve (within max_model_len, one attention rank's KV cache, max_num_seqs and the vocabulary). Both
+fronts use it: `LLM.generate`/`submit` and the HTTP front (launch/frontend/), which turns each ValueError
+into a 400 naming the field."""
+from __future__ import annotations
+
+import functools
+import os
+
+from attention_nodes.sampling_params import SamplingParams
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+
+
+@functools.lru_cache(maxsize=8)
+def generation_defaults(model_dir: str) -> tuple[tuple[str, float], ...]:
+    """The sampling defaults a checkpoint's generation_config.json sets (those of GENERATION_DEFAULTS that
+    differ from transformers' own), for requests that leave them out: vLLM's --generation-config auto."""
+    if not os.path.exists(os.path.join(model_dir, "generation_config.json")):
+        return ()
+    from transformers import GenerationConfig
+    set_here = GenerationConfig.from_pretrained(model_dir, local_files_only=True).to_diff_dict()
+    return tuple((k, set_here[k]) for k in GENERATION_DEFAULTS if set_here.get(k) is not None)
+
+
+class Admission:
+    """The checks of one engine, once its limits are known (the leader's start-up report)."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_num_seqs: int, max_model_len: int, kv_capacity_tokens: int):
+        self.tokenizer, self.vocab_size, self.max_num_seqs = tokenizer, vocab_size, max_num_seqs
+        self.max_model_len, self.kv_capacity_tokens = max_model_len, kv_capacity_tokens
+
+    def prompt_ids(self, prompt, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
+        """A prompt (string or token ids) -> checked token ids; ValueError names what is wrong. A string is
+        tokenized with the tokenizer's special tokens (its BOS, if it adds one) unless add_special_tokens is
+        False. truncate: keep only the last that many tokens (vLLM's truncate_prompt_tokens)."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {prompt[:40]!r} is a string but this model has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"prompt {str(prompt)[:60]!r} is neither a string nor a list of token ids")
+        if truncate is not None:
+            ids = ids[-truncate:]
+        if not ids:
+            raise ValueError("empty prompt: pass at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        """ValueError unless prompt + max_tokens fits max_model_len and one attention rank's KV cache, its samples
+        fit max_num_seqs (`check_samples`) and the token ids it names are in the vocabulary (`check_vocab`)."""
+        self.check_samples(params)
+        self.check_vocab(params)
+        need = len(ids) + params.max_tokens
+        if need > self.max_model_len:  # max_tokens >= 1, so this also covers len(ids) >= max_model_len
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds "
+                             f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens")
+        if need > self.kv_capacity_tokens:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds the KV "
+                             f"cache of one attention rank ({self.kv_capacity_tokens} tokens); give more "
+                             f"kv_cache_memory or shorten the request")
+
+    def check_samples(self, params: SamplingParams) -> None:
+        """ValueError unless the request's samples (side by side) fit max_num_seqs: else they would wait forever."""
+        if params.num_samples > self.max_num_seqs:
+            raise ValueError(f"n={params.n}, best_of={params.best_of}: {params.num_samples} samples exceed "
+                             f"max_num_seqs={self.max_num_seqs}; draw fewer or raise max_num_seqs")
+
+    def check_vocab(self, params: SamplingParams) -> None:
+        """ValueError naming the field for a token id outside the vocabulary where one would change the output:
+        allowed_token_ids (vLLM refuses those too) and bad_words_token_ids. Such ids elsewhere (stop_token_ids,
+        logit_bias) can never be sampled, and are left alone as before."""
+        named = [("allowed_token_ids", params.allowed_token_ids or []),
+                 ("bad_words_token_ids", [t for w in params.bad_words_token_ids or [] for t in w])]
+        for name, ids in named:
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary "
+                                 f"[0, {self.vocab_size}); pass ids below {self.vocab_size}")

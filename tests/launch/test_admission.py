@@ -1,0 +1,110 @@
+"""Request admission (launch/admission.py) and the front's prompt-side options: add_special_tokens reaches the
+tokenizer for completion prompts and chats (a tokenizer that adds a BOS shows it), bad words become token ids by
+vLLM's rule, and ids outside the vocabulary are refused by field."""
+from __future__ import annotations
+
+import pytest
+from tokenizers import processors
+
+from attention_nodes.sampling_params import SamplingParams
+from launch.admission import Admission
+from launch.frontend.protocol import APIError, ChatCompletionRequest
+from launch.frontend.tokens import bad_words_ids, chat_ids
+from models.tiny import TINY_VOCAB, save_tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tmp_path_factory):
+    """The tiny tokenizer, made to put <s> before every encoded text unless add_special_tokens is False."""
+    from transformers import AutoTokenizer
+    path = tmp_path_factory.mktemp("tok")
+    save_tiny_tokenizer(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                                  special_tokens=[("<s>", tok.bos_token_id)])
+    return tok
+
+
+def admission(tok, **limits) -> Admission:
+    return Admission(tok, TINY_VOCAB, **{"max_num_seqs": 4, "max_model_len": 64, "kv_capacity_tokens": 64, **limits})
+
+
+def test_add_special_tokens_reaches_the_tokenizer(bos_tokenizer):
+    tok = bos_tokenizer
+    bos, text = tok.bos_token_id, "Hello experts"
+    plain = tok.encode(text, add_special_tokens=False)
+    adm = admission(tok)
+    assert adm.prompt_ids(text) == [bos] + plain                     # completions' default (vLLM's)
+    assert adm.prompt_ids(text, add_special_tokens=False) == plain
+    assert adm.prompt_ids([7, 8], add_special_tokens=True) == [7, 8]   # ids are taken as they are
+    messages = [{"role": "user", "content": text}]
+    templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    body = ChatCompletionRequest(messages=messages)
+    assert body.add_special_tokens is False                           # chat's default (vLLM's)
+    assert chat_ids(tok, body, "tiny") == tok.encode(templated, add_special_tokens=False)
+    assert chat_ids(tok, body, "tiny", add_special_tokens=True) == [bos] + tok.encode(templated,
+                                                                                      add_special_tokens=False)
+
+
+def test_bad_words_become_ids_by_vllms_rule(bos_tokenizer):
+    tok = bos_tokenizer
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    candidates = "Mixture experts route each token to a few Attention ranks hold the paged KV cache quick fox".split()
+    # a word whose spaced form is another sequence of the same length: both are banned (leading spaces stripped)
+    same = next(w for w in candidates if len(ids(w)) == len(ids(" " + w)) and ids(w)[0] != ids(" " + w)[0])
+    assert bad_words_ids(tok, ["  " + same]) == [ids(same), ids(" " + same)]
+    # a word whose spaced form has another length: only the word alone (vLLM's rule)
+    other = next(w for w in candidates if len(ids(w)) != len(ids(" " + w)))
+    assert bad_words_ids(tok, [other, same]) == [ids(other), ids(same), ids(" " + same)]
+    assert bad_words_ids(tok, None) == [] and bad_words_ids(None, []) == []
+    for tok_, words, words_in_error in ((tok, ["ok", " "], "empty word"), (None, ["x"], "has none")):
+        with pytest.raises(APIError, match=words_in_error) as err:
+            bad_words_ids(tok_, words)
+        assert err.value.param == "bad_words"
+
+
+def test_ids_outside_the_vocabulary_are_refused_by_field():
+    adm = admission(None)
+    for field, value, bad in (("allowed_token_ids", [3, TINY_VOCAB], TINY_VOCAB),
+                              ("bad_words_token_ids", [[4], [5, TINY_VOCAB + 2]], TINY_VOCAB + 2)):
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{field} has token id {bad}\b"):
+            adm.check([1, 2], SamplingParams(**{field: value}))
+    adm.check([1, 2], SamplingParams(allowed_token_ids=[TINY_VOCAB - 1], bad_words_token_ids=[[0, 1]]))
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        adm.check(list(range(60)), SamplingParams(max_tokens=5))
+    with pytest.raises(ValueError, match="max_num_seqs=4"):
+        adm.check([1], SamplingParams(n=5))
+
+
+def test_generate_without_params_takes_the_checkpoints_defaults(tiny_checkpoint, tmp_path):
+    """As vLLM's LLM.generate: without SamplingParams, the checkpoint's generation_config.json gives the defaults
+    (here repetition_penalty 1.3 on greedy): the tokens equal transformers' generate, which reads the same file;
+    SamplingParams given are taken as they are (no penalty: transformers' with the penalty turned off)."""
+    import shutil
+
+    import torch
+    from transformers import GenerationConfig
+
+    from launch import LLM
+    from tests.conftest import hf_model, make_prompts
+
+    path = str(tmp_path / "penalized")
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), path)
+    config = GenerationConfig.from_pretrained(path)
+    config.repetition_penalty = 1.3
+    config.save_pretrained(path)
+    prompt = make_prompts(1, 256, 12, 12, seed=31)[0]
+    model = hf_model(path)
+    with torch.no_grad():
+        def ref(**kw):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0, **kw)
+            return out[0, len(prompt):].tolist()
+        penalized, plain = ref(), ref(repetition_penalty=1.0)
+    assert penalized != plain
+    with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
+        default, given = llm.generate([prompt, prompt]), llm.generate([prompt], SamplingParams(max_tokens=16))
+    assert [o.token_ids for o in default] == [penalized, penalized]
+    assert given[0].token_ids == plain
