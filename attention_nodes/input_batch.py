@@ -8,9 +8,9 @@ admission, preemption), which `Sequence.block_table_version` tells. Positions, s
 step are computed from those rows with a few vectorised array ops, staged into one int32 buffer (pinned on CUDA) and
 moved to the device in one non-blocking copy; the int64 fields are widened there.
 
-Each row also holds its sequence's sampling parameters (temperature, top_k, top_p), written once when the row is
-handed out (on CUDA, copied to a device table then); a step that samples at random gathers its rows from that table
-by row number (`sampling_columns`), staged like the inputs, instead of building the columns from the requests.
+Each row also holds its sequence's sampling parameters (temperature, top_k, top_p, min_p), written once when the row
+is handed out (on CUDA, copied to a device table then); a step that samples at random gathers its rows from that
+table by row number (`sampling_columns`), staged like the inputs, instead of building the columns from the requests.
 
 Rows are handed out on first sight of a sequence and taken back lazily: when none is free, rows whose sequence has
 finished go back; if none has, the array doubles. `clear` drops every row (the rank handed its sequences over).
@@ -65,9 +65,9 @@ class InputBatch:
         return torch.full(shape, fill, dtype=torch.int32, pin_memory=self._pin)
 
     def _sampling_table(self, rows: int) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
-        """`[rows, 3]` float32 (temperature, top_k, top_p) on the host, its numpy view, and its device copy (the
-        host table itself on the CPU)."""
-        host = torch.zeros((rows, 3), dtype=torch.float32, pin_memory=self._pin)
+        """`[rows, 4]` float32 (temperature, top_k, top_p, min_p) on the host, its numpy view, and its device copy
+        (the host table itself on the CPU)."""
+        host = torch.zeros((rows, 4), dtype=torch.float32, pin_memory=self._pin)
         dev = host if self.device.type == "cpu" else host.to(self.device)
         return host, host.numpy(), dev
 
@@ -193,7 +193,7 @@ class InputBatch:
         self._stage_np[first:first + len(rows)] = rows
         index = self._upload(first, len(rows))
         picked = self._sampling_dev.index_select(0, index)
-        return SamplingColumns(picked[:, 0], picked[:, 1].long(), picked[:, 2])
+        return SamplingColumns(picked[:, 0], picked[:, 1].long(), picked[:, 2], picked[:, 3])
 
     def _upload(self, first: int, n: int) -> torch.Tensor:
         """Staging entries [first, first + n) on the device (one non-blocking copy, marked by copy_event)."""
@@ -219,7 +219,7 @@ class InputBatch:
         if r is None:
             r = self._row[seq] = self._take()
             p = seq.params
-            self._sampling_np[r] = (p.temperature, min(p.top_k, _TOP_K_CAP), p.top_p)
+            self._sampling_np[r] = (p.temperature, min(p.top_k, _TOP_K_CAP), p.top_p, p.min_p)
             if self._sampling_dev is not self._sampling:
                 # Stream-ordered before any draw that reads it; the host row is rewritten only once the row is free
                 # again, after a later step's sampled ids were read back (so after this copy ran).

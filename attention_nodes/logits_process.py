@@ -26,13 +26,13 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
     vocab = logits.shape[1]
     flat = logits.view(-1)
     # Step 0a: allowed_token_ids: every other token is -inf.
-    allowed = {i: [t for t in s.params.allowed_token_ids if t < vocab] for i, s in enumerate(seqs)
-               if s.params.allowed_token_ids}
+    allowed = [(i, _allowed_ids(s, vocab, logits.device)) for i, s in enumerate(seqs) if s.params.allowed_token_ids]
     if allowed:
-        rows = torch.tensor(list(allowed), dtype=torch.int64, device=logits.device)
-        keep = torch.zeros(len(allowed) * vocab, dtype=torch.bool, device=logits.device)
-        keep[_flat_ids(dict(enumerate(allowed.values())), vocab, logits.device)] = True
-        logits[rows] = logits[rows].masked_fill(~keep.view(-1, vocab), float("-inf"))
+        rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64, device=logits.device)
+        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=logits.device)
+        for j, (_, ids) in enumerate(allowed):
+            keep[j].index_fill_(0, ids, True)
+        logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
     # Step 0b: bad words: a word's last token is -inf where the output ends with the rest of it.
     banned = {i: hits for i, s in enumerate(seqs) if s.params.bad_words_token_ids
               and (hits := _bad_word_ends(s.params.bad_words_token_ids, s.token_ids, s.num_output_tokens, vocab))}
@@ -71,6 +71,17 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
         presence = _column(seqs, "presence_penalty", logits)[rows]
         flat[ids] = flat[ids] - (frequency * times + presence)
     return logits
+
+
+def _allowed_ids(seq, vocab: int, device: torch.device) -> torch.Tensor:
+    """seq's allowed token ids within the vocabulary on the device, kept on the sequence once built (a
+    speculative view of one, `Ahead`, has no room for it: built each time)."""
+    ids = getattr(seq, "allowed_ids", None)
+    if ids is None:
+        ids = torch.tensor([t for t in seq.params.allowed_token_ids if t < vocab], dtype=torch.int64, device=device)
+        if isinstance(seq, Sequence):
+            seq.allowed_ids = ids
+    return ids
 
 
 def _bad_word_ends(words: list[list[int]], token_ids: list[int], num_output: int, vocab: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Turn last-position logits into next tokens: greedy, temperature, top-k, top-p.
+"""Turn last-position logits into next tokens: greedy, temperature, min-p, top-k, top-p.
 
 B = batch rows (one per running request), V = vocabulary size.
 """
@@ -130,10 +130,16 @@ class Sampler:
 
     @staticmethod
     def target_probs(logits: torch.Tensor, params: list[SamplingParams], columns: SamplingColumns) -> torch.Tensor:
-        """`[B, V]` float32: the distribution each row draws from (Steps 1-2 of `draw`, then softmax). Greedy rows
-        get temperature 1 (their probabilities are not used)."""
+        """`[B, V]` float32: the distribution each row draws from (temperature, min-p, top-k and top-p, then
+        softmax). Greedy rows get temperature 1 (their probabilities are not used)."""
         # Step 1: temperature (1 on greedy rows, whose draw is discarded).
         scaled = logits / torch.where(columns.temperature == 0, 1.0, columns.temperature).unsqueeze(1)
+        # Step 1b: min-p (vLLM's place for it: after temperature, before top-k and top-p): a token stays if its
+        # probability is at least min_p times the row's highest (rows with min_p 0 keep every token).
+        if any(not p.is_greedy and p.min_p > 0 for p in params):
+            probs = scaled.softmax(dim=-1)
+            drop = probs < columns.min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+            scaled = scaled.masked_fill(drop, float("-inf"))
         # Step 2: top-k and top-p over the whole batch when a random row asks for either (rows that ask for
         # neither have k = 0 and p = 1, which keep every token).
         if any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params):
@@ -144,14 +150,16 @@ class Sampler:
 @dataclass(frozen=True, slots=True)
 class SamplingColumns:
     """A batch's sampling parameters as `[B]` device tensors: temperature float32 (0 = greedy), top_k int64
-    (0 = off), top_p float32 (1 = off)."""
+    (0 = off), top_p float32 (1 = off), min_p float32 (0 = off)."""
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> SamplingColumns:
         """Built from the params' Python values (one small copy to the device per column)."""
         return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
                    torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device))
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+                   torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))

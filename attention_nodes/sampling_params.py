@@ -11,7 +11,9 @@ MAX_SAMPLES = 64   # the most samples (n, best_of) one request may draw
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    temperature 0 means greedy. top_k 0 or -1 (vLLM's) and top_p == 1 disable those filters.
+    temperature 0 means greedy. top_k 0 or -1 (vLLM's) and top_p == 1 disable those filters. min_p (vLLM's, in
+    [0, 1], 0 = off) drops the tokens whose probability, after temperature, is below min_p times the most likely
+    one's.
     seed makes sampling reproducible per request, whatever else is in the batch.
     stop_token_ids end generation like EOS does (the stop token is kept in the output).
     ignore_eos keeps generating past EOS until max_tokens.
@@ -36,13 +38,14 @@ class SamplingParams:
         prompt is computed: they share its KV blocks and copy only the last, partly filled one before writing
         to it. With a seed, sample i draws from its own generator seeded with seed + i.
     Order, as vLLM's sampler: allowed_token_ids, bad words, min_tokens, logit_bias, repetition, frequency and
-    presence penalties, temperature, top-k, top-p.
+    presence penalties, temperature, min_p, top-k, top-p.
     """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -80,6 +83,7 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", self.top_k, "pass an integer >= 0, or 0 or -1 (vLLM's) to disable it")
         self.top_k = max(self.top_k, 0)
+        self.min_p = number("min_p", 0, 1, "pass a number in [0, 1] (0 = off)")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise bad("seed", self.seed, "pass an integer or None")
         if self.stop_token_ids is None:      # vLLM's default
@@ -156,6 +160,13 @@ class SamplingParams:
         """True if anything but temperature, top-k and top-p changes this request's logits."""
         return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
                     or self.repetition_penalty != 1.0
+                    or self.frequency_penalty or self.presence_penalty)
+
+    @property
+    def reads_history(self) -> bool:
+        """True if this request's logits depend on the tokens before the position (min_tokens, bad words,
+        penalties): speculative verification then shapes each draft position's row on its own."""
+        return bool(self.min_tokens or self.bad_words_token_ids or self.repetition_penalty != 1.0
                     or self.frequency_penalty or self.presence_penalty)
 
     def to_dict(self) -> dict:

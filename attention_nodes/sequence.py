@@ -59,6 +59,8 @@ class Sequence:
         not part of token_ids until verified.
     token_array: the drafter's numpy copy of token_ids, appended to as they grow (None until it first proposes).
     draft_computed: the leading positions whose KV the draft model holds (attention_nodes/draft_model.py).
+    allowed_ids: params.allowed_token_ids within the vocabulary as a device tensor, built on its first draw
+        (attention_nodes/logits_process.py), so a step does not rebuild it from the list.
     group_id: for a request drawing several samples (SamplingParams.num_samples > 1), the request's own id; each
         sample's request_id is then f"{group_id}#{sample_index}". None otherwise.
     forked: the samples exist (set on all of them once the first sample is drawn).
@@ -86,6 +88,7 @@ class Sequence:
     spec_tokens: list[int] = field(default_factory=list)
     token_array: object = None
     draft_computed: int = 0
+    allowed_ids: torch.Tensor | None = None
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -221,11 +221,11 @@ def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eo
 
     logits: `[R, V]` raw, R = sum(1 + len(d)): per sequence in order, its 1 + d rows. Everything runs on the
     device up to the step's one host read of the emitted tokens and their counts (device drafts are read earlier
-    only for a request whose logits are shaped by the tokens before them: penalties, min_tokens)."""
+    only for a request whose logits are shaped by the tokens before them: penalties, min_tokens, bad words)."""
     counts = [len(d) for d in drafts]
     first_rows = np.cumsum([0] + [1 + d for d in counts[:-1]]).tolist()
-    shown = [d.read() if isinstance(d, DeviceDrafts) and s.params.shapes_logits else d for s, d in zip(seqs, drafts)]
-    views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens) if j and s.params.shapes_logits else s
+    shown = [d.read() if isinstance(d, DeviceDrafts) and s.params.reads_history else d for s, d in zip(seqs, drafts)]
+    views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens) if j and s.params.reads_history else s
              for s, d in zip(seqs, shown) for j in range(len(d) + 1)]
     shaped = shape_logits(logits.float(), views, eos)
     B, k, dev = len(seqs), max(counts), logits.device

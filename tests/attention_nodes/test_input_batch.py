@@ -66,7 +66,7 @@ def run(num_blocks: int, prefix_caching: bool, seed: int, micro_batches: int, ro
             params = SamplingParams(max_tokens=rng.randrange(1, 30), n=n, ignore_eos=True,
                                     prompt_logprobs=rng.choice([None, None, 1]),
                                     temperature=rng.choice([0.0, 0.0, 0.7, 1.5]), top_k=rng.choice([0, 5, 10**9]),
-                                    top_p=rng.choice([1.0, 0.9]))
+                                    top_p=rng.choice([1.0, 0.9]), min_p=rng.choice([0.0, 0.1]))
             sched.add(Sequence.from_request(f"r{arrivals}", prompt, params, arrivals))
         if not sched.has_work:
             continue
@@ -106,6 +106,7 @@ def check_sampling_columns(inputs: InputBatch, seqs: list[Sequence]) -> None:
     assert columns.top_k.tolist() == [min(s.params.top_k, 2**24) for s in seqs]
     assert columns.top_k.dtype == torch.int64
     assert columns.top_p.tolist() == [torch.tensor(s.params.top_p).item() for s in seqs]
+    assert columns.min_p.tolist() == [torch.tensor(s.params.min_p).item() for s in seqs]
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from attention_nodes.sampler import Sampler, apply_top_k_top_p, argmax_rows
+from attention_nodes.sampler import Sampler, SamplingColumns, apply_top_k_top_p, argmax_rows
 from attention_nodes.sampling_params import SamplingParams
 
 
@@ -36,6 +36,24 @@ def test_top_k_one_with_temperature_equals_greedy():
     params = [SamplingParams(temperature=1.5, top_k=1)] * 8
     gens = [make_gen(i) for i in range(8)]
     assert Sampler().sample(logits, params, gens) == logits.argmax(dim=-1).tolist()
+
+
+def test_min_p_one_with_temperature_equals_greedy():
+    logits = make_logits(8, 100, seed=2)
+    params = [SamplingParams(temperature=1.5, min_p=1.0)] * 8
+    assert Sampler().sample(logits, params, [make_gen(i) for i in range(8)]) == logits.argmax(dim=-1).tolist()
+
+
+def test_min_p_keeps_what_transformers_keeps():
+    """The distribution drawn from equals transformers' temperature then min-p warpers' softmax."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+    logits = make_logits(6, 50, seed=5)
+    for min_p in (0.05, 0.3, 0.9):
+        params = [SamplingParams(temperature=0.7, min_p=min_p)] * 5 + [SamplingParams()]   # and a greedy row
+        probs = Sampler.target_probs(logits, params, SamplingColumns.of(params, logits.device))
+        want = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(0.7)(None, logits[:5].clone())).softmax(-1)
+        torch.testing.assert_close(probs[:5], want)
+        assert 0 < int((probs[:5] == 0).sum()) < probs[:5].numel()
 
 
 def test_top_k_never_leaves_the_k_largest():
@@ -193,6 +211,10 @@ FOUR = [0.1, 0.4, 0.2, 0.3]
     ({"temperature": 1.0, "top_p": 0.75}, [0, 0.4 / 0.9, 0.2 / 0.9, 0.3 / 0.9]),
     ({"temperature": 1.0, "top_k": 3, "top_p": 0.5}, [0, 0.4 / 0.7, 0, 0.3 / 0.7]),   # top-3 renormalised: 4/9 < .5
     ({"temperature": 0.5}, [p * p / 0.3 for p in FOUR]),                     # softmax(2 log p) = p^2 / sum p^2
+    ({"temperature": 1.0, "min_p": 0.7}, [0, 0.4 / 0.7, 0, 0.3 / 0.7]),      # below 0.7 * 0.4 = 0.28 goes
+    # min_p before top_p (vLLM's order): 0.1 goes (< 0.18), then 0.2 / 0.9 has 0.7 / 0.9 >= 0.75 before it and goes
+    # too (top_p first would keep 0.2, whose mass before is 0.7 < 0.75, and min_p would then keep it)
+    ({"temperature": 1.0, "min_p": 0.45, "top_p": 0.75}, [0, 0.4 / 0.7, 0, 0.3 / 0.7]),
 ])
 def test_sampled_frequencies_match_the_distribution(kwargs, want, seeded):
     """20k rows of one batch: every token's frequency is within 0.015 (over 4 standard deviations) of the
