@@ -9,7 +9,7 @@ import os
 
 from attention_nodes.sampling_params import SamplingParams
 
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "repetition_penalty")
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @functools.lru_cache(maxsize=8)
@@ -26,25 +26,26 @@ def generation_defaults(model_dir: str) -> tuple[tuple[str, float], ...]:
 class Admission:
     """The checks of one engine, once its limits are known (the leader's start-up report)."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_num_seqs: int, max_model_len: int, kv_capacity_tokens: int):
+    def __init__(self, tokenizer, vocab_size: int, max_num_seqs: int, max_model_len: int, kv_capacity_tokens: int,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer, self.vocab_size, self.max_num_seqs = tokenizer, vocab_size, max_num_seqs
         self.max_model_len, self.kv_capacity_tokens = max_model_len, kv_capacity_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     def prompt_ids(self, prompt, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
         """A prompt (string or token ids) -> checked token ids; ValueError names what is wrong. A string is
         tokenized with the tokenizer's special tokens (its BOS, if it adds one) unless add_special_tokens is
-        False. truncate: keep only the last that many tokens (vLLM's truncate_prompt_tokens)."""
+        False. truncate (>= 1; vLLM's truncate_prompt_tokens): at most that many tokens, cut from the left; a
+        string keeps the special tokens the tokenizer adds (as vLLM tokenizes it: truncation on the left)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"prompt {prompt[:40]!r} is a string but this model has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            ids = self._encode(prompt, add_special_tokens, truncate)
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
-            ids = list(prompt)
+            ids = list(prompt) if truncate is None else list(prompt[-truncate:])
         else:
             raise ValueError(f"prompt {str(prompt)[:60]!r} is neither a string nor a list of token ids")
-        if truncate is not None:
-            ids = ids[-truncate:]
         if not ids:
             raise ValueError("empty prompt: pass at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -52,11 +53,23 @@ class Admission:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    def _encode(self, text: str, add_special_tokens: bool, truncate: int | None) -> list[int]:
+        tok = self.tokenizer
+        if truncate is None:
+            return tok.encode(text, add_special_tokens=add_special_tokens)
+        # transformers takes the side only as the tokenizer's attribute: set for this call (callers share no
+        # tokenizer across threads: the HTTP front tokenizes on its event loop)
+        side, tok.truncation_side = tok.truncation_side, "left"
+        try:
+            return tok(text, add_special_tokens=add_special_tokens, truncation=True, max_length=truncate)["input_ids"]
+        finally:
+            tok.truncation_side = side
+
     def check(self, ids: list[int], params: SamplingParams) -> None:
         """ValueError unless prompt + max_tokens fits max_model_len and one attention rank's KV cache, its samples
-        fit max_num_seqs (`check_samples`) and the token ids it names are in the vocabulary (`check_vocab`)."""
+        fit max_num_seqs (`check_samples`) and its token ids leave something to sample (`check_tokens`)."""
         self.check_samples(params)
-        self.check_vocab(params)
+        self.check_tokens(params)
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:  # max_tokens >= 1, so this also covers len(ids) >= max_model_len
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds "
@@ -72,10 +85,11 @@ class Admission:
             raise ValueError(f"n={params.n}, best_of={params.best_of}: {params.num_samples} samples exceed "
                              f"max_num_seqs={self.max_num_seqs}; draw fewer or raise max_num_seqs")
 
-    def check_vocab(self, params: SamplingParams) -> None:
+    def check_tokens(self, params: SamplingParams) -> None:
         """ValueError naming the field for a token id outside the vocabulary where one would change the output:
-        allowed_token_ids (vLLM refuses those too) and bad_words_token_ids. Such ids elsewhere (stop_token_ids,
-        logit_bias) can never be sampled, and are left alone as before."""
+        allowed_token_ids (vLLM refuses those too) and bad_words_token_ids (such ids elsewhere, stop_token_ids or
+        logit_bias, can never be sampled, and are left alone); and for allowed_token_ids that leave nothing to
+        sample: each a one-token bad word or, under min_tokens, a stop token or EOS (every logit would be -inf)."""
         named = [("allowed_token_ids", params.allowed_token_ids or []),
                  ("bad_words_token_ids", [t for w in params.bad_words_token_ids or [] for t in w])]
         for name, ids in named:
@@ -83,3 +97,11 @@ class Admission:
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary "
                                  f"[0, {self.vocab_size}); pass ids below {self.vocab_size}")
+        if params.allowed_token_ids:
+            banned = {w[0] for w in params.bad_words_token_ids or [] if len(w) == 1}
+            if params.min_tokens:
+                banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            if set(params.allowed_token_ids) <= banned:
+                raise ValueError(f"SamplingParams.allowed_token_ids ({len(params.allowed_token_ids)} ids) leaves "
+                                 f"nothing to sample: each is a one-token bad word, or a stop token or EOS that "
+                                 f"min_tokens holds back; allow other tokens")

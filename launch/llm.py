@@ -109,7 +109,7 @@ class LLM:
         self.max_model_len = info["max_model_len"]
         self.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
         self.admission = Admission(self.tokenizer, self.spec.vocab_size, self.config.scheduler.max_num_seqs,
-                                   self.max_model_len, self.kv_capacity_tokens)
+                                   self.max_model_len, self.kv_capacity_tokens, self.spec.eos_token_ids)
 
     @property
     def is_leader(self) -> bool:
@@ -207,8 +207,8 @@ class LLM:
         outs = []
         for rid, i, p in zip(rids, ids, params):
             best = chosen(list(samples[rid].values()), p)
-            for s in best:
-                s.text = self.decode(s.token_ids)
+            for s in best:   # the EOS or stop token id that ended a sample is not in its text (vLLM's)
+                s.text = self.decode(s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids)
             first = best[0]
             outs.append(RequestOutput(rid, i, first.token_ids, first.text, first.finish_reason, prompt_logprobs[rid],
                                       first.logprobs, best))

@@ -43,7 +43,7 @@ from .protocol import (
     TokenizeRequest,
 )
 from .text import TextStream
-from .tokens import chat_ids, detokenize, prompt_ids, tokenize
+from .tokens import chat_text, detokenize, prompt_ids, tokenize
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
 
@@ -119,11 +119,11 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         eng = engine()
         keep = body.truncation(eng.llm.max_model_len)
         sent = body.prompts()
-        whole = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens) for p in sent]
-        prompts = [ids[-keep:] if keep else ids for ids in whole]
+        prompts = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens, keep) for p in sent]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
         # a prompt truncate_prompt_tokens cut is echoed as the tokens the model saw
-        echo = [p if len(w) == len(ids) else ids for p, w, ids in zip(sent, whole, prompts)] if body.echo else None
+        echo = [ids if keep and len(ids) == keep and len(prompt_ids(eng.llm, p, "prompt", body.add_special_tokens))
+                > keep else p for p, ids in zip(sent, prompts)] if body.echo else None
         return await respond(state.model_name, eng, body, request, prompts, params, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
@@ -131,10 +131,9 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         _warn_ignored(body, request)
         check_request(body, state.served)
         eng = engine()
-        keep = body.truncation(eng.llm.max_model_len)
-        ids = chat_ids(eng.llm.tokenizer, body, state.model_name, body.continue_final_message,
-                       body.add_special_tokens)
-        prompts = [prompt_ids(eng.llm, ids[-keep:] if keep else ids, "messages")]
+        text = chat_text(eng.llm.tokenizer, body, state.model_name, body.continue_final_message)
+        prompts = [prompt_ids(eng.llm, text, "messages", body.add_special_tokens,
+                              body.truncation(eng.llm.max_model_len))]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
         return await respond(state.model_name, eng, body, request, prompts, params, chat=True)
 

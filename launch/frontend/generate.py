@@ -79,7 +79,7 @@ def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]])
             except ValueError as e:
                 raise APIError(400, str(e), "best_of" if params.best_of is not None else "n") from e
             try:
-                llm.admission.check_vocab(params)
+                llm.admission.check_tokens(params)
             except ValueError as e:
                 raise APIError(400, str(e), param_of(e)) from e
         try:
@@ -190,7 +190,8 @@ async def _drive(eng: EngineClient, routes: dict[str, list[_Choice]], sink: asyn
                     yield (c, *c.take_echo())
                 c.num_tokens += len(toks)
                 c.sample.add(toks, got.logprobs, finish)
-                piece = c.stream.add(toks, final=finish is not None)
+                piece = c.stream.add(toks, final=finish is not None,
+                                     hide_last=bool(toks) and finish == "stop" and not c.stream.include_stop)
                 stopped = c.stream.stopped and finish is None      # still running in the engine: release it
                 is_stopped |= stopped
                 ended = "stop" if c.stream.stopped else finish     # a stop string ends it, whatever the engine says
@@ -240,9 +241,11 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     submitted: list[str] = []
     tok = eng.llm.tokenizer
     has_logprobs = params.logprobs is not None
-    # vLLM's stop_reason: a stop token id, unless it is the tokenizer's EOS (a stop of its own, reason null)
-    eos = {getattr(tok, "eos_token_id", None)} if not params.ignore_eos else set()
-    stop_ids = frozenset(params.stop_token_ids) - eos
+    # vLLM's stop_reason: the stop token id that ended it, the checkpoint's other EOS ids included (vLLM adds them
+    # to stop_token_ids), but null for the tokenizer's own EOS; under ignore_eos, EOS ids are stop tokens only if given
+    primary = set() if params.ignore_eos else {getattr(tok, "eos_token_id", None)}
+    eos = set() if params.ignore_eos else set(eng.llm.spec.eos_token_ids)
+    stop_ids = (frozenset(params.stop_token_ids) | eos) - primary
     try:
         for p, ids in enumerate(prompts):
             rid = eng.submit(ids, per_prompt[p], sink)

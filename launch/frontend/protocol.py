@@ -7,7 +7,7 @@ defines but this server does not implement are accepted by the schema and refuse
 them (`unsupported`), so a client learns what to change instead of getting silently different output.
 Fields nobody here defines (other servers' extensions, newer OpenAI fields) are accepted and ignored, at
 any depth; `ignored_fields` names them so the server can log them, as vLLM does.
-Extensions that vLLM also takes: top_k, stop_token_ids, ignore_eos, repetition_penalty, min_tokens,
+Extensions that vLLM also takes: top_k, min_p, stop_token_ids, ignore_eos, repetition_penalty, min_tokens,
 include_stop_str_in_output, stream_options.continuous_usage_stats, allowed_token_ids, bad_words,
 skip_special_tokens, spaces_between_special_tokens, add_special_tokens, truncate_prompt_tokens.
 """
@@ -91,6 +91,7 @@ class _Sampling(_Request):
     temperature: Annotated[float, Field(ge=0, le=1e6)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, lt=2**31)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None     # vLLM's; None = 0 = off
     n: Annotated[int, Field(ge=1, lt=2**31)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -179,7 +180,7 @@ class _Sampling(_Request):
                 n, best_of = 1, None
             return SamplingParams(
                 max_tokens=max_tokens, temperature=given.get("temperature", 1.0), top_p=given.get("top_p", 1.0),
-                top_k=top_k, seed=self.seed,
+                top_k=top_k, min_p=given.get("min_p", 0.0), seed=self.seed,
                 stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,

@@ -113,14 +113,19 @@ class TextStream:
         self._tail = ""          # the text from `_tail_at` on (never later than sent - hold)
         self._tail_at = 0
 
-    def add(self, toks: list[int], final: bool) -> str:
+    def add(self, toks: list[int], final: bool, hide_last: bool = False) -> str:
         """Append tokens; returns the new text to send. Sets `stopped` and `stop_reason` when a stop string
-        appeared (the text ends before it, or with include_stop after it; the earliest one, when several)."""
+        appeared (the text ends before it, or with include_stop after it; the earliest one, when several).
+        hide_last: the last token (the EOS or stop token id that ended the request) is counted but adds no text,
+        as vLLM's detokeniser leaves it out unless include_stop_str_in_output."""
         self.ids.extend(toks)
+        shown = toks[:-1] if hide_last else toks
         if self.spans is not None:
-            new = self.spans.add(toks)
+            new = self.spans.add(shown)
+            if len(shown) < len(toks):
+                self.spans.ends.append(self.spans.ends[-1] if self.spans.ends else 0)
         elif self._detok is not None:
-            new = "".join([self._detok.add(t) for t in toks])
+            new = "".join([self._detok.add(t) for t in shown])
         if self.tokenizer is None:
             if final and self.spans is not None:
                 self.spans.close(0, True)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from .protocol import APIError, DetokenizeRequest, TokenizeRequest
 
 
-def prompt_ids(llm, prompt, param: str, add_special_tokens: bool = True) -> list[int]:
-    """A completion prompt (string or ids) -> checked ids; a 400 naming `param` when it is bad."""
+def prompt_ids(llm, prompt, param: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
+    """A prompt (string or ids) -> checked ids (Admission.prompt_ids); a 400 naming `param` when it is bad."""
     try:
-        return llm.admission.prompt_ids(prompt, add_special_tokens)
+        return llm.admission.prompt_ids(prompt, add_special_tokens, truncate)
     except ValueError as e:
         raise APIError(400, str(e), param) from e
 
@@ -27,6 +27,8 @@ def bad_words_ids(tok, words: list[str] | None) -> list[list[int]]:
             raise APIError(400, f"bad_words has the empty word {word!r}; pass words with text in them", "bad_words")
         alone = tok.encode(word.lstrip(), add_special_tokens=False)
         spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not alone or not spaced:
+            raise APIError(400, f"bad_words has {word!r}, which the tokenizer turns into no tokens", "bad_words")
         out.append(alone)
         if spaced[0] != alone[0] and len(spaced) == len(alone):
             out.append(spaced)
@@ -35,7 +37,12 @@ def bad_words_ids(tok, words: list[str] | None) -> list[list[int]]:
 
 def chat_ids(tok, body, model_name: str, continue_final: bool = False, add_special_tokens: bool = False
              ) -> list[int]:
-    """body's messages through the tokenizer's chat template -> ids (a 400 when the model has no template or
+    """body's messages through the tokenizer's chat template -> ids (chat_text's, tokenized)."""
+    return tok.encode(chat_text(tok, body, model_name, continue_final), add_special_tokens=add_special_tokens)
+
+
+def chat_text(tok, body, model_name: str, continue_final: bool = False) -> str:
+    """body's messages through the tokenizer's chat template -> text (a 400 when the model has no template or
     the template rejects them). `body` has conversation() and add_generation_prompt; `continue_final` leaves
     the last message open (no end-of-turn), for the model to continue."""
     if tok is None or not getattr(tok, "chat_template", None):
@@ -46,7 +53,7 @@ def chat_ids(tok, body, model_name: str, continue_final: bool = False, add_speci
                                        tokenize=False, **options)
     except Exception as e:   # a template may reject a conversation (roles, order): the client's to fix
         raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from e
-    return tok.encode(text, add_special_tokens=add_special_tokens)
+    return text
 
 
 def tokenize(llm, body: TokenizeRequest, model_name: str) -> dict:

@@ -1,6 +1,7 @@
 """Request admission (launch/admission.py) and the front's prompt-side options: add_special_tokens reaches the
-tokenizer for completion prompts and chats (a tokenizer that adds a BOS shows it), bad words become token ids by
-vLLM's rule, and ids outside the vocabulary are refused by field."""
+tokenizer for completion prompts and chats, and truncate_prompt_tokens keeps a string's BOS (a tokenizer that adds
+one shows it); bad words become token ids by vLLM's rule; ids outside the vocabulary, or allowed ids that leave
+nothing to sample, are refused by field; LLM.generate without params takes the checkpoint's defaults."""
 from __future__ import annotations
 
 import pytest
@@ -37,6 +38,11 @@ def test_add_special_tokens_reaches_the_tokenizer(bos_tokenizer):
     assert adm.prompt_ids(text) == [bos] + plain                     # completions' default (vLLM's)
     assert adm.prompt_ids(text, add_special_tokens=False) == plain
     assert adm.prompt_ids([7, 8], add_special_tokens=True) == [7, 8]   # ids are taken as they are
+    # truncate_prompt_tokens: cut on the left; a string keeps its BOS (vLLM's truncation="left" of the text)
+    assert adm.prompt_ids(text, truncate=3) == [bos] + plain[-2:]
+    assert adm.prompt_ids(text, add_special_tokens=False, truncate=3) == plain[-3:]
+    assert adm.prompt_ids([7, 8, 9, 10], truncate=3) == [8, 9, 10]
+    assert adm.prompt_ids(text, truncate=100) == [bos] + plain and tok.truncation_side == "right"
     messages = [{"role": "user", "content": text}]
     templated = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     body = ChatCompletionRequest(messages=messages)
@@ -66,13 +72,23 @@ def test_bad_words_become_ids_by_vllms_rule(bos_tokenizer):
         assert err.value.param == "bad_words"
 
 
-def test_ids_outside_the_vocabulary_are_refused_by_field():
+def test_token_ids_that_cannot_be_served_are_refused_by_field():
     adm = admission(None)
     for field, value, bad in (("allowed_token_ids", [3, TINY_VOCAB], TINY_VOCAB),
                               ("bad_words_token_ids", [[4], [5, TINY_VOCAB + 2]], TINY_VOCAB + 2)):
         with pytest.raises(ValueError, match=rf"SamplingParams\.{field} has token id {bad}\b"):
             adm.check([1, 2], SamplingParams(**{field: value}))
     adm.check([1, 2], SamplingParams(allowed_token_ids=[TINY_VOCAB - 1], bad_words_token_ids=[[0, 1]]))
+    # allowed ids that leave nothing to sample (every logit would be -inf): refused
+    adm = Admission(None, TINY_VOCAB, 4, 64, 64, eos_token_ids=(2,))
+    for params in (SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [6], [7, 8]]),
+                   SamplingParams(allowed_token_ids=[2, 9], stop_token_ids=[9], min_tokens=1)):
+        with pytest.raises(ValueError, match=r"allowed_token_ids \(2 ids\) leaves nothing to sample"):
+            adm.check([1], params)
+    for params in (SamplingParams(allowed_token_ids=[5, 6], bad_words_token_ids=[[5], [7, 6]]),
+                   SamplingParams(allowed_token_ids=[2, 9], stop_token_ids=[9], min_tokens=1, ignore_eos=True),
+                   SamplingParams(allowed_token_ids=[2, 9], stop_token_ids=[9])):
+        adm.check([1], params)
     with pytest.raises(ValueError, match="max_model_len=64"):
         adm.check(list(range(60)), SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match="max_num_seqs=4"):

@@ -62,8 +62,9 @@ def test_generated_logprobs_prompt_scoring_and_logit_shaping_match_transformers(
     logit_bias on greedy's first choice equals transformers' with the same sequence_bias, (e) allowed_token_ids
     equals transformers' with prefix_allowed_tokens_fn giving the same set, and (f) bad_words_token_ids (one
     token, and greedy's 2nd and 3rd tokens as one word) equal transformers' bad_words_ids (each changes the
-    tokens: the test fails if the engine ignores it). A token id outside the vocabulary in allowed_token_ids
-    is a ValueError naming it."""
+    tokens: the test fails if the engine ignores it), and (g) a seeded draw at temperature 1 with min_p 1 is
+    greedy (without min_p the same seed draws other tokens). A token id outside the vocabulary in
+    allowed_token_ids is a ValueError naming it."""
     path = tiny_checkpoint("qwen3_moe")
     a, b, c = make_prompts(3, 256, 8, 20, seed=26)
     free = hf_greedy(path, [c], MAX_NEW)[0]
@@ -72,13 +73,15 @@ def test_generated_logprobs_prompt_scoring_and_logit_shaping_match_transformers(
     bad_words = [[free[3]], [free[1], free[2]]]
     assert c[-1] != free[1]     # transformers also matches a word's start against the prompt; the engine does not
     with LLM(path, attention_ranks=1, expert_ranks=2) as llm:
-        scored, none, penalized, biased, only, clean = llm.generate([a, b, c, c, c, c], [
+        scored, none, penalized, biased, only, clean, drawn, top = llm.generate([a, b, c, c, c, c, c, c], [
             SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=3),
             SamplingParams(max_tokens=0, prompt_logprobs=2),
             SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.3),
             SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logit_bias={banned: -100}),
             SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, allowed_token_ids=allowed),
-            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, bad_words_token_ids=bad_words)])
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, bad_words_token_ids=bad_words),
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=1.0, seed=3),
+            SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, temperature=1.0, seed=3, min_p=1.0)])
         with pytest.raises(ValueError, match=r"allowed_token_ids has token id 999999"):
             llm.generate([c], SamplingParams(allowed_token_ids=[5, 999999]))
     # (a)
@@ -108,3 +111,4 @@ def test_generated_logprobs_prompt_scoring_and_logit_shaping_match_transformers(
     assert biased.token_ids == want_bias != free and banned not in want_bias
     assert only.token_ids == want_only != free and set(want_only) <= set(allowed)
     assert clean.token_ids == want_clean != free and free[3] not in want_clean
+    assert top.token_ids == free != drawn.token_ids

@@ -82,7 +82,7 @@ def test_a_stream_whose_client_left_before_its_body_started_is_aborted():
     released = []
 
     class Engine:
-        llm = SimpleNamespace(tokenizer=None)
+        llm = SimpleNamespace(tokenizer=None, spec=SimpleNamespace(eos_token_ids=(2,)))
 
         def submit(self, ids, params, sink):
             return f"r{len(ids)}"

@@ -152,6 +152,15 @@ def test_stop_strings_and_stop_token_ids(client, reference):
                                     extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
     assert got.choices[0].finish_reason == "stop" and got.usage.completion_tokens == first + 1
     assert got.choices[0].stop_reason == stop_id          # vLLM's stop_reason: the stop token id
+    # as vLLM: the stop token's own text is left out (LLM.generate's too), unless include_stop_str_in_output
+    shown = [reference.tokenizer.decode(full.token_ids[:n], skip_special_tokens=True) for n in (first, first + 1)]
+    assert shown[0] != shown[1]
+    kept = client.completions.create(model=MODEL, prompt="Hello experts", temperature=0, max_tokens=12, extra_body={
+        "ignore_eos": True, "stop_token_ids": [stop_id], "include_stop_str_in_output": True}).choices[0].text
+    assert (got.choices[0].text, kept) == (shown[0], shown[1])
+    alone = reference.generate(["Hello experts"], SamplingParams(max_tokens=12, ignore_eos=True,
+                                                                 stop_token_ids=[stop_id]))[0]
+    assert alone.text == shown[0] and alone.token_ids == full.token_ids[:first + 1]
     # a stop string: the text ends right before its first occurrence
     text = full.text
     stop = next(text[i:i + 2] for i in range(2, len(text) - 1) if "\ufffd" not in text[i:i + 2]
@@ -214,7 +223,8 @@ def _stopped_completion(client, max_tokens: int, stop: list[str], stream: bool) 
 
 
 def test_vllm_sampling_and_text_options(server, reference):
-    """vLLM's request extensions: allowed_token_ids and bad_words equal LLM.generate with the same engine
+    """vLLM's request extensions: min_p 1 makes a draw greedy; allowed_token_ids and bad_words equal
+    LLM.generate with the same engine
     parameters (bad_words as vLLM tokenizes a word: alone, and after a space when that is another sequence of the
     same length); skip_special_tokens false shows the special tokens generated; truncate_prompt_tokens keeps the
     prompt's last k tokens (-1: max_model_len; 0 or more than max_model_len: a 400) and echo shows those; a stop
@@ -236,6 +246,8 @@ def test_vllm_sampling_and_text_options(server, reference):
     allowed = sorted(set(range(3, 300, 7)) - {free.token_ids[0]})
     want = generate(prompt, allowed_token_ids=allowed)
     assert complete(prompt, allowed_token_ids=allowed)["choices"][0]["text"] == want.text != free.text
+    # min_p 1 keeps only the most likely token: a draw at temperature 1 is greedy
+    assert complete(prompt, temperature=1.0, seed=3, min_p=1.0)["choices"][0]["text"] == free.text
 
     def vllm_ids(word: str) -> list[list[int]]:   # vLLM's SamplingParams.update_from_tokenizer, as it reads
         alone, spaced = tok.encode(word.lstrip()), tok.encode(" " + word.lstrip())
@@ -255,6 +267,10 @@ def test_vllm_sampling_and_text_options(server, reference):
     forced = {"logit_bias": {str(eos): 100}, "max_tokens": 2}
     assert complete(prompt, **forced)["choices"][0]["text"] == ""
     assert complete(prompt, **forced, skip_special_tokens=False)["choices"][0]["text"] == tok.eos_token * 2
+    # an EOS that ends the request is not in the text, special tokens or not, unless include_stop_str_in_output
+    for extra, text in (({}, ""), ({"include_stop_str_in_output": True}, tok.eos_token)):
+        choice = complete(prompt, **forced, ignore_eos=False, skip_special_tokens=False, **extra)["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (text, "stop"), (extra, choice)
     # a stop token id that is EOS: stop_reason null, as vLLM (unless ignore_eos: then it is only a stop token)
     for ignore_eos, reason in ((False, None), (True, eos)):
         choice = complete(prompt, **forced, stop_token_ids=[eos], ignore_eos=ignore_eos)["choices"][0]
@@ -298,28 +314,30 @@ def test_seed_makes_sampling_reproducible(client):
     assert a != c
 
 
-@pytest.mark.parametrize("body, raw, status, words", [
-    (None, b'{"model": "tiny", "prompt": ', 400, "not valid JSON"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, None, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": 42}, None, 400, "prompt"),
-    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, None, 400, "temperature"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, None, 400, "max_tokens"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, None, 400, "max_model_len"),
-    ({"model": MODEL, "prompt": list(range(3, 3 + MAX_LEN + 5))}, None, 400, "max_model_len"),
-    ({"model": "gpt-nothing", "prompt": "hi"}, None, 404, "gpt-nothing"),
-    ({"model": MODEL, "prompt": "hi", "n": 65}, None, 400, "n=65"),
-    ({"model": MODEL, "prompt": [], "max_tokens": 2}, None, 400, "empty"),
-    ({"model": MODEL, "prompt": [999999]}, None, 400, "vocabulary"),
-    ({"model": MODEL, "prompt": "hi", "stop": [""]}, None, 400, "stop"),
+JSON, FORM = "application/json", "application/x-www-form-urlencoded"
+
+
+@pytest.mark.parametrize("body, raw, status, words, content_type", [
+    (None, b'{"model": "tiny", "prompt": ', 400, "not valid JSON", JSON),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": "many"}, None, 400, "max_tokens", JSON),
+    ({"model": MODEL, "prompt": 42}, None, 400, "prompt", JSON),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, None, 400, "temperature", JSON),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, None, 400, "max_tokens", JSON),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10**12}, None, 400, "max_model_len", JSON),
+    ({"model": MODEL, "prompt": list(range(3, 3 + MAX_LEN + 5))}, None, 400, "max_model_len", JSON),
+    ({"model": "gpt-nothing", "prompt": "hi"}, None, 404, "gpt-nothing", JSON),
+    ({"model": MODEL, "prompt": "hi", "n": 65}, None, 400, "n=65", JSON),
+    ({"model": MODEL, "prompt": [], "max_tokens": 2}, None, 400, "empty", JSON),
+    ({"model": MODEL, "prompt": [999999]}, None, 400, "vocabulary", JSON),
+    ({"model": MODEL, "prompt": "hi", "stop": [""]}, None, 400, "stop", JSON),
     # a prompt that fills the context, with max_tokens null: the prompt is named, not a max_tokens never sent
-    ({"model": MODEL, "prompt": list(range(3, 3 + MAX_LEN)), "max_tokens": None}, None, 400, "prompt has 128 tokens"),
+    ({"model": MODEL, "prompt": list(range(3, 3 + MAX_LEN)), "max_tokens": None}, None, 400,
+     "prompt has 128 tokens", JSON),
     # JSON sent as a form (curl -d without a JSON content type): a 400 naming the body, not a 500
-    (None, b'{"model": "tiny", "prompt": "hi"}', 400, "body: Input should be"),
+    (None, b'{"model": "tiny", "prompt": "hi"}', 400, "body: Input should be", FORM),
 ])
-def test_bad_completion_requests_get_openai_errors(server, body, raw, status, words):
-    form = "application/x-www-form-urlencoded"
-    code, data = post(server, "/v1/completions", body, raw=raw, content_type=form if words.startswith("body") else
-                      "application/json")
+def test_bad_completion_requests_get_openai_errors(server, body, raw, status, words, content_type):
+    code, data = post(server, "/v1/completions", body, raw=raw, content_type=content_type)
     assert code == status, data
     err = data["error"]
     assert words in err["message"] and err["type"] == "invalid_request_error", err

@@ -27,19 +27,19 @@ def test_null_for_a_required_field_is_refused_by_name(body):
 
 
 def test_a_checkpoints_generation_config_gives_the_sampling_defaults(tmp_path):
-    """As vLLM's --generation-config auto: the temperature, top_p, top_k and repetition_penalty that a
+    """As vLLM's --generation-config auto: the temperature, top_p, top_k, min_p and repetition_penalty that a
     checkpoint's generation_config.json sets apply to requests that leave them out; a request's own win."""
     from transformers import GenerationConfig
-    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1,
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, repetition_penalty=1.1,
                      eos_token_id=2).save_pretrained(tmp_path / "set")
     GenerationConfig(eos_token_id=2).save_pretrained(tmp_path / "plain")
     defaults = generation_defaults(str(tmp_path / "set"))
     body = CompletionRequest.model_validate({"prompt": "hi"})
     p = body.sampling_params(8, 100, defaults)
-    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.95, 20, 1.1)
-    own = CompletionRequest.model_validate({"prompt": "hi", "temperature": 0, "top_k": -1, "top_p": 0.5})
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.6, 0.95, 20, 0.05, 1.1)
+    own = CompletionRequest.model_validate({"prompt": "hi", "temperature": 0, "top_k": -1, "top_p": 0.5, "min_p": 0})
     p = own.sampling_params(8, 100, defaults)
-    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0, 0.5, 0, 1.1)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0, 0.5, 0, 0, 1.1)
     for plain in (generation_defaults(str(tmp_path / "plain")), generation_defaults(str(tmp_path))):
         p = body.sampling_params(8, 100, plain)
-        assert plain == () and (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+        assert plain == () and (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 1.0, 0, 0, 1)
