@@ -23,6 +23,13 @@ def generation_defaults(model_dir: str) -> tuple[tuple[str, float], ...]:
     return tuple((k, set_here[k]) for k in GENERATION_DEFAULTS if set_here.get(k) is not None)
 
 
+def sampling_defaults(config) -> tuple[tuple[str, float], ...]:
+    """The sampling defaults an engine's `generation_config` option gives (EngineConfig): auto, the checkpoint's;
+    vllm, none; else those of the directory it names."""
+    source = config.generation_config
+    return () if source == "vllm" else generation_defaults(config.model if source == "auto" else source)
+
+
 class Admission:
     """The checks of one engine, once its limits are known (the leader's start-up report)."""
 

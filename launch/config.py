@@ -7,6 +7,7 @@ launch/options.py reads it for the flags (launch/cli.py), the options table and 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replace
 
 import torch
@@ -239,6 +240,10 @@ class EngineConfig:
                                               "cpu), taken from cores the expert ranks leave idle while they wait "
                                               "(default: the cores this process may run on / the attention "
                                               "ranks, at most 16)")
+    generation_config: str = option("auto", "the sampling defaults (temperature, top_p, top_k, min_p, "
+                                            "repetition_penalty) of requests that leave them out: auto (the "
+                                            "checkpoint's generation_config.json, as vLLM's), vllm (none: the "
+                                            "engine's own), or a directory holding a generation_config.json")
     collective_timeout_s: float = option(600.0, "a collective that waits longer fails the job")
     heartbeat_s: float = option(1.0, "an idle leader broadcasts at least this often (must be below the "
                                      "collective timeout)")
@@ -282,6 +287,11 @@ class EngineConfig:
         for name in ("sync_audit", "timing_sync", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: pass True or False")
+        source = self.generation_config
+        if not isinstance(source, str) or source not in ("auto", "vllm") and not os.path.isfile(
+                os.path.join(source, "generation_config.json")):
+            raise ValueError(f"generation_config={source!r} is invalid: pass auto, vllm or a directory holding a "
+                             f"generation_config.json")
         if self.role is not None and self.role not in ROLES:
             raise ValueError(f"role={self.role!r} is invalid: choose attention, prefill, decode or expert")
         if (self.role is None) != (self.pool_addr is None):

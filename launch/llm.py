@@ -12,7 +12,7 @@ from dataclasses import asdict
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint
 
-from .admission import Admission, generation_defaults
+from .admission import Admission, sampling_defaults
 from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
 from .procs import (Answers, LocalOutbox, Outbox, free_port, kill_all, rank_context, spawn_is_fresh, start_joiner,
@@ -163,7 +163,7 @@ class LLM:
             raise ValueError(f"prompts={prompts!r} is empty or not a list; pass at least one prompt")
         # none given: the checkpoint's generation_config.json defaults, as vLLM's LLM.generate (else greedy)
         params = sampling_params if sampling_params is not None else \
-            SamplingParams(**dict(generation_defaults(self.config.model)))
+            SamplingParams(**dict(sampling_defaults(self.config)))
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from attention_nodes.sampling_params import SamplingParams
 
-from ..admission import generation_defaults
+from ..admission import sampling_defaults
 from ..samples import Sample, chosen, sample_ids
 from .access_log import access_record
 from .engine_client import EngineClient, Progress, engine_down
@@ -69,7 +69,7 @@ def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]])
         limit = room - len(ids) if max_tokens is None else max_tokens
         if limit not in made:
             made[limit] = params = body.sampling_params(limit, llm.spec.vocab_size,
-                                                        generation_defaults(llm.config.model), bad_words)
+                                                        sampling_defaults(llm.config), bad_words)
             bad = [t for t in params.stop_token_ids if t >= llm.spec.vocab_size]
             if bad:
                 raise APIError(400, f"stop_token_ids has {bad[0]}, outside the vocabulary [0, "

@@ -124,3 +124,25 @@ def test_generate_without_params_takes_the_checkpoints_defaults(tiny_checkpoint,
         default, given = llm.generate([prompt, prompt]), llm.generate([prompt], SamplingParams(max_tokens=16))
     assert [o.token_ids for o in default] == [penalized, penalized]
     assert given[0].token_ids == plain
+    # generation_config="vllm" (vLLM's flag value): the checkpoint's defaults are not read
+    with LLM(path, attention_ranks=1, expert_ranks=1, generation_config="vllm") as llm:
+        assert llm.generate([prompt])[0].token_ids == plain
+
+
+def test_generation_config_option_names_where_the_defaults_come_from(tmp_path):
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    from launch.admission import sampling_defaults
+    from launch.config import EngineConfig
+    from models import SHIPPED_MODEL
+
+    GenerationConfig(do_sample=True, top_k=7, temperature=0.5).save_pretrained(tmp_path)
+    config = SimpleNamespace(model=SHIPPED_MODEL, generation_config=str(tmp_path))
+    assert dict(sampling_defaults(config)) == {"top_k": 7, "temperature": 0.5}
+    config.generation_config = "vllm"
+    assert sampling_defaults(config) == ()
+    for bad in ("vLLM", str(tmp_path / "nowhere"), 3):
+        with pytest.raises(ValueError, match=r"generation_config=.* is invalid: pass auto, vllm or a directory"):
+            EngineConfig.from_options(SHIPPED_MODEL, 1, 1, generation_config=bad)
