@@ -26,7 +26,7 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
     vocab = logits.shape[1]
     flat = logits.view(-1)
     # Step 0a: allowed_token_ids: every other token is -inf.
-    allowed = [(i, _allowed_ids(s, vocab, logits.device)) for i, s in enumerate(seqs) if s.params.allowed_token_ids]
+    allowed = [(i, allowed_ids(s, vocab, logits.device)) for i, s in enumerate(seqs) if s.params.allowed_token_ids]
     if allowed:
         rows = torch.tensor([i for i, _ in allowed], dtype=torch.int64, device=logits.device)
         keep = torch.zeros(len(allowed), vocab, dtype=torch.bool, device=logits.device)
@@ -73,14 +73,13 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
     return logits
 
 
-def _allowed_ids(seq, vocab: int, device: torch.device) -> torch.Tensor:
+def allowed_ids(seq, vocab: int, device: torch.device) -> torch.Tensor:
     """seq's allowed token ids within the vocabulary on the device, kept on the sequence once built (a
-    speculative view of one, `Ahead`, has no room for it: built each time)."""
-    ids = getattr(seq, "allowed_ids", None)
+    speculative view of one, `Ahead`, carries its sequence's)."""
+    ids = seq.allowed_ids
     if ids is None:
-        ids = torch.tensor([t for t in seq.params.allowed_token_ids if t < vocab], dtype=torch.int64, device=device)
-        if isinstance(seq, Sequence):
-            seq.allowed_ids = ids
+        ids = seq.allowed_ids = torch.tensor([t for t in seq.params.allowed_token_ids if t < vocab],
+                                             dtype=torch.int64, device=device)
     return ids
 
 

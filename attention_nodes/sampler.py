@@ -100,7 +100,7 @@ class Sampler:
         generators: B generators, one per seeded request; None draws from torch's global RNG.
             A seeded row's q comes from its own generator only (V draws per step), so a seeded request's
             tokens do not depend on which other rows share the batch or their order.
-        columns: params' temperature, top_k and top_p as device tensors, as the engine keeps them across steps
+        columns: params' temperature, top_k, top_p and min_p as device tensors, as the engine keeps them across steps
             (InputBatch.sampling_columns); None builds them from params.
         """
         if logits.dim() != 2:
@@ -158,8 +158,8 @@ class SamplingColumns:
 
     @classmethod
     def of(cls, params: list[SamplingParams], device: torch.device) -> SamplingColumns:
-        """Built from the params' Python values (one small copy to the device per column)."""
-        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-                   torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-                   torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
+        """Built from the params' Python values (one small copy to the device; top_k capped at 2**24, which
+        float32 holds exactly and which acts as "off" for any vocabulary, as InputBatch's table does)."""
+        table = torch.tensor([(p.temperature, min(p.top_k, 2**24), p.top_p, p.min_p) for p in params],
+                             dtype=torch.float32, device=device).view(-1, 4)
+        return cls(table[:, 0], table[:, 1].long(), table[:, 2], table[:, 3])

@@ -15,7 +15,8 @@ class SamplingParams:
     [0, 1], 0 = off) drops the tokens whose probability, after temperature, is below min_p times the most likely
     one's.
     seed makes sampling reproducible per request, whatever else is in the batch.
-    stop_token_ids end generation like EOS does (the stop token is kept in the output).
+    stop_token_ids end generation like EOS does (the stop token is kept in token_ids; the fronts leave its text
+        out, as vLLM does).
     ignore_eos keeps generating past EOS until max_tokens.
     prompt_logprobs: None (off) or k >= 0: return each prompt token's log-probability given the tokens before
         it, plus the k most likely tokens at that position (vLLM's meaning). The first prompt token has none.

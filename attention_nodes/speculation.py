@@ -24,7 +24,7 @@ import torch
 
 from comm.sync_audit import host_read
 
-from .logits_process import shape_logits
+from .logits_process import allowed_ids, shape_logits
 from .sampler import Sampler, SamplingColumns, argmax_rows, fill_exponential
 from .sequence import Sequence
 from .spec_decode import DeviceDrafts, ngram_propose, place_drafts, verify, verify_greedy
@@ -201,10 +201,12 @@ def summed(reports: list[list[int]]) -> dict:
 
 @dataclass(slots=True)
 class Ahead:
-    """A sequence as it would be after some of its drafts were emitted: what shape_logits reads of a sequence."""
+    """A sequence as it would be after some of its drafts were emitted: what shape_logits reads of a sequence
+    (allowed_ids: the sequence's, built once)."""
     params: object
     token_ids: list[int]
     num_prompt_tokens: int
+    allowed_ids: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -225,8 +227,10 @@ def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eo
     counts = [len(d) for d in drafts]
     first_rows = np.cumsum([0] + [1 + d for d in counts[:-1]]).tolist()
     shown = [d.read() if isinstance(d, DeviceDrafts) and s.params.reads_history else d for s, d in zip(seqs, drafts)]
-    views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens) if j and s.params.reads_history else s
-             for s, d in zip(seqs, shown) for j in range(len(d) + 1)]
+    allowed = {id(s): allowed_ids(s, logits.shape[1], logits.device) for s, d in zip(seqs, shown)
+               if d and s.params.reads_history and s.params.allowed_token_ids}
+    views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens, allowed.get(id(s)))
+             if j and s.params.reads_history else s for s, d in zip(seqs, shown) for j in range(len(d) + 1)]
     shaped = shape_logits(logits.float(), views, eos)
     B, k, dev = len(seqs), max(counts), logits.device
     # [B, k + 1] row of each position (positions past a request's drafts repeat its last row; they are not read)

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..admission import generation_defaults
+from ..admission import sampling_defaults
 from .access_log import ACCESS_LOGGER, AccessLog, access_record
 from .engine_client import EngineClient
 from .generate import check_model, check_request, respond, sampling_params
@@ -43,7 +43,7 @@ from .protocol import (
     TokenizeRequest,
 )
 from .text import TextStream
-from .tokens import chat_text, detokenize, prompt_ids, tokenize
+from .tokens import chat_text, detokenize, prompt_ids, tokenize, was_cut
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
 
@@ -121,9 +121,10 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         sent = body.prompts()
         prompts = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens, keep) for p in sent]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
-        # a prompt truncate_prompt_tokens cut is echoed as the tokens the model saw
-        echo = [ids if keep and len(ids) == keep and len(prompt_ids(eng.llm, p, "prompt", body.add_special_tokens))
-                > keep else p for p, ids in zip(sent, prompts)] if body.echo else None
+        echo = None
+        if body.echo:   # a prompt that truncate_prompt_tokens cut is echoed as the tokens the model saw
+            echo = [ids if keep and was_cut(eng.llm.tokenizer, p, ids, body.add_special_tokens) else p
+                    for p, ids in zip(sent, prompts)]
         return await respond(state.model_name, eng, body, request, prompts, params, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
@@ -249,7 +250,7 @@ def attach(app: FastAPI, llm, timeout_s: float = 60.0) -> EngineClient:
     state: _ServerState = app.state.afserve
     if not state.loop_ready.wait(timeout_s):
         raise RuntimeError(f"the HTTP server did not start within {timeout_s} s")
-    generation_defaults(llm.config.model)    # read once now: a malformed generation_config.json fails the start
+    sampling_defaults(llm.config)    # read once now: a malformed generation_config.json fails the start
     client = EngineClient(llm, state.metrics)
     client.start(state.loop)
     state.engine = client

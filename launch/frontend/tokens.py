@@ -13,6 +13,12 @@ def prompt_ids(llm, prompt, param: str, add_special_tokens: bool = True, truncat
         raise APIError(400, str(e), param) from e
 
 
+def was_cut(tok, prompt, kept: list[int], add_special_tokens: bool) -> bool:
+    """Whether truncation left fewer tokens of `prompt` (a string, or ids) than it has."""
+    whole = tok.encode(prompt, add_special_tokens=add_special_tokens) if isinstance(prompt, str) else prompt
+    return len(whole) > len(kept)
+
+
 def bad_words_ids(tok, words: list[str] | None) -> list[list[int]]:
     """vLLM's bad_words as token id sequences, by its rule: each word (leading spaces stripped) as the start of the
     text, and with one leading space (mid-text) when that is a distinct token sequence of the same length; a 400

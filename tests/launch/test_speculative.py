@@ -131,17 +131,22 @@ def assert_same_outputs(off: list[list], on: list[list]) -> None:
 
 
 def test_features_equal_the_outputs_without_speculation():
-    """Penalties, bias and min_tokens (shaped as if the drafts before each row were generated), stop tokens and
-    EOS (nothing past them), n > 1, logprobs (the target's, of each token emitted) and max_tokens, with a small
-    pool (preemption) and budget (chunked prefill)."""
+    """Penalties, bias, min_tokens and bad words (shaped as if the drafts before each row were generated),
+    allowed_token_ids (alone and with those), stop tokens and EOS (nothing past them), n > 1, logprobs (the
+    target's, of each token emitted) and max_tokens, with a small pool (preemption) and budget (chunked
+    prefill)."""
     tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
     prompts = [tok.encode(t) for t in ("ROMEO:\nBut soft, what light through yonder", "KING HENRY:\nOnce more",
                                        "To be, or not to be, that is the question", "JULIET:\nO Romeo, Romeo")]
     stop = tok.encode(" the")[-1:]
+    allowed = sorted({t for p in prompts for t in p} | set(tok.encode(" of the and to in")))   # drafts come from these
     cases = [SamplingParams(max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
              SamplingParams(max_tokens=30, logit_bias={stop[0]: 3.0}, stop_token_ids=stop, min_tokens=5),
              SamplingParams(max_tokens=7, n=2, logprobs=3),
-             SamplingParams(max_tokens=60, min_tokens=20)]
+             SamplingParams(max_tokens=60, min_tokens=20),
+             SamplingParams(max_tokens=20, allowed_token_ids=allowed),
+             SamplingParams(max_tokens=20, allowed_token_ids=allowed, bad_words_token_ids=[tok.encode(" of the")],
+                            repetition_penalty=1.1)]
     runs = []
     for spec in (None, NGRAM):
         with LLM(SHIPPED_MODEL, attention_ranks=1, expert_ranks=1, speculative_config=spec, num_kv_blocks=8,
