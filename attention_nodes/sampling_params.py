@@ -89,8 +89,7 @@ class SamplingParams:
             raise bad("seed", self.seed, "pass an integer or None")
         if self.stop_token_ids is None:      # vLLM's default
             self.stop_token_ids = []
-        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_id(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids, "pass a list of non-negative token ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", self.ignore_eos, "pass True or False")
@@ -159,9 +158,7 @@ class SamplingParams:
     @property
     def shapes_logits(self) -> bool:
         """True if anything but temperature, top-k and top-p changes this request's logits."""
-        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids
-                    or self.repetition_penalty != 1.0
-                    or self.frequency_penalty or self.presence_penalty)
+        return bool(self.reads_history or self.logit_bias or self.allowed_token_ids)
 
     @property
     def reads_history(self) -> bool:

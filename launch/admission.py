@@ -73,10 +73,14 @@ class Admission:
             tok.truncation_side = side
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
-        """ValueError unless prompt + max_tokens fits max_model_len and one attention rank's KV cache, its samples
-        fit max_num_seqs (`check_samples`) and its token ids leave something to sample (`check_tokens`)."""
+        """ValueError unless the request's samples fit max_num_seqs (`check_samples`), its token ids leave
+        something to sample (`check_tokens`) and it fits (`check_fits`)."""
         self.check_samples(params)
         self.check_tokens(params)
+        self.check_fits(ids, params)
+
+    def check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        """ValueError unless prompt + max_tokens fits max_model_len and one attention rank's KV cache."""
         need = len(ids) + params.max_tokens
         if need > self.max_model_len:  # max_tokens >= 1, so this also covers len(ids) >= max_model_len
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds "

@@ -83,7 +83,7 @@ def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]])
             except ValueError as e:
                 raise APIError(400, str(e), param_of(e)) from e
         try:
-            llm.admission.check(ids, made[limit])
+            llm.admission.check_fits(ids, made[limit])   # the rest of `check` ran once per parameters, above
         except ValueError as e:
             raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from e
         out.append(made[limit])
