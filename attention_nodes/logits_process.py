@@ -105,17 +105,25 @@ def _flat_ids(tokens: dict[int, list[int]], vocab: int, device: torch.device) ->
     return (rows * vocab + flat_tokens).to(device)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[dict[int, float]]:
-    """Per row: {token id: log-probability} holding the chosen token and the row's k most likely ones.
-    logits: `[R, V]` raw logits; one host copy for all rows."""
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int],
+                   with_rank: bool = False) -> list[dict[int, float]] | list[tuple[dict[int, float], int]]:
+    """Per row: {token id: log-probability} holding the chosen token and the row's k most likely ones (most likely
+    first, the chosen token last unless it is one of them). logits: `[R, V]` raw logits.
+    with_rank: each entry comes as (entry, rank), rank being the chosen token's rank in the vocabulary, vLLM's: its
+    place among the top k when it is one of them, else how many tokens are at least as likely (>= 1)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    chosen_t = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])
     k = max(ks)
     top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    chosen, ranks = chosen_t[:, 0].tolist(), (logp >= chosen_t).sum(-1).tolist() if with_rank else None
     top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
     out = []
     for i, (tok, k_row) in enumerate(zip(tokens, ks)):
         entry = dict(zip(top_ids[i][:k_row], top_lp[i][:k_row]))
         entry[tok] = chosen[i]
-        out.append(entry)
+        if ranks is None:
+            out.append(entry)
+            continue
+        ids = top_ids[i][:k_row]
+        out.append((entry, ids.index(tok) + 1 if tok in ids else ranks[i]))
     return out

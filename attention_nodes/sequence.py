@@ -48,8 +48,9 @@ class Sequence:
     block_table: KV block ids covering token_ids[i] at block_table[i // block_size].
     finish_reason: "stop", "length" or "abort" once finished.
     generator: per-request RNG, set when params.seed is not None.
-    prompt_logprobs: with params.prompt_logprobs set, one entry per prompt token computed so far ({token id:
-        log-probability} holding the prompt token and the top alternatives; None for the first token).
+    prompt_logprobs: with params.prompt_logprobs set, one entry per prompt token computed so far: ({token id:
+        log-probability} holding the prompt token and the top alternatives, the prompt token's rank); None for the
+        first token.
     num_prompt_logprobs_sent: how many of those entries the worker has reported.
     block_keys: prefix-cache keys of the full blocks of token_ids computed so far (a cache: tokens only grow).
     num_registered_blocks: how many leading blocks of block_table are findable in the prefix cache.
@@ -77,7 +78,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[tuple[dict[int, float], int] | None] | None = None
     num_prompt_logprobs_sent: int = 0
     block_keys: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0

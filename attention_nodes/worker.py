@@ -304,11 +304,11 @@ class AttentionWorker:
 
 def score_prompt_tokens(logits: torch.Tensor, scored: list[tuple[Sequence, range, int]]) -> None:
     """Append prompt logprobs to each sequence: for position p, log-softmax of row (row0 + p - positions.start)
-    at prompt token p + 1, plus the sequence's top-k tokens there. One host copy for all of them."""
+    at prompt token p + 1, plus the sequence's top-k tokens there, with prompt token p + 1's rank (vLLM's)."""
     rows = torch.cat([torch.arange(r0, r0 + len(pos)) for _, pos, r0 in scored]).to(logits.device)
     targets = [t for seq, pos, _ in scored for t in seq.token_ids[pos.start + 1:pos.stop + 1]]
     ks = [seq.params.prompt_logprobs for seq, pos, _ in scored for _ in pos]
-    entries = iter(token_logprobs(logits[rows], targets, ks))
+    entries = iter(token_logprobs(logits[rows], targets, ks, with_rank=True))
     for seq, pos, _ in scored:
         seq.prompt_logprobs.extend(next(entries) for _ in pos)
 

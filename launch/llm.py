@@ -194,7 +194,7 @@ class LLM:
                     rid, index = split_id(row_id, grouped)
                     sample = samples[rid].setdefault(index, Sample(index))
                     sample.add(toks, new_logprobs, reason)
-                    if new_prompt_logprobs:
+                    if new_prompt_logprobs:     # (entry, rank) pairs, None for the first prompt token
                         prompt_logprobs[rid].extend(new_prompt_logprobs)
                     num_open -= reason is not None
         finally:
@@ -210,8 +210,10 @@ class LLM:
             for s in best:   # the EOS or stop token id that ended a sample is not in its text (vLLM's)
                 s.text = self.decode(s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids)
             first = best[0]
-            outs.append(RequestOutput(rid, i, first.token_ids, first.text, first.finish_reason, prompt_logprobs[rid],
-                                      first.logprobs, best))
+            scored = prompt_logprobs[rid]
+            outs.append(RequestOutput(rid, i, first.token_ids, first.text, first.finish_reason,
+                                      None if scored is None else [e and e[0] for e in scored], first.logprobs, best,
+                                      None if scored is None else [e and e[1] for e in scored]))
         return outs
 
     def stats(self) -> dict:

@@ -93,6 +93,8 @@ class RequestOutput:
     prompt_logprobs: with SamplingParams.prompt_logprobs set, one entry per prompt token: None for the first,
     then {token id: log-probability} holding the prompt token and the top alternatives asked for.
     logprobs: with SamplingParams.logprobs set, one such dict per generated token.
+    prompt_logprob_ranks: beside prompt_logprobs, each prompt token's rank in the vocabulary (vLLM's Logprob.rank:
+    1 for the most likely; ties count against it); None for the first.
     samples: the SamplingParams.n samples (with best_of: the best n, best first); token_ids, text, finish_reason
     and logprobs above are the first one's."""
 
@@ -104,6 +106,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     logprobs: list[dict[int, float]] | None = None
     samples: list[Sample] = field(default_factory=list)
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 def chosen(samples: list[Sample], params: SamplingParams) -> list[Sample]:

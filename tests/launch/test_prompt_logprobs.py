@@ -1,5 +1,6 @@
-"""Prompt logprobs (SamplingParams.prompt_logprobs) equal transformers' teacher-forced log-softmax, through
-chunked prefill, preemption and several attention ranks, without changing any request's tokens."""
+"""Prompt logprobs (SamplingParams.prompt_logprobs) equal transformers' teacher-forced log-softmax, and each prompt
+token's rank its rank there, through chunked prefill, preemption and several attention ranks, without changing any
+request's tokens."""
 from __future__ import annotations
 
 import pytest
@@ -36,17 +37,26 @@ def test_prompt_logprobs_match_transformers(tiny_checkpoint, attention_ranks, ex
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, MAX_NEW)
     for prompt, kk, out in zip(prompts, k, outs):
         if kk is None:
-            assert out.prompt_logprobs is None
+            assert out.prompt_logprobs is None and out.prompt_logprob_ranks is None
             continue
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprob_ranks) == len(prompt) and out.prompt_logprob_ranks[0] is None
         want = _hf_prompt_logprobs(path, prompt)
-        for p, entry in enumerate(out.prompt_logprobs[1:]):
+        for p, (entry, rank) in enumerate(zip(out.prompt_logprobs[1:], out.prompt_logprob_ranks[1:])):
             tok = prompt[p + 1]
             assert entry[tok] == pytest.approx(want[p, tok].item(), abs=1e-4)
+            assert _rank_bounds(want[p], tok)[0] <= rank <= _rank_bounds(want[p], tok)[1], (p, rank)
             top = want[p].topk(kk)
             assert set(entry) == set(top.indices.tolist()) | {tok}
             for t, lp in zip(top.indices.tolist(), top.values.tolist()):
                 assert entry[t] == pytest.approx(lp, abs=1e-4)
+
+
+def _rank_bounds(row: torch.Tensor, tok: int, tol: float = 1e-4) -> tuple[int, int]:
+    """The ranks (1 = most likely) token tok may have in the engine, given transformers' log-distribution row:
+    counting the tokens surely more likely, and those at least as likely within tol."""
+    x = row[tok].item()
+    return int((row > x + tol).sum()) + 1, int((row >= x - tol).sum())
 
 
 @pytest.mark.parametrize("bad", [-1, 21, True, 1.5])
