@@ -42,7 +42,7 @@ class Progress:
     request_id: str
     token_ids: list[int] | None
     finish: str | None
-    prompt_logprobs: list[dict[int, float] | None] | None = None   # new prompt positions (None: none asked)
+    prompt_logprobs: list | None = None    # new prompt positions, (entry, rank) or None (None: none asked)
     logprobs: list[dict[int, float]] | None = None                 # one per new token (None: none asked)
 
 

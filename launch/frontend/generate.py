@@ -7,7 +7,8 @@ n and best_of: each prompt is one engine request drawing num_samples samples, ea
 (launch/samples.py); the n choices of prompt p have indexes p * n + sample index, or with best_of > n (not
 streamed) p * n + rank among the samples by summed logprob. Stop strings apply per sample. An echoed prompt's
 logprobs come with sample 0 only, and every choice of the prompt shows them. With max_tokens 0 (echo) the
-engine draws nothing: one engine sample fills all n choices.
+engine draws nothing: one engine sample fills all n choices. prompt_logprobs (vLLM's, not streamed) shows the same
+scores as echo's logprobs, in vLLM's shape with each token's rank.
 
 Streamed logprobs stay beside their text: a chunk carries the logprobs of the tokens whose text is wholly in
 the text sent so far, so a token held back (it may start a stop string, or ends in part of a character) comes
@@ -31,7 +32,7 @@ from ..admission import sampling_defaults
 from ..samples import Sample, chosen, sample_ids
 from .access_log import access_record
 from .engine_client import EngineClient, Progress, engine_down
-from .logprobs import Position, TokenNames, chat_logprobs, completion_logprobs
+from .logprobs import Position, TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs, top_entries
 from .protocol import APIError, param_of
 from .text import TextStream, TokenSpans, prompt_text
 from .tokens import bad_words_ids
@@ -97,18 +98,20 @@ class _Echo:
 
     text: str
     positions: list[Position]
-    scores: list | None          # the prompt's logprob dicts so far (None: logprobs not asked for)
+    scores: list | None          # the prompt's scores so far, (entry, rank) (None: logprobs not asked for)
+    top: int = 0                 # the alternatives its logprobs show (the engine may have sent more)
 
     @classmethod
-    def from_prompt(cls, tokenizer, prompt, ids: list[int], logprobs: bool) -> _Echo:
+    def from_prompt(cls, tokenizer, prompt, ids: list[int], scores: list | None, top: int) -> _Echo:
+        """scores: the prompt's list of engine scores, shared with its choices (None: logprobs not asked for)."""
         text, skip_special = prompt_text(tokenizer, prompt, ids)
         positions = []
-        if logprobs:
+        if scores is not None:
             spans = TokenSpans(tokenizer, skip_special)
             spans.add(ids)
             spans.close(len(text), complete=True)
             positions = [Position(t, None, at) for t, at in zip(ids, spans.starts(0, len(ids)))]
-        return cls(text, positions, [] if logprobs else None)
+        return cls(text, positions, scores, top)
 
     @property
     def is_ready(self) -> bool:
@@ -116,7 +119,7 @@ class _Echo:
 
     def take(self) -> tuple[str, list[Position]]:
         for p, s in zip(self.positions, self.scores or []):
-            p.scores = s
+            p.scores = s and top_entries(s[0], p.token_id, self.top)
         return self.text, self.positions
 
 
@@ -133,6 +136,7 @@ class _Choice:
     sample: Sample                     # its tokens and summed logprob, to rank by (best_of)
     echo: _Echo | None = None
     is_echoed: bool = False
+    prompt_scores: list | None = None      # the prompt's (entry, rank) per token, shared by its choices (None: none)
     scores: list | None = None         # generated tokens' logprob dicts (None: logprobs not asked for)
     num_reported: int = 0              # generated tokens whose logprobs were handed out
     num_tokens: int = 0
@@ -180,9 +184,8 @@ async def _drive(eng: EngineClient, routes: dict[str, list[_Choice]], sink: asyn
             if toks is None:     # the engine went down
                 raise engine_down(finish)
             route = routes[row]
-            echo = route[0].echo
-            if echo is not None and echo.scores is not None:
-                echo.scores.extend(got.prompt_logprobs or [])
+            if route[0].prompt_scores is not None:
+                route[0].prompt_scores.extend(got.prompt_logprobs or [])
             is_stopped = False
             for c in route:
                 # The prompt is scored in full before any sample is drawn, and sample 0's row comes first.
@@ -241,6 +244,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     submitted: list[str] = []
     tok = eng.llm.tokenizer
     has_logprobs = params.logprobs is not None
+    prompt_k = body.prompt_logprobs     # vLLM's prompt_logprobs answer (the engine's k may be larger: echo)
     # vLLM's stop_reason: the stop token id that ended it, the checkpoint's other EOS ids included (vLLM adds them
     # to stop_token_ids), but null for the tokenizer's own EOS; under ignore_eos, EOS ids are stop tokens only if given
     primary = set() if params.ignore_eos else {getattr(tok, "eos_token_id", None)}
@@ -250,12 +254,15 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         for p, ids in enumerate(prompts):
             rid = eng.submit(ids, per_prompt[p], sink)
             submitted.append(rid)
-            shown = None if echo is None else _Echo.from_prompt(tok, echo[p], ids, has_logprobs)
+            scores = [] if params.prompt_logprobs is not None else None
+            shown = None if echo is None else _Echo.from_prompt(tok, echo[p], ids, scores if has_logprobs else None,
+                                                                 params.logprobs or 0)
             rows = sample_ids(rid, params.num_samples)
             mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, has_logprobs, params.min_tokens,
                                                                      body.include_stop_str_in_output,
                                                                      body.skip_special_tokens),
-                            Sample(i), echo=shown, scores=[] if has_logprobs else None, stop_ids=stop_ids)
+                            Sample(i), echo=shown, scores=[] if has_logprobs else None, stop_ids=stop_ids,
+                            prompt_scores=scores)
                     for i in range(max(n, len(rows)))]
             routes.update({rows[0]: mine} if len(rows) == 1 else {row: [c] for row, c in zip(rows, mine)})
             choices += mine
@@ -339,14 +346,21 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         if not task.done():
             task.cancel()
     answered = _best(choices, params, n)
+
+    def scored(c: _Choice) -> dict:
+        """vLLM's prompt_logprobs of c's prompt, when asked for."""
+        if prompt_k is None:
+            return {}
+        return {"prompt_logprobs": prompt_logprobs(names, prompts[c.prompt_index], c.prompt_scores, prompt_k)}
+
     if chat:
         out = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
                 "logprobs": logprobs(c.positions), "finish_reason": c.finish, "stop_reason": c.stop_reason}
                for c in answered]
-        obj = "chat.completion"
+        extra, obj = scored(answered[0]), "chat.completion"    # one prompt: vLLM puts it beside the choices
     else:
         out = [{"index": c.index, "text": "".join(c.text), "logprobs": logprobs(c.positions),
-                "finish_reason": c.finish, "stop_reason": c.stop_reason} for c in answered]
-        obj = "text_completion"
+                "finish_reason": c.finish, "stop_reason": c.stop_reason} | scored(c) for c in answered]
+        extra, obj = {}, "text_completion"
     return {"id": resp_id, "object": obj, "created": created, "model": model_name, "choices": out,
-            "usage": usage(answered)}
+            "usage": usage(answered)} | extra

@@ -7,6 +7,9 @@ plus the k most likely at its position; log-softmax of the raw logits, as vLLM r
                           None: the first prompt token.
   chat:                  {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
                           "bytes"}]}]}; top_logprobs holds the k most likely tokens, most likely first.
+  prompt_logprobs (vLLM's, non-streamed; per completion choice, beside a chat's choices):
+                         [None, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]: per prompt token after
+                          the first, the token (its rank in the vocabulary) and the k most likely (ranks 1..k).
 
 A token's string is its own decode (special tokens kept), as vLLM gives it; "bytes" are that string's UTF-8
 bytes, so a token holding part of a character reads U+FFFD (vLLM's too; OpenAI sends the raw bytes)."""
@@ -61,6 +64,27 @@ def completion_logprobs(names: TokenNames, positions: list[Position]) -> dict:
         for t, lp in sorted(p.scores.items(), key=lambda kv: (kv[0] != p.token_id, -kv[1])):
             top.setdefault(names(t), _floor(lp))   # two ids with one string (e.g. U+FFFD): the first keeps it
         out["top_logprobs"].append(top)
+    return out
+
+
+def top_entries(entry: dict[int, float], token: int, k: int) -> dict[int, float]:
+    """An engine entry (its top alternatives most likely first, then the token unless among them) cut to the
+    token and the top k."""
+    return {t: lp for i, (t, lp) in enumerate(entry.items()) if i < k or t == token}
+
+
+def prompt_logprobs(names: TokenNames, prompt: list[int], scores: list, k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs over a prompt from the engine's (entry, rank) per token (None for the first)."""
+    out = []
+    for token, score in zip(prompt, scores):
+        if score is None:
+            out.append(None)
+            continue
+        entry, rank = score
+        shown = {str(token): {"logprob": _floor(entry[token]), "rank": rank, "decoded_token": names(token)}}
+        for i, (t, lp) in enumerate(list(entry.items())[:k]):
+            shown.setdefault(str(t), {"logprob": _floor(lp), "rank": i + 1, "decoded_token": names(t)})
+        out.append(shown)
     return out
 
 

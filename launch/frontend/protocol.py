@@ -112,16 +112,21 @@ class _Sampling(_Request):
     # vLLM's; no effect here: transformers 5's decode has no such option (vLLM's fast-tokenizer path ignores it too)
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # vLLM's: keep the prompt's last k tokens
-    prompt_logprobs: int | None = None           # vLLM's; refused (see unsupported)
+    prompt_logprobs: Annotated[int, Field(lt=2**31)] | None = None   # vLLM's: score the prompt, top k per token
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every set field this server does not implement."""
         out = []
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream=true"))
-        if self.prompt_logprobs is not None:
-            out.append(("prompt_logprobs", "prompt_logprobs is not supported; on /v1/completions pass echo=true "
-                                           "with logprobs to have the prompt scored"))
+        k = self.prompt_logprobs
+        if k is not None and self.stream:
+            out.append(("prompt_logprobs", "prompt_logprobs is not available with stream=true (as in vLLM); pass "
+                                           "stream=false"))
+        elif k is not None and not 0 <= k <= MAX_LOGPROBS:
+            whole = " (-1, the whole vocabulary, is not served)" if k == -1 else ""
+            out.append(("prompt_logprobs", f"prompt_logprobs={k} is invalid{whole}: pass an integer in "
+                                           f"[0, {MAX_LOGPROBS}], the top alternatives per prompt token"))
         return out
 
     def truncation(self, max_model_len: int) -> int | None:
@@ -143,7 +148,7 @@ class _Sampling(_Request):
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """(logprobs, prompt_logprobs) to ask the engine for: None = none, k = the token plus the top k."""
-        return None, None
+        return None, self.prompt_logprobs
 
     def sample_counts(self) -> tuple[int, int | None]:
         """(n, best_of): choices per prompt, and how many samples to draw for them (None = n)."""
@@ -214,20 +219,21 @@ class CompletionRequest(_Sampling):
         return self.n, self.best_of
 
     def limit(self) -> int | None:
-        """max_tokens, checked: 0 needs echo (there is nothing else to return); left out, 16 (OpenAI's default);
-        null, None: all the room each prompt leaves (vLLM's)."""
-        if self.max_tokens == 0 and not self.echo:
-            raise APIError(400, "max_tokens=0 is only allowed with echo=true (the prompt comes back, scored with "
-                                "logprobs); pass max_tokens >= 1", "max_tokens")
+        """max_tokens, checked: 0 needs echo or prompt_logprobs (there is nothing else to return); left out, 16
+        (OpenAI's default); null, None: all the room each prompt leaves (vLLM's)."""
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise APIError(400, "max_tokens=0 is only allowed with echo=true or prompt_logprobs (the prompt comes "
+                                "back scored); pass max_tokens >= 1", "max_tokens")
         return self.max_tokens
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
         """With echo, the prompt is scored too: always when max_tokens is 0 (the engine scores the prompt or
-        does nothing), else when logprobs are asked for."""
-        prompt_k = self.logprobs if self.echo else None
-        if self.echo and self.max_tokens == 0 and prompt_k is None:
-            prompt_k = 0
-        return self.logprobs, prompt_k
+        does nothing), else when logprobs are asked for. With prompt_logprobs as well, the engine's k is the
+        larger of the two (each answer keeps its own)."""
+        asked = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        if self.echo and self.max_tokens == 0 and not asked:
+            asked = [0]
+        return self.logprobs, max(asked, default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """One prompt or a batch; each becomes n choices."""
@@ -297,7 +303,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def logprob_counts(self) -> tuple[int | None, int | None]:
-        return (self.top_logprobs or 0) if self.logprobs else None, None
+        return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
 
     def conversation(self) -> list[dict]:
         return _conversation(self.messages)

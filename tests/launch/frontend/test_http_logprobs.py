@@ -196,6 +196,57 @@ def test_echo_with_max_tokens_0_scores_the_prompt(served, hf):
     check_offsets(tok, split, split_ids, got["logprobs"]["tokens"], got["logprobs"]["text_offset"], 0)
 
 
+def _rank_bounds(row: torch.Tensor, tok: int, tol: float = 1e-4) -> tuple[int, int]:
+    """The ranks (1 = most likely) token tok may have, given transformers' log-distribution row: counting the
+    tokens surely more likely, and those at least as likely within tol."""
+    x = row[tok].item()
+    return int((row > x + tol).sum()) + 1, int((row >= x - tol).sum())
+
+
+def check_prompt_logprobs(got: list, ids: list[int], want: torch.Tensor, k: int, name) -> None:
+    """vLLM's prompt_logprobs over ids against transformers' rows: None first, then the prompt token (its rank in
+    the vocabulary) and the top k (ranks 1..k), keyed by id as a string, each with its own decode."""
+    assert len(got) == len(ids) and got[0] is None
+    for p in range(1, len(ids)):
+        tok, row, entry = ids[p], want[p - 1], got[p]
+        top = row.topk(k).indices.tolist()
+        assert list(entry)[0] == str(tok) and set(entry) == {str(t) for t in [tok, *top]}, (p, entry)
+        lo, hi = _rank_bounds(row, tok)
+        assert lo <= entry[str(tok)]["rank"] <= hi, (p, entry, lo, hi)
+        for i, t in enumerate(top):
+            if t != tok:
+                assert entry[str(t)]["rank"] == i + 1, (p, entry)
+        for t, e in entry.items():
+            assert e["logprob"] == pytest.approx(row[int(t)].item(), abs=1e-4) and e["decoded_token"] == name(int(t))
+
+
+def test_prompt_logprobs_in_vllms_shape(served, hf):
+    """vLLM's prompt_logprobs against transformers: on a completion that generates nothing and one that does with n
+    = 2 (every choice carries its prompt's), beside echo's own logprobs (which keep their own k), and on a chat
+    (beside the choices)."""
+    tok = served.tokenizer
+    name = lambda t: tok.decode([t])  # noqa: E731
+    ids = PROMPT
+    want = hf_logprobs(hf, ids)
+    got = complete(served, prompt=ids, prompt_logprobs=2, max_tokens=0)
+    assert got["choices"][0]["text"] == "" and got["usage"]["completion_tokens"] == 0
+    check_prompt_logprobs(got["choices"][0]["prompt_logprobs"], ids, want, 2, name)
+    assert sum(e[str(ids[p])]["rank"] > 1 for p, e in enumerate(got["choices"][0]["prompt_logprobs"]) if e) > 1
+    both = complete(served, prompt=ids, prompt_logprobs=3, echo=True, logprobs=1, max_tokens=2, n=2, **GREEDY)
+    for choice in both["choices"]:
+        check_prompt_logprobs(choice["prompt_logprobs"], ids, want, 3, name)
+        echoed = choice["logprobs"]["top_logprobs"][1:len(ids)]
+        assert all(legacy_top(name, ids[p], want[p - 1], 1) == pytest.approx(e, abs=1e-4)
+                   for p, e in zip(range(1, len(ids)), echoed))
+    assert "prompt_logprobs" not in complete(served, prompt=ids, max_tokens=1)["choices"][0]
+    chat = chat_ids(tok, CHAT)
+    code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                                       "prompt_logprobs": 1})
+    assert code == 200, data
+    check_prompt_logprobs(data["prompt_logprobs"], chat, hf_logprobs(hf, chat), 1, name)
+    assert "prompt_logprobs" not in data["choices"][0]
+
+
 def test_generated_logprobs_equal_transformers(served, hf):
     tok = served.tokenizer
     name = lambda t: tok.decode([t])  # noqa: E731
@@ -355,6 +406,10 @@ def test_logit_bias_in_chat_acts_as_in_generate(served):
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logit_bias": {"1.5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_bad_values_get_a_400_naming_the_field(served, path, fields, param):
     body = {"model": MODEL, **({"prompt": "hi"} if path == "/v1/completions" else

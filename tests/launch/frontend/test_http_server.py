@@ -228,8 +228,7 @@ def test_vllm_sampling_and_text_options(server, reference):
     parameters (bad_words as vLLM tokenizes a word: alone, and after a space when that is another sequence of the
     same length); skip_special_tokens false shows the special tokens generated; truncate_prompt_tokens keeps the
     prompt's last k tokens (-1: max_model_len; 0 or more than max_model_len: a 400) and echo shows those; a stop
-    token that is EOS has stop_reason null unless ignore_eos; prompt_logprobs is a 400 naming it; none is logged as
-    ignored."""
+    token that is EOS has stop_reason null unless ignore_eos; none is logged as ignored."""
     tok = reference.tokenizer
     start = len(server.log())
 
@@ -286,9 +285,6 @@ def test_vllm_sampling_and_text_options(server, reference):
     for k in (0, MAX_LEN + 1):
         code, data = post(server, "/v1/completions", {"prompt": ids, "truncate_prompt_tokens": k})
         assert code == 400 and data["error"]["param"] == "truncate_prompt_tokens", data
-    code, data = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                                       "prompt_logprobs": 1})
-    assert code == 400 and data["error"]["param"] == "prompt_logprobs", data
     code, data = post(server, "/v1/completions", {"prompt": ids, "allowed_token_ids": [5, 999999]})
     assert code == 400 and data["error"]["param"] == "allowed_token_ids" and "999999" in data["error"]["message"]
     assert not log_lines(server, start, "were present in the request but ignored", timeout_s=0)
