@@ -137,6 +137,7 @@ class _Choice:
     echo: _Echo | None = None
     is_echoed: bool = False
     prompt_scores: list | None = None      # the prompt's (entry, rank) per token, shared by its choices (None: none)
+    num_ids_sent: int = -1                 # streamed with return_token_ids: its token ids sent (-1: no chunk yet)
     scores: list | None = None         # generated tokens' logprob dicts (None: logprobs not asked for)
     num_reported: int = 0              # generated tokens whose logprobs were handed out
     num_tokens: int = 0
@@ -272,7 +273,9 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         raise
     rid_prefix = "chatcmpl-" if chat else "cmpl-"
     resp_id, created = rid_prefix + uuid.uuid4().hex, int(time.time())
-    names = TokenNames(tok)
+    names = TokenNames(None if body.return_tokens_as_token_ids else tok)   # vLLM's: logprobs name tokens by id
+    decoded = TokenNames(tok)
+    with_ids = bool(body.return_token_ids)   # vLLM's: prompt_token_ids and token_ids beside the text
 
     def logprobs(positions: list[Position]) -> dict | None:
         if not has_logprobs:
@@ -295,9 +298,11 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         continuous = include_usage and opts.continuous_usage_stats      # (vLLM's: only with include_usage)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(choice_list: list, usage_of: list[_Choice] | None = None) -> str:
-            """usage_of: the choices whose usage so far the chunk carries (None: no usage)."""
+        def chunk(choice_list: list, usage_of: list[_Choice] | None = None, top: dict | None = None) -> str:
+            """usage_of: the choices whose usage so far the chunk carries (None: no usage); top: more top-level
+            fields."""
             d = {"id": resp_id, "object": obj, "created": created, "model": model_name, "choices": choice_list}
+            d.update(top or {})
             if usage_of is not None:
                 d["usage"] = usage(usage_of)
             return f"data: {json.dumps(d)}\n\n"
@@ -305,17 +310,24 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         async def events():
             try:
                 if chat:
-                    for c in choices:
+                    for c in choices:     # vLLM's prompt_token_ids come with the first chunk
                         yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}], [c] if continuous else None)
+                                      "logprobs": None, "finish_reason": None}], [c] if continuous else None,
+                                    {"prompt_token_ids": prompts[0]} if with_ids and c is choices[0] else None)
                 async for c, piece, positions in _drive(eng, routes, sink):
-                    if not piece and not positions and c.finish is None:
+                    new_ids = with_ids and c.num_ids_sent < len(c.stream.ids)
+                    if not piece and not positions and c.finish is None and not new_ids:
                         continue
                     if chat:
                         part = {"index": c.index, "delta": {"content": piece} if piece else {}}
                     else:
                         part = {"index": c.index, "text": piece}
                     part.update(logprobs=logprobs(positions), finish_reason=c.finish, stop_reason=c.stop_reason)
+                    if with_ids:     # the tokens not sent yet (vLLM's delta), and a completion's prompt first
+                        if not chat and c.num_ids_sent < 0:
+                            part["prompt_token_ids"] = prompts[c.prompt_index]
+                        part["token_ids"] = c.stream.ids[max(0, c.num_ids_sent):]
+                        c.num_ids_sent = len(c.stream.ids)
                     yield chunk([part], [c] if continuous else None)   # usage per choice, as vLLM
                 if include_usage:
                     yield chunk([], choices)
@@ -348,19 +360,22 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     answered = _best(choices, params, n)
 
     def scored(c: _Choice) -> dict:
-        """vLLM's prompt_logprobs of c's prompt, when asked for."""
-        if prompt_k is None:
-            return {}
-        return {"prompt_logprobs": prompt_logprobs(names, prompts[c.prompt_index], c.prompt_scores, prompt_k)}
+        """vLLM's prompt_logprobs and prompt_token_ids of c's prompt, those asked for."""
+        out = {} if prompt_k is None else {
+            "prompt_logprobs": prompt_logprobs(decoded, prompts[c.prompt_index], c.prompt_scores, prompt_k)}
+        return out | ({"prompt_token_ids": prompts[c.prompt_index]} if with_ids else {})
+
+    def generated(c: _Choice) -> dict:
+        return {"token_ids": list(c.stream.ids)} if with_ids else {}
 
     if chat:
         out = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
                 "logprobs": logprobs(c.positions), "finish_reason": c.finish, "stop_reason": c.stop_reason}
-               for c in answered]
-        extra, obj = scored(answered[0]), "chat.completion"    # one prompt: vLLM puts it beside the choices
+               | generated(c) for c in answered]
+        extra, obj = scored(answered[0]), "chat.completion"    # one prompt: vLLM puts these beside the choices
     else:
         out = [{"index": c.index, "text": "".join(c.text), "logprobs": logprobs(c.positions),
-                "finish_reason": c.finish, "stop_reason": c.stop_reason} | scored(c) for c in answered]
+                "finish_reason": c.finish, "stop_reason": c.stop_reason} | scored(c) | generated(c) for c in answered]
         extra, obj = {}, "text_completion"
     return {"id": resp_id, "object": obj, "created": created, "model": model_name, "choices": out,
             "usage": usage(answered)} | extra

@@ -113,6 +113,8 @@ class _Sampling(_Request):
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # vLLM's: keep the prompt's last k tokens
     prompt_logprobs: Annotated[int, Field(lt=2**31)] | None = None   # vLLM's: score the prompt, top k per token
+    return_token_ids: bool | None = None         # vLLM's: prompt_token_ids and token_ids beside the text
+    return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name each token "token_id:N"
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every set field this server does not implement."""

@@ -286,6 +286,56 @@ def test_generated_logprobs_equal_transformers(served, hf):
     assert values == pytest.approx(lp["token_logprobs"], abs=1e-6)
 
 
+def test_token_ids_beside_the_text_and_tokens_named_by_id(served):
+    """vLLM's return_token_ids: the prompt's ids and the generated ones (`LLM.generate`'s, the EOS that ends a
+    choice included, though not in its text), in one body and as deltas of a stream whose first chunk has the
+    prompt's, on completions and chat; return_tokens_as_token_ids names logprobs' tokens "token_id:N"."""
+    tok = served.tokenizer
+    got = complete(served, prompt=PROMPT, max_tokens=8, return_token_ids=True, **GREEDY)["choices"][0]
+    assert got["prompt_token_ids"] == PROMPT and got["token_ids"] == served.plain
+    assert "token_ids" not in complete(served, prompt=PROMPT, max_tokens=2, **GREEDY)["choices"][0]
+    text = "Hello experts"
+    got = complete(served, prompt=text, max_tokens=2, return_token_ids=True, **GREEDY)["choices"][0]
+    assert got["prompt_token_ids"] == tok.encode(text) and len(got["token_ids"]) == 2
+    eos = tok.eos_token_id      # forced: it ends the choice, and is one of its ids but not in its text
+    got = complete(served, prompt=PROMPT, max_tokens=3, logit_bias={str(eos): 100}, temperature=0,
+                   return_token_ids=True)["choices"][0]
+    assert (got["token_ids"], got["text"], got["finish_reason"]) == ([eos], "", "stop"), got
+    code, chunks = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 8,
+                                                     "stream": True, "return_token_ids": True, **GREEDY})
+    assert code == 200
+    parts = [c["choices"][0] for c in chunks]
+    assert parts[0]["prompt_token_ids"] == PROMPT and all("prompt_token_ids" not in p for p in parts[1:])
+    assert [t for p in parts for t in p["token_ids"]] == served.plain
+    # a token without text (a special one, skipped) still goes out as it comes, one chunk per token
+    code, chunks = post(served, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                     "logit_bias": {str(eos): 100}, "stream": True,
+                                                     "return_token_ids": True, **GREEDY})
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[eos]] * 3, chunks
+    chat_plain = served.chat_expected[0].token_ids
+    code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+                                                       "return_token_ids": True, **GREEDY})
+    assert code == 200 and data["prompt_token_ids"] == chat_ids(tok, CHAT), data
+    assert data["choices"][0]["token_ids"] == chat_plain
+    code, chunks = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+                                                         "stream": True, "return_token_ids": True, **GREEDY})
+    assert code == 200 and chunks[0]["prompt_token_ids"] == chat_ids(tok, CHAT)
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == chat_plain
+    # tokens named by id
+    lp = complete(served, prompt=PROMPT, max_tokens=8, logprobs=2, echo=True, return_tokens_as_token_ids=True,
+                  **GREEDY)["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in PROMPT + served.plain]
+    assert all(re.fullmatch(r"token_id:\d+", key) for top in lp["top_logprobs"][1:] for key in top)
+    code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4,
+                                                       "logprobs": True, "top_logprobs": 2,
+                                                       "return_tokens_as_token_ids": True, **GREEDY})
+    content = data["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat_plain]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+    assert all(re.fullmatch(r"token_id:\d+", t["token"]) for e in content for t in e["top_logprobs"])
+
+
 def test_stop_string_keeps_streamed_logprobs_aligned(served):
     """A stop string holds text back: tokens wait for their text; the ones it cuts come with the last chunk."""
     tok = served.tokenizer
