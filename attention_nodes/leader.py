@@ -9,7 +9,7 @@ pushes per-request progress to an outbox queue. Inbox commands: ("add", request 
 ("abort", request_id), ("stats",), ("comm_stats"[, events]), ("scale", {"attention_ranks", "expert_ranks", "retire"}),
 ("shutdown",).
 Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
-prompt logprobs or None, new token logprobs or None], ...]), ("stats", dict) and
+prompt logprobs ((entry, rank) pairs) or None, new token logprobs or None], ...]), ("stats", dict) and
 ("comm_stats", dict); between steps, a scale request's ("spawn", [roles], deadline) and ("scale", record), and the
 autoscaler's ("autoscaled", record). A request added with "stream": False (`LLM.generate`, which returns only whole
 outputs) has its progress held back for up to HOLD_STEPS steps, or until a step in which some request finishes, a

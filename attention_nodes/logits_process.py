@@ -109,8 +109,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int],
                    with_rank: bool = False) -> list[dict[int, float]] | list[tuple[dict[int, float], int]]:
     """Per row: {token id: log-probability} holding the chosen token and the row's k most likely ones (most likely
     first, the chosen token last unless it is one of them). logits: `[R, V]` raw logits.
-    with_rank: each entry comes as (entry, rank), rank being the chosen token's rank in the vocabulary, vLLM's: its
-    place among the top k when it is one of them, else how many tokens are at least as likely (>= 1)."""
+    with_rank: each entry comes as (entry, count), count being how many tokens are at least as likely as the chosen
+    one (>= 1; vLLM's rank of it, unless the caller shows it among its top k: `launch.samples.vllm_rank`)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen_t = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])
     k = max(ks)
@@ -121,9 +121,5 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int],
     for i, (tok, k_row) in enumerate(zip(tokens, ks)):
         entry = dict(zip(top_ids[i][:k_row], top_lp[i][:k_row]))
         entry[tok] = chosen[i]
-        if ranks is None:
-            out.append(entry)
-            continue
-        ids = top_ids[i][:k_row]
-        out.append((entry, ids.index(tok) + 1 if tok in ids else ranks[i]))
+        out.append(entry if ranks is None else (entry, ranks[i]))
     return out

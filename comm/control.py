@@ -73,7 +73,8 @@ class StepHeader:
 @dataclass(slots=True)
 class StepReport:
     """What one attention rank tells the leader after a step. outputs: [request_id, [new token ids],
-    finish_reason or None, new prompt logprobs or None, new token logprobs or None] per request that made progress."""
+    finish_reason or None, new prompt logprobs ((entry, rank) pairs) or None, new token logprobs or None] per
+    request that made progress."""
 
     rank: int
     num_free_blocks: int

@@ -18,7 +18,7 @@ from .joiners import JoinerStarter
 from .procs import (Answers, LocalOutbox, Outbox, free_port, kill_all, rank_context, spawn_is_fresh, start_joiner,
                     start_rank)
 from .runtime.planning import check_autoscale, check_scale
-from .samples import Abandoned, RequestOutput, Sample, chosen, split_id, split_rows
+from .samples import Abandoned, RequestOutput, Sample, chosen, split_id, split_rows, vllm_rank
 
 logger = logging.getLogger("afserve")
 
@@ -122,7 +122,9 @@ class LLM:
     # ----- requests -------------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams) -> str:
         """Validate one request and queue it for the leader; returns its request id. Progress arrives on `outbox`
-        as ("out", [[request_id, [new ids], finish_reason or None, new prompt / token logprobs or None], ...])."""
+        as ("out", [[request_id, [new ids], finish_reason or None, new prompt logprobs, new token logprobs], ...]):
+        prompt logprobs are (entry, rank) per new prompt position (a list after msgpack; None for the first), token
+        logprobs an entry per new token, each None when not asked for."""
         ids = self.admission.prompt_ids(prompt)
         self.admission.check(ids, params)
         return self.enqueue(ids, params)
@@ -213,7 +215,8 @@ class LLM:
             scored = prompt_logprobs[rid]
             outs.append(RequestOutput(rid, i, first.token_ids, first.text, first.finish_reason,
                                       None if scored is None else [e and e[0] for e in scored], first.logprobs, best,
-                                      None if scored is None else [e and e[1] for e in scored]))
+                                      None if scored is None else [e and vllm_rank(e[0], t, e[1], p.prompt_logprobs)
+                                                                   for t, e in zip(i, scored)]))
         return outs
 
     def stats(self) -> dict:

@@ -94,7 +94,8 @@ class RequestOutput:
     then {token id: log-probability} holding the prompt token and the top alternatives asked for.
     logprobs: with SamplingParams.logprobs set, one such dict per generated token.
     prompt_logprob_ranks: beside prompt_logprobs, each prompt token's rank in the vocabulary (vLLM's Logprob.rank:
-    1 for the most likely; ties count against it); None for the first.
+    its place among the top k when it is one of them, else how many tokens are at least as likely); None for the
+    first.
     samples: the SamplingParams.n samples (with best_of: the best n, best first); token_ids, text, finish_reason
     and logprobs above are the first one's."""
 
@@ -107,6 +108,18 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     samples: list[Sample] = field(default_factory=list)
     prompt_logprob_ranks: list[int | None] | None = None
+
+
+def vllm_rank(entry: dict[int, float], token: int, count: int, k: int) -> int:
+    """vLLM's rank of a scored token shown with the top k: its place among them when it is one of them, else
+    count (how many tokens are at least as likely). entry: the engine's, its top alternatives first, most likely
+    first (at least k of them)."""
+    for i, t in enumerate(entry):
+        if i == k:
+            break
+        if t == token:
+            return i + 1
+    return count
 
 
 def chosen(samples: list[Sample], params: SamplingParams) -> list[Sample]:

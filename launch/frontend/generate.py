@@ -6,9 +6,9 @@ is aborted, every sample of it, which frees its KV blocks.
 n and best_of: each prompt is one engine request drawing num_samples samples, each reported under its own id
 (launch/samples.py); the n choices of prompt p have indexes p * n + sample index, or with best_of > n (not
 streamed) p * n + rank among the samples by summed logprob. Stop strings apply per sample. An echoed prompt's
-logprobs come with sample 0 only, and every choice of the prompt shows them. With max_tokens 0 (echo) the
-engine draws nothing: one engine sample fills all n choices. prompt_logprobs (vLLM's, not streamed) shows the same
-scores as echo's logprobs, in vLLM's shape with each token's rank.
+logprobs come with sample 0 only, and every choice of the prompt shows them. With max_tokens 0 the engine draws
+nothing: one engine sample fills all n choices (echo, or prompt_logprobs). prompt_logprobs (vLLM's, not streamed)
+shows the same scores as echo's logprobs, in vLLM's shape with each token's rank.
 
 Streamed logprobs stay beside their text: a chunk carries the logprobs of the tokens whose text is wholly in
 the text sent so far, so a token held back (it may start a stop string, or ends in part of a character) comes

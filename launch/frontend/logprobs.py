@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..samples import vllm_rank
+
 LOGPROB_FLOOR = -9999.0   # sent for -inf, which JSON cannot carry (vLLM's and OpenAI's value)
 
 
@@ -74,13 +76,15 @@ def top_entries(entry: dict[int, float], token: int, k: int) -> dict[int, float]
 
 
 def prompt_logprobs(names: TokenNames, prompt: list[int], scores: list, k: int) -> list[dict | None]:
-    """vLLM's prompt_logprobs over a prompt from the engine's (entry, rank) per token (None for the first)."""
+    """vLLM's prompt_logprobs over a prompt from the engine's (entry, count) per token (None for the first; and
+    for any the engine did not score, if the request ended before its prompt was done)."""
     out = []
-    for token, score in zip(prompt, scores):
-        if score is None:
+    for i, token in enumerate(prompt):
+        if i >= len(scores) or scores[i] is None:
             out.append(None)
             continue
-        entry, rank = score
+        entry, count = scores[i]
+        rank = vllm_rank(entry, token, count, k)
         shown = {str(token): {"logprob": _floor(entry[token]), "rank": rank, "decoded_token": names(token)}}
         for i, (t, lp) in enumerate(list(entry.items())[:k]):
             shown.setdefault(str(t), {"logprob": _floor(lp), "rank": i + 1, "decoded_token": names(t)})

@@ -122,9 +122,9 @@ class _Sampling(_Request):
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream=true"))
         k = self.prompt_logprobs
-        if k is not None and self.stream:
-            out.append(("prompt_logprobs", "prompt_logprobs is not available with stream=true (as in vLLM); pass "
-                                           "stream=false"))
+        if k is not None and k != 0 and self.stream:     # vLLM takes 0 with stream, and sends nothing for it
+            out.append(("prompt_logprobs", f"prompt_logprobs={k} is not available with stream=true (as in vLLM); "
+                                           "pass stream=false"))
         elif k is not None and not 0 <= k <= MAX_LOGPROBS:
             whole = " (-1, the whole vocabulary, is not served)" if k == -1 else ""
             out.append(("prompt_logprobs", f"prompt_logprobs={k} is invalid{whole}: pass an integer in "
@@ -200,7 +200,7 @@ class _Sampling(_Request):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
-    max_tokens: Annotated[int, Field(ge=0)] | None = 16     # 0 only with echo: the prompt comes back scored
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16     # 0 only with echo or prompt_logprobs (scored prompt)
     echo: bool = False
     logprobs: NumLogprobs | None = None
     best_of: int | None = None

@@ -41,7 +41,7 @@ def test_lost_rank_requests_resume_and_ranks_are_renumbered():
     assert leader.req2rank == {"a": 0, "b": 1, "c": 2, "d": 0, "e": 1, "f": 2}
     reps = [StepReport(r, 90, 2, 0) for r in range(3)]
     reps[1].outputs = [_out("b#0", [11]), _out("b#1", [12], "length"), _out("e", [13])]
-    reps[2].outputs = [_out("c", [14], prompt_lps=[None, {5: -1.0}, {6: -2.0}]), _out("f", [15])]
+    reps[2].outputs = [_out("c", [14], prompt_lps=[None, ({5: -1.0}, 1), ({6: -2.0}, 3)]), _out("f", [15])]
     leader.collect(reps, outbox)
     outbox.get_nowait()
     # the next step is in flight with a new request for rank 1 and aborts for ranks 1 and 2

@@ -239,6 +239,9 @@ def test_prompt_logprobs_in_vllms_shape(served, hf):
         assert all(legacy_top(name, ids[p], want[p - 1], 1) == pytest.approx(e, abs=1e-4)
                    for p, e in zip(range(1, len(ids)), echoed))
     assert "prompt_logprobs" not in complete(served, prompt=ids, max_tokens=1)["choices"][0]
+    code, _ = post(served, "/v1/completions", {"model": MODEL, "prompt": ids, "max_tokens": 1, "stream": True,
+                                               "prompt_logprobs": 0})     # vLLM takes 0 with stream
+    assert code == 200
     chat = chat_ids(tok, CHAT)
     code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
                                                        "prompt_logprobs": 1})
@@ -457,7 +460,7 @@ def test_logit_bias_in_chat_acts_as_in_generate(served):
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logit_bias": {"1.5": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-    ("/v1/chat/completions", {"prompt_logprobs": 0, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
