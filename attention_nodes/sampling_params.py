@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured import check_spec
+
 MAX_LOGPROBS = 20  # the most top alternatives a request may ask for per position (vLLM's default cap)
 MAX_SAMPLES = 64   # the most samples (n, best_of) one request may draw
 
@@ -38,8 +40,12 @@ class SamplingParams:
         cumulative log-probability of their tokens are returned. The samples are forked from the request once its
         prompt is computed: they share its KV blocks and copy only the last, partly filled one before writing
         to it. With a seed, sample i draws from its own generator seeded with seed + i.
-    Order, as vLLM's sampler: allowed_token_ids, bad words, min_tokens, logit_bias, repetition, frequency and
-    presence penalties, temperature, min_p, top-k, top-p.
+    structured_outputs (vLLM's): None, or {"json": schema} (a dict or its JSON text), {"json_object": True},
+        {"regex": pattern}, {"choice": [strings]} or {"grammar": EBNF}: the output follows it
+        (attention_nodes/structured.py); with it, EOS may not be ignored (it ends the complete output), and
+        min_tokens, allowed_token_ids and bad words are refused (they could mask every token the grammar allows).
+    Order, as vLLM's sampler: the structured outputs' mask, allowed_token_ids, bad words, min_tokens, logit_bias,
+    repetition, frequency and presence penalties, temperature, min_p, top-k, top-p.
     """
 
     max_tokens: int = 16
@@ -61,6 +67,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     n: int = 1
     best_of: int | None = None
+    structured_outputs: dict | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value, want: str) -> ValueError:
@@ -142,6 +149,17 @@ class SamplingParams:
         if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.num_samples:
             raise bad("seed", self.seed, f"pass an integer in [-2**63, 2**64 - {self.num_samples}] (sample i of "
                                          f"the request draws from seed + i)")
+        if self.structured_outputs is not None:
+            if (wrong := check_spec(self.structured_outputs)) is not None:
+                raise bad("structured_outputs", self.structured_outputs, wrong)
+            if self.ignore_eos:
+                raise bad("ignore_eos", self.ignore_eos, "structured_outputs end at EOS once the output is complete: "
+                                                         "pass False")
+            # each could mask every token the grammar allows (min_tokens its EOS once the output is complete)
+            clash = [f for f in ("min_tokens", "allowed_token_ids", "bad_words_token_ids") if getattr(self, f)]
+            if clash:
+                raise bad(clash[0], getattr(self, clash[0]), "structured_outputs cannot be combined with it (it "
+                                                             "could mask every token the grammar allows): leave it out")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.stop_token_ids = list(self.stop_token_ids)
@@ -165,7 +183,7 @@ class SamplingParams:
         """True if this request's logits depend on the tokens before the position (min_tokens, bad words,
         penalties): speculative verification then shapes each draft position's row on its own."""
         return bool(self.min_tokens or self.bad_words_token_ids or self.repetition_penalty != 1.0
-                    or self.frequency_penalty or self.presence_penalty)
+                    or self.frequency_penalty or self.presence_penalty or self.structured_outputs)
 
     def to_dict(self) -> dict:
         """Plain dict for the msgpack control plane."""

@@ -90,6 +90,7 @@ class Sequence:
     token_array: object = None
     draft_computed: int = 0
     allowed_ids: torch.Tensor | None = None
+    grammar: object = None      # structured outputs: its xgrammar matcher on this rank, once made (structured.py)
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

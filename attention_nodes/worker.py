@@ -23,13 +23,15 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, sample_ids, seeded_generator
 from .speculation import Drafter, SpecStats, SpeculativeConfig, emit
+from .structured import Grammars
 
 
 class AttentionWorker:
     def __init__(self, rank: int, model: AttentionModel, kv: KVCache, scheduler: Scheduler, moe: MoEContext,
                  max_model_len: int, device: torch.device, micro_batches: int = 1,
-                 speculative: SpeculativeConfig | None = None, draft=None, mtp=None):
-        """draft: speculative method "draft_model"'s DraftModel; mtp: method "mtp"'s MTPProposer."""
+                 speculative: SpeculativeConfig | None = None, draft=None, mtp=None, grammars=None):
+        """draft: speculative method "draft_model"'s DraftModel; mtp: method "mtp"'s MTPProposer; grammars: makes
+        the rank's structured.Grammars, at the first request with structured outputs (None: none come)."""
         self.rank = rank
         self.micro_batches = micro_batches
         self.model, self.kv, self.scheduler, self.moe = model, kv, scheduler, moe
@@ -58,6 +60,7 @@ class AttentionWorker:
         self.spec_stats = SpecStats()
         self.mtp = mtp
         self._committed = None   # method "mtp": the last committed step's chunks and emitted tokens, for its passes
+        self._make_grammars, self._grammars = grammars, None
 
     def adopt(self, moe: MoEContext) -> None:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
@@ -210,6 +213,9 @@ class AttentionWorker:
         self.num_partial_chunks += sum(not s.needs_sample for s in out.scheduled)
         self.num_preemptions += len(out.preempted)
         produced = self.scheduler.update(out, sampled, self.eos, self.max_model_len)
+        for seq, toks in produced:
+            if toks and seq.params.structured_outputs:
+                Grammars.accept(seq, toks)
         if self.drafter is not None:
             self.spec_stats.add([len(d) for d in drafts], [len(t) for t in tokens])
             self.drafter.propose([seq for seq, toks in produced if toks], self.scheduler.num_running)
@@ -239,9 +245,19 @@ class AttentionWorker:
             return [], []
         if any(drafts):
             return emit(logits, seqs, drafts, self.eos)
-        tokens = self.sampler.sample(shape_logits(logits.float(), seqs, self.eos), [q.params for q in seqs],
-                                     [q.generator for q in seqs], self.inputs.sampling_columns(seqs))
+        shaped = shape_logits(logits.float(), seqs, self.eos)
+        if any(q.params.structured_outputs for q in seqs):
+            self.grammars().mask(shaped, seqs)
+        tokens = self.sampler.sample(shaped, [q.params for q in seqs], [q.generator for q in seqs],
+                                     self.inputs.sampling_columns(seqs))
         return [[t] for t in tokens], list(range(len(seqs)))
+
+    def grammars(self) -> Grammars:
+        if self._grammars is None:
+            if self._make_grammars is None:
+                raise RuntimeError(f"rank {self.rank} has no tokenizer for structured outputs")
+            self._grammars = self._make_grammars()
+        return self._grammars
 
     def draft(self, passes: int) -> StepReport:
         """After a committed step (last_report its report): the header's MTP passes (speculative method "mtp"),

@@ -8,6 +8,7 @@ import functools
 import os
 
 from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.structured import Grammars
 
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -34,10 +35,12 @@ class Admission:
     """The checks of one engine, once its limits are known (the leader's start-up report)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_num_seqs: int, max_model_len: int, kv_capacity_tokens: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), speculative: bool = False):
         self.tokenizer, self.vocab_size, self.max_num_seqs = tokenizer, vocab_size, max_num_seqs
         self.max_model_len, self.kv_capacity_tokens = max_model_len, kv_capacity_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.speculative = speculative       # the engine drafts tokens (structured outputs are not verified then)
+        self._grammars: Grammars | None = None
 
     def prompt_ids(self, prompt, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
         """A prompt (string or token ids) -> checked token ids; ValueError names what is wrong. A string is
@@ -77,6 +80,7 @@ class Admission:
         something to sample (`check_tokens`) and it fits (`check_fits`)."""
         self.check_samples(params)
         self.check_tokens(params)
+        self.check_structured(params)
         self.check_fits(ids, params)
 
     def check_fits(self, ids: list[int], params: SamplingParams) -> None:
@@ -89,6 +93,22 @@ class Admission:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={params.max_tokens} = {need} exceeds the KV "
                              f"cache of one attention rank ({self.kv_capacity_tokens} tokens); give more "
                              f"kv_cache_memory or shorten the request")
+
+    def check_structured(self, params: SamplingParams) -> None:
+        """ValueError naming structured_outputs unless its grammar compiles against this model's tokenizer (the
+        ranks compile it again, from the same spec) and the engine does not draft tokens."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        if self.tokenizer is None:
+            raise ValueError("SamplingParams.structured_outputs needs the model's tokenizer, and this checkpoint has "
+                             "none; add its tokenizer files or leave structured_outputs out")
+        if self.speculative:
+            raise ValueError("SamplingParams.structured_outputs is not supported with speculative decoding (drafts "
+                             "are not checked against the grammar); serve without speculative_config")
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._grammars.compile(spec)
 
     def check_samples(self, params: SamplingParams) -> None:
         """ValueError unless the request's samples (side by side) fit max_num_seqs: else they would wait forever."""

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict
 
 from attention_nodes.sampling_params import SamplingParams
-from models.checkpoint import Checkpoint
+from models.checkpoint import Checkpoint, load_tokenizer
 
 from .admission import Admission, sampling_defaults
 from .config import EngineConfig, option_default
@@ -21,17 +21,6 @@ from .runtime.planning import check_autoscale, check_scale
 from .samples import Abandoned, RequestOutput, Sample, chosen, split_id, split_rows, vllm_rank
 
 logger = logging.getLogger("afserve")
-
-
-def _load_tokenizer(path: str):
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any(os.path.exists(os.path.join(path, n)) for n in names):
-        return None
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:
-        raise ValueError(f"the tokenizer in {path!r} could not be loaded: {e}") from e
 
 
 class LLM:
@@ -58,7 +47,7 @@ class LLM:
         if expert_ranks > self.spec.num_experts:
             raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "
                              f"use at most {self.spec.num_experts}")
-        self.tokenizer = _load_tokenizer(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.model)
         self._ids, self._closed, self._procs, self._members = itertools.count(), False, [], []   # members: ids
         self._serving = False      # past start-up: a lost rank other than the leader is survivable
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
@@ -109,7 +98,8 @@ class LLM:
         self.max_model_len = info["max_model_len"]
         self.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
         self.admission = Admission(self.tokenizer, self.spec.vocab_size, self.config.scheduler.max_num_seqs,
-                                   self.max_model_len, self.kv_capacity_tokens, self.spec.eos_token_ids)
+                                   self.max_model_len, self.kv_capacity_tokens, self.spec.eos_token_ids,
+                                   self.config.scheduler.speculative is not None)
 
     @property
     def is_leader(self) -> bool:

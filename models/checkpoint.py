@@ -159,6 +159,18 @@ SCALE_SUFFIX = "_scale_inv"
 FP32_SUFFIXES = ("e_score_correction_bias",)
 
 
+def load_tokenizer(path: str):
+    """The checkpoint directory's tokenizer (transformers' AutoTokenizer), or None when it holds none."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        return None
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"the tokenizer in {path!r} could not be loaded: {e}") from e
+
+
 def _scale_name(name: str) -> str:
     return name + SCALE_SUFFIX
 

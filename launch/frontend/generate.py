@@ -83,6 +83,10 @@ def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]])
                 llm.admission.check_tokens(params)
             except ValueError as e:
                 raise APIError(400, str(e), param_of(e)) from e
+            try:
+                llm.admission.check_structured(params)
+            except ValueError as e:
+                raise APIError(400, str(e), body.structured()[1]) from e
         try:
             llm.admission.check_fits(ids, made[limit])   # the rest of `check` ran once per parameters, above
         except ValueError as e:

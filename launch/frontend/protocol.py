@@ -114,6 +114,13 @@ class _Sampling(_Request):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # vLLM's: keep the prompt's last k tokens
     prompt_logprobs: Annotated[int, Field(lt=2**31)] | None = None   # vLLM's: score the prompt, top k per token
     return_token_ids: bool | None = None         # vLLM's: prompt_token_ids and token_ids beside the text
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name each token "token_id:N"
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -141,6 +148,40 @@ class _Sampling(_Request):
             raise APIError(400, f"truncate_prompt_tokens={k} is invalid: pass an integer in [1, max_model_len="
                                 f"{max_model_len}], or -1 for max_model_len", "truncate_prompt_tokens")
         return max_model_len if k == -1 else k
+
+    def structured(self) -> tuple[dict | None, str | None]:
+        """The engine's structured_outputs (attention_nodes/structured.py) from the one field that sets it, and its
+        name: response_format json_object / json_schema (OpenAI's), structured_outputs, or vLLM's older
+        guided_json, guided_regex, guided_choice and guided_grammar. A 400 when several do, or for what is not
+        served (another response_format type, vLLM's structural_tag and whitespace_pattern)."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            schema = rf.get("json_schema")
+            schema = schema.get("schema") if isinstance(schema, dict) else None
+            if rf.get("type") == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif rf.get("type") == "json_schema" and isinstance(schema, dict):
+                given.append(("response_format", {"json": schema}))
+            else:
+                raise APIError(400, f"response_format {rf!r} is not served: pass {{\"type\": \"text\"}}, "
+                                    f"{{\"type\": \"json_object\"}} or {{\"type\": \"json_schema\", \"json_schema\": "
+                                    f"{{\"schema\": {{...}}}}}}", "response_format")
+        if self.structured_outputs is not None:
+            spec = {k: v for k, v in self.structured_outputs.items() if v is not None
+                    and not (k in ("disable_fallback", "disable_additional_properties") and v is False)}
+            for key in ("structural_tag", "whitespace_pattern"):
+                if key in spec:
+                    raise APIError(400, f"structured_outputs.{key} is not supported; use json, json_object, regex, "
+                                        f"choice or grammar", f"structured_outputs.{key}")
+            given.append(("structured_outputs", spec))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if (value := getattr(self, name)) is not None:
+                given.append((name, {name[len("guided_"):]: value}))
+        if len(given) > 1:
+            raise APIError(400, f"{given[0][0]} and {given[1][0]} both constrain the output; pass one of them",
+                           given[1][0])
+        return (given[0][1], given[0][0]) if given else (None, None)
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -181,6 +222,7 @@ class _Sampling(_Request):
                            "min_tokens")
         logprobs, prompt_logprobs = self.logprob_counts()
         n, best_of = self.sample_counts()
+        structured, field_name = self.structured()
         try:
             if max_tokens == 0:   # nothing is sampled: one engine sample serves every choice (the front repeats it)
                 SamplingParams(n=n, best_of=best_of)     # still a 400 for values the engine refuses
@@ -193,9 +235,11 @@ class _Sampling(_Request):
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=given.get("repetition_penalty", 1.0),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size), n=n, best_of=best_of,
-                allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words or None)
+                allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words or None,
+                structured_outputs=structured)
         except ValueError as e:
-            raise APIError(400, str(e), param_of(e)) from e
+            param = param_of(e)
+            raise APIError(400, str(e), field_name if param == "structured_outputs" else param) from e
 
 
 class CompletionRequest(_Sampling):
@@ -280,7 +324,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: NumLogprobs | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # vLLM's: the last (assistant) message is continued, left open
     add_special_tokens: bool = False     # vLLM's: the templated text gets the tokenizer's special tokens too
@@ -297,8 +340,6 @@ class ChatCompletionRequest(_Sampling):
             out.append(("tools", "tool calling is not supported; leave tools out"))
         if self.tool_choice not in (None, "none"):
             out.append(("tool_choice", "tool calling is not supported; leave tool_choice out"))
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
         return out
 
     def limit(self) -> int | None:

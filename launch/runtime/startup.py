@@ -18,9 +18,10 @@ from attention_nodes.model import AttentionModel, MoEContext
 from attention_nodes.mtp import MTPProposer
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.speculation import SpeculativeConfig, scratch_blocks
+from attention_nodes.structured import Grammars
 from attention_nodes.worker import AttentionWorker
 from kernels import cpu_attention
-from models.checkpoint import Checkpoint
+from models.checkpoint import Checkpoint, load_tokenizer
 from models.spec import ModelSpec
 
 from ..config import EngineConfig
@@ -78,8 +79,9 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     mtp = None if not config.scheduler.uses_mtp else MTPProposer(
         model, num_blocks, cache.block_size, config.scheduler.max_num_seqs, speculative.num_speculative_tokens,
         dev.dtype, dev.device, exclusive)
+    grammars = lambda: Grammars(load_tokenizer(config.model), spec.vocab_size, spec.eos_token_ids)   # noqa: E731
     return AttentionWorker(rank, model, kv, sched, moe, max_model_len(config, spec), dev.device,
-                           micro_batch_capacity(par.micro_batches, dev), speculative, draft, mtp)
+                           micro_batch_capacity(par.micro_batches, dev), speculative, draft, mtp, grammars)
 
 
 def uses_decode_graphs(config: EngineConfig, dev: DeviceSettings) -> bool:

@@ -38,6 +38,7 @@ class Served:
     samples: list                # LLM.generate's outputs for [PROMPT, OTHER] with SAMPLED (n=2)
     best: object                 # LLM.generate's output for PROMPT with RANKED, n=2, best_of=3
     client: object               # the app's EngineClient
+    structured: dict = None      # STRUCTURED case -> LLM.generate's output for PROMPT under it (greedy)
 
 
 PROMPT = make_prompts(1, 256, 12, 12, seed=21)[0]
@@ -46,6 +47,9 @@ CHAT = [{"role": "user", "content": "Hello"}]
 SEED = 3
 SAMPLED = {"max_tokens": 6, "temperature": 1.0, "seed": SEED, "ignore_eos": True}   # request and SamplingParams
 RANKED = {**SAMPLED, "seed": 4}    # a seed whose best 2 of 3 samples are not samples 0 and 1
+YES_NO = {"enum": ["yes", "no"]}
+STRUCTURED = {"regex": {"regex": r"[0-9]{3}-[a-z]{2}"}, "json": {"json": YES_NO}, "json_object": {"json_object": True},
+              "choice": {"choice": ["red", "green", "blue"]}}
 
 
 def chat_ids(tok, messages) -> list[int]:
@@ -87,6 +91,8 @@ def served(tiny_checkpoint):
                                                           ignore_eos=True))[0]
         samples = llm.generate([PROMPT, OTHER], SamplingParams(n=2, **SAMPLED))
         best = llm.generate([PROMPT], SamplingParams(n=2, best_of=3, **RANKED))[0]
+        structured = dict(zip(STRUCTURED, llm.generate([PROMPT] * len(STRUCTURED), [
+            SamplingParams(max_tokens=12, structured_outputs=spec) for spec in STRUCTURED.values()])))
         app = build_app(MODEL, path, access_log=False)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
         thread = threading.Thread(target=server.run, name="test-http", daemon=True)
@@ -98,7 +104,7 @@ def served(tiny_checkpoint):
         client = attach(app, llm)
         try:
             yield Served(server.servers[0].sockets[0].getsockname()[1], path, llm.tokenizer, plain, expected,
-                         (chat_plain, chat_biased), chat_sampled, samples, best, client)
+                         (chat_plain, chat_biased), chat_sampled, samples, best, client, structured)
         finally:
             shut_down(app, "the tests are over")
             server.should_exit = True
@@ -337,6 +343,45 @@ def test_token_ids_beside_the_text_and_tokens_named_by_id(served):
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat_plain]
     assert all(e["bytes"] == list(e["token"].encode()) for e in content)
     assert all(re.fullmatch(r"token_id:\d+", t["token"]) for e in content for t in e["top_logprobs"])
+
+
+def test_structured_outputs_from_every_field_that_sets_them(served):
+    """OpenAI's response_format (json_object, json_schema), vLLM's structured_outputs and its older guided_* fields
+    give LLM.generate's greedy text under the same spec (streamed too), which follows it; two such fields, an
+    unserved response_format type, a grammar that does not compile and ignore_eos are 400s naming the field."""
+    want = {k: out.text for k, out in served.structured.items()}
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", want["regex"]) and json.loads(want["json"]) in ("yes", "no")
+    assert want["choice"] in ("red", "green", "blue") and isinstance(json.loads(want["json_object"]), dict)
+    base = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    for fields, case in (({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2}"}}, "regex"),
+                         ({"guided_regex": r"[0-9]{3}-[a-z]{2}"}, "regex"),
+                         ({"guided_json": YES_NO}, "json"), ({"guided_json": json.dumps(YES_NO)}, "json"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": YES_NO}}},
+                          "json"),
+                         ({"response_format": {"type": "json_object"}}, "json_object"),
+                         ({"guided_choice": ["red", "green", "blue"]}, "choice"),
+                         ({"structured_outputs": {"choice": ["red", "green", "blue"], "json": None,
+                                                  "disable_fallback": False}}, "choice")):
+        choice = complete(served, **base, **fields)["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == (want[case], "stop"), (fields, choice)
+    code, chunks = post(served, "/v1/completions", {"model": MODEL, **base, "guided_regex": r"[0-9]{3}-[a-z]{2}",
+                                                     "stream": True})
+    assert code == 200 and "".join(c["choices"][0]["text"] for c in chunks) == want["regex"]
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0}
+    code, data = post(served, "/v1/chat/completions", {**chat, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": YES_NO}}})
+    assert code == 200 and json.loads(data["choices"][0]["message"]["content"]) in ("yes", "no"), data
+    for fields, param in (({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+                          ({"response_format": {"type": "json_schema"}}, "response_format"),
+                          ({"response_format": {"type": "xml"}}, "response_format"),
+                          ({"guided_regex": "[a-"}, "guided_regex"),
+                          ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+                           "response_format"),
+                          ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
+                          ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+                          ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos")):
+        code, data = post(served, "/v1/completions", {"model": MODEL, **base, **fields})
+        assert code == 400 and data["error"]["param"] == param, (fields, data)
 
 
 def test_stop_string_keeps_streamed_logprobs_aligned(served):

@@ -1,0 +1,126 @@
+"""Structured outputs (vLLM's `structured_outputs`): the output follows a JSON schema, any JSON object, a regular
+expression, one of a list of strings, or an EBNF grammar. xgrammar does the grammar work: it compiles a request's
+grammar against the tokenizer's vocabulary (once per rank and spec, cached), and a matcher per sequence follows its
+output and says which tokens may come next. Each step masks the others to -inf before the other logits processors
+(vLLM's order), and the tokens drawn advance the matchers.
+
+A sequence's matcher is made the first time this rank samples for it, by replaying its output so far, so a sequence
+that arrives from elsewhere (a handover, PD, a resumed request, a fork) carries nothing. The grammar ends the
+output: once it is complete only EOS may follow, so a request with structured outputs may not ignore EOS.
+
+R = rows to sample, V = vocabulary size.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import torch
+
+logger = logging.getLogger("afserve")
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+LOST = "lost"    # Sequence.grammar of a sequence whose output left its grammar (see Grammars.accept)
+
+
+def check_spec(spec) -> str | None:
+    """What is wrong with a structured_outputs spec (None: nothing): a dict with exactly one of KINDS, "json" a JSON
+    schema (a dict, or its text), "json_object" true, "regex" and "grammar" text, "choice" a non-empty list of
+    strings; and optionally vLLM's "disable_any_whitespace" (bool: JSON without whitespace between its tokens). The
+    grammar itself is checked when it is compiled (`Grammars.compile`)."""
+    kinds = [k for k in spec if k in KINDS] if isinstance(spec, dict) else []
+    if len(kinds) != 1 or set(spec) - {kinds[0], "disable_any_whitespace"}:
+        return f"pass a dict with exactly one of {', '.join(KINDS)} (and optionally disable_any_whitespace)"
+    if not isinstance(spec.get("disable_any_whitespace", False), bool):
+        return "disable_any_whitespace must be true or false"
+    kind, value = kinds[0], spec[kinds[0]]
+    ok = {"json": isinstance(value, (dict, str)), "json_object": value is True,
+          "regex": isinstance(value, str) and value != "", "grammar": isinstance(value, str) and value != "",
+          "choice": isinstance(value, list) and bool(value) and all(isinstance(c, str) and c for c in value)}[kind]
+    if not ok:
+        want = {"json": "a JSON schema (a dict or its JSON text)", "json_object": "true",
+                "regex": "a non-empty regular expression", "grammar": "a non-empty EBNF grammar",
+                "choice": "a non-empty list of non-empty strings"}[kind]
+        return f"{kind} must be {want}"
+    return None
+
+
+def _ebnf_literal(text: str) -> str:
+    return '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
+
+
+class Grammars:
+    """One tokenizer's grammar compiler and the grammars compiled so far. vocab_size: the model's (its logits'
+    width, which may exceed the tokenizer's); eos_token_ids: the tokens that may end a complete output."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+        import xgrammar as xgr
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(eos_token_ids))
+        self.compiler = xgr.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+        self._compiled: dict[str, object] = {}
+
+    def compile(self, spec: dict):
+        """The compiled grammar of a spec (`check_spec`'s shape), cached; ValueError naming the spec when xgrammar
+        cannot compile it (a bad schema, regex or grammar)."""
+        key = json.dumps(spec, sort_keys=True)
+        if key not in self._compiled:
+            kind = next(k for k in spec if k in KINDS)
+            value, spaces = spec[kind], not spec.get("disable_any_whitespace", False)
+            c = self.compiler
+            try:
+                if kind == "json":
+                    compiled = c.compile_json_schema(value if isinstance(value, str) else json.dumps(value),
+                                                     any_whitespace=spaces)
+                elif kind == "json_object":      # any JSON object (vLLM's json_object, and OpenAI's JSON mode)
+                    compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=spaces)
+                elif kind == "regex":
+                    compiled = c.compile_regex(value)
+                elif kind == "choice":
+                    compiled = c.compile_grammar("root ::= " + " | ".join(map(_ebnf_literal, value)))
+                else:
+                    compiled = c.compile_grammar(value)
+            except Exception as e:   # xgrammar raises its own error types for bad input
+                raise ValueError(f"SamplingParams.structured_outputs={spec!r} is invalid: {kind} does not compile "
+                                 f"({type(e).__name__}: {e}); fix the {kind}") from e
+            self._compiled[key] = compiled
+        return self._compiled[key]
+
+    def matcher(self, seq):
+        """seq's matcher, made (by replaying its output so far) when this rank has none yet; LOST if its output
+        does not follow its grammar."""
+        if seq.grammar is None:
+            seq.grammar = self._xgr.GrammarMatcher(self.compile(seq.params.structured_outputs))
+            self.accept(seq, seq.output_token_ids)
+        return seq.grammar
+
+    def mask(self, logits: torch.Tensor, seqs: list) -> None:
+        """logits `[R, V]` (row i samples seqs[i]): the tokens each structured row's grammar does not allow next
+        become -inf, in place. One host-built bitmask, copied to the logits' device."""
+        rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs and self.matcher(s) is not LOST]
+        if not rows:
+            return
+        xgr = self._xgr
+        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        for i in rows:
+            seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size, indices=rows)
+
+    @staticmethod
+    def accept(seq, tokens: list[int]) -> None:
+        """Advance seq's matcher (if this rank made one) over the tokens it emitted. A token the grammar does not
+        allow cannot be drawn unless every token was masked (SamplingParams refuses the options that could mask
+        what the grammar allows); should one come, the sequence goes on unconstrained, and the log says so,
+        rather than the rank failing."""
+        if seq.grammar is None or seq.grammar is LOST:
+            return
+        for t in tokens:
+            if not seq.grammar.accept_token(t):
+                logger.error("request %r: token %d does not follow its structured_outputs grammar; the rest of its "
+                             "output is not constrained", seq.request_id, t)
+                seq.grammar = LOST
+                return

@@ -1,0 +1,144 @@
+"""Structured outputs (SamplingParams.structured_outputs, attention_nodes/structured.py): greedy outputs equal
+transformers' greedy generate under the same grammar (masked by an xgrammar matcher of the test's own, compiled from
+grammars the test writes) for a JSON schema, any JSON object, a regex, a choice and an EBNF grammar, on 1+1 and 2+2
+ranks with a chunked prompt; seeded samples (n = 2) follow their regex; a matcher rebuilt from a sequence's output
+(how a moved sequence gets one) allows what the one that followed it allows; bad specs are refused by name."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from attention_nodes.sampling_params import SamplingParams
+from attention_nodes.sequence import Sequence
+from attention_nodes.structured import Grammars
+from launch import LLM
+from tests.conftest import hf_model, make_prompts
+
+xgr = pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer"}},
+          "required": ["answer", "n"], "additionalProperties": False}
+# (the request's spec, the same grammar as the test compiles it for transformers' side)
+CASES = [
+    ({"json": SCHEMA, "disable_any_whitespace": True},
+     lambda c: c.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)),
+    ({"json_object": True, "disable_any_whitespace": True},
+     lambda c: c.compile_json_schema('{"type": "object"}', any_whitespace=False)),
+    ({"regex": r"[0-9]{3}-[a-z]{2}"}, lambda c: c.compile_regex(r"[0-9]{3}-[a-z]{2}")),
+    ({"choice": ["red", "green", 'blue "x"']}, lambda c: c.compile_regex(r'red|green|blue "x"')),
+    ({"grammar": 'root ::= "(" [a-z]+ ")" | "none"'}, lambda c: c.compile_grammar('root ::= "(" [a-z]+ ")" | "none"')),
+]
+MAX_NEW = 24
+
+
+def _hf_constrained(model, tok, prompt: list[int], compile_fn, max_new: int) -> list[int]:
+    """transformers' greedy generate with every token the grammar does not allow next at -inf (the test's own
+    matcher), stopping at EOS."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    vocab = model.config.vocab_size
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab,
+                                                                      stop_token_ids=[tok.eos_token_id]))
+    matcher = xgr.GrammarMatcher(compile_fn(compiler))
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+
+    class Mask(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] > len(prompt):
+                assert matcher.accept_token(int(input_ids[0, -1]))
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            allowed = torch.tensor([bool(int(bitmask[0, t // 32]) >> (t % 32) & 1) for t in range(vocab)])
+            return scores.masked_fill(~allowed, float("-inf"))
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, pad_token_id=0,
+                             eos_token_id=tok.eos_token_id, logits_processor=LogitsProcessorList([Mask()]))
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("attention_ranks,expert_ranks", [(1, 1), (2, 2)])
+def test_greedy_structured_outputs_equal_transformers_under_the_same_grammar(tiny_checkpoint, attention_ranks,
+                                                                            expert_ranks):
+    from transformers import AutoTokenizer
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    # the first prompt is longer than the 32-token budget: its prefill comes in chunks
+    prompts = [make_prompts(1, 256, 45, 45, seed=31)[0]] + make_prompts(len(CASES) - 1, 256, 4, 12, seed=32)
+    with LLM(path, attention_ranks=attention_ranks, expert_ranks=expert_ranks, max_num_batched_tokens=32) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=MAX_NEW, structured_outputs=spec)
+                                      for spec, _ in CASES])
+        free = llm.generate(prompts[2:3], SamplingParams(max_tokens=MAX_NEW))[0]
+    model = hf_model(path)
+    for prompt, (spec, compile_fn), out in zip(prompts, CASES, outs):
+        assert out.token_ids == _hf_constrained(model, tok, prompt, compile_fn, MAX_NEW), spec
+    assert outs[2].finish_reason == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[2].text), outs[2].text
+    assert not re.fullmatch(r"[0-9]{3}-[a-z]{2}", free.text)       # unconstrained, the model writes otherwise
+    assert outs[3].text in ("red", "green", 'blue "x"')
+    if outs[0].finish_reason == "stop":
+        got = json.loads(outs[0].text)
+        assert set(got) == {"answer", "n"} and got["answer"] in ("yes", "no") and isinstance(got["n"], int)
+
+
+def test_seeded_samples_follow_their_grammar_and_bad_specs_are_refused(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    pattern = r"[0-9]{2,4}-[a-z]{2}"
+    with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
+        out = llm.generate(["Hello experts"], SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=5, n=2,
+                                                             structured_outputs={"regex": pattern}))[0]
+        assert len(out.samples) == 2
+        for s in out.samples:
+            assert s.finish_reason == "stop" and re.fullmatch(pattern, s.text), s.text
+        with pytest.raises(ValueError, match=r"structured_outputs=.*regex does not compile"):
+            llm.generate(["x"], SamplingParams(structured_outputs={"regex": "[a-"}))
+        with pytest.raises(ValueError, match=r"structured_outputs=.*json does not compile"):
+            llm.generate(["x"], SamplingParams(structured_outputs={"json": "{not json"}))
+        assert llm.generate(["x"], SamplingParams(max_tokens=2))[0].token_ids     # still serving
+    for bad in ({"regex": ""}, {"choice": []}, {"json": 5}, {"regex": "a", "choice": ["a"]}, {"yaml": "a"},
+                {"json_object": True, "disable_any_whitespace": "yes"}):
+        with pytest.raises(ValueError, match=r"SamplingParams\.structured_outputs="):
+            SamplingParams(structured_outputs=bad)
+    with pytest.raises(ValueError, match=r"SamplingParams\.ignore_eos=True.*structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a+"}, ignore_eos=True)
+    for clash in ({"min_tokens": 2}, {"allowed_token_ids": [5]}, {"bad_words_token_ids": [[5]]}):
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{next(iter(clash))}=.*structured_outputs"):
+            SamplingParams(structured_outputs={"regex": "a+"}, **clash)
+
+
+def test_a_matcher_rebuilt_from_the_output_allows_what_the_followed_one_allows(tiny_checkpoint):
+    """How a sequence that arrives on another rank (a handover, PD, a resumed or forked sample) gets its matcher:
+    replaying its output; it must allow exactly the tokens the matcher that followed the output token by token
+    allows (the test fails if the replay is skipped)."""
+    from transformers import AutoTokenizer
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = hf_model(path).config.vocab_size
+    spec = {"regex": r"\(([a-z]+, )*[a-z]+\)"}
+    grammars = Grammars(tok, vocab, [tok.eos_token_id])
+    params = SamplingParams(max_tokens=16, structured_outputs=spec)
+    followed = Sequence.from_request("a", [5, 6], params, 0)
+    logits = torch.zeros(1, vocab)
+    grammars.mask(logits, [followed])
+    for text in ("(", "ab", ", ", "c"):
+        for t in tok.encode(text, add_special_tokens=False):
+            assert logits[0, t] == 0, (text, t)      # allowed here
+            followed.token_ids.append(t)
+            Grammars.accept(followed, [t])
+            logits = torch.zeros(1, vocab)
+            grammars.mask(logits, [followed])
+    moved = Sequence.from_request("b", [5, 6], params, 1)
+    moved.token_ids = list(followed.token_ids)
+    again = torch.zeros(1, vocab)
+    grammars.mask(again, [moved])
+    assert torch.equal(torch.isinf(again), torch.isinf(logits))
+    fresh = torch.zeros(1, vocab)
+    grammars.mask(fresh, [Sequence.from_request("c", [5, 6], params, 2)])
+    assert not torch.equal(torch.isinf(fresh), torch.isinf(logits))     # so the replay is what made them equal
+    # an output the grammar does not allow (cannot be drawn; handed over, say): the row goes on unconstrained
+    astray = Sequence.from_request("d", [5, 6], params, 3)
+    astray.token_ids += tok.encode("x)", add_special_tokens=False)
+    rows = torch.zeros(2, vocab)
+    grammars.mask(rows, [astray, moved])
+    assert not torch.isinf(rows[0]).any() and torch.equal(torch.isinf(rows[1]), torch.isinf(logits[0]))
