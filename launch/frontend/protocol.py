@@ -327,6 +327,10 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # vLLM's: the last (assistant) message is continued, left open
     add_special_tokens: bool = False     # vLLM's: the templated text gets the tokenizer's special tokens too
+    chat_template_kwargs: dict | None = None     # vLLM's: variables the chat template reads
+    documents: list[dict] | None = None          # vLLM's: for templates that read documents
+    chat_template: str | None = None             # vLLM's; refused (the checkpoint's template is used)
+    echo: bool = False                           # vLLM's chat echo; refused
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -336,6 +340,12 @@ class ChatCompletionRequest(_Sampling):
         if self.top_logprobs and not self.logprobs:
             out.append(("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true; set logprobs or "
                                         "leave top_logprobs out"))
+        if self.chat_template is not None:
+            out.append(("chat_template", "a chat template per request is not served (vLLM too refuses it by "
+                                         "default); the checkpoint's template is used: leave chat_template out"))
+        if self.echo:
+            out.append(("echo", "echo on chat is not supported; leave it out (on /v1/completions echo returns the "
+                                "prompt)"))
         if self.tools:
             out.append(("tools", "tool calling is not supported; leave tools out"))
         if self.tool_choice not in (None, "none"):
@@ -367,6 +377,8 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    chat_template_kwargs: dict | None = None     # vLLM's, as on chat
+    documents: list[dict] | None = None
 
     def check(self) -> None:
         """A 400 unless exactly one of prompt and messages is given, with template options that agree."""

@@ -47,16 +47,35 @@ def chat_ids(tok, body, model_name: str, continue_final: bool = False, add_speci
     return tok.encode(chat_text(tok, body, model_name, continue_final), add_special_tokens=add_special_tokens)
 
 
+# apply_chat_template's own arguments, which chat_template_kwargs may not set (its template variables it may)
+_NOT_TEMPLATE_VARIABLES = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
+                                     "tools", "padding", "truncation", "max_length", "tokenizer_kwargs",
+                                     "return_assistant_tokens_mask"})
+
+
+def template_kwargs(body) -> dict:
+    """vLLM's chat_template_kwargs (variables the chat template reads, e.g. Qwen3's enable_thinking; they may also
+    set add_generation_prompt or continue_final_message) and documents (RAG templates read them), checked."""
+    extra = dict(body.chat_template_kwargs or {})
+    taken = sorted(set(extra) & _NOT_TEMPLATE_VARIABLES)
+    if taken:
+        raise APIError(400, f"chat_template_kwargs sets {taken[0]!r}, which is not a chat template variable; leave "
+                            f"it out", "chat_template_kwargs")
+    if body.documents is not None:
+        extra["documents"] = body.documents
+    return extra
+
+
 def chat_text(tok, body, model_name: str, continue_final: bool = False) -> str:
     """body's messages through the tokenizer's chat template -> text (a 400 when the model has no template or
     the template rejects them). `body` has conversation() and add_generation_prompt; `continue_final` leaves
     the last message open (no end-of-turn), for the model to continue."""
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, f"model {model_name!r} has no tokenizer chat template; use /v1/completions")
-    options = {"continue_final_message": True} if continue_final else {}
+    options = {"add_generation_prompt": body.add_generation_prompt} | (
+        {"continue_final_message": True} if continue_final else {}) | template_kwargs(body)
     try:
-        text = tok.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt,
-                                       tokenize=False, **options)
+        text = tok.apply_chat_template(body.conversation(), tokenize=False, **options)
     except Exception as e:   # a template may reject a conversation (roles, order): the client's to fix
         raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from e
     return text

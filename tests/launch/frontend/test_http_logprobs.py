@@ -384,6 +384,26 @@ def test_structured_outputs_from_every_field_that_sets_them(served):
         assert code == 400 and data["error"]["param"] == param, (fields, data)
 
 
+def test_chat_template_kwargs_reach_the_template(served):
+    """vLLM's chat_template_kwargs are the template's variables (here add_generation_prompt, which the tiny template
+    reads), on chat and /tokenize; apply_chat_template's own arguments, a per-request chat_template and chat's echo
+    are 400s naming the field."""
+    tok = served.tokenizer
+    bare = tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False),
+                      add_special_tokens=False)
+    assert bare != chat_ids(tok, CHAT)
+    code, data = post(served, "/tokenize", {"model": MODEL, "messages": CHAT,
+                                            "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert code == 200 and data["tokens"] == bare, data
+    code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 1,
+                                                       "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert code == 200 and data["usage"]["prompt_tokens"] == len(bare), data
+    for fields, param in (({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                          ({"chat_template": "{{ messages }}"}, "chat_template"), ({"echo": True}, "echo")):
+        code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, **fields})
+        assert code == 400 and data["error"]["param"] == param, (fields, data)
+
+
 def test_stop_string_keeps_streamed_logprobs_aligned(served):
     """A stop string holds text back: tokens wait for their text; the ones it cuts come with the last chunk."""
     tok = served.tokenizer
