@@ -84,6 +84,17 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False   # vLLM's: every chunk carries the usage so far
 
 
+# vLLM's request fields that change the output, which this server does not serve: name -> (the values that change
+# nothing, why). Other unknown fields are ignored with a warning.
+REFUSED_EXTRAS = {
+    "use_beam_search": ((False, None), "beam search is not supported; leave use_beam_search out"),
+    "logits_processors": ((None, []), "custom logits processors are not supported; leave logits_processors out"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported; pass a prompt"),
+    "priority": ((0, None), "priority scheduling is not served (vLLM also refuses a priority without it); leave "
+                            "priority out or 0"),
+}
+
+
 class _Sampling(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -124,8 +135,10 @@ class _Sampling(_Request):
     return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name each token "token_id:N"
 
     def unsupported(self) -> list[tuple[str, str]]:
-        """(param, why) for every set field this server does not implement."""
-        out = []
+        """(param, why) for every set field this server does not implement: its own, and other servers' extensions
+        that would change the output (REFUSED_EXTRAS) when set to other than their defaults."""
+        out = [(name, why) for name, (defaults, why) in REFUSED_EXTRAS.items()
+               if name in (self.model_extra or {}) and self.model_extra[name] not in defaults]
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed with stream=true"))
         k = self.prompt_logprobs

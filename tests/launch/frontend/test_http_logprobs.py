@@ -500,6 +500,13 @@ def test_logit_bias_in_chat_acts_as_in_generate(served):
         served.tokenizer.decode([t]) for t in want.token_ids]
 
 
+def test_output_changing_extensions_at_their_defaults_are_taken(served):
+    """vLLM's fields that this server refuses when they would change the output pass at their defaults."""
+    got = complete(served, prompt=PROMPT, max_tokens=2, use_beam_search=False, priority=0, logits_processors=None,
+                   **GREEDY)
+    assert got["choices"][0]["finish_reason"] == "length"
+
+
 @pytest.mark.parametrize("path, fields, param", [
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
@@ -528,6 +535,10 @@ def test_logit_bias_in_chat_acts_as_in_generate(served):
     ("/v1/chat/completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"priority": 1}, "priority"),
+    ("/v1/completions", {"logits_processors": ["my.module:Proc"]}, "logits_processors"),
+    ("/v1/completions", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
 ])
 def test_bad_values_get_a_400_naming_the_field(served, path, fields, param):
     body = {"model": MODEL, **({"prompt": "hi"} if path == "/v1/completions" else
