@@ -34,14 +34,16 @@ def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, known: list[int] | None = None,
-                 limit: int | None = None) -> list[int]:
+                 limit: int | None = None, salt: str | None = None) -> list[int]:
     """Keys of the full blocks of token_ids (at most `limit` of them), extending `known` (the keys already
-    computed for a prefix of the same tokens) in place when it is given."""
+    computed for a prefix of the same tokens) in place when it is given. salt (a request's cache_salt, vLLM's):
+    mixed into the first block's key, so the chain, and so the cache, is shared only by requests with the same."""
     keys = known if known is not None else []
     n = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
+    first = None if salt is None else int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
     while len(keys) < n:
         i = len(keys)
-        keys.append(hash_block(keys[-1] if keys else None, token_ids[i * block_size:(i + 1) * block_size]))
+        keys.append(hash_block(keys[-1] if keys else first, token_ids[i * block_size:(i + 1) * block_size]))
     return keys
 
 

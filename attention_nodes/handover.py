@@ -67,7 +67,8 @@ def plan_take_over(worker, meta: dict) -> TakeOver:
     have: dict[int, int] = {}
     if sched.enable_prefix_caching:
         for _, d in running:
-            keys = chain_hashes(d["token_ids"], pool.block_size, limit=d["num_computed_tokens"] // pool.block_size)
+            keys = chain_hashes(d["token_ids"], pool.block_size, limit=d["num_computed_tokens"] // pool.block_size,
+                                salt=d["params"].get("cache_salt"))
             for i, b in zip(d["blocks"], pool.lookup(keys)):
                 have.setdefault(i, b)
     need = [i for i in range(meta["num_blocks"]) if i not in have]

@@ -110,7 +110,8 @@ class Leader:
             need = -(-len(req["prompt"]) // self.block_size)
             ranks = range(self.prefill_ranks or self.num_attention_ranks)   # PD: the prefill ranks take them in
             rank = max(ranks, key=lambda r: (free[r], -r))
-            hit = self._cached_prefix(req["prompt"]) if self.cache_aware else [0] * self.num_attention_ranks
+            hit = self._cached_prefix(req["prompt"], req["params"].get("cache_salt")) if self.cache_aware \
+                else [0] * self.num_attention_ranks
             if self.cache_aware and len(ranks) > 1:
                 best = max(ranks, key=lambda r: (hit[r], free[r], -r))
                 if hit[best] > hit[rank] and free[best] >= need:
@@ -138,12 +139,13 @@ class Leader:
         return moves
 
     def _prompt_hits(self, rid: str) -> list[int]:
-        return self._cached_prefix(self.assigned[rid]["prompt"])
+        req = self.assigned[rid]
+        return self._cached_prefix(req["prompt"], req["params"].get("cache_salt"))
 
-    def _cached_prefix(self, prompt: list[int]) -> list[int]:
+    def _cached_prefix(self, prompt: list[int], salt: str | None = None) -> list[int]:
         """Per rank, how many leading full blocks of prompt its prefix cache holds (the last token never counts:
         it is always computed)."""
-        keys = chain_hashes(prompt, self.block_size, limit=(len(prompt) - 1) // self.block_size)
+        keys = chain_hashes(prompt, self.block_size, limit=(len(prompt) - 1) // self.block_size, salt=salt)
         hits = []
         for cached in self.cached:
             n = 0

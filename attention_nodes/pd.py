@@ -223,7 +223,8 @@ def pack_blocks(worker, items: list[list]) -> tuple[dict, torch.Tensor]:
         seq = held.get(rid)
         if seq is None or seq.num_computed_tokens < end * bs or len(seq.block_table) < end:
             continue
-        spans.append([chain_hashes(seq.token_ids, bs, seq.block_keys, limit=end)[:end], first])
+        spans.append([chain_hashes(seq.token_ids, bs, seq.block_keys, limit=end, salt=seq.params.cache_salt)[:end],
+                      first])
         ids += seq.block_table[first:end]
     kv = worker.kv.tensor[:, :, torch.tensor(ids, dtype=torch.int64, device=worker.kv.tensor.device)].contiguous()
     return {"spans": spans, "num_blocks": len(ids), "shape": list(kv.shape)}, kv

@@ -44,6 +44,9 @@ class SamplingParams:
         {"regex": pattern}, {"choice": [strings]} or {"grammar": EBNF}: the output follows it
         (attention_nodes/structured.py); with it, EOS may not be ignored (it ends the complete output), and
         min_tokens, allowed_token_ids and bad words are refused (they could mask every token the grammar allows).
+    cache_salt (vLLM's, a request field there): None, or a non-empty string mixed into the prefix cache's keys, so
+        the request shares cached blocks only with requests of the same salt (tenants cannot probe each other's
+        prompts by timing).
     Order, as vLLM's sampler: the structured outputs' mask, allowed_token_ids, bad words, min_tokens, logit_bias,
     repetition, frequency and presence penalties, temperature, min_p, top-k, top-p.
     """
@@ -68,6 +71,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     structured_outputs: dict | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value, want: str) -> ValueError:
@@ -149,6 +153,8 @@ class SamplingParams:
         if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.num_samples:
             raise bad("seed", self.seed, f"pass an integer in [-2**63, 2**64 - {self.num_samples}] (sample i of "
                                          f"the request draws from seed + i)")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", self.cache_salt, "pass None or a non-empty string")
         if self.structured_outputs is not None:
             if (wrong := check_spec(self.structured_outputs)) is not None:
                 raise bad("structured_outputs", self.structured_outputs, wrong)

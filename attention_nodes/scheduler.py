@@ -327,8 +327,8 @@ class Scheduler:
         # Prompt logprobs score every prompt position, so such requests compute theirs (vLLM does the same).
         lookup = self.enable_prefix_caching and seq.params.prompt_logprobs is None
         if lookup:
-            keys = chain_hashes(seq.token_ids, pool.block_size, seq.block_keys,
-                                limit=(seq.num_tokens - 1) // pool.block_size)   # the last token is computed
+            keys = chain_hashes(seq.token_ids, pool.block_size, seq.block_keys,   # the last token is computed
+                                limit=(seq.num_tokens - 1) // pool.block_size, salt=seq.params.cache_salt)
             device_hits = pool.lookup(keys)
             if host is not None:
                 num_host = host.match(keys[len(device_hits):])
@@ -359,7 +359,8 @@ class Scheduler:
         full = seq.num_computed_tokens // self.block_pool.block_size
         if full <= seq.num_registered_blocks:
             return
-        keys = chain_hashes(seq.token_ids, self.block_pool.block_size, seq.block_keys, limit=full)
+        keys = chain_hashes(seq.token_ids, self.block_pool.block_size, seq.block_keys, limit=full,
+                            salt=seq.params.cache_salt)
         for i in range(seq.num_registered_blocks, full):
             self.block_pool.register(seq.block_table[i], keys[i])
         seq.num_registered_blocks = full

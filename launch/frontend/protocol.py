@@ -125,6 +125,7 @@ class _Sampling(_Request):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None   # vLLM's: keep the prompt's last k tokens
     prompt_logprobs: Annotated[int, Field(lt=2**31)] | None = None   # vLLM's: score the prompt, top k per token
     return_token_ids: bool | None = None         # vLLM's: prompt_token_ids and token_ids beside the text
+    cache_salt: str | None = None                # vLLM's: the prefix cache is shared only under the same salt
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -249,7 +250,7 @@ class _Sampling(_Request):
                 repetition_penalty=given.get("repetition_penalty", 1.0),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size), n=n, best_of=best_of,
                 allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words or None,
-                structured_outputs=structured)
+                structured_outputs=structured, cache_salt=self.cache_salt)
         except ValueError as e:
             param = param_of(e)
             raise APIError(400, str(e), field_name if param == "structured_outputs" else param) from e

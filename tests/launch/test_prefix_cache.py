@@ -87,6 +87,24 @@ def test_repeated_prefix_is_routed_to_the_rank_that_caches_it(tiny_checkpoint):
     assert stats["prefix_cache_hits"] == cached_tokens(len(px), len(x2)) + cached_tokens(len(py), len(y2)) > 0
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(tiny_checkpoint):
+    """vLLM's cache_salt: a prompt cached under salt "a" is found again under "a" only, not under "b" nor unsalted,
+    and the unsalted one's blocks are found unsalted only; the tokens are transformers' every time."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompt = make_prompts(1, 256, 17, 17, seed=51)[0]          # 4 whole blocks before its last token
+    expected = hf_greedy(path, [prompt], MAX_NEW)[0]
+    hits = []
+    with LLM(path, attention_ranks=1, expert_ranks=1, block_size=BS) as llm:
+        for salt in ("a", "b", None, "a", None):
+            before = llm.stats()["prefix_cache_hits"]
+            out = llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, cache_salt=salt))[0]
+            assert out.token_ids == expected, salt
+            hits.append(llm.stats()["prefix_cache_hits"] - before)
+    assert hits == [0, 0, 0, 16, 16]
+    with pytest.raises(ValueError, match=r"SamplingParams\.cache_salt=''"):
+        SamplingParams(cache_salt="")
+
+
 def test_blocks_evicted_to_the_host_tier_are_restored_not_recomputed(tiny_checkpoint):
     """A 12-block device pool and a host tier. A's blocks are evicted by a prompt that fills the whole pool, so
     they live only on the host; A2 (A's prefix plus another tail) then restores them by copy: the restored count

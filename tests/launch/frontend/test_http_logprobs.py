@@ -573,6 +573,14 @@ def test_prefix_cache_counters_count_cached_tokens(served):
     q2, h2 = _prefix_counters(served)
     assert (q1 - q0, h1 - h0) == (40, 0)
     assert (q2 - q1, h2 - h1) == (40, 32)
+    # vLLM's cache_salt: the same prompt under a salt finds nothing, then its own blocks
+    hits = []
+    for _ in range(2):
+        complete(served, prompt=prompt, max_tokens=1, cache_salt="tenant-a", **GREEDY)
+        hits.append(_prefix_counters(served)[1] - h2 - sum(hits))
+    assert hits == [0, 32]
+    code, data = post(served, "/v1/completions", {"model": MODEL, "prompt": prompt, "cache_salt": ""})
+    assert code == 400 and data["error"]["param"] == "cache_salt", data
 
 
 # ----- n and best_of -------------------------------------------------------------------------------------------
