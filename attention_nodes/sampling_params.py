@@ -1,6 +1,7 @@
 """Per-request sampling parameters, checked once at construction."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from .structured import check_spec
@@ -47,7 +48,8 @@ class SamplingParams:
     cache_salt (vLLM's, a request field there): None, or a non-empty string mixed into the prefix cache's keys, so
         the request shares cached blocks only with requests of the same salt (tenants cannot probe each other's
         prompts by timing).
-    Order, as vLLM's sampler: the structured outputs' mask, allowed_token_ids, bad words, min_tokens, logit_bias,
+    Order, as vLLM's sampler: the structured outputs' mask (it commutes with the rest: a masked token stays -inf),
+    allowed_token_ids, bad words, min_tokens, logit_bias,
     repetition, frequency and presence penalties, temperature, min_p, top-k, top-p.
     """
 
@@ -158,6 +160,12 @@ class SamplingParams:
         if self.structured_outputs is not None:
             if (wrong := check_spec(self.structured_outputs)) is not None:
                 raise bad("structured_outputs", self.structured_outputs, wrong)
+            if isinstance(self.structured_outputs.get("json"), dict):   # as text: msgpack takes no huge integers
+                try:
+                    text = json.dumps(self.structured_outputs["json"], sort_keys=True)
+                except (TypeError, ValueError) as e:
+                    raise bad("structured_outputs", self.structured_outputs, f"its json schema is not JSON ({e})")
+                self.structured_outputs = dict(self.structured_outputs, json=text)
             if self.ignore_eos:
                 raise bad("ignore_eos", self.ignore_eos, "structured_outputs end at EOS once the output is complete: "
                                                          "pass False")

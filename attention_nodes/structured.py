@@ -1,8 +1,8 @@
 """Structured outputs (vLLM's `structured_outputs`): the output follows a JSON schema, any JSON object, a regular
 expression, one of a list of strings, or an EBNF grammar. xgrammar does the grammar work: it compiles a request's
 grammar against the tokenizer's vocabulary (once per rank and spec, cached), and a matcher per sequence follows its
-output and says which tokens may come next. Each step masks the others to -inf before the other logits processors
-(vLLM's order), and the tokens drawn advance the matchers.
+output and says which tokens may come next. Each step masks the others to -inf (after the other logits processors,
+which leave -inf as it is: the same as vLLM's mask before them), and the tokens drawn advance the matchers.
 
 A sequence's matcher is made the first time this rank samples for it, by replaying its output so far, so a sequence
 that arrives from elsewhere (a handover, PD, a resumed request, a fork) carries nothing. The grammar ends the
@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections import OrderedDict
 
 import torch
 
 logger = logging.getLogger("afserve")
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_COMPILED = 256                 # grammars kept compiled per process (least recently used dropped)
+COMPILER_CACHE_BYTES = 256 << 20   # xgrammar's own cache of compiled pieces
 LOST = "lost"    # Sequence.grammar of a sequence whose output left its grammar (see Grammars.accept)
 
 
@@ -30,8 +33,10 @@ def check_spec(spec) -> str | None:
     strings; and optionally vLLM's "disable_any_whitespace" (bool: JSON without whitespace between its tokens). The
     grammar itself is checked when it is compiled (`Grammars.compile`)."""
     kinds = [k for k in spec if k in KINDS] if isinstance(spec, dict) else []
-    if len(kinds) != 1 or set(spec) - {kinds[0], "disable_any_whitespace"}:
+    if len(kinds) != 1:
         return f"pass a dict with exactly one of {', '.join(KINDS)} (and optionally disable_any_whitespace)"
+    if other := sorted(set(spec) - {kinds[0], "disable_any_whitespace"}):
+        return f"{other[0]!r} is not served: pass only {kinds[0]} (and optionally disable_any_whitespace)"
     if not isinstance(spec.get("disable_any_whitespace", False), bool):
         return "disable_any_whitespace must be true or false"
     kind, value = kinds[0], spec[kinds[0]]
@@ -57,17 +62,21 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
         import xgrammar as xgr
         self._xgr = xgr
+        if tokenizer is None:
+            raise ValueError("structured outputs need the model's tokenizer, and its directory here holds none")
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(eos_token_ids))
-        self.compiler = xgr.GrammarCompiler(info)
+                                                  stop_token_ids=sorted(eos_token_ids) or None)  # None: the tokenizer's
+        self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=COMPILER_CACHE_BYTES)
         self.vocab_size = vocab_size
-        self._compiled: dict[str, object] = {}
+        self._compiled: OrderedDict[str, object] = OrderedDict()
 
     def compile(self, spec: dict):
         """The compiled grammar of a spec (`check_spec`'s shape), cached; ValueError naming the spec when xgrammar
         cannot compile it (a bad schema, regex or grammar)."""
         key = json.dumps(spec, sort_keys=True)
-        if key not in self._compiled:
+        if key in self._compiled:
+            self._compiled.move_to_end(key)
+        else:
             kind = next(k for k in spec if k in KINDS)
             value, spaces = spec[kind], not spec.get("disable_any_whitespace", False)
             c = self.compiler
@@ -87,6 +96,8 @@ class Grammars:
                 raise ValueError(f"SamplingParams.structured_outputs={spec!r} is invalid: {kind} does not compile "
                                  f"({type(e).__name__}: {e}); fix the {kind}") from e
             self._compiled[key] = compiled
+            if len(self._compiled) > MAX_COMPILED:
+                self._compiled.popitem(last=False)
         return self._compiled[key]
 
     def matcher(self, seq):

@@ -2,6 +2,7 @@
 dispatch/combine), sample, and report progress to the leader."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -24,6 +25,8 @@ from .scheduler import Scheduler
 from .sequence import Sequence, sample_ids, seeded_generator
 from .speculation import Drafter, SpecStats, SpeculativeConfig, emit
 from .structured import Grammars
+
+logger = logging.getLogger("afserve")
 
 
 class AttentionWorker:
@@ -125,6 +128,11 @@ class AttentionWorker:
         for r in requests:
             params = SamplingParams.from_dict(r["params"])
             resume = sorted((int(i), toks) for i, toks in r.get("resume", {}).items())
+            if params.structured_outputs and not self._compiles(r["id"], params):
+                self._aborted += [[i, [], "abort", None, None] for i in (
+                    [f"{r['id']}#{i}" for i, _ in resume] if resume and params.num_samples > 1 else
+                    sample_ids(r["id"], params.num_samples))]
+                continue
             sent = r.get("prompt_logprobs_sent", 0)
             for i, toks in resume or [(None, None)]:
                 arrival = self.next_arrival()
@@ -252,10 +260,22 @@ class AttentionWorker:
                                      self.inputs.sampling_columns(seqs))
         return [[t] for t in tokens], list(range(len(seqs)))
 
+    def _compiles(self, request_id: str, params: SamplingParams) -> bool:
+        """Compile a request's grammar as it arrives (the front compiled it already): False, and the log says why,
+        if this rank cannot (no tokenizer in its model directory, say); the request is then aborted, not run
+        unconstrained."""
+        try:
+            self.grammars().compile(params.structured_outputs)
+            return True
+        except Exception as e:    # noqa: BLE001 (one request's grammar must not end the rank)
+            logger.error("rank %d: request %r aborted: its structured_outputs do not compile here: %s", self.rank,
+                         request_id, e)
+            return False
+
     def grammars(self) -> Grammars:
         if self._grammars is None:
             if self._make_grammars is None:
-                raise RuntimeError(f"rank {self.rank} has no tokenizer for structured outputs")
+                raise ValueError(f"rank {self.rank} was built without structured outputs")
             self._grammars = self._make_grammars()
         return self._grammars
 

@@ -127,7 +127,10 @@ class LLM:
     def enqueue_all(self, ids: list[list[int]], params: list[SamplingParams], stream: bool = True) -> list[str]:
         """enqueue for several requests in one inbox message: the leader takes them all before its next step."""
         # checked again here, in the caller's process: a field changed after construction would fail on a rank
-        checked = [SamplingParams.from_dict(p.to_dict()).to_dict() for p in params]
+        checked = [SamplingParams.from_dict(p.to_dict()) for p in params]
+        for p in checked:
+            self.admission.check_structured(p)      # (cached when `admission` compiled it already)
+        checked = [p.to_dict() for p in checked]
         reqs = [{"id": f"req-{next(self._ids)}", "prompt": i, "params": d, "stream": stream}
                 for i, d in zip(ids, checked)]
         self._inbox.put(("add", *reqs))

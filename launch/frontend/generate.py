@@ -314,10 +314,10 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         async def events():
             try:
                 if chat:
-                    for c in choices:     # vLLM's prompt_token_ids come with the first chunk
+                    for c in choices:     # vLLM's prompt_token_ids come with each choice's first chunk
                         yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}], [c] if continuous else None,
-                                    {"prompt_token_ids": prompts[0]} if with_ids and c is choices[0] else None)
+                                    {"prompt_token_ids": prompts[0]} if with_ids else None)
                 async for c, piece, positions in _drive(eng, routes, sink):
                     new_ids = with_ids and c.num_ids_sent < len(c.stream.ids)
                     if not piece and not positions and c.finish is None and not new_ids:

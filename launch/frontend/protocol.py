@@ -182,9 +182,10 @@ class _Sampling(_Request):
                                     f"{{\"type\": \"json_object\"}} or {{\"type\": \"json_schema\", \"json_schema\": "
                                     f"{{\"schema\": {{...}}}}}}", "response_format")
         if self.structured_outputs is not None:
-            spec = {k: v for k, v in self.structured_outputs.items() if v is not None
-                    and not (k in ("disable_fallback", "disable_additional_properties") and v is False)}
-            for key in ("structural_tag", "whitespace_pattern"):
+            # vLLM's flags that change nothing here go (a fallback backend, its private fields), as do nulls
+            spec = {k: v for k, v in self.structured_outputs.items() if v is not None and not k.startswith("_")
+                    and k != "disable_fallback" and not (k == "disable_additional_properties" and v is False)}
+            for key in ("structural_tag", "whitespace_pattern", "disable_additional_properties"):
                 if key in spec:
                     raise APIError(400, f"structured_outputs.{key} is not supported; use json, json_object, regex, "
                                         f"choice or grammar", f"structured_outputs.{key}")

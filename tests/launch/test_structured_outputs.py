@@ -14,6 +14,7 @@ import torch
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.sequence import Sequence
 from attention_nodes.structured import Grammars
+from comm.control import pack, unpack
 from launch import LLM
 from tests.conftest import hf_model, make_prompts
 
@@ -102,6 +103,10 @@ def test_seeded_samples_follow_their_grammar_and_bad_specs_are_refused(tiny_chec
             SamplingParams(structured_outputs=bad)
     with pytest.raises(ValueError, match=r"SamplingParams\.ignore_eos=True.*structured_outputs"):
         SamplingParams(structured_outputs={"regex": "a+"}, ignore_eos=True)
+    # a schema travels as JSON text: msgpack (the step header to other attention ranks) takes no integer >= 2**64
+    big = SamplingParams(structured_outputs={"json": {"enum": ["a"], "default": 10**20}})
+    assert json.loads(big.structured_outputs["json"])["default"] == 10**20
+    assert unpack(pack(big.to_dict())) == big.to_dict()
     for clash in ({"min_tokens": 2}, {"allowed_token_ids": [5]}, {"bad_words_token_ids": [[5]]}):
         with pytest.raises(ValueError, match=rf"SamplingParams\.{next(iter(clash))}=.*structured_outputs"):
             SamplingParams(structured_outputs={"regex": "a+"}, **clash)
@@ -142,3 +147,24 @@ def test_a_matcher_rebuilt_from_the_output_allows_what_the_followed_one_allows(t
     rows = torch.zeros(2, vocab)
     grammars.mask(rows, [astray, moved])
     assert not torch.isinf(rows[0]).any() and torch.equal(torch.isinf(rows[1]), torch.isinf(logits[0]))
+
+
+def test_a_rank_that_cannot_compile_a_grammar_aborts_that_request_alone():
+    """A rank whose model directory has no tokenizer (a pool launched from another copy, say) cannot make the
+    grammar the front compiled: that request's samples end "abort" as it arrives, the rank and the other requests
+    go on (before, it was added, and its first sampled step raised out of the rank)."""
+    from types import SimpleNamespace
+
+    from attention_nodes.block_pool import BlockPool
+    from attention_nodes.scheduler import Scheduler
+    from attention_nodes.worker import AttentionWorker
+
+    sched = Scheduler(BlockPool(8, 4), 4, 16, enable_prefix_caching=False)
+    model = SimpleNamespace(spec=SimpleNamespace(eos_token_ids=(2,)))
+    worker = AttentionWorker(0, model, SimpleNamespace(block_size=4, num_blocks=8), sched, None, 64,
+                             torch.device("cpu"), grammars=lambda: Grammars(None, 320, [2]))
+    structured = SamplingParams(n=2, structured_outputs={"regex": "a+"})
+    worker.add_requests([{"id": "s", "prompt": [5, 6], "params": structured.to_dict()},
+                         {"id": "p", "prompt": [5, 6], "params": SamplingParams().to_dict()}])
+    assert worker._aborted == [["s#0", [], "abort", None, None], ["s#1", [], "abort", None, None]]
+    assert [s.request_id for s in sched.waiting] == ["p"]

@@ -331,6 +331,10 @@ def test_token_ids_beside_the_text_and_tokens_named_by_id(served):
     assert code == 200 and chunks[0]["prompt_token_ids"] == chat_ids(tok, CHAT)
     assert all("prompt_token_ids" not in c for c in chunks[1:])
     assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == chat_plain
+    code, chunks = post(served, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2, "n": 2,
+                                                         "stream": True, "return_token_ids": True, **GREEDY})
+    firsts = [c for c in chunks if "prompt_token_ids" in c]        # each choice's first chunk, as vLLM
+    assert code == 200 and sorted(c["choices"][0]["index"] for c in firsts) == [0, 1], firsts
     # tokens named by id
     lp = complete(served, prompt=PROMPT, max_tokens=8, logprobs=2, echo=True, return_tokens_as_token_ids=True,
                   **GREEDY)["choices"][0]["logprobs"]
@@ -361,12 +365,17 @@ def test_structured_outputs_from_every_field_that_sets_them(served):
                          ({"response_format": {"type": "json_object"}}, "json_object"),
                          ({"guided_choice": ["red", "green", "blue"]}, "choice"),
                          ({"structured_outputs": {"choice": ["red", "green", "blue"], "json": None,
-                                                  "disable_fallback": False}}, "choice")):
+                                                  "disable_fallback": True, "_backend": None,
+                                                  "disable_additional_properties": False}}, "choice")):
         choice = complete(served, **base, **fields)["choices"][0]
         assert (choice["text"], choice["finish_reason"]) == (want[case], "stop"), (fields, choice)
     code, chunks = post(served, "/v1/completions", {"model": MODEL, **base, "guided_regex": r"[0-9]{3}-[a-z]{2}",
                                                      "stream": True})
     assert code == 200 and "".join(c["choices"][0]["text"] for c in chunks) == want["regex"]
+    # a schema holding an integer msgpack cannot carry travels as text: answered, and the engine goes on
+    code, data = post(served, "/v1/completions", {"model": MODEL, **base, "max_tokens": 2,
+                                                  "guided_json": {"enum": ["yes", "no"], "default": 10**20}})
+    assert code == 200 and data["choices"][0]["text"] in ('"', '"y', '"n'), data
     chat = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "temperature": 0}
     code, data = post(served, "/v1/chat/completions", {**chat, "response_format": {
         "type": "json_schema", "json_schema": {"name": "a", "schema": YES_NO}}})
@@ -379,6 +388,8 @@ def test_structured_outputs_from_every_field_that_sets_them(served):
                            "response_format"),
                           ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag"),
                           ({"structured_outputs": {"yaml": "a"}}, "structured_outputs"),
+                          ({"structured_outputs": {"regex": "a+", "disable_additional_properties": True}},
+                           "structured_outputs.disable_additional_properties"),
                           ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos")):
         code, data = post(served, "/v1/completions", {"model": MODEL, **base, **fields})
         assert code == 400 and data["error"]["param"] == param, (fields, data)
