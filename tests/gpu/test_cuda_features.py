@@ -1,6 +1,6 @@
 """Features built since the last GPU run, on a real GPU (skipped without one; scripts/gpu_check.sh runs these on a
-lent GPU), every rank on GPU 0 through cuda_ipc: PD with streamed KV, n-gram speculative decoding, and the
-sync audit of a decode step with in-band row counts (on by default with cuda_ipc)."""
+lent GPU), every rank on GPU 0 through cuda_ipc: PD with streamed KV, n-gram speculative decoding, the sync audit of
+a decode step with in-band row counts (on by default with cuda_ipc), and structured outputs."""
 from __future__ import annotations
 
 import pytest
@@ -62,3 +62,20 @@ def test_a_decode_step_reads_back_only_the_sampled_ids_on_one_gpu(tiny_checkpoin
     assert attention["max_per_decode_step"] == 1 and set(attention["sites"]) == {site}, attention
     for r in ("1", "2"):
         assert ranks[r]["host_syncs"]["max_per_decode_step"] == 0, ranks[r]["host_syncs"]
+
+
+def test_structured_outputs_on_one_gpu(tiny_checkpoint):
+    """xgrammar's mask on CUDA logits (its bitmask copied to the device): greedy outputs equal transformers'
+    greedy generate under the test's own matcher, as on the CPU (tests/launch/test_structured_outputs.py)."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import hf_model
+    from tests.launch.test_structured_outputs import CASES, MAX_NEW as STRUCTURED_NEW, _hf_constrained
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(len(CASES), 256, 4, 12, seed=32)
+    with LLM(path, attention_ranks=1, expert_ranks=1, **GPU) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=STRUCTURED_NEW, structured_outputs=spec)
+                                      for spec, _ in CASES])
+    tok, model = AutoTokenizer.from_pretrained(path), hf_model(path)
+    for prompt, (spec, compile_fn), out in zip(prompts, CASES, outs):
+        assert out.token_ids == _hf_constrained(model, tok, prompt, compile_fn, STRUCTURED_NEW), spec
