@@ -217,13 +217,14 @@ class Ahead:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eos: frozenset[int]
-         ) -> tuple[list[list[int]], list[int]]:
+def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eos: frozenset[int],
+         grammars=None) -> tuple[list[list[int]], list[int]]:
     """Verify one step's sampled rows -> (tokens emitted per sequence, the logit row of each one's first token).
 
     logits: `[R, V]` raw, R = sum(1 + len(d)): per sequence in order, its 1 + d rows. Everything runs on the
     device up to the step's one host read of the emitted tokens and their counts (device drafts are read earlier
-    only for a request whose logits are shaped by the tokens before them: penalties, min_tokens, bad words)."""
+    only for a request whose logits are shaped by the tokens before them: penalties, min_tokens, bad words, a
+    grammar). grammars: the rank's structured.Grammars, when a sequence has structured outputs."""
     counts = [len(d) for d in drafts]
     first_rows = np.cumsum([0] + [1 + d for d in counts[:-1]]).tolist()
     shown = [d.read() if isinstance(d, DeviceDrafts) and s.params.reads_history else d for s, d in zip(seqs, drafts)]
@@ -232,6 +233,8 @@ def emit(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], eo
     views = [Ahead(s.params, s.token_ids + d[:j], s.num_prompt_tokens, allowed.get(id(s)))
              if j and s.params.reads_history else s for s, d in zip(seqs, shown) for j in range(len(d) + 1)]
     shaped = shape_logits(logits.float(), views, eos)
+    if grammars is not None:
+        grammars.mask_drafts(shaped, seqs, shown)
     B, k, dev = len(seqs), max(counts), logits.device
     # [B, k + 1] row of each position (positions past a request's drafts repeat its last row; they are not read)
     host_index = [[r + min(j, d) for j in range(k + 1)] for r, d in zip(first_rows, counts)]

@@ -121,6 +121,37 @@ class Grammars:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=self.vocab_size, indices=rows)
 
+    def mask_drafts(self, logits: torch.Tensor, seqs: list, drafts: list[list[int]]) -> None:
+        """Speculative verification's rows `[R, V]`, per sequence 1 + len(its drafts) (host lists): row j of a
+        structured sequence gets the mask of its grammar after its first j drafts, in place. The matcher goes
+        through them and back; a draft the grammar refuses ends its rows there (verification rejects it at the row
+        before, which excludes it, so the rows after are never read)."""
+        rows, at = [], 0
+        for s, d in zip(seqs, drafts):
+            if s.params.structured_outputs and self.matcher(s) is not LOST:
+                rows.append((s, d, at))
+            at += 1 + len(d)
+        if not rows:
+            return
+        xgr = self._xgr
+        bitmask = xgr.allocate_token_bitmask(at, self.vocab_size)
+        filled = []
+        for s, d, first in rows:
+            m = s.grammar
+            m.fill_next_token_bitmask(bitmask, first)
+            filled.append(first)
+            taken = 0
+            for j, t in enumerate(d, start=1):
+                if not m.accept_token(t):
+                    break
+                taken += 1
+                m.fill_next_token_bitmask(bitmask, first + j)
+                filled.append(first + j)
+            if taken:
+                m.rollback(taken)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=self.vocab_size, indices=filled)
+
     @staticmethod
     def accept(seq, tokens: list[int]) -> None:
         """Advance seq's matcher (if this rank made one) over the tokens it emitted. A token the grammar does not

@@ -251,10 +251,11 @@ class AttentionWorker:
         (attention_nodes/speculation.py)."""
         if not seqs:
             return [], []
+        structured = any(q.params.structured_outputs for q in seqs)
         if any(drafts):
-            return emit(logits, seqs, drafts, self.eos)
+            return emit(logits, seqs, drafts, self.eos, self.grammars() if structured else None)
         shaped = shape_logits(logits.float(), seqs, self.eos)
-        if any(q.params.structured_outputs for q in seqs):
+        if structured:
             self.grammars().mask(shaped, seqs)
         tokens = self.sampler.sample(shaped, [q.params for q in seqs], [q.generator for q in seqs],
                                      self.inputs.sampling_columns(seqs))

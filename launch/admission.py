@@ -35,11 +35,10 @@ class Admission:
     """The checks of one engine, once its limits are known (the leader's start-up report)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_num_seqs: int, max_model_len: int, kv_capacity_tokens: int,
-                 eos_token_ids: tuple[int, ...] = (), speculative: bool = False):
+                 eos_token_ids: tuple[int, ...] = ()):
         self.tokenizer, self.vocab_size, self.max_num_seqs = tokenizer, vocab_size, max_num_seqs
         self.max_model_len, self.kv_capacity_tokens = max_model_len, kv_capacity_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.speculative = speculative       # the engine drafts tokens (structured outputs are not verified then)
         self._grammars: Grammars | None = None
 
     def prompt_ids(self, prompt, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
@@ -96,16 +95,13 @@ class Admission:
 
     def check_structured(self, params: SamplingParams) -> None:
         """ValueError naming structured_outputs unless its grammar compiles against this model's tokenizer (the
-        ranks compile it again, from the same spec) and the engine does not draft tokens."""
+        ranks compile it again, from the same spec)."""
         spec = params.structured_outputs
         if spec is None:
             return
         if self.tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs the model's tokenizer, and this checkpoint has "
                              "none; add its tokenizer files or leave structured_outputs out")
-        if self.speculative:
-            raise ValueError("SamplingParams.structured_outputs is not supported with speculative decoding (drafts "
-                             "are not checked against the grammar); serve without speculative_config")
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._grammars.compile(spec)

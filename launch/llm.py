@@ -98,8 +98,7 @@ class LLM:
         self.max_model_len = info["max_model_len"]
         self.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
         self.admission = Admission(self.tokenizer, self.spec.vocab_size, self.config.scheduler.max_num_seqs,
-                                   self.max_model_len, self.kv_capacity_tokens, self.spec.eos_token_ids,
-                                   self.config.scheduler.speculative is not None)
+                                   self.max_model_len, self.kv_capacity_tokens, self.spec.eos_token_ids)
 
     @property
     def is_leader(self) -> bool:

@@ -83,6 +83,26 @@ def test_greedy_structured_outputs_equal_transformers_under_the_same_grammar(tin
         assert set(got) == {"answer", "n"} and got["answer"] in ("yes", "no") and isinstance(got["n"], int)
 
 
+def test_greedy_structured_outputs_with_ngram_drafts_equal_transformers(tiny_checkpoint):
+    """Speculative verification masks each draft position with the grammar after the drafts before it: greedy
+    outputs under ngram drafts equal transformers' under the same grammar, with drafts both accepted and rejected
+    (the prompts hold text in the grammars' shapes, for prompt lookup to propose)."""
+    from transformers import AutoTokenizer
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    texts = ['{"answer": "no", "n": 0} {"answer": "yes", "n": 12}', '{"a": {"b": []}} {"c": 1}',
+             "123-ab 404-zz 123-ab", "green red blue \"x\" red", "(abc) (def) none (abc)"]
+    prompts = [tok.encode(t) for t in texts]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with LLM(path, attention_ranks=1, expert_ranks=1, speculative_config=ngram) as llm:
+        outs = llm.generate(prompts, [SamplingParams(max_tokens=MAX_NEW, structured_outputs=spec) for spec, _ in CASES])
+        spec_stats = llm.stats()["spec_decode"]
+    model = hf_model(path)
+    for prompt, (spec, compile_fn), out in zip(prompts, CASES, outs):
+        assert out.token_ids == _hf_constrained(model, tok, prompt, compile_fn, MAX_NEW), spec
+    assert 0 < spec_stats["num_accepted_tokens"] < spec_stats["num_draft_tokens"], spec_stats
+
+
 def test_seeded_samples_follow_their_grammar_and_bad_specs_are_refused(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_moe")
     pattern = r"[0-9]{2,4}-[a-z]{2}"
