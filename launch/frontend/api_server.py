@@ -34,16 +34,9 @@ from .access_log import ACCESS_LOGGER, AccessLog, access_record
 from .engine_client import EngineClient
 from .generate import check_model, check_request, respond, sampling_params
 from .metrics import Metrics, scrape
-from .protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DrainRequest,
-    TokenizeRequest,
-)
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DrainRequest
 from .text import TextStream
-from .tokens import chat_text, detokenize, prompt_ids, tokenize, was_cut
+from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
 

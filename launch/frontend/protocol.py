@@ -1,5 +1,5 @@
-"""OpenAI-compatible request shapes for the HTTP front (launch/frontend/api_server.py), plus vLLM's /tokenize and
-/detokenize.
+"""OpenAI-compatible request shapes for the HTTP front (launch/frontend/api_server.py); vLLM's /tokenize and
+/detokenize bodies are in launch/frontend/tokens.py.
 
 Requests are pydantic models in strict mode, so a wrong JSON type is a 400 that names the field, and the
 server's OpenAPI schema (which the fuzz test reads) says exactly what is accepted. Fields that OpenAI
@@ -379,40 +379,6 @@ class ChatCompletionRequest(_Sampling):
 
 def _conversation(messages: list[ChatMessage]) -> list[dict]:
     return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
-
-
-class TokenizeRequest(_Request):
-    """POST /tokenize, vLLM's two shapes in one model: {"prompt"} (its TokenizeCompletionRequest) or
-    {"messages"} (its TokenizeChatRequest, through the chat template)."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: bool | None = None   # None: True for a prompt, False for messages (vLLM's defaults)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    return_token_strs: bool = False
-    chat_template_kwargs: dict | None = None     # vLLM's, as on chat
-    documents: list[dict] | None = None
-
-    def check(self) -> None:
-        """A 400 unless exactly one of prompt and messages is given, with template options that agree."""
-        if (self.prompt is None) == (self.messages is None):
-            raise APIError(400, "pass exactly one of 'prompt' (a string) and 'messages' (a chat)",
-                           "prompt" if self.prompt is not None else "messages")
-        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
-            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
-                                "add_generation_prompt to false", "continue_final_message")
-
-    def conversation(self) -> list[dict]:
-        return _conversation(self.messages)
-
-
-class DetokenizeRequest(_Request):
-    """POST /detokenize (vLLM's shape): token ids -> {"prompt": text}."""
-
-    model: str | None = None
-    tokens: list[TokenId]
 
 
 class DrainRequest(_Request):

@@ -2,7 +2,45 @@
 /tokenize and /detokenize, which show a client exactly those ids."""
 from __future__ import annotations
 
-from .protocol import APIError, DetokenizeRequest, TokenizeRequest
+from typing import Annotated
+
+from pydantic import Field
+
+from .protocol import APIError, ChatMessage, TokenId, _conversation, _Request
+
+
+class TokenizeRequest(_Request):
+    """POST /tokenize, vLLM's two shapes in one model: {"prompt"} (its TokenizeCompletionRequest) or
+    {"messages"} (its TokenizeChatRequest, through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None   # None: True for a prompt, False for messages (vLLM's defaults)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict | None = None     # vLLM's, as on chat
+    documents: list[dict] | None = None
+
+    def check(self) -> None:
+        """A 400 unless exactly one of prompt and messages is given, with template options that agree."""
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "pass exactly one of 'prompt' (a string) and 'messages' (a chat)",
+                           "prompt" if self.prompt is not None else "messages")
+        if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
+                                "add_generation_prompt to false", "continue_final_message")
+
+    def conversation(self) -> list[dict]:
+        return _conversation(self.messages)
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's shape): token ids -> {"prompt": text}."""
+
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 def prompt_ids(llm, prompt, param: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
