@@ -22,13 +22,18 @@ def _check_positive_int(name: str, value) -> None:
         raise ValueError(f"BlockPool {name}={value!r} is invalid: pass an integer >= 1")
 
 
-def hash_block(parent: int | None, token_ids: Sequence[int]) -> int:
-    """The key of a full block: 64 bits of BLAKE2b over the parent block's key and this block's token ids.
-    The same in every process (Python's own hash of a tuple is too, but it is 61 bits on some builds and not
-    meant to be collision-resistant)."""
+def hash_block(parent: int | None, token_ids: Sequence[int], salt: str | None = None) -> int:
+    """The key of a full block: 64 bits of BLAKE2b over the parent block's key and this block's token ids; a
+    salted chain's first block (salt: its request's cache_salt) hashes the salt instead of a parent, under a marker
+    of its own, so its key cannot be any unsalted chain's. The same in every process (Python's own hash of a tuple
+    is too, but it is 61 bits on some builds and not meant to be collision-resistant)."""
     h = hashlib.blake2b(digest_size=8)
-    h.update((parent if parent is not None else 0).to_bytes(8, "little"))
-    h.update(b"\x01" if parent is not None else b"\x00")
+    if salt is not None:
+        data = salt.encode()
+        h.update(b"\x02" + len(data).to_bytes(8, "little") + data)
+    else:
+        h.update((parent if parent is not None else 0).to_bytes(8, "little"))
+        h.update(b"\x01" if parent is not None else b"\x00")
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
 
@@ -37,13 +42,13 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, known: list[int] | N
                  limit: int | None = None, salt: str | None = None) -> list[int]:
     """Keys of the full blocks of token_ids (at most `limit` of them), extending `known` (the keys already
     computed for a prefix of the same tokens) in place when it is given. salt (a request's cache_salt, vLLM's):
-    mixed into the first block's key, so the chain, and so the cache, is shared only by requests with the same."""
+    in the first block's key, so the chain, and so the cache, is shared only by requests with the same."""
     keys = known if known is not None else []
     n = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
-    first = None if salt is None else int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
     while len(keys) < n:
         i = len(keys)
-        keys.append(hash_block(keys[-1] if keys else first, token_ids[i * block_size:(i + 1) * block_size]))
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        keys.append(hash_block(keys[-1], block) if keys else hash_block(None, block, salt))
     return keys
 
 

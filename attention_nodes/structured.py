@@ -145,6 +145,8 @@ class Grammars:
                 if not m.accept_token(t):
                     break
                 taken += 1
+                if m.is_terminated():    # a draft EOS that ends the output: nothing follows it to mask
+                    break
                 m.fill_next_token_bitmask(bitmask, first + j)
                 filled.append(first + j)
             if taken:

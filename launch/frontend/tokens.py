@@ -2,6 +2,7 @@
 /tokenize and /detokenize, which show a client exactly those ids."""
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 from pydantic import Field
@@ -85,17 +86,16 @@ def chat_ids(tok, body, model_name: str, continue_final: bool = False, add_speci
     return tok.encode(chat_text(tok, body, model_name, continue_final), add_special_tokens=add_special_tokens)
 
 
-# apply_chat_template's own arguments, which chat_template_kwargs may not set (its template variables it may)
-_NOT_TEMPLATE_VARIABLES = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
-                                     "tools", "padding", "truncation", "max_length", "tokenizer_kwargs",
-                                     "return_assistant_tokens_mask"})
+# apply_chat_template's own arguments that chat_template_kwargs may set (vLLM's); its others it may not
+_TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message", "documents"})
 
 
-def template_kwargs(body) -> dict:
+def template_kwargs(tok, body) -> dict:
     """vLLM's chat_template_kwargs (variables the chat template reads, e.g. Qwen3's enable_thinking; they may also
     set add_generation_prompt or continue_final_message) and documents (RAG templates read them), checked."""
     extra = dict(body.chat_template_kwargs or {})
-    taken = sorted(set(extra) & _NOT_TEMPLATE_VARIABLES)
+    own = set(inspect.signature(tok.apply_chat_template).parameters) - _TEMPLATE_OPTIONS - {"kwargs"}
+    taken = sorted(set(extra) & own)
     if taken:
         raise APIError(400, f"chat_template_kwargs sets {taken[0]!r}, which is not a chat template variable; leave "
                             f"it out", "chat_template_kwargs")
@@ -111,7 +111,7 @@ def chat_text(tok, body, model_name: str, continue_final: bool = False) -> str:
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, f"model {model_name!r} has no tokenizer chat template; use /v1/completions")
     options = {"add_generation_prompt": body.add_generation_prompt} | (
-        {"continue_final_message": True} if continue_final else {}) | template_kwargs(body)
+        {"continue_final_message": True} if continue_final else {}) | template_kwargs(tok, body)
     try:
         text = tok.apply_chat_template(body.conversation(), tokenize=False, **options)
     except Exception as e:   # a template may reject a conversation (roles, order): the client's to fix

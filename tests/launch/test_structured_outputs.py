@@ -188,3 +188,38 @@ def test_a_rank_that_cannot_compile_a_grammar_aborts_that_request_alone():
                          {"id": "p", "prompt": [5, 6], "params": SamplingParams().to_dict()}])
     assert worker._aborted == [["s#0", [], "abort", None, None], ["s#1", [], "abort", None, None]]
     assert [s.request_id for s in sched.waiting] == ["p"]
+
+
+def test_draft_rows_follow_the_drafts_and_leave_the_matcher_as_it_was(tiny_checkpoint):
+    """mask_drafts: row j is the grammar's mask after the first j drafts; a draft the grammar refuses ends the
+    masking there; a draft EOS that completes the output ends it too (xgrammar refuses a mask after it: the step
+    used to raise); the matcher is where it was before."""
+    from transformers import AutoTokenizer
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = hf_model(path).config.vocab_size
+    grammars = Grammars(tok, vocab, [tok.eos_token_id])
+    params = SamplingParams(max_tokens=16, structured_outputs={"choice": ["ab", "abc"]})
+    word = tok.encode("abc", add_special_tokens=False)
+
+    def alone(seq) -> torch.Tensor:      # the one-row mask of seq as it stands
+        row = torch.zeros(1, vocab)
+        grammars.mask(row, [seq])
+        return torch.isinf(row[0])
+
+    seq = Sequence.from_request("a", [5, 6], params, 0)
+    before = alone(seq)
+    drafts = [*word, tok.eos_token_id, 7]
+    rows = torch.zeros(1 + len(drafts), vocab)
+    grammars.mask_drafts(rows, [seq], [drafts])
+    ahead = Sequence.from_request("b", [5, 6], params, 1)
+    for j in range(len(word) + 1):
+        ahead.token_ids = [5, 6] + word[:j]
+        ahead.grammar = None
+        assert torch.equal(torch.isinf(rows[j]), alone(ahead)), j
+    assert not torch.isinf(rows[len(word) + 1:]).any()      # past the EOS: not masked, never read
+    assert torch.equal(alone(seq), before)
+    refused = torch.zeros(3, vocab)
+    grammars.mask_drafts(refused, [seq], [[tok.encode("z", add_special_tokens=False)[0], word[0]]])
+    assert torch.isinf(refused[0]).any() and not torch.isinf(refused[1:]).any()
+    assert torch.equal(alone(seq), before)
