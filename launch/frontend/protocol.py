@@ -135,6 +135,10 @@ class _Sampling(_Request):
     guided_grammar: str | None = None
     return_tokens_as_token_ids: bool | None = None   # vLLM's: logprobs name each token "token_id:N"
 
+    def ignored_fields(self) -> list[str]:
+        """As _Request's, less vLLM's fields that REFUSED_EXTRAS takes at their defaults (vLLM knows them)."""
+        return [f for f in super().ignored_fields() if f not in REFUSED_EXTRAS]
+
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for every set field this server does not implement: its own, and other servers' extensions
         that would change the output (REFUSED_EXTRAS) when set to other than their defaults."""

@@ -511,11 +511,15 @@ def test_logit_bias_in_chat_acts_as_in_generate(served):
         served.tokenizer.decode([t]) for t in want.token_ids]
 
 
-def test_output_changing_extensions_at_their_defaults_are_taken(served):
-    """vLLM's fields that this server refuses when they would change the output pass at their defaults."""
-    got = complete(served, prompt=PROMPT, max_tokens=2, use_beam_search=False, priority=0, logits_processors=None,
-                   **GREEDY)
+def test_output_changing_extensions_at_their_defaults_are_taken(served, caplog):
+    """vLLM's fields that this server refuses when they would change the output pass at their defaults, and are
+    not called ignored (vLLM knows them)."""
+    with caplog.at_level("WARNING", logger="afserve.http"):
+        got = complete(served, prompt=PROMPT, max_tokens=2, use_beam_search=False, priority=0, logits_processors=None,
+                       zz_unknown=1, **GREEDY)
     assert got["choices"][0]["finish_reason"] == "length"
+    warned = [r.getMessage() for r in caplog.records if "were present in the request but ignored" in r.getMessage()]
+    assert len(warned) == 1 and "'zz_unknown'" in warned[0] and "priority" not in warned[0], warned
 
 
 @pytest.mark.parametrize("path, fields, param", [
