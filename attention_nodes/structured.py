@@ -82,8 +82,7 @@ class Grammars:
             c = self.compiler
             try:
                 if kind == "json":
-                    compiled = c.compile_json_schema(value if isinstance(value, str) else json.dumps(value),
-                                                     any_whitespace=spaces)
+                    compiled = c.compile_json_schema(value, any_whitespace=spaces)     # its text, or a dict
                 elif kind == "json_object":      # any JSON object (vLLM's json_object, and OpenAI's JSON mode)
                     compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=spaces)
                 elif kind == "regex":
@@ -110,22 +109,15 @@ class Grammars:
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
         """logits `[R, V]` (row i samples seqs[i]): the tokens each structured row's grammar does not allow next
-        become -inf, in place. One host-built bitmask, copied to the logits' device."""
-        rows = [i for i, s in enumerate(seqs) if s.params.structured_outputs and self.matcher(s) is not LOST]
-        if not rows:
-            return
-        xgr = self._xgr
-        bitmask = xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        for i in rows:
-            seqs[i].grammar.fill_next_token_bitmask(bitmask, i)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=self.vocab_size, indices=rows)
+        become -inf, in place (`mask_drafts` without drafts)."""
+        self.mask_drafts(logits, seqs, [[]] * len(seqs))
 
     def mask_drafts(self, logits: torch.Tensor, seqs: list, drafts: list[list[int]]) -> None:
         """Speculative verification's rows `[R, V]`, per sequence 1 + len(its drafts) (host lists): row j of a
-        structured sequence gets the mask of its grammar after its first j drafts, in place. The matcher goes
-        through them and back; a draft the grammar refuses ends its rows there (verification rejects it at the row
-        before, which excludes it, so the rows after are never read)."""
+        structured sequence gets the mask of its grammar after its first j drafts, in place; one host-built bitmask,
+        copied to the logits' device. The matcher goes through the drafts and back; a draft the grammar refuses ends
+        its rows there (verification rejects it at the row before, which excludes it, so the rows after are never
+        read)."""
         rows, at = [], 0
         for s, d in zip(seqs, drafts):
             if s.params.structured_outputs and self.matcher(s) is not LOST:

@@ -129,9 +129,9 @@ class AttentionWorker:
             params = SamplingParams.from_dict(r["params"])
             resume = sorted((int(i), toks) for i, toks in r.get("resume", {}).items())
             if params.structured_outputs and not self._compiles(r["id"], params):
-                self._aborted += [[i, [], "abort", None, None] for i in (
-                    [f"{r['id']}#{i}" for i, _ in resume] if resume and params.num_samples > 1 else
-                    sample_ids(r["id"], params.num_samples))]
+                ids = sample_ids(r["id"], params.num_samples)
+                ids = [ids[i] for i, _ in resume] if resume else ids      # a resumed request: its open samples
+                self._aborted += [[i, [], "abort", None, None] for i in ids]
                 continue
             sent = r.get("prompt_logprobs_sent", 0)
             for i, toks in resume or [(None, None)]:

@@ -86,8 +86,8 @@ def prompt_logprobs(names: TokenNames, prompt: list[int], scores: list, k: int) 
         entry, count = scores[i]
         rank = vllm_rank(entry, token, count, k)
         shown = {str(token): {"logprob": _floor(entry[token]), "rank": rank, "decoded_token": names(token)}}
-        for i, (t, lp) in enumerate(list(entry.items())[:k]):
-            shown.setdefault(str(t), {"logprob": _floor(lp), "rank": i + 1, "decoded_token": names(t)})
+        for j, (t, lp) in enumerate(list(entry.items())[:k]):
+            shown.setdefault(str(t), {"logprob": _floor(lp), "rank": j + 1, "decoded_token": names(t)})
         out.append(shown)
     return out
 
