@@ -11,8 +11,8 @@ connect it to an engine and disconnect it. The parts live beside it:
   text.py           `TextStream`: incremental detokenisation, stop strings, where each token's text sits
   metrics.py        `Metrics` and the /metrics scrape
   access_log.py     the access log (one line per request)
-  protocol.py       request shapes and `APIError`
-Request fields no model in protocol.py defines are ignored, with one warning per request naming them.
+  protocol.py       request shapes and `APIError`; chat.py the chat completions' shapes
+Request fields no model in protocol.py or chat.py defines are ignored, with one warning per request naming them.
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ from .access_log import ACCESS_LOGGER, AccessLog, access_record
 from .engine_client import EngineClient
 from .generate import check_model, check_request, respond, sampling_params
 from .metrics import Metrics, scrape
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DrainRequest
+from .chat import ChatCompletionRequest
+from .protocol import APIError, CompletionRequest, DrainRequest
 from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 

@@ -1,5 +1,5 @@
-"""OpenAI-compatible request shapes for the HTTP front (launch/frontend/api_server.py); vLLM's /tokenize and
-/detokenize bodies are in launch/frontend/tokens.py.
+"""OpenAI-compatible request shapes for the HTTP front (launch/frontend/api_server.py); chat completions' own are
+in launch/frontend/chat.py, vLLM's /tokenize and /detokenize bodies in launch/frontend/tokens.py.
 
 Requests are pydantic models in strict mode, so a wrong JSON type is a 400 that names the field, and the
 server's OpenAPI schema (which the fuzz test reads) says exactly what is accepted. Fields that OpenAI
@@ -14,7 +14,7 @@ skip_special_tokens, spaces_between_special_tokens, add_special_tokens, truncate
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, get_args
+from typing import Annotated, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -309,80 +309,6 @@ class CompletionRequest(_Sampling):
             raise APIError(400, "prompt is empty: pass a string, a list of token ids, or a list of either",
                            "prompt")
         return list(p)
-
-
-class TextPart(_Request):
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def text(self, index: int) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise APIError(400, f"messages[{index}] has a content part of type {part.type!r}; this server "
-                                    f"takes text parts only", f"messages.{index}.content")
-            parts.append(part.text)
-        return "".join(parts)
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: NumLogprobs | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False     # vLLM's: the last (assistant) message is continued, left open
-    add_special_tokens: bool = False     # vLLM's: the templated text gets the tokenizer's special tokens too
-    chat_template_kwargs: dict | None = None     # vLLM's: variables the chat template reads
-    documents: list[dict] | None = None          # vLLM's: for templates that read documents
-    chat_template: str | None = None             # vLLM's; refused (the checkpoint's template is used)
-    echo: bool = False                           # vLLM's chat echo; refused
-
-    def unsupported(self) -> list[tuple[str, str]]:
-        out = super().unsupported()
-        if self.continue_final_message and self.add_generation_prompt:
-            out.append(("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
-                                                  "true; set add_generation_prompt to false"))
-        if self.top_logprobs and not self.logprobs:
-            out.append(("top_logprobs", f"top_logprobs={self.top_logprobs} needs logprobs=true; set logprobs or "
-                                        "leave top_logprobs out"))
-        if self.chat_template is not None:
-            out.append(("chat_template", "a chat template per request is not served (vLLM too refuses it by "
-                                         "default); the checkpoint's template is used: leave chat_template out"))
-        if self.echo:
-            out.append(("echo", "echo on chat is not supported; leave it out (on /v1/completions echo returns the "
-                                "prompt)"))
-        if self.tools:
-            out.append(("tools", "tool calling is not supported; leave tools out"))
-        if self.tool_choice not in (None, "none"):
-            out.append(("tool_choice", "tool calling is not supported; leave tool_choice out"))
-        return out
-
-    def limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    def logprob_counts(self) -> tuple[int | None, int | None]:
-        return (self.top_logprobs or 0) if self.logprobs else None, self.prompt_logprobs
-
-    def conversation(self) -> list[dict]:
-        return _conversation(self.messages)
-
-
-def _conversation(messages: list[ChatMessage]) -> list[dict]:
-    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
 
 
 class DrainRequest(_Request):

@@ -7,7 +7,8 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .protocol import APIError, ChatMessage, TokenId, _conversation, _Request
+from .chat import ChatMessage, conversation
+from .protocol import APIError, TokenId, _Request
 
 
 class TokenizeRequest(_Request):
@@ -34,7 +35,7 @@ class TokenizeRequest(_Request):
                                 "add_generation_prompt to false", "continue_final_message")
 
     def conversation(self) -> list[dict]:
-        return _conversation(self.messages)
+        return conversation(self.messages)
 
 
 class DetokenizeRequest(_Request):

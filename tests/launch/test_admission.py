@@ -9,7 +9,8 @@ from tokenizers import processors
 
 from attention_nodes.sampling_params import SamplingParams
 from launch.admission import Admission
-from launch.frontend.protocol import APIError, ChatCompletionRequest
+from launch.frontend.chat import ChatCompletionRequest
+from launch.frontend.protocol import APIError
 from launch.frontend.tokens import bad_words_ids, chat_ids
 from models.tiny import TINY_VOCAB, save_tiny_tokenizer
 

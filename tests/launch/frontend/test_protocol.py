@@ -5,7 +5,8 @@ import pytest
 from pydantic import ValidationError
 
 from launch.admission import generation_defaults
-from launch.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from launch.frontend.chat import ChatCompletionRequest
+from launch.frontend.protocol import CompletionRequest
 
 
 def test_null_for_an_optional_field_means_its_default():
