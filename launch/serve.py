@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the project i
 from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.llm import LLM
+from launch.frontend.tools import PARSERS
 from launch.procs import leave_process
 from launch.runtime import follow, lead
 
@@ -110,7 +111,8 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     front = None
     if _leads(args):   # the HTTP front in its own process, listening before the weights load
         from launch.frontend.process import FrontProcess
-        front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs)
+        front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs,
+                             args.tool_call_parser if args.enable_auto_tool_choice else None)
     llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -163,6 +165,12 @@ def main(argv=None) -> int:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--served-model-name", default=None, help="the model id clients pass (default: the directory "
                                                               "name of --model)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve tool_choice 'auto' (the default when a chat request has tools): the model decides "
+                        "whether to call a tool and --tool-call-parser finds the calls in its text (vLLM's flag)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how tool_choice 'auto' finds calls in the output: hermes (<tool_call>{json}</tool_call>, "
+                        "Hermes and Qwen models); needed by --enable-auto-tool-choice")
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
@@ -170,6 +178,8 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 0))
     if not world:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        p.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(PARSERS)})")
     if (args.role is None) != (args.pool_addr is None):
         p.error("--role and --pool-addr go together: separate pool launches need both, a single launch neither")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -83,10 +83,13 @@ def make_tiny_checkpoint(arch: str, path: str | os.PathLike, seed: int = 0, max_
     return os.fspath(path)
 
 
-# A minimal chat format of our own: each message as "<s>role\ncontent</s>\n", then "<s>assistant\n" to answer.
+# A minimal chat format of our own: each message as "<s>role\ncontent</s>\n", then "<s>assistant\n" to answer;
+# tools first as a system turn of their JSON, and an assistant turn's calls in Hermes' form after its content.
 TINY_CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+    "{% if tools %}<s>system\ntools: {{ tools | tojson }}</s>\n{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}</s>\n"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 
 
 def save_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = TINY_VOCAB) -> None:

@@ -11,7 +11,8 @@ connect it to an engine and disconnect it. The parts live beside it:
   text.py           `TextStream`: incremental detokenisation, stop strings, where each token's text sits
   metrics.py        `Metrics` and the /metrics scrape
   access_log.py     the access log (one line per request)
-  protocol.py       request shapes and `APIError`; chat.py the chat completions' shapes
+  protocol.py       request shapes and `APIError`; chat.py the chat completions' shapes, tools among them
+  tools.py          tool calls in chat answers (named, required, auto through a parser)
 Request fields no model in protocol.py or chat.py defines are ignored, with one warning per request naming them.
 """
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .metrics import Metrics, scrape
 from .chat import ChatCompletionRequest
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .text import TextStream
+from .tools import ToolPlan
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
@@ -60,10 +62,13 @@ class _ServerState:
         return self.model_name, self.model_path
 
 
-def build_app(model_name: str, model_path: str, api_key: str | None = None, access_log: bool = True) -> FastAPI:
+def build_app(model_name: str, model_path: str, api_key: str | None = None, access_log: bool = True,
+              tool_parser: str | None = None) -> FastAPI:
     """The app; `attach(app, llm)` connects it to an engine once every rank is ready (until then /health and
     the API answer 503). With `access_log`, one INFO line per request goes to logger "afserve.http.access";
-    that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING)."""
+    that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING).
+    tool_parser: how tool_choice "auto" finds calls in the output (launch/frontend/tools.py PARSERS; None:
+    auto is refused, serve.py's --enable-auto-tool-choice is off)."""
     state = _ServerState(model_name, model_path)
 
     @contextlib.asynccontextmanager
@@ -125,12 +130,13 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _warn_ignored(body, request)
         check_request(body, state.served)
+        tools = ToolPlan.of(body, tool_parser)
         eng = engine()
         text = chat_text(eng.llm.tokenizer, body, state.model_name, body.continue_final_message)
         prompts = [prompt_ids(eng.llm, text, "messages", body.add_special_tokens,
                               body.truncation(eng.llm.max_model_len))]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
-        return await respond(state.model_name, eng, body, request, prompts, params, chat=True)
+        return await respond(state.model_name, eng, body, request, prompts, params, chat=True, tools=tools)
 
     @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest, request: Request):

@@ -1,12 +1,20 @@
-"""Chat completions' request shapes (POST /v1/chat/completions): messages, the chat template's options and the
-chat-only sampling fields; the fields shared with completions are protocol.py's `_Sampling`."""
+"""Chat completions' request shapes (POST /v1/chat/completions): messages, the chat template's options, tools and
+the chat-only sampling fields; the fields shared with completions are protocol.py's `_Sampling`.
+
+Tools (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`, as vLLM takes them) are checked here, and a named
+function or "required" becomes the request's structured output (`tool_constraint`): the function's parameters
+schema, or vLLM's schema of a JSON array of calls. What the answer looks like is launch/frontend/tools.py's."""
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import Field
 
 from .protocol import APIError, NumLogprobs, _Request, _Sampling
+
+Name = Annotated[str, Field(min_length=1)]
+EMPTY_OBJECT = {"type": "object", "properties": {}}    # a function that declares no parameters takes {}
 
 
 class TextPart(_Request):
@@ -14,10 +22,25 @@ class TextPart(_Request):
     text: str | None = None
 
 
+class FunctionCallParam(_Request):
+    name: str
+    arguments: str | dict = "{}"     # JSON text (OpenAI's); vLLM also takes an object
+
+
+class ToolCallParam(_Request):
+    """An earlier assistant turn's call, sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None     # an assistant turn's calls
+    tool_call_id: str | None = None                   # a tool turn: the call it answers
 
     def text(self, index: int) -> str:
         if self.content is None:
@@ -33,14 +56,37 @@ class ChatMessage(_Request):
         return "".join(parts)
 
 
+class FunctionDef(_Request):
+    name: Name
+    description: str | None = None
+    parameters: dict | None = None     # a JSON schema of its arguments (None: it takes none)
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: Name
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    # None: "auto" with tools, else "none" (OpenAI's and vLLM's defaults)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True             # false: only the first call is answered (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # vLLM's: the last (assistant) message is continued, left open
     add_special_tokens: bool = False     # vLLM's: the templated text gets the tokenizer's special tokens too
@@ -63,11 +109,40 @@ class ChatCompletionRequest(_Sampling):
         if self.echo:
             out.append(("echo", "echo on chat is not supported; leave it out (on /v1/completions echo returns the "
                                 "prompt)"))
-        if self.tools:
-            out.append(("tools", "tool calling is not supported; leave tools out"))
-        if self.tool_choice not in (None, "none"):
-            out.append(("tool_choice", "tool calling is not supported; leave tool_choice out"))
-        return out
+        return out + self._tool_problems()
+
+    def _tool_problems(self) -> list[tuple[str, str]]:
+        names = [t.function.name for t in self.tools or []]
+        if self.tools == []:
+            return [("tools", "tools is an empty list; pass at least one tool or leave tools out")]
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            return [("tools", f"tools names the function {twice!r} twice; give each function one entry")]
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            return [("tool_choice", f"tool_choice={self.choice_name()!r} needs tools; pass the functions in tools")]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return [("tool_choice", f"tool_choice names the function {choice.function.name!r}, which is not in "
+                                    f"tools ({', '.join(map(repr, names))}); name one of them")]
+        return []
+
+    def choice_name(self) -> str:
+        """tool_choice as a word: "none", "auto", "required" or "named" (None resolved to its default)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def structured(self) -> tuple[dict | None, str | None]:
+        """As _Sampling's, or the tool choice's constraint (`tool_constraint`); a 400 when both are given (vLLM's
+        tool choice would override the other silently)."""
+        spec, name = super().structured()
+        forced = tool_constraint(self)
+        if forced is None:
+            return spec, name
+        if spec is not None:
+            raise APIError(400, f"tool_choice={self.choice_name()!r} constrains the output to tool calls, and {name} "
+                                f"constrains it too; pass one of them", name)
+        return forced, "tool_choice"
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -78,6 +153,62 @@ class ChatCompletionRequest(_Sampling):
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
 
+    def template_tools(self) -> list[dict] | None:
+        """tools as the chat template reads them (None: none given); given whatever tool_choice says, as vLLM."""
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+def tool_constraint(body: ChatCompletionRequest) -> dict | None:
+    """The structured output a tool choice asks for (None: none). A named function: its parameters schema. "required":
+    vLLM's schema, a JSON array of one or more {"name", "parameters"} objects, each a tool's name and its parameters
+    schema, with the tools' `$defs` merged at the top (a 400 when two tools define one name differently)."""
+    choice = body.choice_name()
+    tools = {t.function.name: t.function for t in body.tools or []}
+    if choice == "named":
+        return {"json": tools[body.tool_choice.function.name].parameters or EMPTY_OBJECT}
+    if choice != "required":
+        return None
+    defs: dict = {}
+    items = []
+    for name, fn in tools.items():
+        params = dict(fn.parameters or EMPTY_OBJECT)
+        for key, schema in params.pop("$defs", {}).items():
+            if defs.setdefault(key, schema) != schema:
+                raise APIError(400, f"two tools define $defs.{key!r} differently; tool_choice='required' merges "
+                                    f"their $defs, so give them one definition or different names", "tools")
+        items.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                      "required": ["name", "parameters"]})
+    schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    return {"json": schema | ({"$defs": defs} if defs else {})}
+
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
-    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    """The messages as the chat template reads them: role and text content, and an assistant turn's tool calls
+    (their JSON arguments as objects, as vLLM hands them to templates) or a tool turn's tool_call_id."""
+    out = []
+    for i, m in enumerate(messages):
+        d = {"role": m.role, "content": m.text(i)}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, i, k)}}
+                for k, c in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def _arguments(arguments: str | dict, message: int, call: int) -> dict:
+    if isinstance(arguments, dict):
+        return arguments
+    if not arguments.strip():
+        return {}
+    try:
+        value = json.loads(arguments)
+    except ValueError as e:
+        raise APIError(400, f"messages[{message}].tool_calls[{call}].function.arguments is not JSON ({e}); send "
+                            f"the call's arguments as a JSON object in text", f"messages.{message}.tool_calls") from e
+    if not isinstance(value, dict):
+        raise APIError(400, f"messages[{message}].tool_calls[{call}].function.arguments is JSON but not an object; "
+                            f"send the call's arguments as a JSON object", f"messages.{message}.tool_calls")
+    return value

@@ -35,6 +35,7 @@ from .engine_client import EngineClient, Progress, engine_down
 from .logprobs import Position, TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs, top_entries
 from .protocol import APIError, param_of
 from .text import TextStream, TokenSpans, prompt_text
+from .tools import ToolPlan, ToolStream
 from .tokens import bad_words_ids
 
 
@@ -142,6 +143,7 @@ class _Choice:
     is_echoed: bool = False
     prompt_scores: list | None = None      # the prompt's (entry, rank) per token, shared by its choices (None: none)
     num_ids_sent: int = -1                 # streamed with return_token_ids: its token ids sent (-1: no chunk yet)
+    tools: ToolStream | None = None        # a streamed chat choice's tool calls (None: no tools in play)
     scores: list | None = None         # generated tokens' logprob dicts (None: logprobs not asked for)
     num_reported: int = 0              # generated tokens whose logprobs were handed out
     num_tokens: int = 0
@@ -236,10 +238,12 @@ def _best(choices: list[_Choice], params: SamplingParams, n: int) -> list[_Choic
 
 
 async def respond(model_name: str, eng: EngineClient, body, request: Request, prompts: list[list[int]],
-                  per_prompt: list[SamplingParams], chat: bool, echo: list | None = None):
+                  per_prompt: list[SamplingParams], chat: bool, echo: list | None = None,
+                  tools: ToolPlan | None = None):
     """Submit every prompt (n choices each: one per sample, or with best_of the best n samples) and answer as
     body asks: streamed or one JSON body. per_prompt: each prompt's parameters (they differ in max_tokens at
-    most); echo: the prompts as sent (strings or ids), to return first (completions)."""
+    most); echo: the prompts as sent (strings or ids), to return first (completions); tools: how a chat's answer
+    shows tool calls (launch/frontend/tools.py; None: plain text)."""
     params = per_prompt[0]
     stops = body.stop_strings()
     n = body.n
@@ -267,7 +271,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                                                                      body.include_stop_str_in_output,
                                                                      body.skip_special_tokens),
                             Sample(i), echo=shown, scores=[] if has_logprobs else None, stop_ids=stop_ids,
-                            prompt_scores=scores)
+                            prompt_scores=scores, tools=tools.stream() if tools and body.stream else None)
                     for i in range(max(n, len(rows)))]
             routes.update({rows[0]: mine} if len(rows) == 1 else {row: [c] for row, c in zip(rows, mine)})
             choices += mine
@@ -320,13 +324,15 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                                     {"prompt_token_ids": prompts[0]} if with_ids else None)
                 async for c, piece, positions in _drive(eng, routes, sink):
                     new_ids = with_ids and c.num_ids_sent < len(c.stream.ids)
-                    if not piece and not positions and c.finish is None and not new_ids:
-                        continue
-                    if chat:
-                        part = {"index": c.index, "delta": {"content": piece} if piece else {}}
+                    finish = c.finish
+                    if c.tools is not None:
+                        delta, finish = c.tools.add(piece, final=finish is not None), c.tools.finish_reason(finish)
                     else:
-                        part = {"index": c.index, "text": piece}
-                    part.update(logprobs=logprobs(positions), finish_reason=c.finish, stop_reason=c.stop_reason)
+                        delta = {"content": piece} if piece else {}
+                    if not (delta if chat else piece) and not positions and finish is None and not new_ids:
+                        continue
+                    part = {"index": c.index, "delta": delta} if chat else {"index": c.index, "text": piece}
+                    part.update(logprobs=logprobs(positions), finish_reason=finish, stop_reason=c.stop_reason)
                     if with_ids:     # the tokens not sent yet (vLLM's delta), and a completion's prompt first
                         if not chat and c.num_ids_sent < 0:
                             part["prompt_token_ids"] = prompts[c.prompt_index]
@@ -373,9 +379,13 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         return {"token_ids": list(c.stream.ids)} if with_ids else {}
 
     if chat:
-        out = [{"index": c.index, "message": {"role": "assistant", "content": "".join(c.text)},
-                "logprobs": logprobs(c.positions), "finish_reason": c.finish, "stop_reason": c.stop_reason}
-               | generated(c) for c in answered]
+        out = []
+        for c in answered:
+            text = "".join(c.text)
+            message, finish = tools.message(text, c.finish) if tools else ({"role": "assistant", "content": text},
+                                                                              c.finish)
+            out.append({"index": c.index, "message": message, "logprobs": logprobs(c.positions),
+                        "finish_reason": finish, "stop_reason": c.stop_reason} | generated(c))
         extra, obj = scored(answered[0]), "chat.completion"    # one prompt: vLLM puts these beside the choices
     else:
         out = [{"index": c.index, "text": "".join(c.text), "logprobs": logprobs(c.positions),

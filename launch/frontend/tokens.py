@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .chat import ChatMessage, conversation
+from .chat import ChatMessage, Tool, conversation
 from .protocol import APIError, TokenId, _Request
 
 
@@ -24,6 +24,7 @@ class TokenizeRequest(_Request):
     return_token_strs: bool = False
     chat_template_kwargs: dict | None = None     # vLLM's, as on chat
     documents: list[dict] | None = None
+    tools: list[Tool] | None = None              # vLLM's: they reach the chat template, as on chat
 
     def check(self) -> None:
         """A 400 unless exactly one of prompt and messages is given, with template options that agree."""
@@ -36,6 +37,9 @@ class TokenizeRequest(_Request):
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
+
+    def template_tools(self) -> list[dict] | None:
+        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
 
 
 class DetokenizeRequest(_Request):
@@ -107,14 +111,17 @@ def template_kwargs(tok, body) -> dict:
 
 def chat_text(tok, body, model_name: str, continue_final: bool = False) -> str:
     """body's messages through the tokenizer's chat template -> text (a 400 when the model has no template or
-    the template rejects them). `body` has conversation() and add_generation_prompt; `continue_final` leaves
-    the last message open (no end-of-turn), for the model to continue."""
+    the template rejects them). `body` has conversation(), template_tools() and add_generation_prompt;
+    `continue_final` leaves the last message open (no end-of-turn), for the model to continue."""
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, f"model {model_name!r} has no tokenizer chat template; use /v1/completions")
     options = {"add_generation_prompt": body.add_generation_prompt} | (
         {"continue_final_message": True} if continue_final else {}) | template_kwargs(tok, body)
+    if (tools := body.template_tools()) is not None:
+        options["tools"] = tools
+    messages = body.conversation()
     try:
-        text = tok.apply_chat_template(body.conversation(), tokenize=False, **options)
+        text = tok.apply_chat_template(messages, tokenize=False, **options)
     except Exception as e:   # a template may reject a conversation (roles, order): the client's to fix
         raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from e
     return text

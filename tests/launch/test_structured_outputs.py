@@ -35,9 +35,10 @@ CASES = [
 MAX_NEW = 24
 
 
-def _hf_constrained(model, tok, prompt: list[int], compile_fn, max_new: int) -> list[int]:
+def _hf_constrained(model, tok, prompt: list[int], compile_fn, max_new: int, bias: dict[int, float] | None = None
+                    ) -> list[int]:
     """transformers' greedy generate with every token the grammar does not allow next at -inf (the test's own
-    matcher), stopping at EOS."""
+    matcher), stopping at EOS; bias: added to those tokens' logits first (a request's logit_bias)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     vocab = model.config.vocab_size
@@ -50,6 +51,8 @@ def _hf_constrained(model, tok, prompt: list[int], compile_fn, max_new: int) -> 
         def __call__(self, input_ids, scores):
             if input_ids.shape[1] > len(prompt):
                 assert matcher.accept_token(int(input_ids[0, -1]))
+            for t, v in (bias or {}).items():
+                scores[:, t] += v
             matcher.fill_next_token_bitmask(bitmask, 0)
             allowed = torch.tensor([bool(int(bitmask[0, t // 32]) >> (t % 32) & 1) for t in range(vocab)])
             return scores.masked_fill(~allowed, float("-inf"))

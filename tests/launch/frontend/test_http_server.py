@@ -40,7 +40,8 @@ def model_dir(tiny_checkpoint, tmp_path_factory):
 def server(model_dir):
     srv = LocalServer(model_dir, nproc=3, args=[
         "--attention-ranks", "1", "--api-key", KEY, "--max-model-len", str(MAX_LEN),
-        "--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--heartbeat-s", "0.5"])
+        "--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--heartbeat-s", "0.5",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
     with srv:
         yield srv
 
@@ -337,6 +338,32 @@ def test_bad_completion_requests_get_openai_errors(server, body, raw, status, wo
     assert code == status, data
     err = data["error"]
     assert words in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_tools_reach_the_template_and_serve_py_turns_auto_tool_choice_on(client, reference):
+    """serve.py's --enable-auto-tool-choice and --tool-call-parser reach the front: a chat with tools (tool_choice
+    "auto" by default, a 400 without the flags) answers the greedy text of the template rendered with them, special
+    tokens kept, and no calls (the tiny model writes none; tests/launch/frontend/test_http_tools.py has the rest)."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    tok = reference.tokenizer
+    ids = tok.encode(tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    out = reference.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    got = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, temperature=0, max_tokens=4,
+                                         extra_body={"ignore_eos": True})
+    c = got.choices[0]
+    assert c.message.content == tok.decode(out.token_ids, skip_special_tokens=False) and not c.message.tool_calls
+    assert got.usage.prompt_tokens == len(ids) and c.finish_reason == "length"
+
+
+def test_auto_tool_choice_needs_a_parser():
+    import subprocess
+    import sys
+    from launch.local_server import ROOT
+    run = subprocess.run([sys.executable, "launch/serve.py", "--enable-auto-tool-choice"], capture_output=True,
+                         cwd=ROOT, text=True, env={**os.environ, "WORLD_SIZE": "1"}, timeout=120)
+    assert run.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser (one of hermes)" in run.stderr
 
 
 def test_bad_chat_requests_get_openai_errors(server):

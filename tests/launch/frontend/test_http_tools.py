@@ -1,0 +1,285 @@
+"""Tool calling on /v1/chat/completions (launch/frontend/chat.py, tools.py), on an in-process server (the app on
+uvicorn in a thread, attached to one `LLM` on 1+1 spawned ranks) with auto tool choice through the hermes parser.
+
+Oracles: transformers' greedy generate on the tiny tokenizer's own chat template rendered with the test's tools
+(so the tools must reach the template), masked by an xgrammar matcher of the test's own, compiled from what the
+test writes: a function's parameters schema (named), vLLM's documented array schema ("required"), or a regex
+of Hermes-style text ("auto", which the request asks for as its structured output). The expected calls are
+read from that text by the test's own parse. Streamed answers must say what the unstreamed ones say.
+
+The random tiny model, let free, fills JSON with whitespace (allowed between its tokens) until max_tokens; the
+requests push whitespace tokens down with logit_bias (and "," for "required", whose array would otherwise
+repeat its first call), as the oracle does, so the JSON ends."""
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+
+import pytest
+
+from launch import LLM
+from launch.frontend.tools import ToolPlan, hermes_calls
+from tests.conftest import hf_greedy, hf_model
+from tests.launch.frontend.test_app_before_attach import call
+from tests.launch.frontend.test_http_logprobs import post
+from tests.launch.test_structured_outputs import _hf_constrained
+
+xgr = pytest.importorskip("xgrammar")
+
+MODEL = "tiny"
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["paris", "rome"]}, "days": {"enum": [1, 2]}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": TIME}}]
+MESSAGES = [{"role": "user", "content": "Hello experts"}]
+# vLLM's documented schema for tool_choice "required", written out here
+REQUIRED = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
+    {"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]}, "parameters": t["function"][
+        "parameters"]}, "required": ["name", "parameters"]} for t in TOOLS]}}
+HERMES = r'Sure<tool_call>\{"name": "(weather|clock)", "arguments": \{"city": "(paris|rome)"\}\}</tool_call>'
+TWO_CALLS = r'<tool_call>\{"name": "clock", "arguments": \{"zone": "utc"\}\}</tool_call>' * 2
+MAX_NEW = 96
+
+
+@pytest.fixture(scope="module")
+def served(tiny_checkpoint):
+    import uvicorn
+
+    from launch.frontend.api_server import attach, build_app, shut_down
+
+    path = tiny_checkpoint("qwen3_moe", max_position_embeddings=1024)      # room for the tools' JSON
+    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=1024, max_num_seqs=4) as llm:
+        app = build_app(MODEL, path, access_log=False, tool_parser="hermes")
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, name="test-http-tools", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        attach(app, llm)
+
+        class Served:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            tokenizer = llm.tokenizer
+            hf = hf_model(path)
+            checkpoint = path
+        try:
+            yield Served
+        finally:
+            shut_down(app, "the tests are over")
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
+def prompt_ids(tok, messages, tools=TOOLS) -> list[int]:
+    text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def biased(tok, also: str = "") -> dict[int, float]:
+    """A logit_bias of -100 for every token that is whitespace alone, and those of `also`."""
+    return {t: -100.0 for t in range(len(tok)) if tok.decode([t]) and not tok.decode([t]).strip(" \t\r\n" + also)}
+
+
+def oracle(served, compile_fn, bias: dict[int, float], max_new: int = MAX_NEW) -> tuple[str, str, list[int], int]:
+    """(text, finish_reason, prompt ids, its tokens but EOS) of transformers' greedy output under the test's own
+    grammar and bias."""
+    tok = served.tokenizer
+    ids = prompt_ids(tok, MESSAGES)
+    out = _hf_constrained(served.hf, tok, ids, compile_fn, max_new, bias)
+    finish = "stop" if out and out[-1] == tok.eos_token_id else "length"
+    kept = out[:-1] if finish == "stop" else out
+    return tok.decode(kept, skip_special_tokens=False), finish, ids, len(kept)
+
+
+def chat(served, **fields) -> dict | list[dict]:
+    code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                                                        "temperature": 0, "max_tokens": MAX_NEW, **fields})
+    assert code == 200, data
+    return data
+
+
+def streamed(chunks: list[dict]) -> tuple[str, list[dict], str]:
+    """(content, tool calls, finish_reason) that a client assembles from one choice's chunks, as the openai
+    client does: a call's name and arguments pieces joined under its index."""
+    content, calls, finish = "", {}, None
+    for ch in chunks:
+        for c in ch["choices"]:
+            delta = c["delta"]
+            content += delta.get("content") or ""
+            for tc in delta.get("tool_calls", []):
+                slot = calls.setdefault(tc["index"], {"id": None, "name": "", "arguments": ""})
+                slot["id"] = tc.get("id", slot["id"])
+                slot["name"] += tc.get("function", {}).get("name", "")
+                slot["arguments"] += tc.get("function", {}).get("arguments", "")
+            finish = c["finish_reason"] or finish
+    return content, [calls[k] for k in sorted(calls)], finish
+
+
+def calls_of(message: dict) -> list[dict]:
+    return [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]]
+
+
+def as_field(bias: dict[int, float]) -> dict:
+    return {"logit_bias": {str(t): v for t, v in bias.items()}}
+
+
+def test_a_named_function_answers_the_greedy_arguments_under_its_schema(served):
+    bias = biased(served.tokenizer)
+    text, finish, ids, _ = oracle(served, lambda c: c.compile_json_schema(json.dumps(WEATHER)), bias)
+    assert json.loads(text)["city"] in ("paris", "rome")     # the grammar finished an object
+    choice = {"type": "function", "function": {"name": "weather"}}
+    got = chat(served, tool_choice=choice, return_token_ids=True, **as_field(bias))
+    assert got["prompt_token_ids"] == ids           # the tools reached the template
+    c = got["choices"][0]
+    assert c["message"]["content"] == "" and calls_of(c["message"]) == [{"name": "weather", "arguments": text}]
+    assert c["message"]["tool_calls"][0]["id"].startswith("chatcmpl-tool-") and c["finish_reason"] == finish == "stop"
+    content, calls, finish_s = streamed(chat(served, tool_choice=choice, stream=True, **as_field(bias)))
+    assert (content, finish_s) == ("", "stop")
+    assert len(calls) == 1 and calls[0]["name"] == "weather" and calls[0]["arguments"] == text and calls[0]["id"]
+
+
+def test_required_answers_each_call_of_the_greedy_array(served):
+    bias = biased(served.tokenizer, also=",")
+    grammar = lambda c: c.compile_json_schema(json.dumps(REQUIRED))  # noqa: E731
+    text, finish, _, num = oracle(served, grammar, bias)
+    want = [{"name": i["name"], "arguments": json.dumps(i["parameters"])} for i in json.loads(text)]
+    assert want and all(w["name"] in ("weather", "clock") for w in want)
+    got = chat(served, tool_choice="required", **as_field(bias))["choices"][0]
+    assert (got["message"]["content"], got["finish_reason"], finish) == ("", "tool_calls", "stop")
+    assert calls_of(got["message"]) == want
+    content, calls, finish_s = streamed(chat(served, tool_choice="required", stream=True, **as_field(bias)))
+    assert (content, finish_s) == ("", "tool_calls")
+    assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == want
+    # cut short by max_tokens: no calls, the text as content, finish_reason "length"; streamed the same
+    text, finish, *_ = oracle(served, grammar, bias, max_new=6)
+    got = chat(served, tool_choice="required", max_tokens=6, **as_field(bias))["choices"][0]
+    assert got["message"] == {"role": "assistant", "content": text} and got["finish_reason"] == finish == "length"
+    assert streamed(chat(served, tool_choice="required", max_tokens=6, stream=True, **as_field(bias))) == (
+        text, [], "length")
+    # the array whole but EOS not drawn yet: the calls, with finish_reason "length" (vLLM's)
+    got = chat(served, tool_choice="required", max_tokens=num, **as_field(bias))["choices"][0]
+    assert calls_of(got["message"]) == want and got["finish_reason"] == "length"
+
+
+def test_auto_finds_hermes_calls_in_the_text(served):
+    text, finish, *_ = oracle(served, lambda c: c.compile_regex(HERMES), {})
+    m = re.fullmatch(r"Sure<tool_call>(.*)</tool_call>", text)      # the test's own parse of Hermes' form
+    assert m, (text, finish)
+    body = json.loads(m.group(1))
+    want = [{"name": body["name"], "arguments": json.dumps(body["arguments"])}]
+    forced = {"structured_outputs": {"regex": HERMES}}
+    got = chat(served, **forced)["choices"][0]             # tool_choice left out: auto, as tools are given
+    assert got["message"]["content"] == "Sure" and calls_of(got["message"]) == want
+    assert (got["finish_reason"], finish) == ("tool_calls", "stop")
+    assert streamed(chat(served, stream=True, **forced))[::2] == ("Sure", "tool_calls")
+    assert [{"name": c["name"], "arguments": c["arguments"]}
+            for c in streamed(chat(served, stream=True, **forced))[1]] == want
+    # two calls; parallel_tool_calls false keeps the first
+    two = {"structured_outputs": {"regex": TWO_CALLS}, "tool_choice": "auto", "max_tokens": 160}
+    assert len(calls_of(chat(served, **two)["choices"][0]["message"])) == 2
+    one = chat(served, parallel_tool_calls=False, **two)["choices"][0]
+    assert calls_of(one["message"]) == [{"name": "clock", "arguments": '{"zone": "utc"}'}]
+    assert one["message"]["content"] is None
+
+
+def test_auto_without_a_call_is_plain_text_with_special_tokens_kept(served):
+    tok = served.tokenizer
+    out = hf_greedy(served.checkpoint, [prompt_ids(tok, MESSAGES)], 8)[0]
+    want = tok.decode(out, skip_special_tokens=False)
+    assert "<tool_call>" not in want
+    got = chat(served, max_tokens=8, ignore_eos=True)["choices"][0]
+    assert got["message"] == {"role": "assistant", "content": want} and got["finish_reason"] == "length"
+    assert streamed(chat(served, max_tokens=8, ignore_eos=True, stream=True)) == (want, [], "length")
+
+
+def test_earlier_calls_and_tool_results_reach_the_template(served):
+    tok = served.tokenizer
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "clock", "arguments": '{"zone": "utc"}'}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call-1"}]
+    # what the template must see: the arguments as an object, the content as text
+    seen = [MESSAGES[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": "clock", "arguments": {"zone": "utc"}}}]},
+        {"role": "tool", "content": "12:00", "tool_call_id": "call-1"}]
+    got = chat(served, messages=history, tool_choice="none", max_tokens=1, return_token_ids=True)
+    assert got["prompt_token_ids"] == prompt_ids(tok, seen)
+    assert "tool_calls" not in got["choices"][0]["message"]
+    code, data = post(served, "/tokenize", {"model": MODEL, "messages": history, "tools": TOOLS})
+    assert code == 200 and data["tokens"] == prompt_ids(tok, seen)
+
+
+BAD = [
+    ({"tool_choice": "required", "tools": None}, "tool_choice", "needs tools"),
+    ({"tools": []}, "tools", "empty"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools", "twice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tool_choice": "sometimes"}, "tool_choice", "sometimes"),
+    ({"tool_choice": "required", "guided_json": WEATHER}, "guided_json", "pass one of them"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "no-such-type"}}}],
+      "tool_choice": "required"}, "tool_choice", ""),
+    ({"functions": [{"name": "f"}]}, "functions", "pass them as tools"),
+    ({"function_call": "auto"}, "function_call", "pass tool_choice"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{"}}]}],
+      "tool_choice": "none"}, "messages.0.tool_calls", "not JSON"),
+]
+
+
+@pytest.mark.parametrize("fields,param,words", BAD)
+def test_bad_tool_fields_are_400s_naming_the_field(served, fields, param, words):
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, **fields}
+    code, data = post(served, "/v1/chat/completions", {k: v for k, v in body.items() if v is not None})
+    # (pydantic names the union member it tried last after the field: tool_choice.literal[...])
+    assert code == 400 and data["error"]["param"].startswith(param) and words in data["error"]["message"], data
+
+
+def test_auto_needs_the_servers_parser():
+    from launch.frontend.api_server import build_app
+    app = build_app(MODEL, "/models/tiny", access_log=False)       # no --enable-auto-tool-choice
+    for fields in ({}, {"tool_choice": "auto"}):
+        body = json.dumps({"model": MODEL, "messages": MESSAGES, "tools": TOOLS, **fields}).encode()
+        status, data = call(app, "POST", "/v1/chat/completions", body)
+        assert status == 400 and data["error"]["param"] == "tool_choice", data
+        assert "--enable-auto-tool-choice" in data["error"]["message"], data
+    # the other choices do not need it (503: the app has no engine, so the request got past the tool checks)
+    body = json.dumps({"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required"}).encode()
+    assert call(app, "POST", "/v1/chat/completions", body)[0] == 503
+
+
+HERMES_TEXTS = {   # text -> (content, [(name, arguments)]) or None (all of it is content), written out by hand
+    'plain text, no calls': None,
+    'Let me look.<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>': ("Let me look.", [("a", '{"x": 1}')]),
+    '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>{"name": "b", "arguments": {"y": "é"}}':
+        (None, [("a", "{}"), ("b", '{"y": "é"}')]),
+    '<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>': None,        # not JSON
+    'x <tool_call>{"name": "a"}</tool_call>': None,                            # no arguments
+    'x <tool_call>["a"]</tool_call> <tool_call': None,
+    'almost <tool_cal': None,
+}
+
+
+@pytest.mark.parametrize("text", list(HERMES_TEXTS))
+def test_hermes_parse_and_every_split_of_its_stream_agree(text):
+    want = HERMES_TEXTS[text]
+    got = hermes_calls(text)
+    assert (None if got is None else (got[0], [(c.name, c.arguments) for c in got[1]])) == want
+    plan = ToolPlan("auto")
+    message, finish = plan.message(text, "stop")
+    for cut in range(len(text) + 1):
+        for step in (1, 3, len(text) + 1):
+            pieces = [text[:cut]] + [text[i:i + step] for i in range(cut, len(text), step)]
+            s = plan.stream()
+            chunks = [{"choices": [{"delta": s.add(p, final=i == len(pieces) - 1), "finish_reason": None}]}
+                      for i, p in enumerate(pieces)]
+            chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("stop")
+            content, calls, finish_s = streamed(chunks)
+            assert (content or None, finish_s) == (message["content"] or None, finish), (text, cut, step)
+            assert [(c["name"], c["arguments"]) for c in calls] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+            if want is not None:     # content never includes what starts a call, even in part
+                assert all("<" not in (ch["choices"][0]["delta"].get("content") or "") for ch in chunks)
