@@ -172,7 +172,11 @@ def tool_constraint(body: ChatCompletionRequest) -> dict | None:
     items = []
     for name, fn in tools.items():
         params = dict(fn.parameters or EMPTY_OBJECT)
-        for key, schema in params.pop("$defs", {}).items():
+        own = params.pop("$defs", {})
+        if not isinstance(own, dict):
+            raise APIError(400, f"tools' function {name!r} has $defs that are not an object; give its parameters "
+                                f"schema $defs as an object of named schemas", "tools")
+        for key, schema in own.items():
             if defs.setdefault(key, schema) != schema:
                 raise APIError(400, f"two tools define $defs.{key!r} differently; tool_choice='required' merges "
                                     f"their $defs, so give them one definition or different names", "tools")

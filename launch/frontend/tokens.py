@@ -34,6 +34,13 @@ class TokenizeRequest(_Request):
         if self.messages is not None and self.continue_final_message and self.add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true; set "
                                 "add_generation_prompt to false", "continue_final_message")
+        chat_only = {"chat_template_kwargs": self.chat_template_kwargs is not None,
+                     "documents": self.documents is not None, "tools": self.tools is not None,
+                     "add_generation_prompt": not self.add_generation_prompt,
+                     "continue_final_message": self.continue_final_message}
+        if self.prompt is not None and (given := [k for k, v in chat_only.items() if v]):
+            raise APIError(400, f"{given[0]} shapes a chat template's text, and this request tokenizes a prompt; pass "
+                                f"messages instead of prompt, or leave {given[0]} out", given[0])
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)

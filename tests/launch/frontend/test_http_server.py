@@ -525,6 +525,9 @@ def test_tokenize_and_detokenize_agree_with_the_tokenizer(server, model_dir):
         ("/tokenize", {"prompt": "hi", "messages": messages}, 400, "exactly one"),
         ("/tokenize", {"add_special_tokens": True}, 400, "exactly one"),
         ("/tokenize", {"messages": messages, "continue_final_message": True}, 400, "add_generation_prompt"),
+        ("/tokenize", {"prompt": "hi", "chat_template_kwargs": {"x": 1}}, 400, "pass messages instead of prompt"),
+        ("/tokenize", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ("/tokenize", {"prompt": "hi", "add_generation_prompt": False}, 400, "add_generation_prompt"),
     ]:
         code, data = post(server, path, body)
         assert code == status and words in data["error"]["message"], (path, body, data)

@@ -223,6 +223,8 @@ BAD = [
     ({"tool_choice": "required", "guided_json": WEATHER}, "guided_json", "pass one of them"),
     ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"type": "no-such-type"}}}],
       "tool_choice": "required"}, "tool_choice", ""),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {"$defs": [1]}}}],
+      "tool_choice": "required"}, "tools", "$defs"),
     ({"functions": [{"name": "f"}]}, "functions", "pass them as tools"),
     ({"function_call": "auto"}, "function_call", "pass tool_choice"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{"}}]}],
