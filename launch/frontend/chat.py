@@ -7,14 +7,23 @@ schema, or vLLM's schema of a JSON array of calls. What the answer looks like is
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Literal
 
 from pydantic import Field
 
 from .protocol import APIError, NumLogprobs, _Request, _Sampling
 
+logger = logging.getLogger("afserve.http")
+
 Name = Annotated[str, Field(min_length=1)]
-EMPTY_OBJECT = {"type": "object", "properties": {}}    # a function that declares no parameters takes {}
+# OpenAI's deprecated function calling, which chat refuses (completions ignores them with a warning, as vLLM)
+DEPRECATED = {"functions": "pass them as tools", "function_call": "pass tool_choice"}
+
+
+def empty_object() -> dict:
+    """The parameters schema of a function that declares none: it takes {}."""
+    return {"type": "object", "properties": {}}
 
 
 class TextPart(_Request):
@@ -64,7 +73,7 @@ class FunctionDef(_Request):
 
 
 class Tool(_Request):
-    type: Literal["function"]
+    type: Literal["function"] = "function"
     function: FunctionDef
 
 
@@ -73,7 +82,7 @@ class NamedFunction(_Request):
 
 
 class NamedToolChoice(_Request):
-    type: Literal["function"]
+    type: Literal["function"] = "function"
     function: NamedFunction
 
 
@@ -109,6 +118,8 @@ class ChatCompletionRequest(_Sampling):
         if self.echo:
             out.append(("echo", "echo on chat is not supported; leave it out (on /v1/completions echo returns the "
                                 "prompt)"))
+        out += [(k, f"OpenAI's deprecated {k} is not served; {how}") for k, how in DEPRECATED.items()
+                if (self.model_extra or {}).get(k) is not None]
         return out + self._tool_problems()
 
     def _tool_problems(self) -> list[tuple[str, str]]:
@@ -160,18 +171,19 @@ class ChatCompletionRequest(_Sampling):
 
 def tool_constraint(body: ChatCompletionRequest) -> dict | None:
     """The structured output a tool choice asks for (None: none). A named function: its parameters schema. "required":
-    vLLM's schema, a JSON array of one or more {"name", "parameters"} objects, each a tool's name and its parameters
-    schema, with the tools' `$defs` merged at the top (a 400 when two tools define one name differently)."""
+    vLLM's schema, a JSON array of one or more {"name", "parameters"} objects (at most one with parallel_tool_calls
+    false), each a tool's name and its parameters schema, with the tools' `$defs` merged at the top (a 400 when two
+    tools define one name differently)."""
     choice = body.choice_name()
     tools = {t.function.name: t.function for t in body.tools or []}
     if choice == "named":
-        return {"json": tools[body.tool_choice.function.name].parameters or EMPTY_OBJECT}
+        return {"json": tools[body.tool_choice.function.name].parameters or empty_object()}
     if choice != "required":
         return None
     defs: dict = {}
     items = []
     for name, fn in tools.items():
-        params = dict(fn.parameters or EMPTY_OBJECT)
+        params = dict(fn.parameters or empty_object())
         own = params.pop("$defs", {})
         if not isinstance(own, dict):
             raise APIError(400, f"tools' function {name!r} has $defs that are not an object; give its parameters "
@@ -183,36 +195,40 @@ def tool_constraint(body: ChatCompletionRequest) -> dict | None:
         items.append({"properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
                       "required": ["name", "parameters"]})
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
+    if not body.parallel_tool_calls:
+        schema["maxItems"] = 1       # one call is all the answer keeps (vLLM's)
     return {"json": schema | ({"$defs": defs} if defs else {})}
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the chat template reads them: role and text content, and an assistant turn's tool calls
-    (their JSON arguments as objects, as vLLM hands them to templates) or a tool turn's tool_call_id."""
+    """The messages as the chat template reads them (vLLM's): role, text content and name, an assistant turn's tool
+    calls (their JSON arguments as objects) and a tool turn's tool_call_id."""
     out = []
     for i, m in enumerate(messages):
         d = {"role": m.role, "content": m.text(i)}
-        if m.tool_calls:
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_calls and m.role == "assistant":
             d["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments, i, k)}}
                 for k, c in enumerate(m.tool_calls)]
-        if m.tool_call_id is not None:
+        if m.tool_call_id is not None and m.role == "tool":
             d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
 
 def _arguments(arguments: str | dict, message: int, call: int) -> dict:
+    """An earlier call's arguments as an object; text that is not a JSON object becomes {} with a warning, as vLLM
+    does (a call cut short by max_tokens comes back so, and refusing it would refuse every later turn)."""
     if isinstance(arguments, dict):
         return arguments
-    if not arguments.strip():
-        return {}
     try:
-        value = json.loads(arguments)
-    except ValueError as e:
-        raise APIError(400, f"messages[{message}].tool_calls[{call}].function.arguments is not JSON ({e}); send "
-                            f"the call's arguments as a JSON object in text", f"messages.{message}.tool_calls") from e
+        value = json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):
+        value = None
     if not isinstance(value, dict):
-        raise APIError(400, f"messages[{message}].tool_calls[{call}].function.arguments is JSON but not an object; "
-                            f"send the call's arguments as a JSON object", f"messages.{message}.tool_calls")
+        logger.warning("messages[%d].tool_calls[%d].function.arguments is not a JSON object; the chat template gets "
+                       "{} for it", message, call)
+        return {}
     return value

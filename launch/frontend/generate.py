@@ -259,6 +259,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     primary = set() if params.ignore_eos else {getattr(tok, "eos_token_id", None)}
     eos = set() if params.ignore_eos else set(eng.llm.spec.eos_token_ids)
     stop_ids = (frozenset(params.stop_token_ids) | eos) - primary
+    skip_special = body.skip_special_tokens and not (tools and tools.keeps_special_tokens)
     try:
         for p, ids in enumerate(prompts):
             rid = eng.submit(ids, per_prompt[p], sink)
@@ -268,8 +269,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                                                                  params.logprobs or 0)
             rows = sample_ids(rid, params.num_samples)
             mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, has_logprobs, params.min_tokens,
-                                                                     body.include_stop_str_in_output,
-                                                                     body.skip_special_tokens),
+                                                                     body.include_stop_str_in_output, skip_special),
                             Sample(i), echo=shown, scores=[] if has_logprobs else None, stop_ids=stop_ids,
                             prompt_scores=scores, tools=tools.stream() if tools and body.stream else None)
                     for i in range(max(n, len(rows)))]

@@ -92,8 +92,6 @@ REFUSED_EXTRAS = {
     "prompt_embeds": ((None,), "prompt embeddings are not supported; pass a prompt"),
     "priority": ((0, None), "priority scheduling is not served (vLLM also refuses a priority without it); leave "
                             "priority out or 0"),
-    "functions": ((None,), "OpenAI's deprecated functions are not served; pass them as tools (chat)"),
-    "function_call": ((None,), "OpenAI's deprecated function_call is not served; pass tool_choice (chat)"),
 }
 
 

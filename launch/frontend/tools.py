@@ -1,24 +1,27 @@
-"""Tool calls in chat answers, as vLLM answers them (the request side, and the structured output a named function
-or "required" asks for, are launch/frontend/chat.py's).
+"""Tool calls in chat answers, as vLLM 0.32 answers them (the request side, and the structured output a named
+function or "required" asks for, are launch/frontend/chat.py's).
 
 - tool_choice "none" (the default without tools): plain text; the tools still reach the chat template.
 - A named function: the output, constrained to the function's parameters schema, is its arguments: one call,
-  content "", finish_reason the engine's ("stop", as OpenAI's).
-- "required": the output, constrained to a JSON array of {"name", "parameters"} objects, is one call per item;
-  content "", finish_reason "tool_calls" when the output ended by itself.
+  content "", finish_reason the engine's ("stop", as OpenAI's). An output of whitespace alone makes no call.
+- "required": the output, constrained to a JSON array of {"name", "parameters"} objects (at most one with
+  parallel_tool_calls false), is one call per item; content "", finish_reason "tool_calls" when the output ended
+  by itself. An output that is not such an array (cut short) makes no call, content "".
 - "auto" (the default with tools): the server's --enable-auto-tool-choice with --tool-call-parser (else a 400, as
   vLLM). The model writes what it likes; the parser finds the calls in it. When it finds some, they are the
-  answer's tool_calls, the text before the first is its content (null when empty), and finish_reason is
-  "tool_calls"; otherwise the whole text is content. Parsers:
+  answer's tool_calls, the text before the first is its content (null when empty or whitespace), and
+  finish_reason is "tool_calls"; otherwise the whole text is content. Special tokens stay in the text (some
+  models mark <tool_call> special; vLLM's hermes parser does the same). Parsers:
     hermes  calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes 2 Pro and later, Qwen2.5
             and Qwen3); the last one may be left unclosed. A call that is not such JSON leaves the whole text as
-            content. Special tokens stay in the text (some models mark <tool_call> special).
+            content.
 - parallel_tool_calls false: only the first call is answered.
 
 Streamed: a named function's arguments stream as they come (the first delta names the function and carries the
-call's id). "required" and "auto" hold back what may be calls (all of "required"'s output; "auto"'s from the first
-"<tool_call>", or a tail that may start one) and decide at the end, as the unstreamed answer does, so the two
-always agree: the calls come in one delta before the last chunk, or the held text as content.
+call's id). "required" and "auto" hold back what may be calls (all of "required"'s output; "auto"'s text from the
+first "<tool_call>", a tail that may start one, or whitespace before any text) and decide at the end as the
+unstreamed answer does, so the two always agree: the calls come whole in the chunk that carries the
+finish_reason, or the held text as content.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def hermes_calls(text: str) -> tuple[str | None, list[Call]] | None:
     for closed, unclosed in _HERMES.findall(text):
         try:
             obj = json.loads(closed or unclosed)
-        except ValueError:
+        except (ValueError, RecursionError):     # not JSON, or nested deeper than the parser goes
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
             return None
@@ -63,7 +66,7 @@ def required_calls(text: str) -> list[Call] | None:
     """The calls of "required"'s JSON array of {"name", "parameters"}, or None when text is not one (cut short)."""
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(items, list) or not items or not all(
             isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i for i in items):
@@ -86,8 +89,7 @@ class ToolPlan:
     @classmethod
     def of(cls, body: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
         """body's plan (None: tool_choice "none", plain text) on a server whose auto tool choice uses `parser`
-        (None: auto is not enabled: a 400, as vLLM). "auto" keeps special tokens in the text (vLLM's hermes
-        parser does the same)."""
+        (None: auto is not enabled: a 400, as vLLM)."""
         mode = body.choice_name()
         if mode == "none":
             return None
@@ -97,21 +99,24 @@ class ToolPlan:
             raise APIError(400, f"{why} needs the server started with --enable-auto-tool-choice and "
                                 f"--tool-call-parser; pass tool_choice 'none', 'required' or a named function "
                                 f"instead", "tool_choice")
-        if mode == "auto":
-            body.skip_special_tokens = False
         return cls(mode, body.tool_choice.function.name if mode == "named" else None, body.parallel_tool_calls)
 
-    def calls(self, text: str) -> tuple[str | None, list[Call]] | None:
-        """(content, calls) that text makes, or None when it makes no call (then it is all content)."""
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The text keeps special tokens whatever skip_special_tokens says (the parser reads them)."""
+        return self.mode == "auto"
+
+    def calls(self, text: str) -> tuple[str | None, list[Call]]:
+        """(content, calls) of the answer that text makes."""
         if self.mode == "named":
-            found = ("", [Call(self.name, text)])
+            content, calls = "", [Call(self.name, text)] if text.strip() else []
         elif self.mode == "required":
-            found = None if (calls := required_calls(text)) is None else ("", calls)
+            content, calls = "", required_calls(text) or []
+        elif (found := hermes_calls(text)) is None:
+            content, calls = text, []
         else:
-            found = hermes_calls(text)
-        if found is not None and not self.parallel:
-            found = (found[0], found[1][:1])
-        return found
+            content, calls = found[0] if found[0] and found[0].strip() else None, found[1]
+        return content, calls if self.parallel else calls[:1]
 
     def finish_reason(self, found: bool, finish: str | None) -> str | None:
         """OpenAI's: "tool_calls" when "auto" found calls, or "required" ended by itself; else the engine's."""
@@ -121,13 +126,12 @@ class ToolPlan:
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The unstreamed answer: (message, finish_reason)."""
-        found = self.calls(text)
-        if found is None:
-            return {"role": "assistant", "content": text}, finish
-        content, calls = found
-        return ({"role": "assistant", "content": content, "tool_calls": [
-            {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in calls]}, self.finish_reason(True, finish))
+        content, calls = self.calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"id": call_id(), "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+        return message, self.finish_reason(bool(calls), finish)
 
     def stream(self) -> ToolStream:
         return ToolStream(self)
@@ -139,45 +143,60 @@ class ToolStream:
     ended), then `finish_reason`."""
 
     plan: ToolPlan
-    held: str = ""              # text not sent yet, that may be (part of) calls
+    parts: list[str] = field(default_factory=list)     # every piece: the whole text, joined once at the end
+    pending: str = ""           # "auto" before a call, and a named call's leading whitespace: text not sent yet
+    num_sent: int = 0           # "auto": characters of the text sent as content
+    has_text: bool = False      # "auto": content other than whitespace went out
+    in_calls: bool = False      # "auto": "<tool_call>" came; the rest is decided at the end
     named_id: str | None = None     # the named function's call id, once its first delta went
     found: bool = False
-    parts: list[str] = field(default_factory=list)      # every piece: the whole text, to decide at the end
 
     def add(self, piece: str, final: bool) -> dict:
-        """The delta for this piece: {"content": ...}, {"tool_calls": [...]}, or {} (nothing to send yet)."""
-        plan = self.plan
+        """The delta for this piece: {"content": ...}, {"tool_calls": [...]}, both, or {} (nothing to send)."""
         self.parts.append(piece)
-        if plan.mode == "named":
-            if not piece and (self.named_id is not None or not final):
-                return {}
-            call = {"index": 0, "function": {"arguments": piece}}
-            if self.named_id is None:
-                self.named_id = call_id()
-                call = {"index": 0, "id": self.named_id, "type": "function",
-                        "function": {"name": plan.name, "arguments": piece}}
-            self.found = True
-            return {"tool_calls": [call]}
-        self.held += piece
-        sent = ""
-        if plan.mode == "auto" and _START not in self.held:     # send all but a tail that may start a call
-            keep = next((k for k in range(min(len(_START) - 1, len(self.held)), 0, -1)
-                         if _START.startswith(self.held[-k:])), 0)
-            sent, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-        elif plan.mode == "auto":
-            at = self.held.index(_START)
-            sent, self.held = self.held[:at], self.held[at:]
+        if self.plan.mode == "named":
+            return self._named(piece)
+        delta = {} if self.plan.mode == "required" or self.in_calls else self._content(piece)
         if not final:
-            return {"content": sent} if sent else {}
-        found = plan.calls("".join(self.parts))
-        if found is None:
-            rest, self.held = sent + self.held, ""
-            return {"content": rest} if rest else {}
-        self.found, self.held = True, ""
-        delta = {"content": sent} if sent else {}
-        return delta | {"tool_calls": [{"index": k, "id": call_id(), "type": "function",
-                                        "function": {"name": c.name, "arguments": c.arguments}}
-                                       for k, c in enumerate(found[1])]}
+            return delta
+        content, calls = self.plan.calls("".join(self.parts))
+        rest = (content or "")[self.num_sent:]
+        if rest:
+            delta["content"] = delta.get("content", "") + rest
+        if calls:
+            self.found = True
+            delta["tool_calls"] = [{"index": k, "id": call_id(), "type": "function",
+                                    "function": {"name": c.name, "arguments": c.arguments}}
+                                   for k, c in enumerate(calls)]
+        return delta
+
+    def _named(self, piece: str) -> dict:
+        if self.named_id is not None:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]} if piece else {}
+        self.pending += piece
+        if not self.pending.strip():       # whitespace alone makes no call (yet)
+            return {}
+        self.named_id, self.found = call_id(), True
+        args, self.pending = self.pending, ""
+        return {"tool_calls": [{"index": 0, "id": self.named_id, "type": "function",
+                                "function": {"name": self.plan.name, "arguments": args}}]}
+
+    def _content(self, piece: str) -> dict:
+        """"auto" before any call: send the text up to "<tool_call>", or all but a tail that may start one; hold
+        whitespace that comes before any text (it is no content if a call follows)."""
+        self.pending += piece
+        at = self.pending.find(_START)
+        if at >= 0:
+            self.in_calls = True
+        else:
+            at = len(self.pending) - next((k for k in range(min(len(_START) - 1, len(self.pending)), 0, -1)
+                                           if _START.startswith(self.pending[-k:])), 0)
+        out = self.pending[:at]
+        if not self.has_text and not out.strip():
+            return {}
+        self.has_text = True
+        self.pending, self.num_sent = self.pending[at:], self.num_sent + at
+        return {"content": out} if out else {}
 
     def finish_reason(self, finish: str | None) -> str | None:
         return self.plan.finish_reason(self.found, finish)

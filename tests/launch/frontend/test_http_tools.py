@@ -156,15 +156,34 @@ def test_required_answers_each_call_of_the_greedy_array(served):
     content, calls, finish_s = streamed(chat(served, tool_choice="required", stream=True, **as_field(bias)))
     assert (content, finish_s) == ("", "tool_calls")
     assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == want
-    # cut short by max_tokens: no calls, the text as content, finish_reason "length"; streamed the same
-    text, finish, *_ = oracle(served, grammar, bias, max_new=6)
+    # cut short by max_tokens: no calls, content "", finish_reason "length" (vLLM's); streamed the same
     got = chat(served, tool_choice="required", max_tokens=6, **as_field(bias))["choices"][0]
-    assert got["message"] == {"role": "assistant", "content": text} and got["finish_reason"] == finish == "length"
+    assert got["message"] == {"role": "assistant", "content": ""} and got["finish_reason"] == "length"
     assert streamed(chat(served, tool_choice="required", max_tokens=6, stream=True, **as_field(bias))) == (
-        text, [], "length")
+        "", [], "length")
     # the array whole but EOS not drawn yet: the calls, with finish_reason "length" (vLLM's)
     got = chat(served, tool_choice="required", max_tokens=num, **as_field(bias))["choices"][0]
     assert calls_of(got["message"]) == want and got["finish_reason"] == "length"
+
+
+def test_required_with_parallel_tool_calls_false_is_constrained_to_one_call(served):
+    """Without "," pushed down the greedy array repeats its call until max_tokens; parallel_tool_calls false caps
+    it at one item in the grammar (vLLM's maxItems), so the output ends after the first call."""
+    bias = biased(served.tokenizer)
+    text, finish, *_ = oracle(served, lambda c: c.compile_json_schema(json.dumps({**REQUIRED, "maxItems": 1})), bias)
+    items = json.loads(text)
+    assert len(items) == 1 and finish == "stop"
+    want = [{"name": items[0]["name"], "arguments": json.dumps(items[0]["parameters"])}]
+    for stream in (False, True):
+        got = chat(served, tool_choice="required", parallel_tool_calls=False, stream=stream, **as_field(bias))
+        if stream:
+            content, calls, finish_s = streamed(got)
+            assert [{"name": c["name"], "arguments": c["arguments"]} for c in calls] == want
+        else:
+            c = got["choices"][0]
+            assert calls_of(c["message"]) == want
+            finish_s = c["finish_reason"]
+        assert finish_s == "tool_calls"
 
 
 def test_auto_finds_hermes_calls_in_the_text(served):
@@ -212,6 +231,12 @@ def test_earlier_calls_and_tool_results_reach_the_template(served):
     assert "tool_calls" not in got["choices"][0]["message"]
     code, data = post(served, "/tokenize", {"model": MODEL, "messages": history, "tools": TOOLS})
     assert code == 200 and data["tokens"] == prompt_ids(tok, seen)
+    # arguments that are not a JSON object (a call cut short) reach the template as {}, as vLLM's do
+    for bad in ('{"zone": "ut', "[1]", "[" * 5000):
+        history[1]["tool_calls"][0]["function"]["arguments"] = bad
+        seen[1]["tool_calls"][0]["function"]["arguments"] = {}
+        code, data = post(served, "/tokenize", {"model": MODEL, "messages": history, "tools": TOOLS})
+        assert code == 200 and data["tokens"] == prompt_ids(tok, seen), bad
 
 
 BAD = [
@@ -227,8 +252,6 @@ BAD = [
       "tool_choice": "required"}, "tools", "$defs"),
     ({"functions": [{"name": "f"}]}, "functions", "pass them as tools"),
     ({"function_call": "auto"}, "function_call", "pass tool_choice"),
-    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{"}}]}],
-      "tool_choice": "none"}, "messages.0.tool_calls", "not JSON"),
 ]
 
 
@@ -253,35 +276,64 @@ def test_auto_needs_the_servers_parser():
     assert call(app, "POST", "/v1/chat/completions", body)[0] == 503
 
 
-HERMES_TEXTS = {   # text -> (content, [(name, arguments)]) or None (all of it is content), written out by hand
-    'plain text, no calls': None,
-    'Let me look.<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>': ("Let me look.", [("a", '{"x": 1}')]),
-    '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n<tool_call>{"name": "b", "arguments": {"y": "é"}}':
-        (None, [("a", "{}"), ("b", '{"y": "é"}')]),
-    '<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>': None,        # not JSON
-    'x <tool_call>{"name": "a"}</tool_call>': None,                            # no arguments
-    'x <tool_call>["a"]</tool_call> <tool_call': None,
-    'almost <tool_cal': None,
+# text -> (content, [(name, arguments)], finish_reason) of "auto"'s answer when the engine says "stop", by hand
+AUTO = {
+    'plain text, no calls': ('plain text, no calls', [], "stop"),
+    'Let me look.<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>':
+        ("Let me look.", [("a", '{"x": 1}')], "tool_calls"),
+    '\n \n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+    '<tool_call>{"name": "b", "arguments": {"y": "é"}}':
+        (None, [("a", "{}"), ("b", '{"y": "é"}')], "tool_calls"),
+    '<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>':                        # not JSON
+        ('<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>', [], "stop"),
+    'x <tool_call>{"name": "a"}</tool_call>': ('x <tool_call>{"name": "a"}</tool_call>', [], "stop"),   # no arguments
+    'x <tool_call>["a"]</tool_call> <tool_call': ('x <tool_call>["a"]</tool_call> <tool_call', [], "stop"),
+    'almost <tool_cal': ('almost <tool_cal', [], "stop"),
+    '  <tool_call>' + "[" * 5000: ('  <tool_call>' + "[" * 5000, [], "stop"),               # too deep for json
+    '  ': ('  ', [], "stop"),
 }
+# (mode, text) -> the same, for a named function "f" and for "required"
+FORCED = {
+    ("named", '{"x": 1}'): ("", [("f", '{"x": 1}')], "stop"),
+    ("named", '  \n'): ("", [], "stop"),
+    ("required", '[{"name": "f", "parameters": {"x": 1}}, {"name": "g", "parameters": {}}]'):
+        ("", [("f", '{"x": 1}'), ("g", "{}")], "tool_calls"),
+    ("required", '[{"name": "f", "param'): ("", [], "stop"),
+}
+CASES = [("auto", text, want) for text, want in AUTO.items()] + [(m, t, w) for (m, t), w in FORCED.items()]
 
 
-@pytest.mark.parametrize("text", list(HERMES_TEXTS))
-def test_hermes_parse_and_every_split_of_its_stream_agree(text):
-    want = HERMES_TEXTS[text]
-    got = hermes_calls(text)
-    assert (None if got is None else (got[0], [(c.name, c.arguments) for c in got[1]])) == want
-    plan = ToolPlan("auto")
-    message, finish = plan.message(text, "stop")
-    for cut in range(len(text) + 1):
+def splits(text: str):
+    """Ways a stream may cut text: at every point in steps of 1, 3 or all of it, each also with an empty last
+    piece (the EOS that ends a choice adds no text)."""
+    for cut in range(len(text) + 1) if len(text) < 200 else (0, 7, len(text)):
         for step in (1, 3, len(text) + 1):
             pieces = [text[:cut]] + [text[i:i + step] for i in range(cut, len(text), step)]
-            s = plan.stream()
-            chunks = [{"choices": [{"delta": s.add(p, final=i == len(pieces) - 1), "finish_reason": None}]}
-                      for i, p in enumerate(pieces)]
-            chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("stop")
-            content, calls, finish_s = streamed(chunks)
-            assert (content or None, finish_s) == (message["content"] or None, finish), (text, cut, step)
-            assert [(c["name"], c["arguments"]) for c in calls] == [
-                (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
-            if want is not None:     # content never includes what starts a call, even in part
-                assert all("<" not in (ch["choices"][0]["delta"].get("content") or "") for ch in chunks)
+            yield pieces
+            yield pieces + [""]
+
+
+@pytest.mark.parametrize("mode,text,want", CASES)
+def test_tool_answers_and_every_split_of_their_stream_say_the_same(mode, text, want):
+    plan = ToolPlan(mode, "f" if mode == "named" else None)
+    message, finish = plan.message(text, "stop")
+    got = (message["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                for c in message.get("tool_calls", [])], finish)
+    assert got == want
+    for pieces in splits(text):
+        s = plan.stream()
+        chunks = [{"choices": [{"delta": s.add(p, final=i == len(pieces) - 1), "finish_reason": None}]}
+                  for i, p in enumerate(pieces)]
+        chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("stop")
+        content, calls, finish_s = streamed(chunks)
+        assert (content or None, [(c["name"], c["arguments"]) for c in calls], finish_s) == (
+            want[0] or None, want[1], want[2]), pieces
+        if want[1] and mode == "auto":     # content never holds what starts a call, even in part
+            assert all("<" not in (ch["choices"][0]["delta"].get("content") or "") for ch in chunks)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    message, finish = ToolPlan("auto", parallel=False).message(text, "stop")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["a"] and finish == "tool_calls"
+    assert hermes_calls(text)[1][1].name == "b"
