@@ -243,7 +243,8 @@ class EngineConfig:
     generation_config: str = option("auto", "the sampling defaults (temperature, top_p, top_k, min_p, "
                                             "repetition_penalty) of requests that leave them out: auto (the "
                                             "checkpoint's generation_config.json, as vLLM's), vllm (none: the "
-                                            "engine's own), or a directory holding a generation_config.json")
+                                            "engine's own), or a directory holding a generation_config.json, "
+                                            "whose EOS ids then end outputs in place of the checkpoint's")
     collective_timeout_s: float = option(600.0, "a collective that waits longer fails the job")
     heartbeat_s: float = option(1.0, "an idle leader broadcasts at least this often (must be below the "
                                      "collective timeout)")

@@ -42,7 +42,8 @@ class LLM:
                lockstep: bool = False) -> None:
         """Config, spec, tokenizer, ids, rank bookkeeping: a front's (process.py's too); lockstep: no autoscale."""
         self.config = EngineConfig.from_options(model, attention_ranks, expert_ranks, **options)
-        self.spec = Checkpoint(self.config.model, mtp=self.config.scheduler.uses_mtp).spec   # fails fast if it is bad
+        self.spec = Checkpoint(self.config.model, mtp=self.config.scheduler.uses_mtp,     # fails fast if it is bad
+                               generation_config=self.config.generation_config).spec
         check_autoscale(self.config.parallel, lockstep)
         if expert_ranks > self.spec.num_experts:
             raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "

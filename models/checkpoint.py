@@ -23,12 +23,13 @@ INDEX = "model.safetensors.index.json"
 class Checkpoint:
     """A checkpoint directory: config.json, model.safetensors or an index with shards, optional tokenizer."""
 
-    def __init__(self, path: str | os.PathLike, mtp: bool = False):
-        """mtp: run the checkpoint's multi-token-prediction layers too (ModelSpec.with_mtp)."""
+    def __init__(self, path: str | os.PathLike, mtp: bool = False, generation_config: str = "auto"):
+        """mtp: run the checkpoint's multi-token-prediction layers too (ModelSpec.with_mtp); generation_config:
+        where the EOS ids come from (load_spec's)."""
         self.path = os.fspath(path)
         if not os.path.isdir(self.path):
             raise ValueError(f"model directory {self.path!r} does not exist; pass a local HF checkpoint directory")
-        self.spec = load_spec(self.path)
+        self.spec = load_spec(self.path, generation_config)
         if mtp:
             self.spec = self.spec.with_mtp()
         self.name2file = self._index()
@@ -248,8 +249,10 @@ def _dtype_bytes(name: str) -> int:
     return _SAFETENSORS_BYTES.get(name, 1)
 
 
-def load_spec(path: str) -> ModelSpec:
-    """config.json (+ generation_config.json) -> ModelSpec, via transformers' own config classes."""
+def load_spec(path: str, generation_config: str = "auto") -> ModelSpec:
+    """config.json (+ generation_config.json) -> ModelSpec, via transformers' own config classes. generation_config:
+    the engine option (auto or vllm: the checkpoint's generation_config.json; else a directory holding one, whose
+    EOS ids are the engine's, as vLLM reads them from where its --generation-config points)."""
     from transformers import AutoConfig, GenerationConfig
 
     cfg_path = os.path.join(path, "config.json")
@@ -268,9 +271,10 @@ def load_spec(path: str) -> ModelSpec:
     except Exception as e:
         raise ValueError(f"transformers could not parse {cfg_path!r}: {e}") from e
     gen_cfg = None
-    if os.path.exists(os.path.join(path, "generation_config.json")):
+    gen_dir = path if generation_config in ("auto", "vllm") else generation_config
+    if os.path.exists(os.path.join(gen_dir, "generation_config.json")):
         try:
-            gen_cfg = GenerationConfig.from_pretrained(path, local_files_only=True)
+            gen_cfg = GenerationConfig.from_pretrained(gen_dir, local_files_only=True)
         except Exception as e:
-            raise ValueError(f"generation_config.json in {path!r} is unreadable: {e}") from e
+            raise ValueError(f"generation_config.json in {gen_dir!r} is unreadable: {e}") from e
     return spec_from_hf_config(cfg, gen_cfg)

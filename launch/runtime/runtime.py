@@ -71,7 +71,7 @@ class Runtime(GenerationForming):
         self.data_sockets: set[str] = set()   # the socket inodes this generation's groups opened
         self._stats = None      # the data plane's stats, carried from one generation to the next
         self.sync_tally = SyncTally() if config.sync_audit else None   # this rank's host syncs per decode step
-        self.ckpt = Checkpoint(config.model, mtp=config.scheduler.uses_mtp)
+        self.ckpt = Checkpoint(config.model, mtp=config.scheduler.uses_mtp, generation_config=config.generation_config)
         if config.role is None:
             self._start_world()
         elif leads_pool(config.role, config.leader_host):

@@ -130,6 +130,24 @@ def test_generate_without_params_takes_the_checkpoints_defaults(tiny_checkpoint,
         assert llm.generate([prompt])[0].token_ids == plain
 
 
+def test_generation_config_directory_gives_the_eos_ids_too(tiny_checkpoint, tmp_path):
+    """--generation-config DIR: DIR's eos_token_id ends outputs (vLLM reads EOS ids from where its flag points), and
+    the checkpoint's EOS does not; oracle: transformers' greedy tokens, cut after the first DIR EOS."""
+    from transformers import GenerationConfig
+
+    from launch import LLM
+    from tests.conftest import hf_greedy, make_prompts
+
+    path = tiny_checkpoint("qwen3_moe")
+    prompt = make_prompts(1, 256, 10, 10, seed=5)[0]
+    want = hf_greedy(path, [prompt], 16)[0]
+    eos = want[5]                        # a token greedy draws at position 5 (or earlier)
+    GenerationConfig(eos_token_id=[eos]).save_pretrained(tmp_path)
+    with LLM(path, attention_ranks=1, expert_ranks=1, generation_config=str(tmp_path)) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0]
+    assert out.token_ids == want[:want.index(eos) + 1] and out.finish_reason == "stop"
+
+
 def test_generation_config_option_names_where_the_defaults_come_from(tmp_path):
     from types import SimpleNamespace
 

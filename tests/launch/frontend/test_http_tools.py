@@ -142,6 +142,17 @@ def test_a_named_function_answers_the_greedy_arguments_under_its_schema(served):
     content, calls, finish_s = streamed(chat(served, tool_choice=choice, stream=True, **as_field(bias)))
     assert (content, finish_s) == ("", "stop")
     assert len(calls) == 1 and calls[0]["name"] == "weather" and calls[0]["arguments"] == text and calls[0]["id"]
+    # n = 2 (greedy: the same call twice), streamed with logprobs: each choice its own call, id and logprobs
+    chunks = chat(served, tool_choice=choice, stream=True, n=2, logprobs=True, **as_field(bias))
+    for i in range(2):
+        mine = [{"choices": [c for c in ch["choices"] if c["index"] == i]} for ch in chunks]
+        content, calls, finish_s = streamed(mine)
+        assert (content, [(c["name"], c["arguments"]) for c in calls], finish_s) == ("", [("weather", text)], "stop")
+        tokens = [t["token"] for ch in mine for c in ch["choices"] for t in (c["logprobs"] or {}).get("content", [])]
+        assert "".join(tokens).startswith(text), (tokens, text)
+    ids = {ch["choices"][0]["delta"]["tool_calls"][0].get("id") for ch in chunks
+           if ch["choices"] and ch["choices"][0]["delta"].get("tool_calls")} - {None}
+    assert len(ids) == 2
 
 
 def test_required_answers_each_call_of_the_greedy_array(served):
