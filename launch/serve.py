@@ -168,9 +168,10 @@ def main(argv=None) -> int:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (the default when a chat request has tools): the model decides "
                         "whether to call a tool and --tool-call-parser finds the calls in its text (vLLM's flag)")
-    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="how tool_choice 'auto' finds calls in the output: hermes (<tool_call>{json}</tool_call>, "
-                        "Hermes and Qwen models); needed by --enable-auto-tool-choice")
+                        "Hermes and Qwen models) or deepseek_v3 (DeepSeek-V3 and R1); needed by "
+                        "--enable-auto-tool-choice")
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     if not world:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        p.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(PARSERS)})")
+        p.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(PARSERS))})")
     if (args.role is None) != (args.pool_addr is None):
         p.error("--role and --pool-addr go together: separate pool launches need both, a single launch neither")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -38,7 +38,7 @@ from .metrics import Metrics, scrape
 from .chat import ChatCompletionRequest
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .text import TextStream
-from .tools import ToolPlan
+from .tools import PARSERS, ToolPlan
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
@@ -69,6 +69,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING).
     tool_parser: how tool_choice "auto" finds calls in the output (launch/frontend/tools.py PARSERS; None:
     auto is refused, serve.py's --enable-auto-tool-choice is off)."""
+    if tool_parser is not None and tool_parser not in PARSERS:
+        raise ValueError(f"tool_parser={tool_parser!r} is unknown; pass one of {', '.join(sorted(PARSERS))}")
     state = _ServerState(model_name, model_path)
 
     @contextlib.asynccontextmanager

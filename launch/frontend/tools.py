@@ -12,14 +12,18 @@ function or "required" asks for, are launch/frontend/chat.py's).
   answer's tool_calls, the text before the first is its content (null when empty or whitespace), and
   finish_reason is "tool_calls"; otherwise the whole text is content. Special tokens stay in the text (some
   models mark <tool_call> special; vLLM's hermes parser does the same). Parsers:
-    hermes  calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes 2 Pro and later, Qwen2.5
-            and Qwen3); the last one may be left unclosed. A call that is not such JSON leaves the whole text as
-            content.
+    hermes       calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes 2 Pro and later,
+                 Qwen2.5 and Qwen3); the last one may be left unclosed. A call that is not such JSON leaves the
+                 whole text as content.
+    deepseek_v3  DeepSeek-V3's (and R1's) <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+                 then the arguments in a ```json block on one line, <｜tool▁call▁end｜>; calls not so written are
+                 dropped, and the content is the text before <｜tool▁calls▁begin｜> (vLLM's).
 - parallel_tool_calls false: only the first call is answered.
 
 Streamed: a named function's arguments stream as they come (the first delta names the function and carries the
 call's id). "required" and "auto" hold back what may be calls (all of "required"'s output; "auto"'s text from the
-first "<tool_call>", a tail that may start one, or whitespace before any text) and decide at the end as the
+first text that begins calls (the parser's start, e.g. "<tool_call>"), a tail that may begin it, or whitespace
+before any text) and decide at the end as the
 unstreamed answer does, so the two always agree: the calls come whole in the chunk that carries the
 finish_reason, or the held text as content.
 """
@@ -28,15 +32,17 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .chat import ChatCompletionRequest
 from .protocol import APIError
 
-PARSERS = ("hermes",)
-
-_START, _END = "<tool_call>", "</tool_call>"
+_START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_DS_START = "<｜tool▁calls▁begin｜>"
+_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*)<｜tool▁sep｜>(?P<name>.*)\n```json\n(?P<arguments>.*)\n```"
+                      r"<｜tool▁call▁end｜>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,27 @@ def hermes_calls(text: str) -> tuple[str | None, list[Call]] | None:
     return text[:text.index(_START)] or None, calls
 
 
+def deepseek_v3_calls(text: str) -> tuple[str | None, list[Call]] | None:
+    """(the content before the calls, None when empty; the calls, maybe none) for DeepSeek-V3-style calls in text,
+    or None when it holds none. Each call's arguments are the text of its json block, as the model wrote it."""
+    if _DS_START not in text:
+        return None
+    calls = [Call(m.group("name"), m.group("arguments")) for m in _DS_CALL.finditer(text)]
+    return text[:text.index(_DS_START)] or None, calls
+
+
+@dataclass(frozen=True, slots=True)
+class Parser:
+    """How tool_choice "auto" finds calls: `start`, the text that begins them (a stream's content stops there),
+    and `calls`, text -> (content, calls), or None when the text holds no call (then it is all content)."""
+
+    start: str
+    calls: Callable[[str], tuple[str | None, list[Call]] | None]
+
+
+PARSERS = {"hermes": Parser(_START, hermes_calls), "deepseek_v3": Parser(_DS_START, deepseek_v3_calls)}
+
+
 def required_calls(text: str) -> list[Call] | None:
     """The calls of "required"'s JSON array of {"name", "parameters"}, or None when text is not one (cut short)."""
     try:
@@ -85,6 +112,7 @@ class ToolPlan:
     mode: str
     name: str | None = None         # the named function
     parallel: bool = True           # false: only the first call is answered
+    parser: Parser = PARSERS["hermes"]     # "auto"'s
 
     @classmethod
     def of(cls, body: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
@@ -99,7 +127,8 @@ class ToolPlan:
             raise APIError(400, f"{why} needs the server started with --enable-auto-tool-choice and "
                                 f"--tool-call-parser; pass tool_choice 'none', 'required' or a named function "
                                 f"instead", "tool_choice")
-        return cls(mode, body.tool_choice.function.name if mode == "named" else None, body.parallel_tool_calls)
+        return cls(mode, body.tool_choice.function.name if mode == "named" else None, body.parallel_tool_calls,
+                   PARSERS[parser or "hermes"])
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -112,7 +141,7 @@ class ToolPlan:
             content, calls = "", [Call(self.name, text)] if text.strip() else []
         elif self.mode == "required":
             content, calls = "", required_calls(text) or []
-        elif (found := hermes_calls(text)) is None:
+        elif (found := self.parser.calls(text)) is None:
             content, calls = text, []
         else:
             content, calls = found[0] if found[0] and found[0].strip() else None, found[1]
@@ -147,7 +176,7 @@ class ToolStream:
     pending: str = ""           # "auto" before a call, and a named call's leading whitespace: text not sent yet
     num_sent: int = 0           # "auto": characters of the text sent as content
     has_text: bool = False      # "auto": content other than whitespace went out
-    in_calls: bool = False      # "auto": "<tool_call>" came; the rest is decided at the end
+    in_calls: bool = False      # "auto": the parser's start came; the rest is decided at the end
     named_id: str | None = None     # the named function's call id, once its first delta went
     found: bool = False
 
@@ -182,15 +211,16 @@ class ToolStream:
                                 "function": {"name": self.plan.name, "arguments": args}}]}
 
     def _content(self, piece: str) -> dict:
-        """"auto" before any call: send the text up to "<tool_call>", or all but a tail that may start one; hold
+        """"auto" before any call: send the text up to the parser's start, or all but a tail that may begin it; hold
         whitespace that comes before any text (it is no content if a call follows)."""
         self.pending += piece
-        at = self.pending.find(_START)
+        start = self.plan.parser.start
+        at = self.pending.find(start)
         if at >= 0:
             self.in_calls = True
         else:
-            at = len(self.pending) - next((k for k in range(min(len(_START) - 1, len(self.pending)), 0, -1)
-                                           if _START.startswith(self.pending[-k:])), 0)
+            at = len(self.pending) - next((k for k in range(min(len(start) - 1, len(self.pending)), 0, -1)
+                                           if start.startswith(self.pending[-k:])), 0)
         out = self.pending[:at]
         if not self.has_text and not out.strip():
             return {}

@@ -363,7 +363,8 @@ def test_auto_tool_choice_needs_a_parser():
     from launch.local_server import ROOT
     run = subprocess.run([sys.executable, "launch/serve.py", "--enable-auto-tool-choice"], capture_output=True,
                          cwd=ROOT, text=True, env={**os.environ, "WORLD_SIZE": "1"}, timeout=120)
-    assert run.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser (one of hermes)" in run.stderr
+    want = "--enable-auto-tool-choice needs --tool-call-parser (one of deepseek_v3, hermes)"
+    assert run.returncode == 2 and want in run.stderr, run.stderr
 
 
 def test_bad_chat_requests_get_openai_errors(server):
