@@ -34,10 +34,13 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the project i
 
 from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
-from launch.llm import LLM
+from launch.frontend.reasoning import PARSERS as REASONING_PARSERS
+from launch.frontend.reasoning import think_ids
 from launch.frontend.tools import PARSERS
+from launch.llm import LLM
 from launch.procs import leave_process
 from launch.runtime import follow, lead
+from models.checkpoint import load_tokenizer
 
 SHUTDOWN_GRACE_S = 10.0   # after SIGTERM a rank that has not left by then exits non-zero
 
@@ -112,7 +115,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     if _leads(args):   # the HTTP front in its own process, listening before the weights load
         from launch.frontend.process import FrontProcess
         front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs,
-                             args.tool_call_parser if args.enable_auto_tool_choice else None)
+                             args.tool_call_parser if args.enable_auto_tool_choice else None, args.reasoning_parser)
     llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -172,6 +175,9 @@ def main(argv=None) -> int:
                    help="how tool_choice 'auto' finds calls in the output: hermes (<tool_call>{json}</tool_call>, "
                         "Hermes and Qwen models) or deepseek_v3 (DeepSeek-V3 and R1); needed by "
                         "--enable-auto-tool-choice")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split a thinking model's reasoning (up to </think>) from its answer in chat responses: "
+                        "deepseek_r1 or qwen3 (vLLM's flag)")
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
@@ -181,6 +187,9 @@ def main(argv=None) -> int:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(PARSERS))})")
+    if args.reasoning_parser is not None and think_ids(load_tokenizer(args.model)) is None:
+        p.error(f"--reasoning-parser {args.reasoning_parser} needs the tokens <think> and </think> in the model's "
+                f"tokenizer, and {args.model!r} has no such tokens")
     if (args.role is None) != (args.pool_addr is None):
         p.error("--role and --pool-addr go together: separate pool launches need both, a single launch neither")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")

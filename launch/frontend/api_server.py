@@ -12,6 +12,7 @@ connect it to an engine and disconnect it. The parts live beside it:
   metrics.py        `Metrics` and the /metrics scrape
   access_log.py     the access log (one line per request)
   protocol.py       request shapes and `APIError`; chat.py the chat completions' shapes, tools among them
+  answer.py         a chat answer: reasoning (reasoning.py, --reasoning-parser), content, tool calls
   tools.py          tool calls in chat answers (named, required, auto through a parser)
 Request fields no model in protocol.py or chat.py defines are ignored, with one warning per request naming them.
 """
@@ -38,6 +39,9 @@ from .metrics import Metrics, scrape
 from .chat import ChatCompletionRequest
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .text import TextStream
+from .answer import ChatAnswer
+from .reasoning import PARSERS as REASONING_PARSERS
+from .reasoning import ReasoningPlan
 from .tools import PARSERS, ToolPlan
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 
@@ -63,14 +67,18 @@ class _ServerState:
 
 
 def build_app(model_name: str, model_path: str, api_key: str | None = None, access_log: bool = True,
-              tool_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The app; `attach(app, llm)` connects it to an engine once every rank is ready (until then /health and
     the API answer 503). With `access_log`, one INFO line per request goes to logger "afserve.http.access";
     that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING).
     tool_parser: how tool_choice "auto" finds calls in the output (launch/frontend/tools.py PARSERS; None:
-    auto is refused, serve.py's --enable-auto-tool-choice is off)."""
+    auto is refused, serve.py's --enable-auto-tool-choice is off); reasoning_parser: how chat answers split off
+    their reasoning (launch/frontend/reasoning.py PARSERS; None: they do not)."""
     if tool_parser is not None and tool_parser not in PARSERS:
         raise ValueError(f"tool_parser={tool_parser!r} is unknown; pass one of {', '.join(sorted(PARSERS))}")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={reasoning_parser!r} is unknown; pass one of "
+                         f"{', '.join(REASONING_PARSERS)}")
     state = _ServerState(model_name, model_path)
 
     @contextlib.asynccontextmanager
@@ -134,11 +142,18 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         check_request(body, state.served)
         tools = ToolPlan.of(body, tool_parser)
         eng = engine()
-        text = chat_text(eng.llm.tokenizer, body, state.model_name, body.continue_final_message)
+        tok = eng.llm.tokenizer
+        reasoning = ReasoningPlan.of(body, reasoning_parser, tok)
+        if reasoning is not None and reasoning.thinking and (forced := body.structured())[0] is not None:
+            raise APIError(400, f"{forced[1]} constrains the output, which would leave the model no reasoning: "
+                                f"structured outputs (and a named or required tool choice) are not served with "
+                                f"--reasoning-parser yet; leave {forced[1]} out", forced[1])
+        text = chat_text(tok, body, state.model_name, body.continue_final_message)
         prompts = [prompt_ids(eng.llm, text, "messages", body.add_special_tokens,
                               body.truncation(eng.llm.max_model_len))]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
-        return await respond(state.model_name, eng, body, request, prompts, params, chat=True, tools=tools)
+        return await respond(state.model_name, eng, body, request, prompts, params, chat=True,
+                             answer=ChatAnswer.of(tools, reasoning, tok))
 
     @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest, request: Request):

@@ -96,6 +96,7 @@ class ChatCompletionRequest(_Sampling):
     # None: "auto" with tools, else "none" (OpenAI's and vLLM's defaults)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True             # false: only the first call is answered (vLLM's)
+    include_reasoning: bool = True               # vLLM's: with a reasoning parser, false leaves the reasoning out
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # vLLM's: the last (assistant) message is continued, left open
     add_special_tokens: bool = False     # vLLM's: the templated text gets the tokenizer's special tokens too

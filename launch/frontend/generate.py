@@ -31,11 +31,11 @@ from attention_nodes.sampling_params import SamplingParams
 from ..admission import sampling_defaults
 from ..samples import Sample, chosen, sample_ids
 from .access_log import access_record
+from .answer import ChatAnswer, ChatAnswerStream
 from .engine_client import EngineClient, Progress, engine_down
 from .logprobs import Position, TokenNames, chat_logprobs, completion_logprobs, prompt_logprobs, top_entries
 from .protocol import APIError, param_of
 from .text import TextStream, TokenSpans, prompt_text
-from .tools import ToolPlan, ToolStream
 from .tokens import bad_words_ids
 
 
@@ -143,7 +143,7 @@ class _Choice:
     is_echoed: bool = False
     prompt_scores: list | None = None      # the prompt's (entry, rank) per token, shared by its choices (None: none)
     num_ids_sent: int = -1                 # streamed with return_token_ids: its token ids sent (-1: no chunk yet)
-    tools: ToolStream | None = None        # a streamed chat choice's tool calls (None: no tools in play)
+    shape: ChatAnswerStream | None = None  # a streamed chat choice's reasoning and tool calls (None: plain text)
     scores: list | None = None         # generated tokens' logprob dicts (None: logprobs not asked for)
     num_reported: int = 0              # generated tokens whose logprobs were handed out
     num_tokens: int = 0
@@ -239,11 +239,11 @@ def _best(choices: list[_Choice], params: SamplingParams, n: int) -> list[_Choic
 
 async def respond(model_name: str, eng: EngineClient, body, request: Request, prompts: list[list[int]],
                   per_prompt: list[SamplingParams], chat: bool, echo: list | None = None,
-                  tools: ToolPlan | None = None):
+                  answer: ChatAnswer | None = None):
     """Submit every prompt (n choices each: one per sample, or with best_of the best n samples) and answer as
     body asks: streamed or one JSON body. per_prompt: each prompt's parameters (they differ in max_tokens at
-    most); echo: the prompts as sent (strings or ids), to return first (completions); tools: how a chat's answer
-    shows tool calls (launch/frontend/tools.py; None: plain text)."""
+    most); echo: the prompts as sent (strings or ids), to return first (completions); answer: how a chat's
+    answer shows reasoning and tool calls (launch/frontend/answer.py; None: its text is the content)."""
     params = per_prompt[0]
     stops = body.stop_strings()
     n = body.n
@@ -259,7 +259,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     primary = set() if params.ignore_eos else {getattr(tok, "eos_token_id", None)}
     eos = set() if params.ignore_eos else set(eng.llm.spec.eos_token_ids)
     stop_ids = (frozenset(params.stop_token_ids) | eos) - primary
-    skip_special = body.skip_special_tokens and not (tools and tools.keeps_special_tokens)
+    skip_special = body.skip_special_tokens and not (answer and answer.keeps_special_tokens)
     try:
         for p, ids in enumerate(prompts):
             rid = eng.submit(ids, per_prompt[p], sink)
@@ -271,7 +271,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
             mine = [_Choice(p * n + i, p, rid, len(ids), TextStream(tok, stops, has_logprobs, params.min_tokens,
                                                                      body.include_stop_str_in_output, skip_special),
                             Sample(i), echo=shown, scores=[] if has_logprobs else None, stop_ids=stop_ids,
-                            prompt_scores=scores, tools=tools.stream() if tools and body.stream else None)
+                            prompt_scores=scores, shape=answer.stream() if answer and body.stream else None)
                     for i in range(max(n, len(rows)))]
             routes.update({rows[0]: mine} if len(rows) == 1 else {row: [c] for row, c in zip(rows, mine)})
             choices += mine
@@ -286,7 +286,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     with_ids = bool(body.return_token_ids)   # vLLM's: prompt_token_ids and token_ids beside the text
 
     def logprobs(positions: list[Position]) -> dict | None:
-        if not has_logprobs:
+        if not has_logprobs or (answer and not answer.shows_logprobs):
             return None
         return chat_logprobs(names, positions, params.logprobs) if chat else completion_logprobs(names, positions)
 
@@ -295,7 +295,8 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         the n returned)."""
         p = sum({ch.prompt_index: ch.prompt_len for ch in of}.values())
         c = sum(ch.num_tokens for ch in of)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        details = answer.usage_details([ch.stream.ids for ch in of]) if answer else {}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c} | details
 
     answered = choices         # with best_of, the best n of each prompt once known
     access = access_record(request)
@@ -325,8 +326,8 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                 async for c, piece, positions in _drive(eng, routes, sink):
                     new_ids = with_ids and c.num_ids_sent < len(c.stream.ids)
                     finish = c.finish
-                    if c.tools is not None:
-                        delta, finish = c.tools.add(piece, final=finish is not None), c.tools.finish_reason(finish)
+                    if c.shape is not None:
+                        delta, finish = c.shape.add(piece, final=finish is not None), c.shape.finish_reason(finish)
                     else:
                         delta = {"content": piece} if piece else {}
                     if not (delta if chat else piece) and not positions and finish is None and not new_ids:
@@ -382,7 +383,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         out = []
         for c in answered:
             text = "".join(c.text)
-            message, finish = tools.message(text, c.finish) if tools else ({"role": "assistant", "content": text},
+            message, finish = answer.message(text, c.finish) if answer else ({"role": "assistant", "content": text},
                                                                               c.finish)
             out.append({"index": c.index, "message": message, "logprobs": logprobs(c.positions),
                         "finish_reason": finish, "stop_reason": c.stop_reason} | generated(c))

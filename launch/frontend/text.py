@@ -5,6 +5,12 @@ from __future__ import annotations
 import bisect
 
 
+def tag_overlap(text: str, tag: str) -> int:
+    """How many of text's last characters begin tag (at most len(tag) - 1): what a stream holds back because the
+    next piece may complete the tag."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+
+
 class Detokenizer:
     """Token ids -> their text, one token at a time, as vLLM's incremental detokeniser works: each token decodes a
     short window (the last whole-character run of tokens as left context, then the tokens since), never the whole

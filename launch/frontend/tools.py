@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from .chat import ChatCompletionRequest
 from .protocol import APIError
+from .text import tag_overlap
 
 _START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
@@ -219,8 +220,7 @@ class ToolStream:
         if at >= 0:
             self.in_calls = True
         else:
-            at = len(self.pending) - next((k for k in range(min(len(start) - 1, len(self.pending)), 0, -1)
-                                           if start.startswith(self.pending[-k:])), 0)
+            at = len(self.pending) - tag_overlap(self.pending, start)
         out = self.pending[:at]
         if not self.has_text and not out.strip():
             return {}

@@ -357,14 +357,19 @@ def test_tools_reach_the_template_and_serve_py_turns_auto_tool_choice_on(client,
     assert got.usage.prompt_tokens == len(ids) and c.finish_reason == "length"
 
 
-def test_auto_tool_choice_needs_a_parser():
+def test_auto_tool_choice_needs_a_parser_and_a_reasoning_parser_its_tokens(model_dir):
     import subprocess
     import sys
     from launch.local_server import ROOT
-    run = subprocess.run([sys.executable, "launch/serve.py", "--enable-auto-tool-choice"], capture_output=True,
-                         cwd=ROOT, text=True, env={**os.environ, "WORLD_SIZE": "1"}, timeout=120)
+
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "launch/serve.py", *args], capture_output=True, cwd=ROOT, text=True,
+                              env={**os.environ, "WORLD_SIZE": "1"}, timeout=120)
+    run = serve("--enable-auto-tool-choice")
     want = "--enable-auto-tool-choice needs --tool-call-parser (one of deepseek_v3, hermes)"
     assert run.returncode == 2 and want in run.stderr, run.stderr
+    run = serve("--model", model_dir, "--reasoning-parser", "deepseek_r1")    # the tiny tokenizer has no <think>
+    assert run.returncode == 2 and "needs the tokens <think> and </think>" in run.stderr, run.stderr
 
 
 def test_bad_chat_requests_get_openai_errors(server):

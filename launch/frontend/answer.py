@@ -1,0 +1,77 @@
+"""A chat choice's answer: its text split into reasoning and content (launch/frontend/reasoning.py, with the server's
+--reasoning-parser), and tool calls found in the content (launch/frontend/tools.py); one message unstreamed, or
+deltas as text arrives. A chat without tools or a reasoning parser answers its text as content (no ChatAnswer)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .reasoning import ReasoningPlan, ReasoningStream
+from .tools import ToolPlan, ToolStream
+
+
+@dataclass(slots=True)
+class ChatAnswer:
+    tools: ToolPlan | None = None
+    reasoning: ReasoningPlan | None = None
+    special_think: bool = False     # the tokenizer marks "<think>"/"</think>" special (skipping them would hide them)
+
+    @classmethod
+    def of(cls, tools: ToolPlan | None, reasoning: ReasoningPlan | None, tok) -> ChatAnswer | None:
+        if tools is None and reasoning is None:
+            return None
+        special = reasoning is not None and bool({reasoning.start_id, reasoning.end_id} & set(tok.all_special_ids))
+        return cls(tools, reasoning, special)
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """The text keeps special tokens whatever skip_special_tokens says (a parser reads them)."""
+        return self.special_think or (self.tools is not None and self.tools.keeps_special_tokens)
+
+    @property
+    def shows_logprobs(self) -> bool:
+        """False when the reasoning is hidden (include_reasoning false): the logprobs would show it."""
+        return self.reasoning is None or self.reasoning.include
+
+    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The unstreamed answer: (message, finish_reason)."""
+        reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
+        if self.tools is not None:
+            message, finish = self.tools.message(content or "", finish)
+        else:
+            message = {"role": "assistant", "content": content}
+        if self.reasoning is not None and self.reasoning.include:
+            message["reasoning"] = reasoning
+        return message, finish
+
+    def usage_details(self, outputs: list[list[int]]) -> dict:
+        """usage's completion_tokens_details for these outputs' token ids ({}: no reasoning parser)."""
+        if self.reasoning is None:
+            return {}
+        return {"completion_tokens_details": {"reasoning_tokens": sum(map(self.reasoning.num_tokens, outputs))}}
+
+    def stream(self) -> ChatAnswerStream:
+        return ChatAnswerStream(self, self.reasoning.stream() if self.reasoning else None,
+                                self.tools.stream() if self.tools else None)
+
+
+@dataclass(slots=True)
+class ChatAnswerStream:
+    """One streamed choice: `add` each piece of text (final: the choice has ended) -> its delta, then
+    `finish_reason`."""
+
+    answer: ChatAnswer
+    reasoning: ReasoningStream | None
+    tools: ToolStream | None
+
+    def add(self, piece: str, final: bool) -> dict:
+        thought, piece = self.reasoning.add(piece, final) if self.reasoning is not None else ("", piece)
+        if self.tools is not None:
+            delta = self.tools.add(piece, final)
+        else:
+            delta = {"content": piece} if piece else {}
+        if thought and self.answer.reasoning.include:
+            delta = {"reasoning": thought} | delta
+        return delta
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return self.tools.finish_reason(finish) if self.tools is not None else finish

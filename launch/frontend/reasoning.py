@@ -1,0 +1,99 @@
+"""Reasoning in chat answers, as vLLM's --reasoning-parser serves it: a thinking model writes its reasoning first,
+up to "</think>", then its answer. The answer's `reasoning` field (vLLM 0.32's name) gets the first and `content`
+the rest; tool calls are looked for in the rest only (launch/frontend/answer.py puts the two together).
+
+Parsers (both need "<think>" and "</think>" to be tokens of the model's tokenizer; serve.py checks):
+  deepseek_r1  DeepSeek-R1 (its chat template opens "<think>" in the prompt): the output is reasoning up to its
+               first "</think>", and all reasoning when there is none (cut short); a "<think>" that opens the
+               output is dropped.
+  qwen3        Qwen3: the same, unless the request's chat_template_kwargs say enable_thinking false (its template
+               then closes the thinking in the prompt): the output is all content.
+include_reasoning false (vLLM's): the answer leaves the reasoning out, and the logprobs too (they would show it).
+usage.completion_tokens_details.reasoning_tokens: the output tokens before "</think>" (all without one).
+
+Streamed: deltas carry `reasoning` until "</think>" comes, then `content`; an opening that may still be "<think>"
+and a tail that may begin "</think>" are held back until known, so the stream says what the unstreamed answer says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .text import tag_overlap
+
+PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+def think_ids(tok) -> tuple[int, int] | None:
+    """The token ids of "<think>" and "</think>" in tok's vocabulary, or None unless both are single tokens."""
+    vocab = tok.get_vocab() if tok is not None else {}
+    ids = vocab.get(START), vocab.get(END)
+    return None if None in ids else ids
+
+
+@dataclass(slots=True)
+class ReasoningPlan:
+    """How one chat request's answers split off their reasoning."""
+
+    thinking: bool         # false: no reasoning, all content (qwen3 with enable_thinking false)
+    include: bool          # include_reasoning: the answer shows it
+    start_id: int
+    end_id: int
+
+    @classmethod
+    def of(cls, body, parser: str | None, tok) -> ReasoningPlan | None:
+        """body's plan on a server with `parser` (None: no reasoning parser)."""
+        if parser is None:
+            return None
+        ids = think_ids(tok)
+        assert ids is not None, "serve.py checks the tokenizer for the parser's tokens"
+        kwargs = body.chat_template_kwargs or {}
+        thinking = parser == "deepseek_r1" or kwargs.get("enable_thinking", True) is not False
+        return cls(thinking, body.include_reasoning, *ids)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of an output's text; None: none."""
+        if not self.thinking:
+            return None, text
+        if text.startswith(START):
+            text = text[len(START):]
+        reasoning, end, content = text.partition(END)
+        return reasoning, (content or None) if end else None
+
+    def num_tokens(self, ids: list[int]) -> int:
+        """Reasoning tokens of an output: those before its first "</think>" (all without one), "<think>" not."""
+        if not self.thinking:
+            return 0
+        before = ids[:ids.index(self.end_id)] if self.end_id in ids else ids
+        return len(before) - (1 if before and before[0] == self.start_id else 0)
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self)
+
+
+@dataclass(slots=True)
+class ReasoningStream:
+    """One streamed choice's split: `add` each piece of text (final: the choice has ended) -> (reasoning, content)."""
+
+    plan: ReasoningPlan
+    held: str = ""
+    state: str = "start"       # "start" (the output may still open with "<think>"), "reasoning" or "content"
+
+    def add(self, piece: str, final: bool) -> tuple[str, str]:
+        if not self.plan.thinking or self.state == "content":
+            return "", piece
+        self.held += piece
+        if self.state == "start":
+            if START.startswith(self.held) and not final:
+                return "", ""
+            if self.held.startswith(START):
+                self.held = self.held[len(START):]
+            self.state = "reasoning"
+        at = self.held.find(END)
+        if at >= 0:
+            self.state = "content"
+            reasoning, content, self.held = self.held[:at], self.held[at + len(END):], ""
+            return reasoning, content
+        keep = 0 if final else tag_overlap(self.held, END)
+        reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return reasoning, ""

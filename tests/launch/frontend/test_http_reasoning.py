@@ -1,0 +1,178 @@
+"""Reasoning in chat answers (--reasoning-parser, launch/frontend/reasoning.py and answer.py), on an in-process server
+(the app on uvicorn in a thread, attached to one `LLM` on 1+1 spawned ranks) with the deepseek_r1 parser, over a
+tiny checkpoint whose tokenizer has "<think>" and "</think>" tokens.
+
+Oracle: transformers' greedy tokens for the chat template's ids, with the request's logit_bias on "</think>" added
+by the test's own logits processor (a bias that makes the random model write "</think>" early), split by the test
+at the first "</think>" as vLLM's deepseek_r1 parser splits. Streamed answers must say what unstreamed ones say."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from launch import LLM
+from launch.frontend.reasoning import ReasoningPlan
+from tests.conftest import hf_model
+from tests.launch.frontend.test_http_logprobs import post
+from tests.launch.frontend.test_http_tools import streamed
+
+MODEL = "tiny"
+MESSAGES = [{"role": "user", "content": "Hello experts"}]
+MAX_NEW = 12
+BIAS = 2.0     # on "</think>": the tiny model writes one token of reasoning, then "</think>"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from launch.frontend.api_server import attach, build_app, shut_down
+    from models.tiny import TINY_VOCAB, make_tiny_checkpoint, save_tiny_tokenizer
+
+    path = str(tmp_path_factory.mktemp("thinking"))
+    make_tiny_checkpoint("qwen3_moe", path, with_tokenizer=False, vocab_size=TINY_VOCAB + 4)
+    save_tiny_tokenizer(path, TINY_VOCAB)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(["<think>", "</think>"])      # as DeepSeek-R1's and Qwen3's tokenizers have them (not special)
+    tok.save_pretrained(path)
+    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=256, max_num_seqs=4) as llm:
+        app = build_app(MODEL, path, access_log=False, tool_parser="hermes", reasoning_parser="deepseek_r1")
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        thread = threading.Thread(target=server.run, name="test-http-reasoning", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        attach(app, llm)
+
+        class Served:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            tokenizer = llm.tokenizer
+            hf = hf_model(path)
+            end = tok.convert_tokens_to_ids("</think>")
+        try:
+            yield Served
+        finally:
+            shut_down(app, "the tests are over")
+            server.should_exit = True
+            thread.join(timeout=10)
+
+
+def oracle(served, bias: float) -> tuple[list[int], str]:
+    """transformers' greedy output tokens (and their text) with `bias` added to "</think>"'s logit."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    tok = served.tokenizer
+    ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+
+    class Bias(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores[:, served.end] += bias
+            return scores
+
+    with torch.no_grad():
+        out = served.hf.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None, logits_processor=LogitsProcessorList([Bias()]))
+    out = out[0, len(ids):].tolist()
+    return out, tok.decode(out)
+
+
+def chat(served, bias: float, **fields):
+    code, data = post(served, "/v1/chat/completions", {
+        "model": MODEL, "messages": MESSAGES, "temperature": 0, "max_tokens": MAX_NEW, "ignore_eos": True,
+        "logit_bias": {str(served.end): bias}, **fields})
+    assert code == 200, data
+    return data
+
+
+def streamed_reasoning(chunks: list[dict]) -> str:
+    return "".join(c["delta"].get("reasoning") or "" for ch in chunks for c in ch["choices"])
+
+
+@pytest.mark.parametrize("bias", [BIAS, 0.0])
+def test_reasoning_is_the_text_before_think_end(served, bias):
+    out, text = oracle(served, bias)
+    if bias:
+        assert served.end in out and out.index(served.end) < MAX_NEW - 1     # content follows it
+        reasoning, content = text[:text.index("</think>")], text[text.index("</think>") + len("</think>"):]
+        num = out.index(served.end)
+    else:
+        assert served.end not in out      # cut short while thinking: all of it is reasoning
+        reasoning, content, num = text, None, MAX_NEW
+    got = chat(served, bias, logprobs=True)
+    c = got["choices"][0]
+    assert c["message"] == {"role": "assistant", "content": content, "reasoning": reasoning}
+    assert got["usage"]["completion_tokens_details"] == {"reasoning_tokens": num}
+    assert len(c["logprobs"]["content"]) == MAX_NEW and c["finish_reason"] == "length"
+    chunks = chat(served, bias, stream=True, stream_options={"include_usage": True})
+    assert streamed_reasoning(chunks) == reasoning
+    assert streamed(chunks) == (content or "", [], "length")
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": num}
+
+
+def test_include_reasoning_false_leaves_it_and_the_logprobs_out(served):
+    out, text = oracle(served, BIAS)
+    content = text[text.index("</think>") + len("</think>"):]
+    c = chat(served, BIAS, include_reasoning=False, logprobs=True)["choices"][0]
+    assert c["message"] == {"role": "assistant", "content": content} and c["logprobs"] is None
+    chunks = chat(served, BIAS, include_reasoning=False, stream=True, logprobs=True)
+    assert streamed_reasoning(chunks) == "" and streamed(chunks)[0] == content
+    assert all(c["logprobs"] is None for ch in chunks for c in ch["choices"])
+
+
+def test_structured_outputs_are_refused_beside_a_reasoning_parser(served):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for fields, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"tools": tools, "tool_choice": "required"}, "tool_choice")):
+        code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, **fields})
+        assert code == 400 and data["error"]["param"] == param and "--reasoning-parser" in data["error"]["message"]
+
+
+# text -> (reasoning, content) as vLLM's deepseek_r1 parser splits it, written out by hand
+SPLITS = {
+    "<think>abc</think>xyz": ("abc", "xyz"),
+    "abc</think>": ("abc", None),
+    "abc": ("abc", None),
+    "</think>x</think>y": ("", "x</think>y"),
+    "<thi": ("<thi", None),
+    "ab</thin": ("ab</thin", None),
+    "<think>": ("", None),
+    "": ("", None),
+}
+
+
+@pytest.mark.parametrize("text", list(SPLITS))
+def test_every_split_of_a_stream_says_what_the_answer_says(text):
+    plan = ReasoningPlan(thinking=True, include=True, start_id=1, end_id=2)
+    assert plan.split(text) == SPLITS[text]
+    for step in (1, 2, 5):
+        for tail in ([], [""]):
+            pieces = [text[i:i + step] for i in range(0, len(text), step)] + tail or [""]
+            s = plan.stream()
+            parts = [s.add(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+            reasoning, content = "".join(r for r, _ in parts), "".join(c for _, c in parts)
+            assert (reasoning, content or None) == SPLITS[text], (pieces, parts)
+
+
+def test_qwen3_with_thinking_off_is_all_content():
+    class Body:
+        chat_template_kwargs = {"enable_thinking": False}
+        include_reasoning = True
+
+    class Tok:
+        @staticmethod
+        def get_vocab():
+            return {"<think>": 7, "</think>": 8}
+
+    plan = ReasoningPlan.of(Body, "qwen3", Tok)
+    assert plan.split("a</think>b") == (None, "a</think>b") and plan.num_tokens([1, 8, 2]) == 0
+    Body.chat_template_kwargs = None
+    plan = ReasoningPlan.of(Body, "qwen3", Tok)
+    assert plan.split("a</think>b") == ("a", "b") and plan.num_tokens([7, 1, 8, 2]) == 1
+    assert ReasoningPlan.of(Body, "deepseek_r1", Tok).split("a</think>b") == ("a", "b")
