@@ -45,6 +45,9 @@ class SamplingParams:
         {"regex": pattern}, {"choice": [strings]} or {"grammar": EBNF}: the output follows it
         (attention_nodes/structured.py); with it, EOS may not be ignored (it ends the complete output), and
         min_tokens, allowed_token_ids and bad words are refused (they could mask every token the grammar allows).
+    reasoning_end_token_id: None, or a token id (a thinking model's "</think>") that the output must reach before
+        its structured_outputs bind: the tokens up to it are free (the model's reasoning), the grammar constrains
+        the ones after it (vLLM's structured outputs under a reasoning parser). Needs structured_outputs.
     cache_salt (vLLM's, a request field there): None, or a non-empty string mixed into the prefix cache's keys, so
         the request shares cached blocks only with requests of the same salt (tenants cannot probe each other's
         prompts by timing).
@@ -73,6 +76,7 @@ class SamplingParams:
     n: int = 1
     best_of: int | None = None
     structured_outputs: dict | None = None
+    reasoning_end_token_id: int | None = None
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
@@ -157,6 +161,10 @@ class SamplingParams:
                                          f"the request draws from seed + i)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", self.cache_salt, "pass None or a non-empty string")
+        gate = self.reasoning_end_token_id
+        if gate is not None and (self.structured_outputs is None or type(gate) is not int or gate < 0):
+            raise bad("reasoning_end_token_id", gate, "pass None, or a token id (an int >= 0) beside "
+                                                      "structured_outputs, which bind after it")
         if self.structured_outputs is not None:
             if (wrong := check_spec(self.structured_outputs)) is not None:
                 raise bad("structured_outputs", self.structured_outputs, wrong)

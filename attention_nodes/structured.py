@@ -8,6 +8,11 @@ A sequence's matcher is made the first time this rank samples for it, by replayi
 that arrives from elsewhere (a handover, PD, a resumed request, a fork) carries nothing. The grammar ends the
 output: once it is complete only EOS may follow, so a request with structured outputs may not ignore EOS.
 
+Under a reasoning model (SamplingParams.reasoning_end_token_id, its "</think>"), the grammar binds only the tokens
+after that token's first appearance in the output (vLLM's rule): until it comes the sequence's matcher is WAITING
+and its rows are not masked; a speculative draft that holds it gets the masks of a fresh matcher for the draft
+rows after it.
+
 R = rows to sample, V = vocabulary size.
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_COMPILED = 256                 # grammars kept compiled per process (least recently used dropped)
 COMPILER_CACHE_BYTES = 256 << 20   # xgrammar's own cache of compiled pieces
 LOST = "lost"    # Sequence.grammar of a sequence whose output left its grammar (see Grammars.accept)
+WAITING = "waiting"   # Sequence.grammar while its reasoning_end_token_id has not come (the grammar binds after it)
 
 
 def check_spec(spec) -> str | None:
@@ -100,11 +106,18 @@ class Grammars:
         return self._compiled[key]
 
     def matcher(self, seq):
-        """seq's matcher, made (by replaying its output so far) when this rank has none yet; LOST if its output
-        does not follow its grammar."""
+        """seq's matcher, made (by replaying its output so far, after its reasoning_end_token_id when it has one)
+        when this rank has none yet; LOST if its output does not follow its grammar; WAITING while its
+        reasoning_end_token_id has not come."""
         if seq.grammar is None:
+            out, gate = seq.output_token_ids, seq.params.reasoning_end_token_id
+            if gate is not None:
+                if gate not in out:
+                    seq.grammar = WAITING
+                    return WAITING
+                out = out[out.index(gate) + 1:]
             seq.grammar = self._xgr.GrammarMatcher(self.compile(seq.params.structured_outputs))
-            self.accept(seq, seq.output_token_ids)
+            self.accept(seq, out)
         return seq.grammar
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
@@ -118,18 +131,22 @@ class Grammars:
         copied to the logits' device. The matcher goes through the drafts and back; a draft the grammar refuses ends
         its rows there (verification rejects it at the row before, which excludes it, so the rows after are never
         read)."""
-        rows, at = [], 0
+        rows, at = [], 0     # (matcher, the drafts it goes through, its first row, whether to roll it back)
         for s, d in zip(seqs, drafts):
-            if s.params.structured_outputs and self.matcher(s) is not LOST:
-                rows.append((s, d, at))
+            m = self.matcher(s) if s.params.structured_outputs else LOST
+            if m is WAITING and s.params.reasoning_end_token_id in d:     # the grammar binds from a draft on
+                k = d.index(s.params.reasoning_end_token_id) + 1
+                fresh = self._xgr.GrammarMatcher(self.compile(s.params.structured_outputs))
+                rows.append((fresh, d[k:], at + k, False))
+            elif m is not LOST and m is not WAITING:
+                rows.append((m, d, at, True))
             at += 1 + len(d)
         if not rows:
             return
         xgr = self._xgr
         bitmask = xgr.allocate_token_bitmask(at, self.vocab_size)
         filled = []
-        for s, d, first in rows:
-            m = s.grammar
+        for m, d, first, restore in rows:
             m.fill_next_token_bitmask(bitmask, first)
             filled.append(first)
             taken = 0
@@ -141,7 +158,7 @@ class Grammars:
                     break
                 m.fill_next_token_bitmask(bitmask, first + j)
                 filled.append(first + j)
-            if taken:
+            if taken and restore:
                 m.rollback(taken)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=self.vocab_size, indices=filled)
@@ -151,8 +168,11 @@ class Grammars:
         """Advance seq's matcher (if this rank made one) over the tokens it emitted. A token the grammar does not
         allow cannot be drawn unless every token was masked (SamplingParams refuses the options that could mask
         what the grammar allows); should one come, the sequence goes on unconstrained, and the log says so,
-        rather than the rank failing."""
-        if seq.grammar is None or seq.grammar is LOST:
+        rather than the rank failing. A WAITING sequence whose reasoning_end_token_id comes among them gets its
+        matcher at its next mask (`matcher` replays the output after that token)."""
+        if seq.grammar is WAITING and seq.params.reasoning_end_token_id in tokens:
+            seq.grammar = None
+        if seq.grammar is None or seq.grammar is LOST or seq.grammar is WAITING:
             return
         for t in tokens:
             if not seq.grammar.accept_token(t):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from dataclasses import replace
 import logging
 import secrets
 import threading
@@ -144,14 +145,12 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         eng = engine()
         tok = eng.llm.tokenizer
         reasoning = ReasoningPlan.of(body, reasoning_parser, tok)
-        if reasoning is not None and reasoning.thinking and (forced := body.structured())[0] is not None:
-            raise APIError(400, f"{forced[1]} constrains the output, which would leave the model no reasoning: "
-                                f"structured outputs (and a named or required tool choice) are not served with "
-                                f"--reasoning-parser yet; leave {forced[1]} out", forced[1])
         text = chat_text(tok, body, state.model_name, body.continue_final_message)
         prompts = [prompt_ids(eng.llm, text, "messages", body.add_special_tokens,
                               body.truncation(eng.llm.max_model_len))]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
+        if reasoning is not None and params[0].structured_outputs and (gate := reasoning.gate(prompts[0])) is not None:
+            params = [replace(p, reasoning_end_token_id=gate) for p in params]   # the grammar binds after it
         return await respond(state.model_name, eng, body, request, prompts, params, chat=True,
                              answer=ChatAnswer.of(tools, reasoning, tok))
 

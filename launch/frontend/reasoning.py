@@ -9,6 +9,8 @@ Parsers (both need "<think>" and "</think>" to be tokens of the model's tokenize
   qwen3        Qwen3: the same, unless the request's chat_template_kwargs say enable_thinking false (its template
                then closes the thinking in the prompt): the output is all content.
 include_reasoning false (vLLM's): the answer leaves the reasoning out, and the logprobs too (they would show it).
+Structured outputs (and a named or required tool choice) bind once the reasoning has ended, as vLLM's do: the
+engine leaves the tokens up to "</think>" free (SamplingParams.reasoning_end_token_id).
 usage.completion_tokens_details.reasoning_tokens: the output tokens before "</think>" (all without one).
 
 Streamed: deltas carry `reasoning` until "</think>" comes, then `content`; an opening that may still be "<think>"
@@ -59,6 +61,15 @@ class ReasoningPlan:
             text = text[len(START):]
         reasoning, end, content = text.partition(END)
         return reasoning, (content or None) if end else None
+
+    def gate(self, prompt: list[int]) -> int | None:
+        """The token after which a structured output binds (SamplingParams.reasoning_end_token_id): "</think>",
+        unless the prompt ended the thinking already (its last think token is "</think>", as a template that turns
+        thinking off writes it; vLLM's check) or thinking is off: None, the grammar binds from the first token."""
+        if not self.thinking:
+            return None
+        last = next((t for t in reversed(prompt) if t in (self.start_id, self.end_id)), None)
+        return None if last == self.end_id else self.end_id
 
     def num_tokens(self, ids: list[int]) -> int:
         """Reasoning tokens of an output: those before its first "</think>" (all without one), "<think>" not."""

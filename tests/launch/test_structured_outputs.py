@@ -35,10 +35,11 @@ CASES = [
 MAX_NEW = 24
 
 
-def _hf_constrained(model, tok, prompt: list[int], compile_fn, max_new: int, bias: dict[int, float] | None = None
-                    ) -> list[int]:
+def _hf_constrained(model, tok, prompt: list[int], compile_fn, max_new: int, bias: dict[int, float] | None = None,
+                    after: int | None = None) -> list[int]:
     """transformers' greedy generate with every token the grammar does not allow next at -inf (the test's own
-    matcher), stopping at EOS; bias: added to those tokens' logits first (a request's logit_bias)."""
+    matcher), stopping at EOS; bias: added to those tokens' logits first (a request's logit_bias); after: the
+    grammar binds only the tokens after this one's first appearance in the output (reasoning_end_token_id)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     vocab = model.config.vocab_size
@@ -49,10 +50,15 @@ def _hf_constrained(model, tok, prompt: list[int], compile_fn, max_new: int, bia
 
     class Mask(LogitsProcessor):
         def __call__(self, input_ids, scores):
-            if input_ids.shape[1] > len(prompt):
-                assert matcher.accept_token(int(input_ids[0, -1]))
             for t, v in (bias or {}).items():
                 scores[:, t] += v
+            out = input_ids[0, len(prompt):].tolist()
+            if after is not None:
+                if after not in out:
+                    return scores
+                out = out[out.index(after) + 1:]
+            if out:
+                assert matcher.accept_token(out[-1])
             matcher.fill_next_token_bitmask(bitmask, 0)
             allowed = torch.tensor([bool(int(bitmask[0, t // 32]) >> (t % 32) & 1) for t in range(vocab)])
             return scores.masked_fill(~allowed, float("-inf"))
@@ -104,6 +110,67 @@ def test_greedy_structured_outputs_with_ngram_drafts_equal_transformers(tiny_che
     for prompt, (spec, compile_fn), out in zip(prompts, CASES, outs):
         assert out.token_ids == _hf_constrained(model, tok, prompt, compile_fn, MAX_NEW), spec
     assert 0 < spec_stats["num_accepted_tokens"] < spec_stats["num_draft_tokens"], spec_stats
+
+
+def test_a_grammar_binds_after_the_reasoning_end_token(tiny_checkpoint):
+    """reasoning_end_token_id: the output is free up to that token (the greedy tokens without a grammar), the grammar
+    binds after it; greedy outputs equal transformers' under the same gated grammar, at 1+1 and 2+2 ranks."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import hf_greedy
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = make_prompts(3, 256, 6, 12, seed=51)
+    free = hf_greedy(path, prompts, 8)
+    gates = [f[2] for f in free]            # a token each free greedy output draws third (or before)
+    spec, compile_fn = CASES[2]             # the regex
+    model = hf_model(path)
+    want = [_hf_constrained(model, tok, p, compile_fn, MAX_NEW, after=g) for p, g in zip(prompts, gates)]
+    for w, f, g in zip(want, free, gates):
+        k = f.index(g) + 1
+        assert w[:k] == f[:k] and re.fullmatch(r"[0-9]{3}-[a-z]{2}", tok.decode(w[k:], skip_special_tokens=True))
+    for ranks in (1, 2):
+        with LLM(path, attention_ranks=ranks, expert_ranks=ranks) as llm:
+            outs = llm.generate(prompts, [SamplingParams(max_tokens=MAX_NEW, structured_outputs=spec,
+                                                         reasoning_end_token_id=g) for g in gates])
+        assert [o.token_ids for o in outs] == want, ranks
+    with pytest.raises(ValueError, match="reasoning_end_token_id"):
+        SamplingParams(reasoning_end_token_id=3)          # without structured_outputs it means nothing
+
+
+def test_draft_rows_after_a_drafted_reasoning_end_token_follow_a_fresh_grammar(tiny_checkpoint):
+    """mask_drafts for a sequence still reasoning: the rows up to and at its drafted reasoning_end_token_id are not
+    masked; the rows after it are the grammar's from its start, through the drafts after the gate; the sequence's
+    own state stays waiting (the drafts may be rejected)."""
+    from transformers import AutoTokenizer
+
+    from attention_nodes.structured import WAITING
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = hf_model(path).config.vocab_size
+    grammars = Grammars(tok, vocab, [tok.eos_token_id])
+    gate = 9
+    params = SamplingParams(max_tokens=16, structured_outputs={"choice": ["ab", "abc"]}, reasoning_end_token_id=gate)
+    word = tok.encode("ab", add_special_tokens=False)
+    seq = Sequence.from_request("a", [5, 6], params, 0)
+    drafts = [7, gate, *word]
+    rows = torch.zeros(1 + len(drafts), vocab)
+    grammars.mask_drafts(rows, [seq], [drafts])
+    assert seq.grammar is WAITING and not torch.isinf(rows[:2]).any()
+    plain = Sequence.from_request("b", [5, 6], SamplingParams(max_tokens=16,
+                                                              structured_outputs=params.structured_outputs), 1)
+    for j in range(len(word) + 1):        # row 2 + j: after the gate and the first j drafts after it
+        plain.token_ids = [5, 6] + word[:j]
+        plain.grammar = None
+        row = torch.zeros(1, vocab)
+        grammars.mask(row, [plain])
+        assert torch.equal(torch.isinf(rows[2 + j]), torch.isinf(row[0])), j
+    # the gate drawn: the next mask binds the grammar to what follows it
+    seq.token_ids += [7, gate]
+    Grammars.accept(seq, [7, gate])
+    row = torch.zeros(1, vocab)
+    grammars.mask(row, [seq])
+    assert torch.equal(torch.isinf(row), torch.isinf(rows[2:3]))
 
 
 def test_seeded_samples_follow_their_grammar_and_bad_specs_are_refused(tiny_checkpoint):

@@ -7,6 +7,7 @@ by the test's own logits processor (a bias that makes the random model write "</
 at the first "</think>" as vLLM's deepseek_r1 parser splits. Streamed answers must say what unstreamed ones say."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -55,6 +56,7 @@ def served(tmp_path_factory):
             tokenizer = llm.tokenizer
             hf = hf_model(path)
             end = tok.convert_tokens_to_ids("</think>")
+            checkpoint = path
         try:
             yield Served
         finally:
@@ -126,12 +128,28 @@ def test_include_reasoning_false_leaves_it_and_the_logprobs_out(served):
     assert all(c["logprobs"] is None for ch in chunks for c in ch["choices"])
 
 
-def test_structured_outputs_are_refused_beside_a_reasoning_parser(served):
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    for fields, param in (({"response_format": {"type": "json_object"}}, "response_format"),
-                          ({"tools": tools, "tool_choice": "required"}, "tool_choice")):
-        code, data = post(served, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, **fields})
-        assert code == 400 and data["error"]["param"] == param and "--reasoning-parser" in data["error"]["message"]
+def test_a_grammar_binds_once_the_reasoning_has_ended(served):
+    """Structured outputs beside a reasoning parser bind after "</think>" (vLLM's rule): the reasoning is free, the
+    content follows the grammar; oracle: transformers' greedy output with the test's own matcher gated the same way."""
+    from transformers import AutoTokenizer
+
+    from tests.launch.test_structured_outputs import _hf_constrained
+    tok = served.tokenizer
+    ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
+    regex = r"[0-9]{3}-[a-z]{2}"
+    grammar = lambda c: c.compile_regex(regex)  # noqa: E731
+    out = _hf_constrained(served.hf, AutoTokenizer.from_pretrained(served.checkpoint), ids, grammar, MAX_NEW,
+                          {served.end: BIAS}, after=served.end)
+    assert out[-1] == tok.eos_token_id and served.end in out
+    text = tok.decode(out[:-1])
+    reasoning, content = text.split("</think>", 1)
+    assert re.fullmatch(regex, content), content
+    got = chat(served, BIAS, ignore_eos=False, structured_outputs={"regex": regex})["choices"][0]
+    assert got["message"] == {"role": "assistant", "content": content, "reasoning": reasoning}
+    assert got["finish_reason"] == "stop"
+    chunks = chat(served, BIAS, ignore_eos=False, stream=True, structured_outputs={"regex": regex})
+    assert (streamed_reasoning(chunks), streamed(chunks)) == (reasoning, (content, [], "stop"))
 
 
 # text -> (reasoning, content) as vLLM's deepseek_r1 parser splits it, written out by hand
@@ -176,3 +194,7 @@ def test_qwen3_with_thinking_off_is_all_content():
     plan = ReasoningPlan.of(Body, "qwen3", Tok)
     assert plan.split("a</think>b") == ("a", "b") and plan.num_tokens([7, 1, 8, 2]) == 1
     assert ReasoningPlan.of(Body, "deepseek_r1", Tok).split("a</think>b") == ("a", "b")
+    # where a grammar binds: after "</think>", unless the prompt's last think token closed the thinking already
+    assert plan.gate([1, 7, 3]) == plan.gate([4]) == 8 and plan.gate([7, 3, 8, 4]) is None
+    Body.chat_template_kwargs = {"enable_thinking": False}
+    assert ReasoningPlan.of(Body, "qwen3", Tok).gate([4]) is None
