@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the project i
 from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.frontend.reasoning import PARSERS as REASONING_PARSERS
-from launch.frontend.reasoning import think_ids
+from launch.frontend.reasoning import think_tokens
 from launch.frontend.tools import PARSERS
 from launch.llm import LLM
 from launch.procs import leave_process
@@ -187,9 +187,6 @@ def main(argv=None) -> int:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(PARSERS))})")
-    if args.reasoning_parser is not None and think_ids(load_tokenizer(args.model)) is None:
-        p.error(f"--reasoning-parser {args.reasoning_parser} needs the tokens <think> and </think> in the model's "
-                f"tokenizer, and {args.model!r} has no such tokens")
     if (args.role is None) != (args.pool_addr is None):
         p.error("--role and --pool-addr go together: separate pool launches need both, a single launch neither")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -201,6 +198,15 @@ def main(argv=None) -> int:
         expert_ranks = args.expert_ranks if args.expert_ranks is not None else 1
     llm_kwargs = dict(attention_ranks=attention_ranks, expert_ranks=expert_ranks, **engine_options(args))
     if not (args.prompt or args.stdin):
+        if args.reasoning_parser is not None and _leads(args):
+            try:
+                tok = load_tokenizer(args.model)
+            except ValueError as e:
+                p.error(str(e))
+            if think_tokens(tok) is None:
+                p.error(f"--reasoning-parser {args.reasoning_parser} needs the tokens <think> and </think> in the "
+                        f"model's tokenizer, and {args.model!r} has " + ("no tokenizer" if tok is None else
+                                                                        "no such tokens"))
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         return _serve_http(args, llm_kwargs, name)
     llm = LLM(args.model, serving=not args.prompt, **llm_kwargs)   # --prompt: every rank calls generate()

@@ -13,19 +13,16 @@ from .tools import ToolPlan, ToolStream
 class ChatAnswer:
     tools: ToolPlan | None = None
     reasoning: ReasoningPlan | None = None
-    special_think: bool = False     # the tokenizer marks "<think>"/"</think>" special (skipping them would hide them)
 
     @classmethod
-    def of(cls, tools: ToolPlan | None, reasoning: ReasoningPlan | None, tok) -> ChatAnswer | None:
-        if tools is None and reasoning is None:
-            return None
-        special = reasoning is not None and bool({reasoning.start_id, reasoning.end_id} & set(tok.all_special_ids))
-        return cls(tools, reasoning, special)
+    def of(cls, tools: ToolPlan | None, reasoning: ReasoningPlan | None) -> ChatAnswer | None:
+        return None if tools is None and reasoning is None else cls(tools, reasoning)
 
     @property
     def keeps_special_tokens(self) -> bool:
         """The text keeps special tokens whatever skip_special_tokens says (a parser reads them)."""
-        return self.special_think or (self.tools is not None and self.tools.keeps_special_tokens)
+        return (self.reasoning is not None and self.reasoning.special) or (
+            self.tools is not None and self.tools.keeps_special_tokens)
 
     @property
     def shows_logprobs(self) -> bool:
@@ -35,12 +32,12 @@ class ChatAnswer:
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The unstreamed answer: (message, finish_reason)."""
         reasoning, content = self.reasoning.split(text) if self.reasoning else (None, text)
-        if self.tools is not None:
+        if self.tools is not None and (content is not None or self.tools.mode != "auto"):
             message, finish = self.tools.message(content or "", finish)
-        else:
+        else:     # no content (cut short while reasoning): null, as without tools
             message = {"role": "assistant", "content": content}
-        if self.reasoning is not None and self.reasoning.include:
-            message["reasoning"] = reasoning
+        if self.reasoning is not None:     # vLLM's field, null when hidden
+            message["reasoning"] = reasoning if self.reasoning.include else None
         return message, finish
 
     def usage_details(self, outputs: list[list[int]]) -> dict:

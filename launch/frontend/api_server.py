@@ -42,7 +42,7 @@ from .protocol import APIError, CompletionRequest, DrainRequest
 from .text import TextStream
 from .answer import ChatAnswer
 from .reasoning import PARSERS as REASONING_PARSERS
-from .reasoning import ReasoningPlan
+from .reasoning import ReasoningPlan, think_tokens
 from .tools import PARSERS, ToolPlan
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 
@@ -60,6 +60,7 @@ class _ServerState:
         self.scrape_lock = asyncio.Lock()       # one stats collective at a time
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_ready = threading.Event()
+        self.reasoning_parser: str | None = None
 
     @property
     def served(self) -> tuple[str, str]:
@@ -81,6 +82,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is unknown; pass one of "
                          f"{', '.join(REASONING_PARSERS)}")
     state = _ServerState(model_name, model_path)
+    state.reasoning_parser = reasoning_parser
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -152,7 +154,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         if reasoning is not None and params[0].structured_outputs and (gate := reasoning.gate(prompts[0])) is not None:
             params = [replace(p, reasoning_end_token_id=gate) for p in params]   # the grammar binds after it
         return await respond(state.model_name, eng, body, request, prompts, params, chat=True,
-                             answer=ChatAnswer.of(tools, reasoning, tok))
+                             answer=ChatAnswer.of(tools, reasoning))
 
     @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest, request: Request):
@@ -267,6 +269,9 @@ def attach(app: FastAPI, llm, timeout_s: float = 60.0) -> EngineClient:
     if not state.loop_ready.wait(timeout_s):
         raise RuntimeError(f"the HTTP server did not start within {timeout_s} s")
     sampling_defaults(llm.config)    # read once now: a malformed generation_config.json fails the start
+    if state.reasoning_parser is not None and think_tokens(llm.tokenizer) is None:
+        raise ValueError(f"reasoning_parser={state.reasoning_parser!r} needs the tokens <think> and </think> in the "
+                         f"model's tokenizer, and {llm.config.model!r} has no such tokens")
     client = EngineClient(llm, state.metrics)
     client.start(state.loop)
     state.engine = client

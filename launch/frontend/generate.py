@@ -284,9 +284,10 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     names = TokenNames(None if body.return_tokens_as_token_ids else tok)   # vLLM's: logprobs name tokens by id
     decoded = TokenNames(tok)
     with_ids = bool(body.return_token_ids)   # vLLM's: prompt_token_ids and token_ids beside the text
+    hide = answer is not None and not answer.shows_logprobs   # hidden reasoning: no output logprobs or token ids
 
     def logprobs(positions: list[Position]) -> dict | None:
-        if not has_logprobs or (answer and not answer.shows_logprobs):
+        if not has_logprobs or hide:
             return None
         return chat_logprobs(names, positions, params.logprobs) if chat else completion_logprobs(names, positions)
 
@@ -324,7 +325,8 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                                       "logprobs": None, "finish_reason": None}], [c] if continuous else None,
                                     {"prompt_token_ids": prompts[0]} if with_ids else None)
                 async for c, piece, positions in _drive(eng, routes, sink):
-                    new_ids = with_ids and c.num_ids_sent < len(c.stream.ids)
+                    new_ids = with_ids and not hide and c.num_ids_sent < len(c.stream.ids)
+                    positions = [] if hide else positions
                     finish = c.finish
                     if c.shape is not None:
                         delta, finish = c.shape.add(piece, final=finish is not None), c.shape.finish_reason(finish)
@@ -337,7 +339,8 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
                     if with_ids:     # the tokens not sent yet (vLLM's delta), and a completion's prompt first
                         if not chat and c.num_ids_sent < 0:
                             part["prompt_token_ids"] = prompts[c.prompt_index]
-                        part["token_ids"] = c.stream.ids[max(0, c.num_ids_sent):]
+                        if not hide:
+                            part["token_ids"] = c.stream.ids[max(0, c.num_ids_sent):]
                         c.num_ids_sent = len(c.stream.ids)
                     yield chunk([part], [c] if continuous else None)   # usage per choice, as vLLM
                 if include_usage:
@@ -377,7 +380,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         return out | ({"prompt_token_ids": prompts[c.prompt_index]} if with_ids else {})
 
     def generated(c: _Choice) -> dict:
-        return {"token_ids": list(c.stream.ids)} if with_ids else {}
+        return {"token_ids": list(c.stream.ids)} if with_ids and not hide else {}
 
     if chat:
         out = []

@@ -11,13 +11,15 @@ Parsers (both need "<think>" and "</think>" to be tokens of the model's tokenize
 include_reasoning false (vLLM's): the answer leaves the reasoning out, and the logprobs too (they would show it).
 Structured outputs (and a named or required tool choice) bind once the reasoning has ended, as vLLM's do: the
 engine leaves the tokens up to "</think>" free (SamplingParams.reasoning_end_token_id).
-usage.completion_tokens_details.reasoning_tokens: the output tokens before "</think>" (all without one).
+usage.completion_tokens_details.reasoning_tokens: the output tokens before "</think>" (all without one; vLLM's
+deepseek_r1 counts only tokens between a "<think>" and a "</think>" of the output, 0 when the prompt opened it).
 
 Streamed: deltas carry `reasoning` until "</think>" comes, then `content`; an opening that may still be "<think>"
 and a tail that may begin "</think>" are held back until known, so the stream says what the unstreamed answer says.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .text import tag_overlap
@@ -26,11 +28,15 @@ PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
 
 
-def think_ids(tok) -> tuple[int, int] | None:
-    """The token ids of "<think>" and "</think>" in tok's vocabulary, or None unless both are single tokens."""
+@functools.lru_cache(maxsize=4)      # per tokenizer: its vocabulary is built anew on each get_vocab()
+def think_tokens(tok) -> tuple[int, int, bool] | None:
+    """(the ids of "<think>" and "</think>", whether decoding that skips special tokens drops either) for tok, or
+    None unless both are single tokens of its vocabulary (None too for no tokenizer)."""
     vocab = tok.get_vocab() if tok is not None else {}
     ids = vocab.get(START), vocab.get(END)
-    return None if None in ids else ids
+    if None in ids:
+        return None
+    return (*ids, any(tok.decode([i], skip_special_tokens=True) == "" for i in ids))
 
 
 @dataclass(slots=True)
@@ -41,17 +47,19 @@ class ReasoningPlan:
     include: bool          # include_reasoning: the answer shows it
     start_id: int
     end_id: int
+    special: bool = False  # the tokenizer's skip_special_tokens would drop "<think>" or "</think>" from the text
 
     @classmethod
     def of(cls, body, parser: str | None, tok) -> ReasoningPlan | None:
         """body's plan on a server with `parser` (None: no reasoning parser)."""
         if parser is None:
             return None
-        ids = think_ids(tok)
-        assert ids is not None, "serve.py checks the tokenizer for the parser's tokens"
+        found = think_tokens(tok)
+        if found is None:      # attach() and serve.py check the tokenizer first
+            raise ValueError(f"--reasoning-parser {parser} needs <think> and </think> tokens in the tokenizer")
         kwargs = body.chat_template_kwargs or {}
         thinking = parser == "deepseek_r1" or kwargs.get("enable_thinking", True) is not False
-        return cls(thinking, body.include_reasoning, *ids)
+        return cls(thinking, body.include_reasoning, *found)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of an output's text; None: none."""
@@ -65,8 +73,9 @@ class ReasoningPlan:
     def gate(self, prompt: list[int]) -> int | None:
         """The token after which a structured output binds (SamplingParams.reasoning_end_token_id): "</think>",
         unless the prompt ended the thinking already (its last think token is "</think>", as a template that turns
-        thinking off writes it; vLLM's check) or thinking is off: None, the grammar binds from the first token."""
-        if not self.thinking:
+        thinking off writes it; vLLM's check), thinking is off, or the reasoning is not shown (include_reasoning
+        false, as vLLM): None, the grammar binds from the first token."""
+        if not self.thinking or not self.include:
             return None
         last = next((t for t in reversed(prompt) if t in (self.start_id, self.end_id)), None)
         return None if last == self.end_id else self.end_id

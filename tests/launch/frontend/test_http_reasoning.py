@@ -65,12 +65,13 @@ def served(tmp_path_factory):
             thread.join(timeout=10)
 
 
-def oracle(served, bias: float) -> tuple[list[int], str]:
-    """transformers' greedy output tokens (and their text) with `bias` added to "</think>"'s logit."""
+def oracle(served, bias: float, tools: list | None = None) -> tuple[list[int], str]:
+    """transformers' greedy output tokens (and their text) with `bias` added to "</think>"'s logit; tools: the chat
+    template's."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     tok = served.tokenizer
-    ids = tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+    ids = tok.encode(tok.apply_chat_template(MESSAGES, tools=tools, add_generation_prompt=True, tokenize=False),
                      add_special_tokens=False)
 
     class Bias(LogitsProcessor):
@@ -118,14 +119,37 @@ def test_reasoning_is_the_text_before_think_end(served, bias):
     assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": num}
 
 
-def test_include_reasoning_false_leaves_it_and_the_logprobs_out(served):
+def test_include_reasoning_false_leaves_it_the_logprobs_and_the_token_ids_out(served):
     out, text = oracle(served, BIAS)
     content = text[text.index("</think>") + len("</think>"):]
-    c = chat(served, BIAS, include_reasoning=False, logprobs=True)["choices"][0]
-    assert c["message"] == {"role": "assistant", "content": content} and c["logprobs"] is None
-    chunks = chat(served, BIAS, include_reasoning=False, stream=True, logprobs=True)
+    got = chat(served, BIAS, include_reasoning=False, logprobs=True, return_token_ids=True)
+    c = got["choices"][0]
+    assert c["message"] == {"role": "assistant", "content": content, "reasoning": None} and c["logprobs"] is None
+    assert "token_ids" not in c and got["prompt_token_ids"]      # the prompt's ids show no reasoning
+    chunks = chat(served, BIAS, include_reasoning=False, stream=True, logprobs=True, return_token_ids=True)
     assert streamed_reasoning(chunks) == "" and streamed(chunks)[0] == content
-    assert all(c["logprobs"] is None for ch in chunks for c in ch["choices"])
+    parts = [c for ch in chunks for c in ch["choices"]]
+    assert all(c["logprobs"] is None and "token_ids" not in c for c in parts)
+    # no chunk for the hidden reasoning's tokens: each carries text or the finish (or is the role's first chunk)
+    assert all(c["delta"].get("content") or c["finish_reason"] or c["delta"].get("role") for c in parts), parts
+
+
+def test_tools_are_looked_for_in_the_content_only(served):
+    """auto tools beside the reasoning parser: an answer cut short while reasoning has no content (null, as without
+    tools) and no calls; the reasoning, streamed or not, is the same as without tools."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    out, text = oracle(served, 0.0, tools)
+    c = chat(served, 0.0, tools=tools)["choices"][0]
+    assert c["message"] == {"role": "assistant", "content": None, "reasoning": text}
+    chunks = chat(served, 0.0, tools=tools, stream=True)
+    assert (streamed_reasoning(chunks), streamed(chunks)) == (text, ("", [], "length"))
+    # a bias under which the model (with the tools in its prompt) writes "</think>" and then some content
+    bias = next(b for b in (2.0, 2.5, 3.0, 3.5, 4.0, 5.0) if served.end in (o := oracle(served, b, tools)[0])
+                and 0 < o.index(served.end) < MAX_NEW - 1)
+    out, text = oracle(served, bias, tools)
+    reasoning, content = text.split("</think>", 1)
+    c = chat(served, bias, tools=tools)["choices"][0]
+    assert c["message"] == {"role": "assistant", "content": content, "reasoning": reasoning}
 
 
 def test_a_grammar_binds_once_the_reasoning_has_ended(served):
@@ -188,6 +212,10 @@ def test_qwen3_with_thinking_off_is_all_content():
         def get_vocab():
             return {"<think>": 7, "</think>": 8}
 
+        @staticmethod
+        def decode(ids, skip_special_tokens):
+            return "<think>" if ids == [7] else "</think>"
+
     plan = ReasoningPlan.of(Body, "qwen3", Tok)
     assert plan.split("a</think>b") == (None, "a</think>b") and plan.num_tokens([1, 8, 2]) == 0
     Body.chat_template_kwargs = None
@@ -198,3 +226,24 @@ def test_qwen3_with_thinking_off_is_all_content():
     assert plan.gate([1, 7, 3]) == plan.gate([4]) == 8 and plan.gate([7, 3, 8, 4]) is None
     Body.chat_template_kwargs = {"enable_thinking": False}
     assert ReasoningPlan.of(Body, "qwen3", Tok).gate([4]) is None
+    Body.chat_template_kwargs, Body.include_reasoning = None, False     # hidden reasoning: bound from the start
+    assert ReasoningPlan.of(Body, "qwen3", Tok).gate([4]) is None
+
+
+def test_think_tokens_that_the_tokenizer_marks_special_keep_special_tokens_in_the_text(tmp_path):
+    from transformers import AutoTokenizer
+
+    from launch.frontend.answer import ChatAnswer
+    from launch.frontend.reasoning import think_tokens
+    from models.tiny import save_tiny_tokenizer
+    save_tiny_tokenizer(tmp_path)
+    plain, special = AutoTokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(tmp_path)
+    plain.add_tokens(["<think>", "</think>"])
+    special.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    assert think_tokens(plain)[2] is False and think_tokens(special)[2] is True
+    assert think_tokens(AutoTokenizer.from_pretrained(tmp_path)) is None
+
+    class Body:
+        chat_template_kwargs, include_reasoning = None, True
+    assert not ChatAnswer.of(None, ReasoningPlan.of(Body, "deepseek_r1", plain)).keeps_special_tokens
+    assert ChatAnswer.of(None, ReasoningPlan.of(Body, "deepseek_r1", special)).keeps_special_tokens
