@@ -97,6 +97,9 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True             # false: only the first call is answered (vLLM's)
     include_reasoning: bool = True               # vLLM's: with a reasoning parser, false leaves the reasoning out
+    # OpenAI's (and vLLM's "max"): a template variable; set, it also sets enable_thinking (false for "none") unless
+    # chat_template_kwargs do
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False     # vLLM's: the last (assistant) message is continued, left open
     add_special_tokens: bool = False     # vLLM's: the templated text gets the tokenizer's special tokens too

@@ -6,8 +6,8 @@ Parsers (both need "<think>" and "</think>" to be tokens of the model's tokenize
   deepseek_r1  DeepSeek-R1 (its chat template opens "<think>" in the prompt): the output is reasoning up to its
                first "</think>", and all reasoning when there is none (cut short); a "<think>" that opens the
                output is dropped.
-  qwen3        Qwen3: the same, unless the request's chat_template_kwargs say enable_thinking false (its template
-               then closes the thinking in the prompt): the output is all content.
+  qwen3        Qwen3: the same, unless the request's chat_template_kwargs say enable_thinking false, or its
+               reasoning_effort is "none" (its template then closes the thinking in the prompt): all content.
 include_reasoning false (vLLM's): the answer leaves the reasoning out, and the logprobs too (they would show it).
 Structured outputs (and a named or required tool choice) bind once the reasoning has ended, as vLLM's do: the
 engine leaves the tokens up to "</think>" free (SamplingParams.reasoning_end_token_id).
@@ -57,8 +57,8 @@ class ReasoningPlan:
         found = think_tokens(tok)
         if found is None:      # attach() and serve.py check the tokenizer first
             raise ValueError(f"--reasoning-parser {parser} needs <think> and </think> tokens in the tokenizer")
-        kwargs = body.chat_template_kwargs or {}
-        thinking = parser == "deepseek_r1" or kwargs.get("enable_thinking", True) is not False
+        kwargs, effort = body.chat_template_kwargs or {}, getattr(body, "reasoning_effort", None)
+        thinking = parser == "deepseek_r1" or kwargs.get("enable_thinking", effort != "none") is not False
         return cls(thinking, body.include_reasoning, *found)
 
     def split(self, text: str) -> tuple[str | None, str | None]:

@@ -104,7 +104,8 @@ _TEMPLATE_OPTIONS = frozenset({"add_generation_prompt", "continue_final_message"
 
 def template_kwargs(tok, body) -> dict:
     """vLLM's chat_template_kwargs (variables the chat template reads, e.g. Qwen3's enable_thinking; they may also
-    set add_generation_prompt or continue_final_message) and documents (RAG templates read them), checked."""
+    set add_generation_prompt or continue_final_message) and documents (RAG templates read them), checked; and chat's
+    reasoning_effort (GPT-OSS's template reads it), which sets enable_thinking too unless the kwargs do."""
     extra = dict(body.chat_template_kwargs or {})
     own = set(inspect.signature(tok.apply_chat_template).parameters) - _TEMPLATE_OPTIONS - {"kwargs"}
     taken = sorted(set(extra) & own)
@@ -113,6 +114,9 @@ def template_kwargs(tok, body) -> dict:
                             f"it out", "chat_template_kwargs")
     if body.documents is not None:
         extra["documents"] = body.documents
+    if (effort := getattr(body, "reasoning_effort", None)) is not None:     # vLLM's rule (chat only)
+        extra["reasoning_effort"] = effort
+        extra.setdefault("enable_thinking", effort != "none")
     return extra
 
 

@@ -206,6 +206,7 @@ def test_qwen3_with_thinking_off_is_all_content():
     class Body:
         chat_template_kwargs = {"enable_thinking": False}
         include_reasoning = True
+        reasoning_effort = None
 
     class Tok:
         @staticmethod
@@ -228,6 +229,27 @@ def test_qwen3_with_thinking_off_is_all_content():
     assert ReasoningPlan.of(Body, "qwen3", Tok).gate([4]) is None
     Body.chat_template_kwargs, Body.include_reasoning = None, False     # hidden reasoning: bound from the start
     assert ReasoningPlan.of(Body, "qwen3", Tok).gate([4]) is None
+    Body.reasoning_effort, Body.include_reasoning = "none", True     # vLLM: effort "none" turns thinking off
+    assert ReasoningPlan.of(Body, "qwen3", Tok).split("a</think>b") == (None, "a</think>b")
+    Body.chat_template_kwargs = {"enable_thinking": True}             # unless the kwargs say otherwise
+    assert ReasoningPlan.of(Body, "qwen3", Tok).split("a</think>b") == ("a", "b")
+
+
+def test_reasoning_effort_reaches_the_template_and_sets_enable_thinking():
+    from launch.frontend.chat import ChatCompletionRequest
+    from launch.frontend.tokens import template_kwargs
+
+    class Tok:
+        def apply_chat_template(self, conversation, tools=None, add_generation_prompt=False, tokenize=True, **kw):
+            pass
+
+    def kwargs(**fields) -> dict:
+        return template_kwargs(Tok(), ChatCompletionRequest(messages=MESSAGES, **fields))
+    assert kwargs() == {}
+    assert kwargs(reasoning_effort="low") == {"reasoning_effort": "low", "enable_thinking": True}
+    assert kwargs(reasoning_effort="none") == {"reasoning_effort": "none", "enable_thinking": False}
+    assert kwargs(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == {
+        "reasoning_effort": "none", "enable_thinking": True}
 
 
 def test_think_tokens_that_the_tokenizer_marks_special_keep_special_tokens_in_the_text(tmp_path):
