@@ -162,9 +162,11 @@ class SamplingParams:
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", self.cache_salt, "pass None or a non-empty string")
         gate = self.reasoning_end_token_id
-        if gate is not None and (self.structured_outputs is None or type(gate) is not int or gate < 0):
-            raise bad("reasoning_end_token_id", gate, "pass None, or a token id (an int >= 0) beside "
-                                                      "structured_outputs, which bind after it")
+        if gate is not None and (self.structured_outputs is None or type(gate) is not int or gate < 0
+                                 or gate in self.stop_token_ids):
+            raise bad("reasoning_end_token_id", gate, "pass None, or a token id (an int >= 0, not a stop token: the "
+                                                      "output would end there) beside structured_outputs, which bind "
+                                                      "after it")
         if self.structured_outputs is not None:
             if (wrong := check_spec(self.structured_outputs)) is not None:
                 raise bad("structured_outputs", self.structured_outputs, wrong)

@@ -127,6 +127,10 @@ class Admission:
             if bad:
                 raise ValueError(f"SamplingParams.{name} has token id {bad[0]}, outside the vocabulary "
                                  f"[0, {self.vocab_size}); pass ids below {self.vocab_size}")
+        if params.reasoning_end_token_id in self.eos_token_ids:
+            raise ValueError(f"SamplingParams.reasoning_end_token_id={params.reasoning_end_token_id} is an EOS id: "
+                             f"the output would end there and its grammar never bind; pass the end-of-reasoning "
+                             f"token's id")
         if params.allowed_token_ids:
             banned = {w[0] for w in params.bad_words_token_ids or [] if len(w) == 1}
             if params.min_tokens:

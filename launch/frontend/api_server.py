@@ -42,7 +42,7 @@ from .protocol import APIError, CompletionRequest, DrainRequest
 from .text import TextStream
 from .answer import ChatAnswer
 from .reasoning import PARSERS as REASONING_PARSERS
-from .reasoning import ReasoningPlan, think_tokens
+from .reasoning import ReasoningPlan, gated, think_tokens
 from .tools import PARSERS, ToolPlan
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 
@@ -133,6 +133,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         sent = body.prompts()
         prompts = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens, keep) for p in sent]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
+        if reasoning_parser is not None:      # structured outputs bind once a prompt's thinking has ended
+            params = gated(params, prompts, reasoning_parser, eng.llm.tokenizer)
         echo = None
         if body.echo:   # a prompt that truncate_prompt_tokens cut is echoed as the tokens the model saw
             echo = [ids if keep and was_cut(eng.llm.tokenizer, p, ids, body.add_special_tokens) else p

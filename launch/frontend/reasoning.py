@@ -20,12 +20,13 @@ and a tail that may begin "</think>" are held back until known, so the stream sa
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .text import tag_overlap
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+QWEN3_TURNS = ("<|im_start|>", "<|im_end|>")    # earlier turns end at these (qwen3's gate looks no further back)
 
 
 @functools.lru_cache(maxsize=4)      # per tokenizer: its vocabulary is built anew on each get_vocab()
@@ -39,6 +40,36 @@ def think_tokens(tok) -> tuple[int, int, bool] | None:
     return (*ids, any(tok.decode([i], skip_special_tokens=True) == "" for i in ids))
 
 
+@functools.lru_cache(maxsize=4)
+def turn_ids(tok, parser: str) -> frozenset[int]:
+    """The ids of the tokens that end a turn for `parser`'s gate (qwen3's ChatML markers; none for deepseek_r1)."""
+    vocab = tok.get_vocab() if parser == "qwen3" else {}
+    return frozenset(vocab[t] for t in QWEN3_TURNS if t in vocab)
+
+
+def gate_of(prompt: list[int], start_id: int, end_id: int, turns: frozenset[int] = frozenset()) -> int | None:
+    """end_id, where a structured output binds (SamplingParams.reasoning_end_token_id), unless the prompt ended the
+    thinking already: its last think token, looking back no further than a turn's end, is "</think>" (as a template
+    that turns thinking off writes it; vLLM's check). None: the grammar binds from the first token."""
+    for t in reversed(prompt):
+        if t == end_id:
+            return None
+        if t == start_id or t in turns:
+            return end_id
+    return end_id
+
+
+def gated(params: list, prompts: list[list[int]], parser: str, tok) -> list:
+    """Each prompt's parameters, with reasoning_end_token_id set where it has structured outputs and its prompt
+    leaves the thinking open (the completions endpoint's rule under a reasoning parser, as vLLM's engine checks)."""
+    found = think_tokens(tok)
+    if found is None or not any(p.structured_outputs for p in params):
+        return params
+    turns = turn_ids(tok, parser)
+    return [replace(p, reasoning_end_token_id=g) if p.structured_outputs
+            and (g := gate_of(ids, found[0], found[1], turns)) is not None else p for p, ids in zip(params, prompts)]
+
+
 @dataclass(slots=True)
 class ReasoningPlan:
     """How one chat request's answers split off their reasoning."""
@@ -48,6 +79,7 @@ class ReasoningPlan:
     start_id: int
     end_id: int
     special: bool = False  # the tokenizer's skip_special_tokens would drop "<think>" or "</think>" from the text
+    turns: frozenset[int] = frozenset()     # the gate's look back stops at these (qwen3: ChatML turn markers)
 
     @classmethod
     def of(cls, body, parser: str | None, tok) -> ReasoningPlan | None:
@@ -59,7 +91,7 @@ class ReasoningPlan:
             raise ValueError(f"--reasoning-parser {parser} needs <think> and </think> tokens in the tokenizer")
         kwargs, effort = body.chat_template_kwargs or {}, getattr(body, "reasoning_effort", None)
         thinking = parser == "deepseek_r1" or kwargs.get("enable_thinking", effort != "none") is not False
-        return cls(thinking, body.include_reasoning, *found)
+        return cls(thinking, body.include_reasoning, *found, turn_ids(tok, parser))
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of an output's text; None: none."""
@@ -71,14 +103,12 @@ class ReasoningPlan:
         return reasoning, (content or None) if end else None
 
     def gate(self, prompt: list[int]) -> int | None:
-        """The token after which a structured output binds (SamplingParams.reasoning_end_token_id): "</think>",
-        unless the prompt ended the thinking already (its last think token is "</think>", as a template that turns
-        thinking off writes it; vLLM's check), thinking is off, or the reasoning is not shown (include_reasoning
-        false, as vLLM): None, the grammar binds from the first token."""
+        """The token after which a structured output binds (SamplingParams.reasoning_end_token_id): `gate_of`'s,
+        or None (from the first token) when thinking is off or the reasoning is not shown (include_reasoning false,
+        as vLLM)."""
         if not self.thinking or not self.include:
             return None
-        last = next((t for t in reversed(prompt) if t in (self.start_id, self.end_id)), None)
-        return None if last == self.end_id else self.end_id
+        return gate_of(prompt, self.start_id, self.end_id, self.turns)
 
     def num_tokens(self, ids: list[int]) -> int:
         """Reasoning tokens of an output: those before its first "</think>" (all without one), "<think>" not."""

@@ -106,9 +106,14 @@ def test_greedy_structured_outputs_with_ngram_drafts_equal_transformers(tiny_che
     with LLM(path, attention_ranks=1, expert_ranks=1, speculative_config=ngram) as llm:
         outs = llm.generate(prompts, [SamplingParams(max_tokens=MAX_NEW, structured_outputs=spec) for spec, _ in CASES])
         spec_stats = llm.stats()["spec_decode"]
+        # gated by reasoning_end_token_id (a token each free output draws third): free, then the grammar
+        gates = [o.token_ids[2] for o in llm.generate(prompts, SamplingParams(max_tokens=4))]
+        gated = llm.generate(prompts, [SamplingParams(max_tokens=MAX_NEW, structured_outputs=spec,
+                                                      reasoning_end_token_id=g) for (spec, _), g in zip(CASES, gates)])
     model = hf_model(path)
-    for prompt, (spec, compile_fn), out in zip(prompts, CASES, outs):
+    for prompt, (spec, compile_fn), out, g, gout in zip(prompts, CASES, outs, gates, gated):
         assert out.token_ids == _hf_constrained(model, tok, prompt, compile_fn, MAX_NEW), spec
+        assert gout.token_ids == _hf_constrained(model, tok, prompt, compile_fn, MAX_NEW, after=g), spec
     assert 0 < spec_stats["num_accepted_tokens"] < spec_stats["num_draft_tokens"], spec_stats
 
 
@@ -138,10 +143,24 @@ def test_a_grammar_binds_after_the_reasoning_end_token(tiny_checkpoint):
         SamplingParams(reasoning_end_token_id=3)          # without structured_outputs it means nothing
 
 
+def _raw_mask(tok, vocab: int, grammar, tokens: list[int]) -> torch.Tensor | None:
+    """The test's own xgrammar matcher of `grammar` after `tokens`: `[V]` bool, True = masked (None: it refuses a
+    token)."""
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab,
+                                                                      stop_token_ids=[tok.eos_token_id]))
+    m = xgr.GrammarMatcher(compiler.compile_grammar(grammar))
+    if not all(m.accept_token(t) for t in tokens):
+        return None
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    m.fill_next_token_bitmask(bitmask, 0)
+    return torch.tensor([not (int(bitmask[0, t // 32]) >> (t % 32) & 1) for t in range(vocab)])
+
+
 def test_draft_rows_after_a_drafted_reasoning_end_token_follow_a_fresh_grammar(tiny_checkpoint):
     """mask_drafts for a sequence still reasoning: the rows up to and at its drafted reasoning_end_token_id are not
-    masked; the rows after it are the grammar's from its start, through the drafts after the gate; the sequence's
-    own state stays waiting (the drafts may be rejected)."""
+    masked; the rows after it are the grammar's from its start, through the drafts after the gate (a second gate
+    among them is a grammar token; one the grammar refuses ends the masking); the sequence stays waiting (the
+    drafts may be rejected). Oracle: the test's own matcher of the same grammar."""
     from transformers import AutoTokenizer
 
     from attention_nodes.structured import WAITING
@@ -149,28 +168,59 @@ def test_draft_rows_after_a_drafted_reasoning_end_token_follow_a_fresh_grammar(t
     tok = AutoTokenizer.from_pretrained(path)
     vocab = hf_model(path).config.vocab_size
     grammars = Grammars(tok, vocab, [tok.eos_token_id])
-    gate = 9
-    params = SamplingParams(max_tokens=16, structured_outputs={"choice": ["ab", "abc"]}, reasoning_end_token_id=gate)
-    word = tok.encode("ab", add_special_tokens=False)
+    ab, z = tok.encode("ab", add_special_tokens=False), tok.encode("z", add_special_tokens=False)[0]
+    gate = ab[0]                      # the gate is also a token of the grammar's words
+    grammar = 'root ::= "ab" | "abab"'
+    params = SamplingParams(max_tokens=16, structured_outputs={"grammar": grammar}, reasoning_end_token_id=gate)
     seq = Sequence.from_request("a", [5, 6], params, 0)
-    drafts = [7, gate, *word]
-    rows = torch.zeros(1 + len(drafts), vocab)
-    grammars.mask_drafts(rows, [seq], [drafts])
-    assert seq.grammar is WAITING and not torch.isinf(rows[:2]).any()
-    plain = Sequence.from_request("b", [5, 6], SamplingParams(max_tokens=16,
-                                                              structured_outputs=params.structured_outputs), 1)
-    for j in range(len(word) + 1):        # row 2 + j: after the gate and the first j drafts after it
-        plain.token_ids = [5, 6] + word[:j]
-        plain.grammar = None
-        row = torch.zeros(1, vocab)
-        grammars.mask(row, [plain])
-        assert torch.equal(torch.isinf(rows[2 + j]), torch.isinf(row[0])), j
+    for drafts, masked in (([7, gate, *ab], 3), ([gate, *ab, *ab], 5), ([7, gate, z, *ab], 1)):
+        rows = torch.zeros(1 + len(drafts), vocab)
+        grammars.mask_drafts(rows, [seq], [drafts])
+        k = drafts.index(gate) + 1
+        assert seq.grammar is WAITING and not torch.isinf(rows[:k]).any(), drafts
+        for j in range(masked):       # row k + j: the grammar after the first j drafts past the gate
+            assert torch.equal(torch.isinf(rows[k + j]), _raw_mask(tok, vocab, grammar, drafts[k:k + j])), (drafts, j)
+        assert not torch.isinf(rows[k + masked:]).any(), drafts
     # the gate drawn: the next mask binds the grammar to what follows it
     seq.token_ids += [7, gate]
     Grammars.accept(seq, [7, gate])
     row = torch.zeros(1, vocab)
     grammars.mask(row, [seq])
-    assert torch.equal(torch.isinf(row), torch.isinf(rows[2:3]))
+    assert torch.equal(torch.isinf(row[0]), _raw_mask(tok, vocab, grammar, []))
+
+
+def test_a_rebuilt_matcher_follows_the_output_after_the_first_reasoning_end_token(tiny_checkpoint):
+    """How a moved, resumed or forked sequence gets its matcher under a gate: replaying its output after the gate's
+    first appearance (a later one is a grammar token); an output without the gate stays unconstrained."""
+    from transformers import AutoTokenizer
+
+    from attention_nodes.structured import WAITING
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = hf_model(path).config.vocab_size
+    grammars = Grammars(tok, vocab, [tok.eos_token_id])
+    ab, z = tok.encode("ab", add_special_tokens=False), tok.encode("z", add_special_tokens=False)
+    grammar = 'root ::= "ab" | "abzq"'         # the gate "z" is a token of the grammar too
+    params = SamplingParams(max_tokens=16, structured_outputs={"grammar": grammar}, reasoning_end_token_id=z[0])
+    moved = Sequence.from_request("a", [5, 6], params, 0)
+    moved.token_ids += [7, *z, *ab, *z]          # reasoning 7, the gate, then "abz" under the grammar
+    row = torch.zeros(1, vocab)
+    grammars.mask(row, [moved])
+    want = _raw_mask(tok, vocab, grammar, [*ab, *z])
+    assert want is not None and torch.equal(torch.isinf(row[0]), want)
+    assert not torch.equal(want, _raw_mask(tok, vocab, grammar, []))    # (after the last gate it would differ)
+    thinking = Sequence.from_request("b", [5, 6], params, 1)
+    thinking.token_ids += [7, 8, 9]
+    row = torch.zeros(1, vocab)
+    grammars.mask(row, [thinking])
+    assert thinking.grammar is WAITING and not torch.isinf(row).any()
+    with pytest.raises(ValueError, match="reasoning_end_token_id"):
+        SamplingParams(structured_outputs={"grammar": grammar}, reasoning_end_token_id=9, stop_token_ids=[9])
+    from launch.admission import Admission
+    admit = Admission(tok, vocab, 4, 64, 64, (tok.eos_token_id,))
+    with pytest.raises(ValueError, match="is an EOS id"):
+        admit.check_tokens(SamplingParams(structured_outputs={"grammar": grammar},
+                                          reasoning_end_token_id=tok.eos_token_id))
 
 
 def test_seeded_samples_follow_their_grammar_and_bad_specs_are_refused(tiny_checkpoint):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from launch import LLM
-from launch.frontend.reasoning import ReasoningPlan
+from launch.frontend.reasoning import ReasoningPlan, gate_of
 from tests.conftest import hf_model
 from tests.launch.frontend.test_http_logprobs import post
 from tests.launch.frontend.test_http_tools import streamed
@@ -174,6 +174,11 @@ def test_a_grammar_binds_once_the_reasoning_has_ended(served):
     assert got["finish_reason"] == "stop"
     chunks = chat(served, BIAS, ignore_eos=False, stream=True, structured_outputs={"regex": regex})
     assert (streamed_reasoning(chunks), streamed(chunks)) == (reasoning, (content, [], "stop"))
+    # /v1/completions on the same ids: the grammar binds after "</think>" too (the prompt leaves thinking open)
+    code, data = post(served, "/v1/completions", {"model": MODEL, "prompt": ids, "temperature": 0,
+                                                  "max_tokens": MAX_NEW, "logit_bias": {str(served.end): BIAS},
+                                                  "structured_outputs": {"regex": regex}})
+    assert code == 200 and data["choices"][0]["text"] == text, data
 
 
 # text -> (reasoning, content) as vLLM's deepseek_r1 parser splits it, written out by hand
@@ -225,6 +230,8 @@ def test_qwen3_with_thinking_off_is_all_content():
     assert ReasoningPlan.of(Body, "deepseek_r1", Tok).split("a</think>b") == ("a", "b")
     # where a grammar binds: after "</think>", unless the prompt's last think token closed the thinking already
     assert plan.gate([1, 7, 3]) == plan.gate([4]) == 8 and plan.gate([7, 3, 8, 4]) is None
+    # qwen3 looks back no further than the turn: an earlier assistant turn's "</think>" does not count
+    assert gate_of([7, 3, 8, 4, 50, 5], 7, 8, frozenset({50})) == 8 and gate_of([7, 3, 8, 4, 50, 5], 7, 8) is None
     Body.chat_template_kwargs = {"enable_thinking": False}
     assert ReasoningPlan.of(Body, "qwen3", Tok).gate([4]) is None
     Body.chat_template_kwargs, Body.include_reasoning = None, False     # hidden reasoning: bound from the start
