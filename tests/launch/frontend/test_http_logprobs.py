@@ -10,7 +10,6 @@ import contextlib
 import http.client
 import json
 import re
-import threading
 import time
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 
 from launch import LLM, SamplingParams
 from tests.conftest import hf_model, make_prompts
+from tests.launch.frontend.in_process import serving
 
 MODEL = "tiny"
 MAX_LEN = 128
@@ -71,10 +71,6 @@ def _penalty_cases(plain: list[int]) -> dict[str, tuple[dict, dict]]:
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint):
-    import uvicorn
-
-    from launch.frontend.api_server import attach, build_app, shut_down
-
     path = tiny_checkpoint("qwen3_moe")
     with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=MAX_LEN, max_num_seqs=MAX_SEQS) as llm:
         # The Python API's answers first: once the front attaches, its router thread owns the outbox.
@@ -93,22 +89,9 @@ def served(tiny_checkpoint):
         best = llm.generate([PROMPT], SamplingParams(n=2, best_of=3, **RANKED))[0]
         structured = dict(zip(STRUCTURED, llm.generate([PROMPT] * len(STRUCTURED), [
             SamplingParams(max_tokens=12, structured_outputs=spec) for spec in STRUCTURED.values()])))
-        app = build_app(MODEL, path, access_log=False)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="test-http", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        client = attach(app, llm)
-        try:
-            yield Served(server.servers[0].sockets[0].getsockname()[1], path, llm.tokenizer, plain, expected,
-                         (chat_plain, chat_biased), chat_sampled, samples, best, client, structured)
-        finally:
-            shut_down(app, "the tests are over")
-            server.should_exit = True
-            thread.join(timeout=10)
+        with serving(llm, path, MODEL) as (port, client):
+            yield Served(port, path, llm.tokenizer, plain, expected, (chat_plain, chat_biased), chat_sampled,
+                         samples, best, client, structured)
 
 
 def post(served: Served, path: str, body: dict) -> tuple[int, dict | list[dict]]:

@@ -8,8 +8,6 @@ at the first "</think>" as vLLM's deepseek_r1 parser splits. Streamed answers mu
 from __future__ import annotations
 
 import re
-import threading
-import time
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ import torch
 from launch import LLM
 from launch.frontend.reasoning import ReasoningPlan, gate_of
 from tests.conftest import hf_model
+from tests.launch.frontend.in_process import serving
 from tests.launch.frontend.test_http_logprobs import post
 from tests.launch.frontend.test_http_tools import streamed
 
@@ -28,10 +27,8 @@ BIAS = 2.0     # on "</think>": the tiny model writes one token of reasoning, th
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    import uvicorn
     from transformers import AutoTokenizer
 
-    from launch.frontend.api_server import attach, build_app, shut_down
     from models.tiny import TINY_VOCAB, make_tiny_checkpoint, save_tiny_tokenizer
 
     path = str(tmp_path_factory.mktemp("thinking"))
@@ -40,29 +37,15 @@ def served(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(path)
     tok.add_tokens(["<think>", "</think>"])      # as DeepSeek-R1's and Qwen3's tokenizers have them (not special)
     tok.save_pretrained(path)
-    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=256, max_num_seqs=4) as llm:
-        app = build_app(MODEL, path, access_log=False, tool_parser="hermes", reasoning_parser="deepseek_r1")
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="test-http-reasoning", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        attach(app, llm)
-
+    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=256, max_num_seqs=4) as llm, \
+            serving(llm, path, MODEL, tool_parser="hermes", reasoning_parser="deepseek_r1") as (port, _):
         class Served:
-            port = server.servers[0].sockets[0].getsockname()[1]
             tokenizer = llm.tokenizer
             hf = hf_model(path)
             end = tok.convert_tokens_to_ids("</think>")
             checkpoint = path
-        try:
-            yield Served
-        finally:
-            shut_down(app, "the tests are over")
-            server.should_exit = True
-            thread.join(timeout=10)
+        Served.port = port
+        yield Served
 
 
 def oracle(served, bias: float, tools: list | None = None) -> tuple[list[int], str]:

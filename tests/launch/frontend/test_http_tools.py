@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import time
 
 import pytest
 
@@ -23,6 +21,7 @@ from launch import LLM
 from launch.frontend.tools import PARSERS, ToolPlan, hermes_calls
 from tests.conftest import hf_greedy, hf_model
 from tests.launch.frontend.test_app_before_attach import call
+from tests.launch.frontend.in_process import serving
 from tests.launch.frontend.test_http_logprobs import post
 from tests.launch.test_structured_outputs import _hf_constrained
 
@@ -47,33 +46,15 @@ MAX_NEW = 96
 
 @pytest.fixture(scope="module")
 def served(tiny_checkpoint):
-    import uvicorn
-
-    from launch.frontend.api_server import attach, build_app, shut_down
-
     path = tiny_checkpoint("qwen3_moe", max_position_embeddings=1024)      # room for the tools' JSON
-    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=1024, max_num_seqs=4) as llm:
-        app = build_app(MODEL, path, access_log=False, tool_parser="hermes")
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        thread = threading.Thread(target=server.run, name="test-http-tools", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-        attach(app, llm)
-
+    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=1024, max_num_seqs=4) as llm, \
+            serving(llm, path, MODEL, tool_parser="hermes") as (port, _):
         class Served:
-            port = server.servers[0].sockets[0].getsockname()[1]
             tokenizer = llm.tokenizer
             hf = hf_model(path)
             checkpoint = path
-        try:
-            yield Served
-        finally:
-            shut_down(app, "the tests are over")
-            server.should_exit = True
-            thread.join(timeout=10)
+        Served.port = port
+        yield Served
 
 
 def prompt_ids(tok, messages, tools=TOOLS) -> list[int]:
