@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from dataclasses import replace
 import logging
 import secrets
 import threading
 import time
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,17 +34,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..admission import sampling_defaults
 from .access_log import ACCESS_LOGGER, AccessLog, access_record
+from .answer import ChatAnswer
+from .chat import ChatCompletionRequest
 from .engine_client import EngineClient
 from .generate import check_model, check_request, respond, sampling_params
 from .metrics import Metrics, scrape
-from .chat import ChatCompletionRequest
 from .protocol import APIError, CompletionRequest, DrainRequest
-from .text import TextStream
-from .answer import ChatAnswer
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan, gated, think_tokens
-from .tools import PARSERS, ToolPlan
+from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
+from .tools import PARSERS, ToolPlan
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
 
