@@ -115,9 +115,9 @@ class Admission:
     def check_tokens(self, params: SamplingParams) -> None:
         """ValueError naming the field for a token id outside the vocabulary where one would change the output:
         allowed_token_ids (vLLM refuses those too), bad_words_token_ids and reasoning_end_token_id (its grammar would
-        never bind) (such ids elsewhere, stop_token_ids or logit_bias, can never be sampled, and are left alone); and
-        for allowed_token_ids that leave nothing to
-        sample: each a one-token bad word or, under min_tokens, a stop token or EOS (every logit would be -inf)."""
+        never bind; an EOS id neither). Such ids elsewhere, stop_token_ids or logit_bias, can never be sampled and
+        are left alone. Also for allowed_token_ids that leave nothing to sample: each a one-token bad word or, under
+        min_tokens, a stop token or EOS (every logit would be -inf)."""
         named = [("allowed_token_ids", params.allowed_token_ids or []),
                  ("bad_words_token_ids", [t for w in params.bad_words_token_ids or [] for t in w]),
                  ("reasoning_end_token_id", [] if params.reasoning_end_token_id is None
