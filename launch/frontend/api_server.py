@@ -25,7 +25,6 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -41,7 +40,7 @@ from .generate import check_model, check_request, respond, sampling_params
 from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
-from .reasoning import ReasoningPlan, gated, think_tokens
+from .reasoning import ReasoningPlan, think_tokens
 from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 from .tools import PARSERS, ToolPlan
@@ -133,8 +132,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         sent = body.prompts()
         prompts = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens, keep) for p in sent]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
-        if reasoning_parser is not None:      # structured outputs bind once a prompt's thinking has ended
-            params = gated(params, prompts, reasoning_parser, eng.llm.tokenizer)
+        if (reasoning := ReasoningPlan.of(body, reasoning_parser, eng.llm.tokenizer)) is not None:
+            params = reasoning.gated(params, prompts)     # structured outputs bind once a prompt's thinking ended
         echo = None
         if body.echo:   # a prompt that truncate_prompt_tokens cut is echoed as the tokens the model saw
             echo = [ids if keep and was_cut(eng.llm.tokenizer, p, ids, body.add_special_tokens) else p
@@ -153,8 +152,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         prompts = [prompt_ids(eng.llm, text, "messages", body.add_special_tokens,
                               body.truncation(eng.llm.max_model_len))]
         params = sampling_params(eng.llm, body, body.limit(), prompts)
-        if reasoning is not None and params[0].structured_outputs and (gate := reasoning.gate(prompts[0])) is not None:
-            params = [replace(p, reasoning_end_token_id=gate) for p in params]   # the grammar binds after it
+        if reasoning is not None:
+            params = reasoning.gated(params, prompts)     # the grammar binds once the thinking has ended
         return await respond(state.model_name, eng, body, request, prompts, params, chat=True,
                              answer=ChatAnswer.of(tools, reasoning))
 

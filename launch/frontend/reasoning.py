@@ -59,17 +59,6 @@ def gate_of(prompt: list[int], start_id: int, end_id: int, turns: frozenset[int]
     return end_id
 
 
-def gated(params: list, prompts: list[list[int]], parser: str, tok) -> list:
-    """Each prompt's parameters, with reasoning_end_token_id set where it has structured outputs and its prompt
-    leaves the thinking open (the completions endpoint's rule under a reasoning parser, as vLLM's engine checks)."""
-    found = think_tokens(tok)
-    if found is None or not any(p.structured_outputs for p in params):
-        return params
-    turns = turn_ids(tok, parser)
-    return [replace(p, reasoning_end_token_id=g) if p.structured_outputs
-            and (g := gate_of(ids, found[0], found[1], turns)) is not None else p for p, ids in zip(params, prompts)]
-
-
 @dataclass(slots=True)
 class ReasoningPlan:
     """How one chat request's answers split off their reasoning."""
@@ -83,15 +72,16 @@ class ReasoningPlan:
 
     @classmethod
     def of(cls, body, parser: str | None, tok) -> ReasoningPlan | None:
-        """body's plan on a server with `parser` (None: no reasoning parser)."""
+        """body's plan on a server with `parser` (None: no reasoning parser). A completions body has none of chat's
+        thinking fields: thinking on, reasoning shown (only its structured outputs' gate matters there)."""
         if parser is None:
             return None
         found = think_tokens(tok)
         if found is None:      # attach() and serve.py check the tokenizer first
             raise ValueError(f"--reasoning-parser {parser} needs <think> and </think> tokens in the tokenizer")
-        kwargs, effort = body.chat_template_kwargs or {}, getattr(body, "reasoning_effort", None)
+        kwargs, effort = getattr(body, "chat_template_kwargs", None) or {}, getattr(body, "reasoning_effort", None)
         thinking = parser == "deepseek_r1" or kwargs.get("enable_thinking", effort != "none") is not False
-        return cls(thinking, body.include_reasoning, *found, turn_ids(tok, parser))
+        return cls(thinking, getattr(body, "include_reasoning", True), *found, turn_ids(tok, parser))
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of an output's text; None: none."""
@@ -109,6 +99,12 @@ class ReasoningPlan:
         if not self.thinking or not self.include:
             return None
         return gate_of(prompt, self.start_id, self.end_id, self.turns)
+
+    def gated(self, params: list, prompts: list[list[int]]) -> list:
+        """Each prompt's parameters, with reasoning_end_token_id set (`gate`) where it has structured outputs: they
+        bind once that prompt's thinking has ended (chat's and, per prompt, completions' rule, as vLLM's)."""
+        return [replace(p, reasoning_end_token_id=g) if p.structured_outputs and (g := self.gate(ids)) is not None
+                else p for p, ids in zip(params, prompts)]
 
     def num_tokens(self, ids: list[int]) -> int:
         """Reasoning tokens of an output: those before its first "</think>" (all without one), "<think>" not."""
