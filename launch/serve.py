@@ -35,7 +35,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the project i
 from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.frontend.reasoning import PARSERS as REASONING_PARSERS
-from launch.frontend.reasoning import think_tokens
+from launch.frontend.reasoning import require_think_tokens
 from launch.frontend.tools import PARSERS
 from launch.llm import LLM
 from launch.procs import leave_process
@@ -200,13 +200,9 @@ def main(argv=None) -> int:
     if not (args.prompt or args.stdin):
         if args.reasoning_parser is not None and _leads(args):
             try:
-                tok = load_tokenizer(args.model)
-            except ValueError as e:
+                require_think_tokens(load_tokenizer(args.model), args.reasoning_parser, args.model)
+            except ValueError as e:      # no such tokens, or a tokenizer that does not load
                 p.error(str(e))
-            if think_tokens(tok) is None:
-                p.error(f"--reasoning-parser {args.reasoning_parser} needs the tokens <think> and </think> in the "
-                        f"model's tokenizer, and {args.model!r} has " + ("no tokenizer" if tok is None else
-                                                                        "no such tokens"))
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
         return _serve_http(args, llm_kwargs, name)
     llm = LLM(args.model, serving=not args.prompt, **llm_kwargs)   # --prompt: every rank calls generate()

@@ -40,7 +40,7 @@ from .generate import check_model, check_request, respond, sampling_params
 from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
-from .reasoning import ReasoningPlan, think_tokens
+from .reasoning import ReasoningPlan, require_think_tokens
 from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 from .tools import PARSERS, ToolPlan
@@ -270,9 +270,8 @@ def attach(app: FastAPI, llm, timeout_s: float = 60.0) -> EngineClient:
     if not state.loop_ready.wait(timeout_s):
         raise RuntimeError(f"the HTTP server did not start within {timeout_s} s")
     sampling_defaults(llm.config)    # read once now: a malformed generation_config.json fails the start
-    if state.reasoning_parser is not None and think_tokens(llm.tokenizer) is None:
-        raise ValueError(f"reasoning_parser={state.reasoning_parser!r} needs the tokens <think> and </think> in the "
-                         f"model's tokenizer, and {llm.config.model!r} has no such tokens")
+    if state.reasoning_parser is not None:
+        require_think_tokens(llm.tokenizer, state.reasoning_parser, llm.config.model)
     client = EngineClient(llm, state.metrics)
     client.start(state.loop)
     state.engine = client

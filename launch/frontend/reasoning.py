@@ -40,6 +40,15 @@ def think_tokens(tok) -> tuple[int, int, bool] | None:
     return (*ids, any(tok.decode([i], skip_special_tokens=True) == "" for i in ids))
 
 
+def require_think_tokens(tok, parser: str, model: str) -> tuple[int, int, bool]:
+    """think_tokens(tok), or ValueError naming the parser and the model when tok lacks them (or there is none)."""
+    found = think_tokens(tok)
+    if found is None:
+        raise ValueError(f"--reasoning-parser {parser} needs the tokens <think> and </think> in the model's tokenizer, "
+                         f"and {model!r} has " + ("no tokenizer" if tok is None else "no such tokens"))
+    return found
+
+
 @functools.lru_cache(maxsize=4)
 def turn_ids(tok, parser: str) -> frozenset[int]:
     """The ids of the tokens that end a turn for `parser`'s gate (qwen3's ChatML markers; none for deepseek_r1)."""
@@ -76,9 +85,7 @@ class ReasoningPlan:
         thinking fields: thinking on, reasoning shown (only its structured outputs' gate matters there)."""
         if parser is None:
             return None
-        found = think_tokens(tok)
-        if found is None:      # attach() and serve.py check the tokenizer first
-            raise ValueError(f"--reasoning-parser {parser} needs <think> and </think> tokens in the tokenizer")
+        found = require_think_tokens(tok, parser, "this model")    # attach() and serve.py checked it already
         kwargs, effort = getattr(body, "chat_template_kwargs", None) or {}, getattr(body, "reasoning_effort", None)
         thinking = parser == "deepseek_r1" or kwargs.get("enable_thinking", effort != "none") is not False
         return cls(thinking, getattr(body, "include_reasoning", True), *found, turn_ids(tok, parser))
