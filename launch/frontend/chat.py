@@ -169,8 +169,13 @@ class ChatCompletionRequest(_Sampling):
         return conversation(self.messages)
 
     def template_tools(self) -> list[dict] | None:
-        """tools as the chat template reads them (None: none given); given whatever tool_choice says, as vLLM."""
-        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+        """tools for the chat template (`template_tools`), whatever tool_choice says, as vLLM."""
+        return template_tools(self.tools)
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """tools as the chat template reads them (None: none given)."""
+    return None if not tools else [t.model_dump(exclude_none=True) for t in tools]
 
 
 def tool_constraint(body: ChatCompletionRequest) -> dict | None:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .chat import ChatMessage, Tool, conversation
+from .chat import ChatMessage, Tool, conversation, template_tools
 from .protocol import APIError, TokenId, _Request
 
 
@@ -46,7 +46,7 @@ class TokenizeRequest(_Request):
         return conversation(self.messages)
 
     def template_tools(self) -> list[dict] | None:
-        return None if not self.tools else [t.model_dump(exclude_none=True) for t in self.tools]
+        return template_tools(self.tools)
 
 
 class DetokenizeRequest(_Request):

@@ -51,6 +51,11 @@ class Call:
     name: str
     arguments: str       # JSON text
 
+    def answer(self, **index) -> dict:
+        """The call in an answer, with a fresh id (index=k: a stream's delta names its place)."""
+        function = {"name": self.name, "arguments": self.arguments}
+        return index | {"id": call_id(), "type": "function", "function": function}
+
 
 def hermes_calls(text: str) -> tuple[str | None, list[Call]] | None:
     """(the content before the first call, None when empty; the calls) for Hermes-style calls in text, or None
@@ -159,8 +164,7 @@ class ToolPlan:
         content, calls = self.calls(text)
         message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = [{"id": call_id(), "type": "function",
-                                      "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            message["tool_calls"] = [c.answer() for c in calls]
         return message, self.finish_reason(bool(calls), finish)
 
     def stream(self) -> ToolStream:
@@ -195,9 +199,7 @@ class ToolStream:
             delta["content"] = delta.get("content", "") + rest
         if calls:
             self.found = True
-            delta["tool_calls"] = [{"index": k, "id": call_id(), "type": "function",
-                                    "function": {"name": c.name, "arguments": c.arguments}}
-                                   for k, c in enumerate(calls)]
+            delta["tool_calls"] = [c.answer(index=k) for k, c in enumerate(calls)]
         return delta
 
     def _named(self, piece: str) -> dict:
@@ -206,10 +208,9 @@ class ToolStream:
         self.pending += piece
         if not self.pending.strip():       # whitespace alone makes no call (yet)
             return {}
-        self.named_id, self.found = call_id(), True
-        args, self.pending = self.pending, ""
-        return {"tool_calls": [{"index": 0, "id": self.named_id, "type": "function",
-                                "function": {"name": self.plan.name, "arguments": args}}]}
+        first, self.pending = Call(self.plan.name, self.pending).answer(index=0), ""
+        self.named_id, self.found = first["id"], True
+        return {"tool_calls": [first]}
 
     def _content(self, piece: str) -> dict:
         """"auto" before any call: send the text up to the parser's start, or all but a tail that may begin it; hold
