@@ -18,6 +18,13 @@ function or "required" asks for, are launch/frontend/chat.py's).
     deepseek_v3  DeepSeek-V3's (and R1's) <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
                  then the arguments in a ```json block on one line, <｜tool▁call▁end｜>; calls not so written are
                  dropped, and the content is the text before <｜tool▁calls▁begin｜> (vLLM's).
+    glm45        GLM-4.5's (and 4.6's, 4.7's) <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
+                 </tool_call>, the last one maybe unclosed (its unclosed value is dropped). The name is stripped and
+                 must be one of the request's tools (a call naming another is dropped, as vLLM's). Each value is
+                 text, turned into the type its parameter's schema names (`coerce`, vLLM's order: null, integer,
+                 number, boolean, object or array, string); a key the schema does not declare stays text. The
+                 content is the text outside the calls, as the model wrote it (vLLM also strips it of leading and
+                 trailing whitespace when it found calls; here a stream could not know that before the end).
 - parallel_tool_calls false: only the first call is answered.
 
 Streamed: a named function's arguments stream as they come (the first delta names the function and carries the
@@ -29,7 +36,9 @@ finish_reason, or the held text as content.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import re
 import uuid
 from collections.abc import Callable
@@ -42,6 +51,8 @@ from .text import tag_overlap
 _START = "<tool_call>"
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _DS_START = "<｜tool▁calls▁begin｜>"
+_GLM_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+_GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*)<｜tool▁sep｜>(?P<name>.*)\n```json\n(?P<arguments>.*)\n```"
                       r"<｜tool▁call▁end｜>")
 
@@ -57,7 +68,10 @@ class Call:
         return index | {"id": call_id(), "type": "function", "function": function}
 
 
-def hermes_calls(text: str) -> tuple[str | None, list[Call]] | None:
+Schemas = dict[str, dict]      # the request's tools: name -> parameters schema ({} when it declares none)
+
+
+def hermes_calls(text: str, schemas: Schemas) -> tuple[str | None, list[Call]] | None:
     """(the content before the first call, None when empty; the calls) for Hermes-style calls in text, or None
     when it holds none, or one that is not {"name": str, "arguments": ...} JSON (then it is all content)."""
     if _START not in text:
@@ -74,7 +88,7 @@ def hermes_calls(text: str) -> tuple[str | None, list[Call]] | None:
     return text[:text.index(_START)] or None, calls
 
 
-def deepseek_v3_calls(text: str) -> tuple[str | None, list[Call]] | None:
+def deepseek_v3_calls(text: str, schemas: Schemas) -> tuple[str | None, list[Call]] | None:
     """(the content before the calls, None when empty; the calls, maybe none) for DeepSeek-V3-style calls in text,
     or None when it holds none. Each call's arguments are the text of its json block, as the model wrote it."""
     if _DS_START not in text:
@@ -83,16 +97,105 @@ def deepseek_v3_calls(text: str) -> tuple[str | None, list[Call]] | None:
     return text[:text.index(_DS_START)] or None, calls
 
 
+def glm45_calls(text: str, schemas: Schemas) -> tuple[str | None, list[Call]] | None:
+    """(the text outside the calls, None when empty; the calls of the request's tools) for GLM-4.5-style calls in
+    text, or None when it holds none."""
+    if _START not in text:
+        return None
+    calls = []
+    for closed, unclosed in _GLM_CALL.findall(text):
+        body = closed or unclosed
+        name = body.split("<arg_key>", 1)[0].strip()
+        if name not in schemas:
+            continue
+        properties = schemas[name].get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        args = {}
+        for key, value in _GLM_ARG.findall(body):
+            key = key.strip()
+            args[key] = coerce(value, properties[key]) if isinstance(properties.get(key), dict) else value
+        calls.append(Call(name, json.dumps(args, ensure_ascii=False)))
+    return _GLM_CALL.sub("", text) or None, calls
+
+
+def schema_types(schema) -> set[str]:
+    """The JSON types a schema allows: its "type"s, its enum values' types, and those of its anyOf/oneOf/allOf
+    branches; {"string"} when it names none."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} if isinstance(
+        kind, list) else set()
+    for value in schema.get("enum") if isinstance(schema.get("enum"), list) else ():
+        types.add(_JSON_TYPES.get(type(value), "string"))
+    for branch in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(branch) if isinstance(schema.get(branch), list) else ():
+            types |= schema_types(sub)
+    return types or {"string"}
+
+
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+               dict: "object"}
+
+
+def coerce(value: str, schema: dict):
+    """A call's text value as the type its schema allows, tried in vLLM's order: null ("null"), integer, number
+    (finite; integral ones as integers), boolean ("true"/"1", "false"/"0"), object or array (JSON), string. When
+    none fits and string is not allowed: the value as JSON if it is finite JSON, else the text."""
+    types = schema_types(schema)
+    if "null" in types and value.lower() == "null":
+        return None
+    for kind in ("integer", "number", "boolean", "object", "array", "string"):
+        if kind not in types:
+            continue
+        if kind == "string":
+            return value
+        if kind == "integer":
+            with contextlib.suppress(ValueError):
+                return int(value)
+        elif kind == "number":
+            with contextlib.suppress(ValueError):
+                if math.isfinite(number := float(value)):
+                    return int(number) if number == int(number) else number
+        elif kind == "boolean":
+            if value.strip().lower() in ("true", "1", "false", "0"):
+                return value.strip().lower() in ("true", "1")
+        else:
+            parsed = _finite_json(value)
+            if parsed is not _NOT_JSON:
+                return parsed
+    parsed = _finite_json(value)
+    return value if parsed is _NOT_JSON else parsed
+
+
+_NOT_JSON = object()
+
+
+def _finite_json(text: str):
+    """text as JSON, or _NOT_JSON when it is not JSON or holds a number JSON cannot write (inf, nan)."""
+    try:
+        parsed = json.loads(text)
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+    try:
+        json.dumps(parsed, allow_nan=False)
+    except ValueError:
+        return _NOT_JSON
+    return parsed
+
+
 @dataclass(frozen=True, slots=True)
 class Parser:
     """How tool_choice "auto" finds calls: `start`, the text that begins them (a stream's content stops there),
-    and `calls`, text -> (content, calls), or None when the text holds no call (then it is all content)."""
+    and `calls`, (text, the request's tools) -> (content, calls), or None when the text holds no call (then it is
+    all content)."""
 
     start: str
-    calls: Callable[[str], tuple[str | None, list[Call]] | None]
+    calls: Callable[[str, Schemas], tuple[str | None, list[Call]] | None]
 
 
-PARSERS = {"hermes": Parser(_START, hermes_calls), "deepseek_v3": Parser(_DS_START, deepseek_v3_calls)}
+PARSERS = {"hermes": Parser(_START, hermes_calls), "deepseek_v3": Parser(_DS_START, deepseek_v3_calls),
+           "glm45": Parser(_START, glm45_calls)}
 
 
 def required_calls(text: str) -> list[Call] | None:
@@ -119,6 +222,7 @@ class ToolPlan:
     name: str | None = None         # the named function
     parallel: bool = True           # false: only the first call is answered
     parser: Parser = PARSERS["hermes"]     # "auto"'s
+    schemas: Schemas = field(default_factory=dict)     # the request's tools
 
     @classmethod
     def of(cls, body: ChatCompletionRequest, parser: str | None) -> ToolPlan | None:
@@ -133,8 +237,9 @@ class ToolPlan:
             raise APIError(400, f"{why} needs the server started with --enable-auto-tool-choice and "
                                 f"--tool-call-parser; pass tool_choice 'none', 'required' or a named function "
                                 f"instead", "tool_choice")
+        schemas = {t.function.name: t.function.parameters or {} for t in body.tools or []}
         return cls(mode, body.tool_choice.function.name if mode == "named" else None, body.parallel_tool_calls,
-                   PARSERS[parser or "hermes"])
+                   PARSERS[parser or "hermes"], schemas)
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -147,7 +252,7 @@ class ToolPlan:
             content, calls = "", [Call(self.name, text)] if text.strip() else []
         elif self.mode == "required":
             content, calls = "", required_calls(text) or []
-        elif (found := self.parser.calls(text)) is None:
+        elif (found := self.parser.calls(text, self.schemas)) is None:
             content, calls = text, []
         else:
             content, calls = found[0] if found[0] and found[0].strip() else None, found[1]

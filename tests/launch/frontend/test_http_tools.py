@@ -295,6 +295,32 @@ DEEPSEEK = {
     f'x{DS}{CALL}function{SEP}a\n```json\n{{"cut': ("x", [], "stop"),      # no whole call: dropped, as vLLM
     'no calls <｜tool▁calls': ('no calls <｜tool▁calls', [], "stop"),
 }
+# the same for the glm45 parser, whose calls' values take the types of the tools' schemas (vLLM's rules, by hand)
+GLM_TOOLS = {"weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}, "hours": {"type": "array"},
+    "note": {"type": ["null", "string"]}, "ratio": {"type": "number"}, "mode": {"enum": [1, "x"]},
+    "opt": {"anyOf": [{"type": "object"}, {"type": "null"}]}}}, "clock": {}}
+GLM = {
+    'Let me check.\n<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>'
+    '\n<arg_value>3</arg_value>\n</tool_call>':
+        ("Let me check.\n", [("weather", '{"city": "Paris", "days": 3}')], "tool_calls"),
+    '<tool_call>weather<arg_key>metric</arg_key><arg_value>True</arg_value><arg_key>hours</arg_key><arg_value>[1, 2]'
+    '</arg_value><arg_key> note </arg_key><arg_value>null</arg_value><arg_key>ratio</arg_key><arg_value>2.0</arg_value>'
+    '<arg_key>extra</arg_key><arg_value>7</arg_value><arg_key>opt</arg_key><arg_value>{"a": 1}</arg_value></tool_call>':
+        (None, [("weather", '{"metric": true, "hours": [1, 2], "note": null, "ratio": 2, "extra": "7", '
+                             '"opt": {"a": 1}}')], "tool_calls"),
+    '<tool_call>weather<arg_key>days</arg_key><arg_value>three</arg_value><arg_key>ratio</arg_key><arg_value>1e999'
+    '</arg_value><arg_key>mode</arg_key><arg_value>1</arg_value><arg_key>city</arg_key><arg_value> 5 </arg_value>'
+    '<arg_key>metric</arg_key><arg_value>0</arg_value><arg_key>opt</arg_key><arg_value>NULL</arg_value></tool_call>':
+        (None, [("weather", '{"days": "three", "ratio": "1e999", "mode": 1, "city": " 5 ", "metric": false, '
+                             '"opt": null}')], "tool_calls"),
+    '<tool_call>nope<arg_key>a</arg_key><arg_value>1</arg_value></tool_call>\n<tool_call> clock \n</tool_call>\n'
+    '<tool_call>weather<arg_key>city</arg_key><arg_value>Ro':
+        (None, [("clock", "{}"), ("weather", "{}")], "tool_calls"),        # unknown name dropped, unclosed value too
+    'Hi <tool_call>nope</tool_call>': ("Hi ", [], "stop"),
+    'A<tool_call>clock</tool_call>B': ("AB", [("clock", "{}")], "tool_calls"),
+    'almost <tool_c': ("almost <tool_c", [], "stop"),
+}
 # (mode, text) -> the same, for a named function "f" and for "required"
 FORCED = {
     ("named", '{"x": 1}'): ("", [("f", '{"x": 1}')], "stop"),
@@ -304,7 +330,8 @@ FORCED = {
     ("required", '[{"name": "f", "param'): ("", [], "stop"),
 }
 CASES = ([("auto", text, want) for text, want in AUTO.items()] + [(m, t, w) for (m, t), w in FORCED.items()]
-         + [("deepseek_v3", text, want) for text, want in DEEPSEEK.items()])
+         + [("deepseek_v3", text, want) for text, want in DEEPSEEK.items()]
+         + [("glm45", text, want) for text, want in GLM.items()])
 
 
 def splits(text: str):
@@ -319,7 +346,7 @@ def splits(text: str):
 
 @pytest.mark.parametrize("mode,text,want", CASES)
 def test_tool_answers_and_every_split_of_their_stream_say_the_same(mode, text, want):
-    plan = ToolPlan("auto", parser=PARSERS[mode]) if mode == "deepseek_v3" else \
+    plan = ToolPlan("auto", parser=PARSERS[mode], schemas=GLM_TOOLS) if mode in PARSERS else \
         ToolPlan(mode, "f" if mode == "named" else None)
     message, finish = plan.message(text, "stop")
     got = (message["content"], [(c["function"]["name"], c["function"]["arguments"])
@@ -341,4 +368,4 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
     text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
     message, finish = ToolPlan("auto", parallel=False).message(text, "stop")
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["a"] and finish == "tool_calls"
-    assert hermes_calls(text)[1][1].name == "b"
+    assert hermes_calls(text, {})[1][1].name == "b"
