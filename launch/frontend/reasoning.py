@@ -2,20 +2,27 @@
 up to "</think>", then its answer. The answer's `reasoning` field (vLLM 0.32's name) gets the first and `content`
 the rest; tool calls are looked for in the rest only (launch/frontend/answer.py puts the two together).
 
-Parsers (both need "<think>" and "</think>" to be tokens of the model's tokenizer; serve.py checks):
+Parsers (each needs "<think>" and "</think>" to be tokens of the model's tokenizer; serve.py checks):
   deepseek_r1  DeepSeek-R1 (its chat template opens "<think>" in the prompt): the output is reasoning up to its
                first "</think>", and all reasoning when there is none (cut short); a "<think>" that opens the
                output is dropped.
   qwen3        Qwen3: the same, unless the request's chat_template_kwargs say enable_thinking false, or its
                reasoning_effort is "none" (its template then closes the thinking in the prompt): all content.
+               As vLLM 0.32's: a "<tool_call>" ends the reasoning too (it begins the content, where the tool
+               parser finds the call), the reasoning's trailing whitespace is dropped, and empty reasoning is null.
+  glm45        GLM-4.5 (and 4.6, 4.7): as qwen3, its thinking off when chat_template_kwargs say thinking or
+               enable_thinking false (and neither true), or reasoning_effort is "none"; GLM's turn markers.
 include_reasoning false (vLLM's): the answer leaves the reasoning out, and the logprobs too (they would show it).
 Structured outputs (and a named or required tool choice) bind once the reasoning has ended, as vLLM's do: the
 engine leaves the tokens up to "</think>" free (SamplingParams.reasoning_end_token_id).
-usage.completion_tokens_details.reasoning_tokens: the output tokens before "</think>" (all without one; vLLM's
-deepseek_r1 counts only tokens between a "<think>" and a "</think>" of the output, 0 when the prompt opened it).
+A "<tool_call>" that ends qwen3's or glm45's reasoning does not bind them (vLLM's does): only "</think>" does.
+usage.completion_tokens_details.reasoning_tokens: the output tokens before "</think>" (or qwen3's and glm45's
+"<tool_call>"; all without one; vLLM's deepseek_r1 counts only tokens between a "<think>" and a "</think>" of the
+output, 0 when the prompt opened it).
 
-Streamed: deltas carry `reasoning` until "</think>" comes, then `content`; an opening that may still be "<think>"
-and a tail that may begin "</think>" are held back until known, so the stream says what the unstreamed answer says.
+Streamed: deltas carry `reasoning` until "</think>" comes, then `content`; an opening that may still be "<think>",
+a tail that may begin "</think>" (or "<tool_call>"), and under qwen3 and glm45 trailing whitespace are held back
+until known, so the stream says what the unstreamed answer says.
 """
 from __future__ import annotations
 
@@ -24,9 +31,12 @@ from dataclasses import dataclass, replace
 
 from .text import tag_overlap
 
-PARSERS = ("deepseek_r1", "qwen3")
-START, END = "<think>", "</think>"
-QWEN3_TURNS = ("<|im_start|>", "<|im_end|>")    # earlier turns end at these (qwen3's gate looks no further back)
+START, END, TOOL_START = "<think>", "</think>", "<tool_call>"
+# earlier turns end at these (the gate looks no further back)
+TURNS = {"deepseek_r1": (), "qwen3": ("<|im_start|>", "<|im_end|>"),
+         "glm45": ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")}
+PARSERS = tuple(TURNS)
+ENGINE_RULES = ("qwen3", "glm45")    # vLLM 0.32's parser-engine rules: <tool_call> ends the reasoning, it is stripped
 
 
 @functools.lru_cache(maxsize=4)      # per tokenizer: its vocabulary is built anew on each get_vocab()
@@ -51,9 +61,29 @@ def require_think_tokens(tok, parser: str, model: str) -> tuple[int, int, bool]:
 
 @functools.lru_cache(maxsize=4)
 def turn_ids(tok, parser: str) -> frozenset[int]:
-    """The ids of the tokens that end a turn for `parser`'s gate (qwen3's ChatML markers; none for deepseek_r1)."""
-    vocab = tok.get_vocab() if parser == "qwen3" else {}
-    return frozenset(vocab[t] for t in QWEN3_TURNS if t in vocab)
+    """The ids of the tokens that end a turn for `parser`'s gate (its TURNS that tok has)."""
+    vocab = tok.get_vocab() if TURNS[parser] else {}
+    return frozenset(vocab[t] for t in TURNS[parser] if t in vocab)
+
+
+@functools.lru_cache(maxsize=4)
+def token_of(tok, text: str) -> tuple[int | None, bool]:
+    """(text's id when it is one token of tok's vocabulary, else None; whether decoding that skips special tokens
+    drops it)."""
+    i = tok.get_vocab().get(text)
+    return i, i is not None and tok.decode([i], skip_special_tokens=True) == ""
+
+
+def thinking_of(parser: str, kwargs: dict, effort: str | None) -> bool:
+    """Whether a chat request under `parser` thinks, from its chat_template_kwargs and reasoning_effort ("none"
+    turns thinking off unless the kwargs say otherwise; another effort sets enable_thinking true)."""
+    enable = kwargs.get("enable_thinking", None if effort is None else effort != "none")
+    if parser == "qwen3":
+        return enable is not False
+    if parser == "glm45":       # vLLM's: on unless a switch is given, then on when either is true
+        switch = kwargs.get("thinking")
+        return (switch is None and enable is None) or bool(switch) or bool(enable)
+    return True
 
 
 def gate_of(prompt: list[int], start_id: int, end_id: int, turns: frozenset[int] = frozenset()) -> int | None:
@@ -77,7 +107,10 @@ class ReasoningPlan:
     start_id: int
     end_id: int
     special: bool = False  # the tokenizer's skip_special_tokens would drop "<think>" or "</think>" from the text
-    turns: frozenset[int] = frozenset()     # the gate's look back stops at these (qwen3: ChatML turn markers)
+    turns: frozenset[int] = frozenset()     # the gate's look back stops at these (TURNS)
+    tool_start: str | None = None   # it ends the reasoning too, and begins the content (ENGINE_RULES)
+    tool_start_id: int | None = None    # its id, when it is one token
+    strip: bool = False     # the reasoning's trailing whitespace is dropped, and empty reasoning is null
 
     @classmethod
     def of(cls, body, parser: str | None, tok) -> ReasoningPlan | None:
@@ -85,10 +118,12 @@ class ReasoningPlan:
         thinking fields: thinking on, reasoning shown (only its structured outputs' gate matters there)."""
         if parser is None:
             return None
-        found = require_think_tokens(tok, parser, "this model")    # attach() and serve.py checked it already
+        start_id, end_id, special = require_think_tokens(tok, parser, "this model")    # attach() and serve.py did
         kwargs, effort = getattr(body, "chat_template_kwargs", None) or {}, getattr(body, "reasoning_effort", None)
-        thinking = parser == "deepseek_r1" or kwargs.get("enable_thinking", effort != "none") is not False
-        return cls(thinking, getattr(body, "include_reasoning", True), *found, turn_ids(tok, parser))
+        engine = parser in ENGINE_RULES
+        tool_id, tool_special = token_of(tok, TOOL_START) if engine else (None, False)
+        return cls(thinking_of(parser, kwargs, effort), getattr(body, "include_reasoning", True), start_id, end_id,
+                   special or tool_special, turn_ids(tok, parser), TOOL_START if engine else None, tool_id, engine)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of an output's text; None: none."""
@@ -96,8 +131,21 @@ class ReasoningPlan:
             return None, text
         if text.startswith(START):
             text = text[len(START):]
-        reasoning, end, content = text.partition(END)
-        return reasoning, (content or None) if end else None
+        at, skip = self.end_in(text)
+        reasoning, content = (text, None) if at < 0 else (text[:at], text[at + skip:] or None)
+        return (reasoning.rstrip() or None) if self.strip else reasoning, content
+
+    def end_in(self, text: str) -> tuple[int, int]:
+        """(where the reasoning ends in text, -1 when it does not; the length of the marker that ends it and is
+        dropped): at "</think>", or at the tool start (which stays, as the content's start)."""
+        at, skip = text.find(END), len(END)
+        if self.tool_start is not None and 0 <= (call := text.find(self.tool_start)) and (at < 0 or call < at):
+            at, skip = call, 0
+        return at, skip
+
+    def tail(self, text: str) -> int:
+        """How much of text's end a stream holds back: a part that may begin a marker that ends the reasoning."""
+        return max(tag_overlap(text, END), tag_overlap(text, self.tool_start) if self.tool_start else 0)
 
     def gate(self, prompt: list[int]) -> int | None:
         """The token after which a structured output binds (SamplingParams.reasoning_end_token_id): `gate_of`'s,
@@ -114,10 +162,11 @@ class ReasoningPlan:
                 else p for p, ids in zip(params, prompts)]
 
     def num_tokens(self, ids: list[int]) -> int:
-        """Reasoning tokens of an output: those before its first "</think>" (all without one), "<think>" not."""
+        """Reasoning tokens of an output: those before its first "</think>" or tool start token (all without one),
+        "<think>" not."""
         if not self.thinking:
             return 0
-        before = ids[:ids.index(self.end_id)] if self.end_id in ids else ids
+        before = ids[:min((ids.index(e) for e in (self.end_id, self.tool_start_id) if e in ids), default=len(ids))]
         return len(before) - (1 if before and before[0] == self.start_id else 0)
 
     def stream(self) -> ReasoningStream:
@@ -142,11 +191,14 @@ class ReasoningStream:
             if self.held.startswith(START):
                 self.held = self.held[len(START):]
             self.state = "reasoning"
-        at = self.held.find(END)
+        plan = self.plan
+        at, skip = plan.end_in(self.held)
         if at >= 0:
             self.state = "content"
-            reasoning, content, self.held = self.held[:at], self.held[at + len(END):], ""
-            return reasoning, content
-        keep = 0 if final else tag_overlap(self.held, END)
-        reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+            reasoning, content, self.held = self.held[:at], self.held[at + skip:], ""
+            return reasoning.rstrip() if plan.strip else reasoning, content
+        cut = len(self.held) - (0 if final else plan.tail(self.held))
+        if plan.strip:     # trailing whitespace waits until more reasoning follows it
+            cut = len(self.held[:cut].rstrip())
+        reasoning, self.held = self.held[:cut], self.held[cut:]
         return reasoning, ""

@@ -177,17 +177,92 @@ SPLITS = {
 }
 
 
-@pytest.mark.parametrize("text", list(SPLITS))
-def test_every_split_of_a_stream_says_what_the_answer_says(text):
-    plan = ReasoningPlan(thinking=True, include=True, start_id=1, end_id=2)
-    assert plan.split(text) == SPLITS[text]
+# the same as vLLM 0.32's qwen3 and glm45 parsers split it (its parser engine's rules), by hand: a "<tool_call>"
+# ends the reasoning and stays as the content's start; the reasoning loses its trailing whitespace; empty is null
+ENGINE_SPLITS = {
+    "<think>abc \n</think>\nxyz": ("abc", "\nxyz"),
+    "abc  <tool_call>{}</tool_call>": ("abc", "<tool_call>{}</tool_call>"),
+    "a<tool_call>b</think>c": ("a", "<tool_call>b</think>c"),
+    "a</think>b<tool_call>c": ("a", "b<tool_call>c"),
+    "a \n b  ": ("a \n b", None),
+    "<think>\n\n</think>x": (None, "x"),
+    "<tool_call>": (None, "<tool_call>"),
+    "ab<tool_ca": ("ab<tool_ca", None),
+    "": (None, None),
+}
+
+
+@pytest.mark.parametrize("engine,text,want", [(False, t, w) for t, w in SPLITS.items()]
+                         + [(True, t, w) for t, w in ENGINE_SPLITS.items()])
+def test_every_split_of_a_stream_says_what_the_answer_says(engine, text, want):
+    plan = ReasoningPlan(thinking=True, include=True, start_id=1, end_id=2, tool_start="<tool_call>" if engine
+                         else None, strip=engine)
+    assert plan.split(text) == want
     for step in (1, 2, 5):
         for tail in ([], [""]):
             pieces = [text[i:i + step] for i in range(0, len(text), step)] + tail or [""]
             s = plan.stream()
             parts = [s.add(p, final=i == len(pieces) - 1) for i, p in enumerate(pieces)]
             reasoning, content = "".join(r for r, _ in parts), "".join(c for _, c in parts)
-            assert (reasoning, content or None) == SPLITS[text], (pieces, parts)
+            assert (reasoning or (None if engine else ""), content or None) == want, (pieces, parts)
+
+
+@pytest.mark.parametrize("kwargs,effort,want", [
+    ({}, None, True), ({"enable_thinking": False}, None, False), ({"thinking": False}, None, False),
+    ({"thinking": False, "enable_thinking": True}, None, True), ({"thinking": True}, "none", True),
+    ({}, "none", False), ({}, "high", True), ({"enable_thinking": 0}, None, False)])
+def test_glm45_thinks_unless_its_switches_say_not(kwargs, effort, want):
+    """vLLM's GLM rule: on when neither thinking nor enable_thinking is given, else on when either is true
+    (reasoning_effort "none" stands for enable_thinking false, another effort for true, as the template sees it)."""
+    from launch.frontend.reasoning import thinking_of
+    assert thinking_of("glm45", kwargs, effort) is want
+
+
+def test_glm45_counts_and_gates_by_its_own_tokens():
+    class Body:
+        chat_template_kwargs, include_reasoning, reasoning_effort = None, True, None
+
+    class Tok:
+        @staticmethod
+        def get_vocab():
+            return {"<think>": 7, "</think>": 8, "<tool_call>": 9, "<|user|>": 50, "<|assistant|>": 51}
+
+        @staticmethod
+        def decode(ids, skip_special_tokens):
+            return {7: "<think>", 8: "</think>", 9: "" if skip_special_tokens else "<tool_call>"}.get(ids[0], "x")
+
+    plan = ReasoningPlan.of(Body, "glm45", Tok)
+    assert plan.num_tokens([7, 1, 2, 9, 3, 8]) == 2 and plan.num_tokens([7, 1, 8, 9]) == 1
+    assert plan.special     # the tool start would drop from the text, where the split looks for it
+    assert plan.gate([7, 1, 8, 50, 5, 51]) == 8 and plan.gate([50, 5, 51, 7, 8]) is None     # GLM's turn markers
+    assert ReasoningPlan.of(Body, "deepseek_r1", Tok).num_tokens([7, 1, 2, 9, 3, 8]) == 4
+
+
+@pytest.mark.parametrize("text,want", [
+    ("Let me see.\n<tool_call>clock\n<arg_key>zone</arg_key>\n<arg_value>utc</arg_value>\n</tool_call>",
+     ("Let me see.", None, [("clock", '{"zone": "utc"}')], "tool_calls")),
+    ("hm</think>\nIt is <tool_call>clock</tool_call>", ("hm", "\nIt is ", [("clock", "{}")], "tool_calls")),
+    ("hm</think>no call", ("hm", "no call", [], "stop"))])
+def test_a_glm45_call_that_ends_the_reasoning_is_a_call(text, want):
+    """GLM-4.5 may call a tool straight from its thinking: the call ends the reasoning and is answered as a call,
+    unstreamed and in every split of the stream (vLLM's glm45 parsers, by hand)."""
+    from launch.frontend.answer import ChatAnswer
+    from launch.frontend.tools import PARSERS, ToolPlan
+    from tests.launch.frontend.test_http_tools import splits, streamed
+
+    answer = ChatAnswer(ToolPlan("auto", parser=PARSERS["glm45"], schemas={"clock": {}}),
+                        ReasoningPlan(True, True, 1, 2, tool_start="<tool_call>", strip=True))
+    message, finish = answer.message(text, "stop")
+    calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
+    assert (message["reasoning"], message["content"], calls, finish) == want
+    for pieces in splits(text):
+        s = answer.stream()
+        chunks = [{"choices": [{"delta": s.add(p, final=i == len(pieces) - 1), "finish_reason": None}]}
+                  for i, p in enumerate(pieces)]
+        chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("stop")
+        reasoning = "".join(ch["choices"][0]["delta"].get("reasoning", "") for ch in chunks)
+        content, got_calls, got_finish = streamed(chunks)
+        assert (reasoning, content or None, [(c["name"], c["arguments"]) for c in got_calls], got_finish) == want
 
 
 def test_qwen3_with_thinking_off_is_all_content():
