@@ -173,8 +173,9 @@ def main(argv=None) -> int:
                         "whether to call a tool and --tool-call-parser finds the calls in its text (vLLM's flag)")
     p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                    help="how tool_choice 'auto' finds calls in the output: hermes (<tool_call>{json}</tool_call>, "
-                        "Hermes and Qwen models), deepseek_v3 (DeepSeek-V3 and R1) or glm45 (GLM-4.5 to 4.7's "
-                        "<arg_key>/<arg_value> calls); needed by --enable-auto-tool-choice")
+                        "Hermes and Qwen models), deepseek_v3 (DeepSeek-V3 and R1), glm45 (GLM-4.5 to 4.7's "
+                        "<arg_key>/<arg_value> calls) or mistral ([TOOL_CALLS], Mistral and Mixtral); needed by "
+                        "--enable-auto-tool-choice")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's reasoning (up to </think>) from its answer in chat responses: "
                         "deepseek_r1, qwen3 or glm45 (vLLM's flag)")

@@ -25,6 +25,12 @@ function or "required" asks for, are launch/frontend/chat.py's).
                  number, boolean, object or array, string); a key the schema does not declare stays text. The
                  content is the text outside the calls, as the model wrote it (vLLM also strips it of leading and
                  trailing whitespace when it found calls; here a stream could not know that before the end).
+    mistral      Mistral's and Mixtral's [TOOL_CALLS]: before v11 (Mixtral-8x22B) [TOOL_CALLS] then a JSON array of
+                 {"name", "arguments"} (or one object; items that are neither skipped, a missing name ""); from v11
+                 each call as [TOOL_CALLS]NAME[ARGS]{...} (or NAME{...}), its arguments the first JSON value as
+                 written. The content is the text before the first [TOOL_CALLS]. Call ids are 9 letters and digits,
+                 which Mistral's chat templates require of the calls sent back (vLLM's). A JSON array that holds
+                 no call leaves all the text as content (vLLM answers the array's text).
 - parallel_tool_calls false: only the first call is answered.
 
 Streamed: a named function's arguments stream as they come (the first delta names the function and carries the
@@ -39,7 +45,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import random
 import re
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,10 +57,12 @@ from .protocol import APIError
 from .text import tag_overlap
 
 _START = "<tool_call>"
+_ALPHANUMERIC = string.ascii_letters + string.digits
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _DS_START = "<｜tool▁calls▁begin｜>"
 _GLM_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_MISTRAL_START, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*)<｜tool▁sep｜>(?P<name>.*)\n```json\n(?P<arguments>.*)\n```"
                       r"<｜tool▁call▁end｜>")
 
@@ -62,10 +72,10 @@ class Call:
     name: str
     arguments: str       # JSON text
 
-    def answer(self, **index) -> dict:
-        """The call in an answer, with a fresh id (index=k: a stream's delta names its place)."""
+    def answer(self, call_id: str, **index) -> dict:
+        """The call in an answer, under a fresh id (index=k: a stream's delta names its place)."""
         function = {"name": self.name, "arguments": self.arguments}
-        return index | {"id": call_id(), "type": "function", "function": function}
+        return index | {"id": call_id, "type": "function", "function": function}
 
 
 Schemas = dict[str, dict]      # the request's tools: name -> parameters schema ({} when it declares none)
@@ -116,6 +126,63 @@ def glm45_calls(text: str, schemas: Schemas) -> tuple[str | None, list[Call]] | 
             args[key] = coerce(value, properties[key]) if isinstance(properties.get(key), dict) else value
         calls.append(Call(name, json.dumps(args, ensure_ascii=False)))
     return _GLM_CALL.sub("", text) or None, calls
+
+
+def mistral_calls(text: str, schemas: Schemas) -> tuple[str | None, list[Call]] | None:
+    """(the content before the first [TOOL_CALLS], None when empty; the calls) for Mistral-style calls in text, or
+    None when it holds none (or only a JSON value that holds no call)."""
+    if _MISTRAL_START not in text:
+        return None
+    content, *segments = text.split(_MISTRAL_START)
+    segments = [seg.strip() for seg in segments if seg.strip()]
+    if segments and segments[0][0] in "[{":      # before v11: one JSON array of calls (or one call)
+        calls = _listed_calls(_first_json(segments[0]))
+        return (content or None, calls) if calls else None
+    calls = []
+    for seg in segments:        # from v11: NAME[ARGS]{...} or NAME{...}, each after its own [TOOL_CALLS]
+        ends = [at for at in (seg.find(_MISTRAL_ARGS), seg.find("{")) if at >= 0]
+        at = min(ends, default=len(seg))
+        args = seg[at + len(_MISTRAL_ARGS):] if seg.startswith(_MISTRAL_ARGS, at) else seg[at:]
+        calls.append(Call(seg[:at].strip(), _first_json_text(args)))
+    return content or None, calls
+
+
+def _first_json(text: str):
+    """The first JSON value at text's start (what follows it is ignored), else the first "[{...}]" in it, else
+    None."""
+    try:
+        return json.JSONDecoder().raw_decode(text)[0]
+    except (ValueError, RecursionError):
+        pass
+    found = re.search(r"\[{.*}\]", text, re.DOTALL)
+    try:
+        return json.loads(found.group(0)) if found else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def _first_json_text(text: str) -> str:
+    """The text of the first JSON value at text's start, as written; "{}" for none; all of it when it is not JSON."""
+    text = text.strip()
+    if not text:
+        return "{}"
+    try:
+        return text[:json.JSONDecoder().raw_decode(text)[1]]
+    except (ValueError, RecursionError):
+        return text
+
+
+def _listed_calls(parsed) -> list[Call]:
+    """The calls of a JSON value listing {"name", "arguments"} objects (vLLM's pre-v11 Mistral rules)."""
+    items = [parsed] if isinstance(parsed, dict) else parsed if isinstance(parsed, list) else []
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not ("name" in item or "arguments" in item):
+            continue
+        args = item.get("arguments")
+        args = "{}" if args is None else args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        calls.append(Call(item["name"] if isinstance(item.get("name"), str) else "", args))
+    return calls
 
 
 def schema_types(schema) -> set[str]:
@@ -192,10 +259,12 @@ class Parser:
 
     start: str
     calls: Callable[[str, Schemas], tuple[str | None, list[Call]] | None]
+    call_id: Callable[[], str] = lambda: "chatcmpl-tool-" + uuid.uuid4().hex     # a fresh call id (vLLM's form)
 
 
 PARSERS = {"hermes": Parser(_START, hermes_calls), "deepseek_v3": Parser(_DS_START, deepseek_v3_calls),
-           "glm45": Parser(_START, glm45_calls)}
+           "glm45": Parser(_START, glm45_calls),
+           "mistral": Parser(_MISTRAL_START, mistral_calls, lambda: "".join(random.choices(_ALPHANUMERIC, k=9)))}
 
 
 def required_calls(text: str) -> list[Call] | None:
@@ -208,10 +277,6 @@ def required_calls(text: str) -> list[Call] | None:
             isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i for i in items):
         return None
     return [Call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
-
-
-def call_id() -> str:
-    return "chatcmpl-tool-" + uuid.uuid4().hex     # vLLM's form
 
 
 @dataclass(slots=True)
@@ -269,7 +334,7 @@ class ToolPlan:
         content, calls = self.calls(text)
         message = {"role": "assistant", "content": content}
         if calls:
-            message["tool_calls"] = [c.answer() for c in calls]
+            message["tool_calls"] = [c.answer(self.parser.call_id()) for c in calls]
         return message, self.finish_reason(bool(calls), finish)
 
     def stream(self) -> ToolStream:
@@ -304,7 +369,7 @@ class ToolStream:
             delta["content"] = delta.get("content", "") + rest
         if calls:
             self.found = True
-            delta["tool_calls"] = [c.answer(index=k) for k, c in enumerate(calls)]
+            delta["tool_calls"] = [c.answer(self.plan.parser.call_id(), index=k) for k, c in enumerate(calls)]
         return delta
 
     def _named(self, piece: str) -> dict:
@@ -313,7 +378,7 @@ class ToolStream:
         self.pending += piece
         if not self.pending.strip():       # whitespace alone makes no call (yet)
             return {}
-        first, self.pending = Call(self.plan.name, self.pending).answer(index=0), ""
+        first, self.pending = Call(self.plan.name, self.pending).answer(self.plan.parser.call_id(), index=0), ""
         self.named_id, self.found = first["id"], True
         return {"tool_calls": [first]}
 

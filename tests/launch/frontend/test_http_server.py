@@ -366,7 +366,7 @@ def test_auto_tool_choice_needs_a_parser_and_a_reasoning_parser_its_tokens(model
         return subprocess.run([sys.executable, "launch/serve.py", *args], capture_output=True, cwd=ROOT, text=True,
                               env={**os.environ, "WORLD_SIZE": "1"}, timeout=120)
     run = serve("--enable-auto-tool-choice")
-    want = "--enable-auto-tool-choice needs --tool-call-parser (one of deepseek_v3, glm45, hermes)"
+    want = "--enable-auto-tool-choice needs --tool-call-parser (one of deepseek_v3, glm45, hermes, mistral)"
     assert run.returncode == 2 and want in run.stderr, run.stderr
     run = serve("--model", model_dir, "--reasoning-parser", "deepseek_r1")    # the tiny tokenizer has no <think>
     assert run.returncode == 2 and "needs the tokens <think> and </think>" in run.stderr, run.stderr

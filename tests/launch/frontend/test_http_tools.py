@@ -321,6 +321,21 @@ GLM = {
     'A<tool_call>clock</tool_call>B': ("AB", [("clock", "{}")], "tool_calls"),
     'almost <tool_c': ("almost <tool_c", [], "stop"),
 }
+# the same for the mistral parser: before v11 a JSON array after [TOOL_CALLS], from v11 NAME[ARGS]{...} (vLLM's rules)
+MISTRAL = {
+    'Sure.[TOOL_CALLS] [{"name": "weather", "arguments": {"city": "paris"}}, {"name": "clock", "arguments": '
+    '"{\\"zone\\": \\"utc\\"}"}]':
+        ("Sure.", [("weather", '{"city": "paris"}'), ("clock", '{"zone": "utc"}')], "tool_calls"),
+    '[TOOL_CALLS]{"name": "clock"} and more': (None, [("clock", "{}")], "tool_calls"),
+    '[TOOL_CALLS][1, {"arguments": {"a": 1}}, {"x": 2}]': (None, [("", '{"a": 1}')], "tool_calls"),
+    'x[TOOL_CALLS][1, 2]': ('x[TOOL_CALLS][1, 2]', [], "stop"),
+    '[TOOL_CALLS] [oops [{"name": "a", "arguments": {}}]': (None, [("a", "{}")], "tool_calls"),
+    'Hi[TOOL_CALLS]weather[ARGS]{"city": "rome"}[TOOL_CALLS]clock[ARGS]{} trailing':
+        ("Hi", [("weather", '{"city": "rome"}'), ("clock", "{}")], "tool_calls"),
+    '[TOOL_CALLS]clock{"zone": ': (None, [("clock", '{"zone":')], "tool_calls"),
+    ' [TOOL_CALLS][TOOL_CALLS]clock': (None, [("clock", "{}")], "tool_calls"),
+    'almost [TOOL_CA': ("almost [TOOL_CA", [], "stop"),
+}
 # (mode, text) -> the same, for a named function "f" and for "required"
 FORCED = {
     ("named", '{"x": 1}'): ("", [("f", '{"x": 1}')], "stop"),
@@ -331,7 +346,8 @@ FORCED = {
 }
 CASES = ([("auto", text, want) for text, want in AUTO.items()] + [(m, t, w) for (m, t), w in FORCED.items()]
          + [("deepseek_v3", text, want) for text, want in DEEPSEEK.items()]
-         + [("glm45", text, want) for text, want in GLM.items()])
+         + [("glm45", text, want) for text, want in GLM.items()]
+         + [("mistral", text, want) for text, want in MISTRAL.items()])
 
 
 def splits(text: str):
@@ -361,7 +377,22 @@ def test_tool_answers_and_every_split_of_their_stream_say_the_same(mode, text, w
         assert (content or None, [(c["name"], c["arguments"]) for c in calls], finish_s) == (
             want[0] or None, want[1], want[2]), pieces
         if want[1] and mode != "named":     # content never holds what starts a call, even in part
-            assert all("<" not in (ch["choices"][0]["delta"].get("content") or "") for ch in chunks)
+            assert all(plan.parser.start[0] not in (ch["choices"][0]["delta"].get("content") or "") for ch in chunks)
+
+
+def test_call_ids_take_the_parsers_form():
+    """Mistral's chat templates refuse a call sent back unless its id is 9 letters and digits (vLLM answers such
+    ids under its mistral parser); the others are vLLM's chatcmpl-tool-<hex>, in every mode."""
+    text = '[TOOL_CALLS][{"name": "a", "arguments": {}}]'
+    for parser, ok in (("mistral", lambda i: len(i) == 9 and i.isalnum()),
+                       ("hermes", lambda i: re.fullmatch("chatcmpl-tool-[0-9a-f]{32}", i))):
+        for mode, out in (("auto", text if parser == "mistral" else '<tool_call>{"name": "a", "arguments": {}}'),
+                          ("named", "{}")):
+            plan = ToolPlan(mode, "a" if mode == "named" else None, parser=PARSERS[parser])
+            ids = {plan.message(out, "stop")[0]["tool_calls"][0]["id"] for _ in range(20)}
+            s = plan.stream()
+            ids.add(s.add(out, final=True)["tool_calls"][0]["id"])
+            assert len(ids) == 21 and all(ok(i) for i in ids), ids
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
