@@ -36,7 +36,7 @@ from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.frontend.reasoning import PARSERS as REASONING_PARSERS
 from launch.frontend.reasoning import require_think_tokens
-from launch.frontend.tools import PARSERS
+from launch.frontend.tool_parsers import PARSERS
 from launch.llm import LLM
 from launch.procs import leave_process
 from launch.runtime import follow, lead

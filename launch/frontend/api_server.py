@@ -43,7 +43,8 @@ from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan, require_think_tokens
 from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
-from .tools import PARSERS, ToolPlan
+from .tool_parsers import PARSERS
+from .tools import ToolPlan
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
 

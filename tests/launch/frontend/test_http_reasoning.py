@@ -247,7 +247,8 @@ def test_a_glm45_call_that_ends_the_reasoning_is_a_call(text, want):
     """GLM-4.5 may call a tool straight from its thinking: the call ends the reasoning and is answered as a call,
     unstreamed and in every split of the stream (vLLM's glm45 parsers, by hand)."""
     from launch.frontend.answer import ChatAnswer
-    from launch.frontend.tools import PARSERS, ToolPlan
+    from launch.frontend.tool_parsers import PARSERS
+    from launch.frontend.tools import ToolPlan
     from tests.launch.frontend.test_http_tools import splits, streamed
 
     answer = ChatAnswer(ToolPlan("auto", parser=PARSERS["glm45"], schemas={"clock": {}}),

@@ -18,7 +18,8 @@ import re
 import pytest
 
 from launch import LLM
-from launch.frontend.tools import PARSERS, ToolPlan, hermes_calls
+from launch.frontend.tool_parsers import PARSERS, hermes_calls
+from launch.frontend.tools import ToolPlan
 from tests.conftest import hf_greedy, hf_model
 from tests.launch.frontend.test_app_before_attach import call
 from tests.launch.frontend.in_process import serving
