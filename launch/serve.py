@@ -34,9 +34,9 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the project i
 
 from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
+from launch.frontend.answer import check_parsers, require_tokens
 from launch.frontend.reasoning import PARSERS as REASONING_PARSERS
-from launch.frontend.reasoning import require_think_tokens
-from launch.frontend.tool_parsers import PARSERS
+from launch.frontend.tool_parsers import NAMES as TOOL_PARSERS
 from launch.llm import LLM
 from launch.procs import leave_process
 from launch.runtime import follow, lead
@@ -171,14 +171,14 @@ def main(argv=None) -> int:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve tool_choice 'auto' (the default when a chat request has tools): the model decides "
                         "whether to call a tool and --tool-call-parser finds the calls in its text (vLLM's flag)")
-    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
                    help="how tool_choice 'auto' finds calls in the output: hermes (<tool_call>{json}</tool_call>, "
                         "Hermes and Qwen models), deepseek_v3 (DeepSeek-V3 and R1), glm45 (GLM-4.5 to 4.7's "
-                        "<arg_key>/<arg_value> calls) or mistral ([TOOL_CALLS], Mistral and Mixtral); needed by "
-                        "--enable-auto-tool-choice")
+                        "<arg_key>/<arg_value> calls), mistral ([TOOL_CALLS], Mistral and Mixtral) or openai "
+                        "(GPT-OSS's harmony messages); needed by --enable-auto-tool-choice")
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's reasoning (up to </think>) from its answer in chat responses: "
-                        "deepseek_r1, qwen3 or glm45 (vLLM's flag)")
+                        "deepseek_r1, qwen3, glm45, or openai_gptoss (GPT-OSS's analysis messages; vLLM's flag)")
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
@@ -187,7 +187,11 @@ def main(argv=None) -> int:
     if not world:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        p.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(PARSERS))})")
+        p.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)})")
+    try:
+        check_parsers(args.tool_call_parser, args.reasoning_parser)
+    except ValueError as e:
+        p.error(str(e))
     if (args.role is None) != (args.pool_addr is None):
         p.error("--role and --pool-addr go together: separate pool launches need both, a single launch neither")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -199,9 +203,9 @@ def main(argv=None) -> int:
         expert_ranks = args.expert_ranks if args.expert_ranks is not None else 1
     llm_kwargs = dict(attention_ranks=attention_ranks, expert_ranks=expert_ranks, **engine_options(args))
     if not (args.prompt or args.stdin):
-        if args.reasoning_parser is not None and _leads(args):
+        if (args.reasoning_parser or args.tool_call_parser) and _leads(args):
             try:
-                require_think_tokens(load_tokenizer(args.model), args.reasoning_parser, args.model)
+                require_tokens(load_tokenizer(args.model), args.tool_call_parser, args.reasoning_parser, args.model)
             except ValueError as e:      # no such tokens, or a tokenizer that does not load
                 p.error(str(e))
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))

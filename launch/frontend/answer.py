@@ -1,12 +1,32 @@
 """A chat choice's answer: its text split into reasoning and content (launch/frontend/reasoning.py, with the server's
 --reasoning-parser), and tool calls found in the content (launch/frontend/tools.py); one message unstreamed, or
-deltas as text arrives. A chat without tools or a reasoning parser answers its text as content (no ChatAnswer)."""
+deltas as text arrives. A chat without tools or a reasoning parser answers its text as content (no ChatAnswer).
+GPT-OSS's harmony parsers answer through launch/frontend/harmony.py's HarmonyAnswer, which has the same interface."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .reasoning import ReasoningPlan, ReasoningStream
+from . import harmony
+from .reasoning import ReasoningPlan, ReasoningStream, require_think_tokens
 from .tools import ToolPlan, ToolStream
+
+
+def check_parsers(tool_parser: str | None, reasoning_parser: str | None) -> None:
+    """ValueError unless a harmony parser goes with the other one or none (vLLM's rule): both read one format."""
+    pair = {"tool": tool_parser, "reasoning": reasoning_parser}
+    wanted = {"tool": harmony.TOOL_PARSER, "reasoning": harmony.REASONING_PARSER}
+    if any(pair[k] == wanted[k] for k in pair) and any(pair[k] not in (None, wanted[k]) for k in pair):
+        raise ValueError(f"the tool call parser {tool_parser!r} and the reasoning parser {reasoning_parser!r} do "
+                         f"not go together: GPT-OSS's harmony parsers ({harmony.TOOL_PARSER}, "
+                         f"{harmony.REASONING_PARSER}) take each other or none")
+
+
+def require_tokens(tok, tool_parser: str | None, reasoning_parser: str | None, model: str) -> None:
+    """ValueError naming the model unless its tokenizer has the tokens the parsers read."""
+    if harmony.TOOL_PARSER == tool_parser or harmony.REASONING_PARSER == reasoning_parser:
+        harmony.require_tokens(tok, model)
+    elif reasoning_parser is not None:
+        require_think_tokens(tok, reasoning_parser, model)
 
 
 @dataclass(slots=True)

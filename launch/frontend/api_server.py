@@ -33,17 +33,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..admission import sampling_defaults
 from .access_log import ACCESS_LOGGER, AccessLog, access_record
-from .answer import ChatAnswer
+from .answer import ChatAnswer, check_parsers, require_tokens
 from .chat import ChatCompletionRequest
 from .engine_client import EngineClient
 from .generate import check_model, check_request, respond, sampling_params
+from .harmony import HarmonyAnswer
 from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
-from .reasoning import ReasoningPlan, require_think_tokens
+from .reasoning import ReasoningPlan
 from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
-from .tool_parsers import PARSERS
+from .tool_parsers import NAMES as TOOL_PARSERS
 from .tools import ToolPlan
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
@@ -60,6 +61,7 @@ class _ServerState:
         self.scrape_lock = asyncio.Lock()       # one stats collective at a time
         self.loop: asyncio.AbstractEventLoop | None = None
         self.loop_ready = threading.Event()
+        self.tool_parser: str | None = None
         self.reasoning_parser: str | None = None
 
     @property
@@ -76,13 +78,14 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     tool_parser: how tool_choice "auto" finds calls in the output (launch/frontend/tools.py PARSERS; None:
     auto is refused, serve.py's --enable-auto-tool-choice is off); reasoning_parser: how chat answers split off
     their reasoning (launch/frontend/reasoning.py PARSERS; None: they do not)."""
-    if tool_parser is not None and tool_parser not in PARSERS:
-        raise ValueError(f"tool_parser={tool_parser!r} is unknown; pass one of {', '.join(sorted(PARSERS))}")
+    if tool_parser is not None and tool_parser not in TOOL_PARSERS:
+        raise ValueError(f"tool_parser={tool_parser!r} is unknown; pass one of {', '.join(TOOL_PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is unknown; pass one of "
                          f"{', '.join(REASONING_PARSERS)}")
+    check_parsers(tool_parser, reasoning_parser)
     state = _ServerState(model_name, model_path)
-    state.reasoning_parser = reasoning_parser
+    state.tool_parser, state.reasoning_parser = tool_parser, reasoning_parser
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -155,8 +158,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         params = sampling_params(eng.llm, body, body.limit(), prompts)
         if reasoning is not None:
             params = reasoning.gated(params, prompts)     # the grammar binds once the thinking has ended
-        return await respond(state.model_name, eng, body, request, prompts, params, chat=True,
-                             answer=ChatAnswer.of(tools, reasoning))
+        answer = HarmonyAnswer.of(body, tools, reasoning_parser, tool_parser, tok) or ChatAnswer.of(tools, reasoning)
+        return await respond(state.model_name, eng, body, request, prompts, params, chat=True, answer=answer)
 
     @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest, request: Request):
@@ -271,8 +274,7 @@ def attach(app: FastAPI, llm, timeout_s: float = 60.0) -> EngineClient:
     if not state.loop_ready.wait(timeout_s):
         raise RuntimeError(f"the HTTP server did not start within {timeout_s} s")
     sampling_defaults(llm.config)    # read once now: a malformed generation_config.json fails the start
-    if state.reasoning_parser is not None:
-        require_think_tokens(llm.tokenizer, state.reasoning_parser, llm.config.model)
+    require_tokens(llm.tokenizer, state.tool_parser, state.reasoning_parser, llm.config.model)
     client = EngineClient(llm, state.metrics)
     client.start(state.loop)
     state.engine = client

@@ -35,7 +35,8 @@ START, END, TOOL_START = "<think>", "</think>", "<tool_call>"
 # earlier turns end at these (the gate looks no further back)
 TURNS = {"deepseek_r1": (), "qwen3": ("<|im_start|>", "<|im_end|>"),
          "glm45": ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")}
-PARSERS = tuple(TURNS)
+HARMONY = "openai_gptoss"     # GPT-OSS's analysis messages: launch/frontend/harmony.py reads them
+PARSERS = (*TURNS, HARMONY)
 ENGINE_RULES = ("qwen3", "glm45")    # vLLM 0.32's parser-engine rules: <tool_call> ends the reasoning, it is stripped
 
 
@@ -116,7 +117,7 @@ class ReasoningPlan:
     def of(cls, body, parser: str | None, tok) -> ReasoningPlan | None:
         """body's plan on a server with `parser` (None: no reasoning parser). A completions body has none of chat's
         thinking fields: thinking on, reasoning shown (only its structured outputs' gate matters there)."""
-        if parser is None:
+        if parser is None or parser == HARMONY:
             return None
         start_id, end_id, special = require_think_tokens(tok, parser, "this model")    # attach() and serve.py did
         kwargs, effort = getattr(body, "chat_template_kwargs", None) or {}, getattr(body, "reasoning_effort", None)

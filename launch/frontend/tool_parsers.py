@@ -240,6 +240,8 @@ class Parser:
     call_id: Callable[[], str] = lambda: "chatcmpl-tool-" + uuid.uuid4().hex     # a fresh call id (vLLM's form)
 
 
+HARMONY = "openai"      # GPT-OSS's harmony messages: launch/frontend/harmony.py reads their calls
 PARSERS = {"hermes": Parser(_START, hermes_calls), "deepseek_v3": Parser(_DS_START, deepseek_v3_calls),
            "glm45": Parser(_START, glm45_calls),
            "mistral": Parser(_MISTRAL_START, mistral_calls, lambda: "".join(random.choices(_ALPHANUMERIC, k=9)))}
+NAMES = sorted([*PARSERS, HARMONY])    # what --tool-call-parser takes

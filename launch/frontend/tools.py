@@ -69,7 +69,7 @@ class ToolPlan:
                                 f"instead", "tool_choice")
         schemas = {t.function.name: t.function.parameters or {} for t in body.tools or []}
         return cls(mode, body.tool_choice.function.name if mode == "named" else None, body.parallel_tool_calls,
-                   PARSERS[parser or "hermes"], schemas)
+                   PARSERS.get(parser or "hermes", PARSERS["hermes"]), schemas)     # harmony: its own
 
     @property
     def keeps_special_tokens(self) -> bool:

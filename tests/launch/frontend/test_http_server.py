@@ -366,10 +366,14 @@ def test_auto_tool_choice_needs_a_parser_and_a_reasoning_parser_its_tokens(model
         return subprocess.run([sys.executable, "launch/serve.py", *args], capture_output=True, cwd=ROOT, text=True,
                               env={**os.environ, "WORLD_SIZE": "1"}, timeout=120)
     run = serve("--enable-auto-tool-choice")
-    want = "--enable-auto-tool-choice needs --tool-call-parser (one of deepseek_v3, glm45, hermes, mistral)"
+    want = "--enable-auto-tool-choice needs --tool-call-parser (one of deepseek_v3, glm45, hermes, mistral, openai)"
     assert run.returncode == 2 and want in run.stderr, run.stderr
     run = serve("--model", model_dir, "--reasoning-parser", "deepseek_r1")    # the tiny tokenizer has no <think>
     assert run.returncode == 2 and "needs the tokens <think> and </think>" in run.stderr, run.stderr
+    run = serve("--model", model_dir, "--reasoning-parser", "openai_gptoss")       # nor GPT-OSS's markers
+    assert run.returncode == 2 and "lacks <|start|>, <|channel|>" in run.stderr, run.stderr
+    run = serve("--tool-call-parser", "openai", "--reasoning-parser", "qwen3")
+    assert run.returncode == 2 and "take each other or none" in run.stderr, run.stderr
 
 
 def test_bad_chat_requests_get_openai_errors(server):

@@ -1,0 +1,254 @@
+"""GPT-OSS's harmony format in chat answers: vLLM's --reasoning-parser openai_gptoss and --tool-call-parser openai,
+which vLLM allows only together (or one alone) and which read the same messages.
+
+A GPT-OSS output is a run of messages, the first one's header begun by the prompt ("<|start|>assistant"):
+    <|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>...
+and a call is a message to a function: "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}"
+(the recipient may also stand before the channel). A message's text ends at <|end|>, <|call|> or <|return|> (the
+last two are EOS ids of GPT-OSS, so they end the output), or where the output ends. As vLLM's HarmonyParser:
+  - analysis messages are the reasoning (with openai_gptoss; dropped without it), joined with "\n";
+  - final messages, and commentary ones to no recipient (preambles), are the content, joined with "\n";
+  - a message to a function (a recipient "functions.NAME", or any other that is not a built-in tool (python,
+    browser, container) or "assistant") is a call of NAME (with openai and tool_choice "auto"; dropped without),
+    its arguments the message's JSON re-written (json.dumps), or its text when it is not JSON or its content type
+    names something other than json; finish_reason "tool_calls". Messages of other roles or recipients are dropped.
+  - An output with no whole header (e.g. a grammar forced plain JSON) is all content. A header cut short after
+    whole messages is dropped (vLLM answers its raw text).
+usage.completion_tokens_details.reasoning_tokens counts the text tokens (not special ones, such as an EOS) of
+analysis messages and of commentary messages to a recipient (vLLM's count).
+Streamed: reasoning and content stream as they come; a tail that may begin a marker is held back, and each call
+comes whole when its message ends (vLLM streams the arguments piece by piece).
+A named or "required" tool choice is answered as on other models (launch/frontend/tools.py): its grammar binds
+from the first token, so the model writes no harmony header there.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .reasoning import HARMONY as REASONING_PARSER
+from .text import tag_overlap
+from .tool_parsers import HARMONY as TOOL_PARSER
+from .tool_parsers import Call
+from .tools import ToolPlan
+
+START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+ENDS = ("<|end|>", "<|call|>", "<|return|>")
+MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)     # tokens the tokenizer must have (serve.py checks)
+BUILTIN = ("python", "browser", "container")
+
+
+def require_tokens(tok, model: str) -> None:
+    """ValueError naming the model unless tok has every harmony marker as one token."""
+    vocab = tok.get_vocab() if tok is not None else {}
+    if missing := [m for m in MARKERS if m not in vocab]:
+        raise ValueError(f"the harmony parsers ({REASONING_PARSER}, {TOOL_PARSER}) need GPT-OSS's tokens, and "
+                         f"{model!r} lacks {', '.join(missing)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    role: str
+    channel: str | None
+    recipient: str | None
+    content_type: str | None
+
+    @classmethod
+    def of(cls, text: str) -> Header:
+        """A message header as written before <|message|> (its <|start|> and role may be left out: assistant)."""
+        before, has_channel, after = text.removeprefix(START).partition(CHANNEL)
+        head, tail = before.replace(CONSTRAIN, " ").split(), after.replace(CONSTRAIN, " ").split()
+        recipient = next((w[len("to="):] for w in head + tail if w.startswith("to=")), None)
+        rest = [w for w in tail[1:] if not w.startswith("to=")]
+        return cls(next((w for w in head if not w.startswith("to=")), "assistant"),
+                   tail[0] if has_channel and tail else None, recipient, rest[-1] if rest else None)
+
+    @property
+    def kind(self) -> str:
+        """"call", "reasoning", "content" or "drop" (vLLM's rules for chat)."""
+        if self.role != "assistant":
+            return "drop"
+        r = self.recipient
+        if r and not r.startswith("<|") and r not in ("assistant", "functions.") and r.split(".", 1)[0] not in BUILTIN:
+            return "call"
+        if self.channel == "analysis":
+            return "reasoning"
+        if self.channel == "final" or (self.channel == "commentary" and r is None):
+            return "content"
+        return "drop"
+
+    def call(self, text: str) -> Call:
+        """The call whose message holds text."""
+        arguments = text
+        if self.content_type is None or "json" in self.content_type:
+            try:
+                arguments = json.dumps(json.loads(text))
+            except (ValueError, RecursionError):
+                pass
+        return Call(self.recipient.removeprefix("functions."), arguments)
+
+
+def _body_end(text: str) -> tuple[int, int]:
+    """(where a message's text ends in text, -1 when it has not; the end marker's length)."""
+    found = [(i, len(e)) for e in ENDS if (i := text.find(e)) >= 0]
+    return min(found) if found else (-1, 0)
+
+
+def messages(text: str) -> list[tuple[Header, str]] | None:
+    """text's messages, (header, text) each, the last maybe cut short; None when it has no whole header."""
+    out = []
+    while (head := text.find(MESSAGE)) >= 0:
+        header, text = Header.of(text[:head]), text[head + len(MESSAGE):]
+        end, skip = _body_end(text)
+        out.append((header, text if end < 0 else text[:end]))
+        if end < 0:
+            break
+        text = text[end + skip:]
+    return out or None
+
+
+@dataclass(slots=True)
+class HarmonyAnswer:
+    """A GPT-OSS chat choice's answer; the interface of launch/frontend/answer.py's ChatAnswer."""
+
+    parsed: bool        # analysis is parsed at all (openai_gptoss): the answer has a reasoning field
+    reasoning: bool     # and it is shown (include_reasoning)
+    tools: ToolPlan | None    # calls are answered ("auto" under openai)
+    decode: Callable[[list[int]], str] = lambda ids: ""     # token ids -> text with the markers (reasoning_tokens)
+    ids: dict[int, str] = field(default_factory=dict)       # the markers' token ids -> the markers
+    special: frozenset[int] = frozenset()    # the tokenizer's other special ids (EOS): no text
+
+    keeps_special_tokens = True     # the markers are special tokens of GPT-OSS's tokenizer
+
+    @classmethod
+    def of(cls, body, tools: ToolPlan | None, reasoning_parser: str | None, tool_parser: str | None,
+           tok) -> HarmonyAnswer | None:
+        """body's answer when the server runs a harmony parser and tool_choice is not named or "required" (those
+        are answered as on other models); else None."""
+        if (reasoning_parser != REASONING_PARSER and tool_parser != TOOL_PARSER) or (tools and tools.mode != "auto"):
+            return None
+        vocab, parsed = tok.get_vocab(), reasoning_parser == REASONING_PARSER
+        return cls(parsed, parsed and body.include_reasoning, tools if tool_parser == TOOL_PARSER else None,
+                   lambda ids: tok.decode(ids, skip_special_tokens=False), {vocab[m]: m for m in MARKERS},
+                   frozenset(getattr(tok, "all_special_ids", ())))
+
+    @property
+    def shows_logprobs(self) -> bool:
+        """False when the reasoning is hidden (include_reasoning false): the logprobs would show it."""
+        return self.reasoning or not self.parsed
+
+    def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """The unstreamed answer: (message, finish_reason)."""
+        parts = {"reasoning": [], "content": [], "call": []}
+        for header, body in messages(text) or [(Header("assistant", "final", None, None), text)]:
+            if (kind := header.kind) == "call":
+                parts[kind].append(header.call(body))
+            elif kind != "drop" and body:
+                parts[kind].append(body)
+        message = {"role": "assistant", "content": "\n".join(parts["content"]) or None}
+        if calls := self._answered(parts["call"], 0):
+            message["tool_calls"] = [c.answer(self.tools.parser.call_id()) for c in calls]
+        if self.parsed:
+            message["reasoning"] = ("\n".join(parts["reasoning"]) or None) if self.reasoning else None
+        return message, "tool_calls" if calls else finish
+
+    def _answered(self, calls: list[Call], before: int) -> list[Call]:
+        """The calls answered of these, `before` having been answered already (none without openai's "auto"; the
+        first only under parallel_tool_calls false)."""
+        if self.tools is None:
+            return []
+        return calls if self.tools.parallel else calls[:max(0, 1 - before)]
+
+    def usage_details(self, outputs: list[list[int]]) -> dict:
+        """usage's completion_tokens_details ({}: without openai_gptoss)."""
+        if not self.parsed:
+            return {}
+        return {"completion_tokens_details": {"reasoning_tokens": sum(map(self.num_tokens, outputs))}}
+
+    def num_tokens(self, ids: list[int]) -> int:
+        """The text tokens of analysis messages and of commentary messages to a recipient (vLLM's count)."""
+        count, header, counts = 0, [], False     # header: the ids of the header being read (None: in a text)
+        for t in ids:
+            marker = self.ids.get(t)
+            if header is not None:
+                if marker == MESSAGE:
+                    h = Header.of(self.decode(header))
+                    counts = h.channel == "analysis" or (h.channel == "commentary" and h.recipient is not None)
+                    header = None
+                else:
+                    header.append(t)
+            elif marker in ENDS:
+                header = []
+            elif marker is None and counts and t not in self.special:
+                count += 1
+        return count
+
+    def stream(self) -> HarmonyStream:
+        return HarmonyStream(self)
+
+
+@dataclass(slots=True)
+class HarmonyStream:
+    """One streamed choice: `add` each piece of text (final: the choice has ended) -> its delta, then
+    `finish_reason`. Says what HarmonyAnswer.message says."""
+
+    answer: HarmonyAnswer
+    held: str = ""
+    header: Header | None = None    # the message being read (None: a header is)
+    headed: bool = False            # a whole header came
+    began: dict = field(default_factory=dict)     # kind -> a message of it sent text (the next is joined by "\n")
+    opened: bool = False            # this message sent text
+    call_text: str = ""             # this call's text so far
+    num_calls: int = 0
+
+    def add(self, piece: str, final: bool) -> dict:
+        self.held += piece
+        delta = {}
+        while True:
+            if self.header is None:
+                if (at := self.held.find(MESSAGE)) < 0:
+                    break
+                self.header, self.held, self.headed, self.opened = Header.of(self.held[:at]), \
+                    self.held[at + len(MESSAGE):], True, False
+                continue
+            end, skip = _body_end(self.held)
+            if end < 0:
+                cut = len(self.held) - (0 if final else max(tag_overlap(self.held, e) for e in ENDS))
+                self._text(delta, self.held[:cut])
+                self.held = self.held[cut:]
+                if final:
+                    self._close(delta)
+                break
+            self._text(delta, self.held[:end])
+            self._close(delta)
+            self.held, self.header = self.held[end + skip:], None
+        if final and not self.headed and self.held:     # no whole header: all content
+            self.header = Header("assistant", "final", None, None)
+            self._text(delta, self.held)
+        return delta
+
+    def _text(self, delta: dict, text: str) -> None:
+        kind = self.header.kind
+        if kind == "call":
+            self.call_text += text
+            return
+        if not text or kind == "drop" or (kind == "reasoning" and not self.answer.reasoning):
+            return
+        if not self.opened and self.began.get(kind):
+            text = "\n" + text
+        self.began[kind] = self.opened = True
+        delta[kind] = delta.get(kind, "") + text
+
+    def _close(self, delta: dict) -> None:
+        if self.header.kind != "call":
+            return
+        calls = self.answer._answered([self.header.call(self.call_text)], self.num_calls)
+        self.call_text = ""
+        for c in calls:
+            delta.setdefault("tool_calls", []).append(c.answer(self.answer.tools.parser.call_id(),
+                                                               index=self.num_calls))
+            self.num_calls += 1
+
+    def finish_reason(self, finish: str | None) -> str | None:
+        return "tool_calls" if self.num_calls else finish
