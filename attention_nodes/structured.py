@@ -5,7 +5,9 @@ output and says which tokens may come next. Each step masks the others to -inf (
 which leave -inf as it is: the same as vLLM's mask before them), and the tokens drawn advance the matchers.
 
 A sequence's matcher is made the first time this rank samples for it, by replaying its output so far, so a sequence
-that arrives from elsewhere (a handover, PD, a resumed request, a fork) carries nothing. The grammar ends the
+that arrives from elsewhere (a handover, PD, a resumed request, a fork) carries nothing. A rank starts compiling a
+request's grammar on a worker thread as the request arrives (`prefetch`; xgrammar releases the GIL), so the steps
+go on meanwhile, and its first sample waits for what is left (vLLM compiles asynchronously too). The grammar ends the
 output: once it is complete only EOS may follow, so a request with structured outputs may not ignore EOS.
 
 Under a reasoning model (SamplingParams.reasoning_end_token_id, its "</think>"), the grammar binds only the tokens
@@ -20,7 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -75,35 +79,70 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(info, cache_limit_bytes=COMPILER_CACHE_BYTES)
         self.vocab_size = vocab_size
         self._compiled: OrderedDict[str, object] = OrderedDict()
+        self._pending: dict[str, Future] = {}       # compiling on the worker thread (failed ones until read)
+        self._lock = threading.Lock()               # the two dicts: the front compiles from several threads
+        self._pool: ThreadPoolExecutor | None = None
 
     def compile(self, spec: dict):
-        """The compiled grammar of a spec (`check_spec`'s shape), cached; ValueError naming the spec when xgrammar
-        cannot compile it (a bad schema, regex or grammar)."""
+        """The compiled grammar of a spec (`check_spec`'s shape), cached (waiting for it when `prefetch` started
+        it); ValueError naming the spec when xgrammar cannot compile it (a bad schema, regex or grammar). Safe
+        from several threads at once."""
         key = json.dumps(spec, sort_keys=True)
-        if key in self._compiled:
-            self._compiled.move_to_end(key)
-        else:
-            kind = next(k for k in spec if k in KINDS)
-            value, spaces = spec[kind], not spec.get("disable_any_whitespace", False)
-            c = self.compiler
-            try:
-                if kind == "json":
-                    compiled = c.compile_json_schema(value, any_whitespace=spaces)     # its text, or a dict
-                elif kind == "json_object":      # any JSON object (vLLM's json_object, and OpenAI's JSON mode)
-                    compiled = c.compile_json_schema('{"type": "object"}', any_whitespace=spaces)
-                elif kind == "regex":
-                    compiled = c.compile_regex(value)
-                elif kind == "choice":
-                    compiled = c.compile_grammar("root ::= " + " | ".join(map(_ebnf_literal, value)))
-                else:
-                    compiled = c.compile_grammar(value)
-            except Exception as e:   # xgrammar raises its own error types for bad input
-                raise ValueError(f"SamplingParams.structured_outputs={spec!r} is invalid: {kind} does not compile "
-                                 f"({type(e).__name__}: {e}); fix the {kind}") from e
+        with self._lock:
+            if key in self._compiled:
+                self._compiled.move_to_end(key)
+                return self._compiled[key]
+            pending = self._pending.get(key)
+        if pending is None:
+            return self._store(key, self._build(spec))
+        try:
+            return pending.result()
+        except ValueError:
+            with self._lock:
+                self._pending.pop(key, None)     # read once: a later request compiles it anew
+            raise
+
+    def prefetch(self, spec: dict) -> Future:
+        """Start compiling spec on this object's worker thread unless it is compiled or compiling, and return
+        immediately: a future of the compiled grammar (its exception the ValueError `compile` would raise)."""
+        key = json.dumps(spec, sort_keys=True)
+        with self._lock:
+            if key in self._compiled:
+                done = Future()
+                done.set_result(self._compiled[key])
+                return done
+            if key not in self._pending:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="afserve-grammar")
+                self._pending[key] = self._pool.submit(lambda: self._store(key, self._build(spec)))
+            return self._pending[key]
+
+    def _store(self, key: str, compiled):
+        with self._lock:
+            self._pending.pop(key, None)
             self._compiled[key] = compiled
+            self._compiled.move_to_end(key)
             if len(self._compiled) > MAX_COMPILED:
                 self._compiled.popitem(last=False)
-        return self._compiled[key]
+        return compiled
+
+    def _build(self, spec: dict):
+        kind = next(k for k in spec if k in KINDS)
+        value, spaces = spec[kind], not spec.get("disable_any_whitespace", False)
+        c = self.compiler
+        try:
+            if kind == "json":
+                return c.compile_json_schema(value, any_whitespace=spaces)     # its text, or a dict
+            if kind == "json_object":      # any JSON object (vLLM's json_object, and OpenAI's JSON mode)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=spaces)
+            if kind == "regex":
+                return c.compile_regex(value)
+            if kind == "choice":
+                return c.compile_grammar("root ::= " + " | ".join(map(_ebnf_literal, value)))
+            return c.compile_grammar(value)
+        except Exception as e:   # xgrammar raises its own error types for bad input
+            raise ValueError(f"SamplingParams.structured_outputs={spec!r} is invalid: {kind} does not compile "
+                             f"({type(e).__name__}: {e}); fix the {kind}") from e
 
     def matcher(self, seq):
         """seq's matcher, made (by replaying its output so far, after its reasoning_end_token_id when it has one)
@@ -116,7 +155,14 @@ class Grammars:
                     seq.grammar = WAITING
                     return WAITING
                 out = out[out.index(gate) + 1:]
-            seq.grammar = self._xgr.GrammarMatcher(self.compile(seq.params.structured_outputs))
+            try:
+                compiled = self.compile(seq.params.structured_outputs)
+            except ValueError as e:     # the worker aborts the request before its next step (AttentionWorker)
+                logger.error("request %r: its structured_outputs do not compile here (%s); it is aborted",
+                             seq.request_id, e)
+                seq.grammar = LOST
+                return LOST
+            seq.grammar = self._xgr.GrammarMatcher(compiled)
             self.accept(seq, out)
         return seq.grammar
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import replace
 
 import torch
@@ -64,6 +65,7 @@ class AttentionWorker:
         self.mtp = mtp
         self._committed = None   # method "mtp": the last committed step's chunks and emitted tokens, for its passes
         self._make_grammars, self._grammars = grammars, None
+        self._compiling: list[tuple[str, Future]] = []     # requests whose grammars compile on a worker thread
 
     def adopt(self, moe: MoEContext) -> None:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
@@ -97,11 +99,12 @@ class AttentionWorker:
         return sorted({s.group_id or s.request_id for s in seqs})
 
     def begin_step(self, header, transfer, sent_meta=None) -> None:
-        """A new step's header: take its new requests and aborts, then (PD) play this rank's role and its part
-        of the header's moves and pushes (transfer: a callable giving the KVTransfer, asked only when there are
-        some; sent_meta: pd.apply_moves')."""
+        """A new step's header: take its new requests and aborts (and abort those whose grammars failed to compile
+        here), then (PD) play this rank's role and its part of the header's moves and pushes (transfer: a callable
+        giving the KVTransfer, asked only when there are some; sent_meta: pd.apply_moves')."""
         self.add_requests(header.requests_for(self.rank))
         self.abort(header.aborts_for(self.rank))
+        self._reap()
         self.scheduler.prefill_only = self.rank < header.prefill_ranks
         if header.moves:
             apply_moves(self, header.moves, transfer(), sent_meta)
@@ -262,16 +265,28 @@ class AttentionWorker:
         return [[t] for t in tokens], list(range(len(seqs)))
 
     def _compiles(self, request_id: str, params: SamplingParams) -> bool:
-        """Compile a request's grammar as it arrives (the front compiled it already): False, and the log says why,
-        if this rank cannot (no tokenizer in its model directory, say); the request is then aborted, not run
-        unconstrained."""
+        """Start compiling a request's grammar as it arrives (the front compiled it already) on the grammars'
+        worker thread, so this rank's steps go on meanwhile: False, and the log says why, if this rank cannot make
+        grammars at all (no tokenizer in its model directory, say); the request is then aborted, not run
+        unconstrained. A grammar that then fails to compile aborts its request at the next step (`_reap`)."""
         try:
-            self.grammars().compile(params.structured_outputs)
+            self._compiling.append((request_id, self.grammars().prefetch(params.structured_outputs)))
             return True
         except Exception as e:    # noqa: BLE001 (one request's grammar must not end the rank)
             logger.error("rank %d: request %r aborted: its structured_outputs do not compile here: %s", self.rank,
                          request_id, e)
             return False
+
+    def _reap(self) -> None:
+        """Between steps: abort the requests whose grammars failed to compile here (their samples end "abort";
+        one that sampled meanwhile did so unconstrained, and the log said so), and forget the finished ones."""
+        done = [(rid, f) for rid, f in self._compiling if f.done()]
+        self._compiling = [(rid, f) for rid, f in self._compiling if not f.done()]
+        for rid, f in done:
+            if f.exception() is not None:
+                logger.error("rank %d: request %r aborted: its structured_outputs do not compile here: %s",
+                             self.rank, rid, f.exception())
+                self.abort([rid])
 
     def grammars(self) -> Grammars:
         if self._grammars is None:

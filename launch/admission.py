@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.structured import Grammars
@@ -40,6 +41,7 @@ class Admission:
         self.max_model_len, self.kv_capacity_tokens = max_model_len, kv_capacity_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     def prompt_ids(self, prompt, add_special_tokens: bool = True, truncate: int | None = None) -> list[int]:
         """A prompt (string or token ids) -> checked token ids; ValueError names what is wrong. A string is
@@ -102,8 +104,9 @@ class Admission:
         if self.tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs the model's tokenizer, and this checkpoint has "
                              "none; add its tokenizer files or leave structured_outputs out")
-        if self._grammars is None:
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        with self._grammars_lock:      # the HTTP front checks from worker threads
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._grammars.compile(spec)
 
     def check_samples(self, params: SamplingParams) -> None:

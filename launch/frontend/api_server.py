@@ -135,7 +135,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         keep = body.truncation(eng.llm.max_model_len)
         sent = body.prompts()
         prompts = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens, keep) for p in sent]
-        params = sampling_params(eng.llm, body, body.limit(), prompts)
+        params = await sampling_params(eng.llm, body, body.limit(), prompts)
         if (reasoning := ReasoningPlan.of(body, reasoning_parser, eng.llm.tokenizer)) is not None:
             params = reasoning.gated(params, prompts)     # structured outputs bind once a prompt's thinking ended
         echo = None
@@ -155,7 +155,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         text = chat_text(tok, body, state.model_name, body.continue_final_message)
         prompts = [prompt_ids(eng.llm, text, "messages", body.add_special_tokens,
                               body.truncation(eng.llm.max_model_len))]
-        params = sampling_params(eng.llm, body, body.limit(), prompts)
+        params = await sampling_params(eng.llm, body, body.limit(), prompts)
         if reasoning is not None:
             params = reasoning.gated(params, prompts)     # the grammar binds once the thinking has ended
         answer = HarmonyAnswer.of(body, tools, reasoning_parser, tool_parser, tok) or ChatAnswer.of(tools, reasoning)

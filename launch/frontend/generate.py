@@ -54,10 +54,12 @@ def check_request(body, served: tuple[str, str]) -> None:
         raise APIError(400, problems[0][1], problems[0][0], "unsupported_parameter")
 
 
-def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]]) -> list[SamplingParams]:
+async def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]]) -> list[SamplingParams]:
     """The engine's parameters for body, one per prompt. max_tokens None: all the room the prompt leaves in
     max_model_len and one rank's KV cache (vLLM's default for a null max_tokens). A 400 for bad values, token
-    ids outside the vocabulary, or a prompt that does not fit with max_tokens."""
+    ids outside the vocabulary, a prompt that does not fit with max_tokens, or structured outputs that do not
+    compile: they compile on a worker thread (xgrammar releases the GIL), so the front serves other requests
+    meanwhile (the ranks compile them again, also off their steps)."""
     room = min(llm.max_model_len, llm.kv_capacity_tokens)
     bad_words = bad_words_ids(llm.tokenizer, body.bad_words)
     made: dict[int, SamplingParams] = {}
@@ -84,15 +86,17 @@ def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[int]])
                 llm.admission.check_tokens(params)
             except ValueError as e:
                 raise APIError(400, str(e), param_of(e)) from e
-            try:
-                llm.admission.check_structured(params)
-            except ValueError as e:
-                raise APIError(400, str(e), body.structured()[1]) from e
         try:
             llm.admission.check_fits(ids, made[limit])   # the rest of `check` ran once per parameters, above
         except ValueError as e:
             raise APIError(400, str(e), "max_tokens", "context_length_exceeded") from e
         out.append(made[limit])
+    for params in made.values():
+        if params.structured_outputs is not None:
+            try:
+                await asyncio.to_thread(llm.admission.check_structured, params)
+            except ValueError as e:
+                raise APIError(400, str(e), body.structured()[1]) from e
     return out
 
 

@@ -310,6 +310,61 @@ def test_a_rank_that_cannot_compile_a_grammar_aborts_that_request_alone():
     assert [s.request_id for s in sched.waiting] == ["p"]
 
 
+class SlowCompiler:
+    """A grammar compiler that waits for `go` before each compile: the test decides when a compile ends."""
+
+    def __init__(self, compiler):
+        import threading
+        self.inner, self.go, self.started = compiler, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        def compile_(*args, **kwargs):
+            self.started.set()
+            assert self.go.wait(60), "the test never let the compile end"
+            return getattr(self.inner, name)(*args, **kwargs)
+        return compile_
+
+
+def test_a_rank_compiles_grammars_off_its_steps_and_aborts_a_request_whose_grammar_fails(tiny_checkpoint):
+    """A request's grammar compiles on a worker thread as it arrives: add_requests returns while it compiles (the
+    rank's steps go on; before, the compile ran inside them), the first sample's matcher waits for it and gets the
+    same grammar; one that fails aborts its request alone between steps."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from attention_nodes.block_pool import BlockPool
+    from attention_nodes.scheduler import Scheduler
+    from attention_nodes.worker import AttentionWorker
+
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    grammars = Grammars(tok, hf_model(path).config.vocab_size, [tok.eos_token_id])
+    grammars.compiler = slow = SlowCompiler(grammars.compiler)
+    sched = Scheduler(BlockPool(8, 4), 4, 16, enable_prefix_caching=False)
+    model = SimpleNamespace(spec=SimpleNamespace(eos_token_ids=(tok.eos_token_id,)))
+    worker = AttentionWorker(0, model, SimpleNamespace(block_size=4, num_blocks=8), sched, None, 64,
+                             torch.device("cpu"), grammars=lambda: grammars)
+    good, bad = SamplingParams(structured_outputs={"regex": "a+"}), SamplingParams(n=2, structured_outputs={
+        "regex": "(unclosed"})
+    worker.add_requests([{"id": "g", "prompt": [5, 6], "params": good.to_dict()},
+                         {"id": "b", "prompt": [5, 6], "params": bad.to_dict()}])
+    assert slow.started.wait(60) and not any(f.done() for _, f in worker._compiling)     # returned mid-compile
+    worker._reap()           # nothing has failed yet: nothing is aborted
+    assert worker._aborted == [] and sorted(s.group_id or s.request_id for s in sched.waiting) == ["b", "g"]
+    slow.go.set()
+    seq = next(s for s in sched.waiting if s.request_id == "g")
+    assert grammars.matcher(seq) is not None and grammars.compile(good.structured_outputs) is \
+        grammars.compile({"regex": "a+"})
+    for _, f in worker._compiling:
+        f.exception(timeout=60)
+    worker._reap()
+    assert worker._aborted == [["b#0", [], "abort", None, None], ["b#1", [], "abort", None, None]]
+    assert [s.group_id or s.request_id for s in sched.waiting] == ["g"] and worker._compiling == []
+    with pytest.raises(ValueError, match="does not compile"):     # the failure is read once, then compiled anew
+        grammars.compile(bad.structured_outputs)
+
+
 def test_draft_rows_follow_the_drafts_and_leave_the_matcher_as_it_was(tiny_checkpoint):
     """mask_drafts: row j is the grammar's mask after the first j drafts; a draft the grammar refuses ends the
     masking there; a draft EOS that completes the output ends it too (xgrammar refuses a mask after it: the step

@@ -54,7 +54,7 @@ def served(tiny_checkpoint):
             tokenizer = llm.tokenizer
             hf = hf_model(path)
             checkpoint = path
-        Served.port = port
+        Served.port, Served.llm = port, llm
         yield Served
 
 
@@ -208,6 +208,35 @@ def test_auto_without_a_call_is_plain_text_with_special_tokens_kept(served):
     got = chat(served, max_tokens=8, ignore_eos=True)["choices"][0]
     assert got["message"] == {"role": "assistant", "content": want} and got["finish_reason"] == "length"
     assert streamed(chat(served, max_tokens=8, ignore_eos=True, stream=True)) == (want, [], "length")
+
+
+def test_a_grammar_compiling_at_the_front_holds_up_no_other_request(served, monkeypatch):
+    """The front compiles a request's structured output (here a named function's schema) on a worker thread: while
+    it compiles, another request is answered (before, the compile ran on the event loop and held up every
+    request); then the first is answered too."""
+    import threading
+
+    admission, started, go = served.llm.admission, threading.Event(), threading.Event()
+    real = admission.check_structured
+
+    def slow(params):
+        if params.structured_outputs is not None:
+            started.set()
+            assert go.wait(120), "the test never let the compile end"
+        return real(params)
+
+    monkeypatch.setattr(admission, "check_structured", slow)
+    named, answers = {"type": "function", "function": {"name": "weather"}}, []
+    first = threading.Thread(target=lambda: answers.append(chat(served, tool_choice=named, max_tokens=4)))
+    first.start()
+    try:
+        assert started.wait(120)
+        plain = chat(served, tool_choice="none", max_tokens=4)        # answered while the grammar compiles
+        assert plain["choices"][0]["finish_reason"] == "length" and not answers
+    finally:
+        go.set()
+        first.join(timeout=120)
+    assert answers and answers[0]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "weather"
 
 
 def test_earlier_calls_and_tool_results_reach_the_template(served):
