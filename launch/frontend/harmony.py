@@ -23,6 +23,7 @@ from the first token, so the model writes no harmony header there.
 """
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,13 @@ START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", 
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, *ENDS)     # tokens the tokenizer must have (serve.py checks)
 BUILTIN = ("python", "browser", "container")
+
+
+@functools.lru_cache(maxsize=4)      # per tokenizer: its vocabulary is built anew on each get_vocab()
+def marker_ids(tok) -> tuple[dict[int, str], frozenset[int]]:
+    """(the markers' ids -> the markers, the tokenizer's other special ids)."""
+    vocab = tok.get_vocab()
+    return {vocab[m]: m for m in MARKERS}, frozenset(getattr(tok, "all_special_ids", ()))
 
 
 def require_tokens(tok, model: str) -> None:
@@ -59,7 +67,7 @@ class Header:
         """A message header as written before <|message|> (its <|start|> and role may be left out: assistant)."""
         before, has_channel, after = text.removeprefix(START).partition(CHANNEL)
         head, tail = before.replace(CONSTRAIN, " ").split(), after.replace(CONSTRAIN, " ").split()
-        recipient = next((w[len("to="):] for w in head + tail if w.startswith("to=")), None)
+        recipient = next((w[len("to="):] for w in head + tail if w.startswith("to=")), None) or None
         rest = [w for w in tail[1:] if not w.startswith("to=")]
         return cls(next((w for w in head if not w.startswith("to=")), "assistant"),
                    tail[0] if has_channel and tail else None, recipient, rest[-1] if rest else None)
@@ -113,7 +121,7 @@ class HarmonyAnswer:
     """A GPT-OSS chat choice's answer; the interface of launch/frontend/answer.py's ChatAnswer."""
 
     parsed: bool        # analysis is parsed at all (openai_gptoss): the answer has a reasoning field
-    reasoning: bool     # and it is shown (include_reasoning)
+    include: bool       # include_reasoning: it is shown (and the logprobs, which would show it)
     tools: ToolPlan | None    # calls are answered ("auto" under openai)
     decode: Callable[[list[int]], str] = lambda ids: ""     # token ids -> text with the markers (reasoning_tokens)
     ids: dict[int, str] = field(default_factory=dict)       # the markers' token ids -> the markers
@@ -128,15 +136,19 @@ class HarmonyAnswer:
         are answered as on other models); else None."""
         if (reasoning_parser != REASONING_PARSER and tool_parser != TOOL_PARSER) or (tools and tools.mode != "auto"):
             return None
-        vocab, parsed = tok.get_vocab(), reasoning_parser == REASONING_PARSER
-        return cls(parsed, parsed and body.include_reasoning, tools if tool_parser == TOOL_PARSER else None,
-                   lambda ids: tok.decode(ids, skip_special_tokens=False), {vocab[m]: m for m in MARKERS},
-                   frozenset(getattr(tok, "all_special_ids", ())))
+        return cls(reasoning_parser == REASONING_PARSER, body.include_reasoning,
+                   tools if tool_parser == TOOL_PARSER else None,
+                   lambda ids: tok.decode(ids, skip_special_tokens=False), *marker_ids(tok))
+
+    @property
+    def reasoning(self) -> bool:
+        """The answer shows the analysis."""
+        return self.parsed and self.include
 
     @property
     def shows_logprobs(self) -> bool:
-        """False when the reasoning is hidden (include_reasoning false): the logprobs would show it."""
-        return self.reasoning or not self.parsed
+        """False under include_reasoning false (vLLM's, with either harmony parser): they would show the analysis."""
+        return self.include
 
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The unstreamed answer: (message, finish_reason)."""
@@ -151,7 +163,7 @@ class HarmonyAnswer:
             message["tool_calls"] = [c.answer(self.tools.parser.call_id()) for c in calls]
         if self.parsed:
             message["reasoning"] = ("\n".join(parts["reasoning"]) or None) if self.reasoning else None
-        return message, "tool_calls" if calls else finish
+        return message, self.tools.finish_reason(True, finish) if calls else finish
 
     def _answered(self, calls: list[Call], before: int) -> list[Call]:
         """The calls answered of these, `before` having been answered already (none without openai's "auto"; the
@@ -214,7 +226,7 @@ class HarmonyStream:
                 continue
             end, skip = _body_end(self.held)
             if end < 0:
-                cut = len(self.held) - (0 if final else max(tag_overlap(self.held, e) for e in ENDS))
+                cut = len(self.held) - (0 if final else tag_overlap(self.held, *ENDS))
                 self._text(delta, self.held[:cut])
                 self.held = self.held[cut:]
                 if final:
@@ -251,4 +263,4 @@ class HarmonyStream:
             self.num_calls += 1
 
     def finish_reason(self, finish: str | None) -> str | None:
-        return "tool_calls" if self.num_calls else finish
+        return self.answer.tools.finish_reason(True, finish) if self.num_calls else finish

@@ -9,7 +9,10 @@ Parsers (each needs "<think>" and "</think>" to be tokens of the model's tokeniz
   qwen3        Qwen3: the same, unless the request's chat_template_kwargs say enable_thinking false, or its
                reasoning_effort is "none" (its template then closes the thinking in the prompt): all content.
                As vLLM 0.32's: a "<tool_call>" ends the reasoning too (it begins the content, where the tool
-               parser finds the call), the reasoning's trailing whitespace is dropped, and empty reasoning is null.
+               parser finds the call; not when a grammar binds the output, which it does after "</think>" only),
+               the reasoning's trailing whitespace is dropped, and empty reasoning is null. Not copied: vLLM also
+               drops a "<think>" inside the reasoning and a "</think>" after it, and glm45's "<think>" in the
+               content opens reasoning again.
   glm45        GLM-4.5 (and 4.6, 4.7): as qwen3, its thinking off when chat_template_kwargs say thinking or
                enable_thinking false (and neither true), or reasoning_effort is "none"; GLM's turn markers.
 include_reasoning false (vLLM's): the answer leaves the reasoning out, and the logprobs too (they would show it).
@@ -40,15 +43,13 @@ PARSERS = (*TURNS, HARMONY)
 ENGINE_RULES = ("qwen3", "glm45")    # vLLM 0.32's parser-engine rules: <tool_call> ends the reasoning, it is stripped
 
 
-@functools.lru_cache(maxsize=4)      # per tokenizer: its vocabulary is built anew on each get_vocab()
 def think_tokens(tok) -> tuple[int, int, bool] | None:
     """(the ids of "<think>" and "</think>", whether decoding that skips special tokens drops either) for tok, or
     None unless both are single tokens of its vocabulary (None too for no tokenizer)."""
-    vocab = tok.get_vocab() if tok is not None else {}
-    ids = vocab.get(START), vocab.get(END)
-    if None in ids:
+    if tok is None:
         return None
-    return (*ids, any(tok.decode([i], skip_special_tokens=True) == "" for i in ids))
+    (start, start_dropped), (end, end_dropped) = token_of(tok, START), token_of(tok, END)
+    return None if start is None or end is None else (start, end, start_dropped or end_dropped)
 
 
 def require_think_tokens(tok, parser: str, model: str) -> tuple[int, int, bool]:
@@ -67,7 +68,7 @@ def turn_ids(tok, parser: str) -> frozenset[int]:
     return frozenset(vocab[t] for t in TURNS[parser] if t in vocab)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=16)      # per tokenizer and text: its vocabulary is built anew on each get_vocab()
 def token_of(tok, text: str) -> tuple[int | None, bool]:
     """(text's id when it is one token of tok's vocabulary, else None; whether decoding that skips special tokens
     drops it)."""
@@ -122,9 +123,14 @@ class ReasoningPlan:
         start_id, end_id, special = require_think_tokens(tok, parser, "this model")    # attach() and serve.py did
         kwargs, effort = getattr(body, "chat_template_kwargs", None) or {}, getattr(body, "reasoning_effort", None)
         engine = parser in ENGINE_RULES
-        tool_id, tool_special = token_of(tok, TOOL_START) if engine else (None, False)
+        # a grammar (a structured output, a named or required tool choice) binds at "</think>" only: there a
+        # "<tool_call>" is the reasoning's text, not its end (the answer would read unconstrained text as the
+        # constrained output)
+        ends_at_call = engine and (getattr(body, "structured", None) is None or body.structured()[0] is None)
+        tool_id, tool_special = token_of(tok, TOOL_START) if ends_at_call else (None, False)
         return cls(thinking_of(parser, kwargs, effort), getattr(body, "include_reasoning", True), start_id, end_id,
-                   special or tool_special, turn_ids(tok, parser), TOOL_START if engine else None, tool_id, engine)
+                   special or tool_special, turn_ids(tok, parser), TOOL_START if ends_at_call else None, tool_id,
+                   engine)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of an output's text; None: none."""
@@ -144,9 +150,6 @@ class ReasoningPlan:
             at, skip = call, 0
         return at, skip
 
-    def tail(self, text: str) -> int:
-        """How much of text's end a stream holds back: a part that may begin a marker that ends the reasoning."""
-        return max(tag_overlap(text, END), tag_overlap(text, self.tool_start) if self.tool_start else 0)
 
     def gate(self, prompt: list[int]) -> int | None:
         """The token after which a structured output binds (SamplingParams.reasoning_end_token_id): `gate_of`'s,
@@ -198,7 +201,7 @@ class ReasoningStream:
             self.state = "content"
             reasoning, content, self.held = self.held[:at], self.held[at + skip:], ""
             return reasoning.rstrip() if plan.strip else reasoning, content
-        cut = len(self.held) - (0 if final else plan.tail(self.held))
+        cut = len(self.held) - (0 if final else tag_overlap(self.held, END, *filter(None, [plan.tool_start])))
         if plan.strip:     # trailing whitespace waits until more reasoning follows it
             cut = len(self.held[:cut].rstrip())
         reasoning, self.held = self.held[:cut], self.held[cut:]

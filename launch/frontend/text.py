@@ -5,10 +5,11 @@ from __future__ import annotations
 import bisect
 
 
-def tag_overlap(text: str, tag: str) -> int:
-    """How many of text's last characters begin tag (at most len(tag) - 1): what a stream holds back because the
-    next piece may complete the tag."""
-    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+def tag_overlap(text: str, *tags: str) -> int:
+    """How many of text's last characters begin one of the tags (at most its length - 1): what a stream holds back
+    because the next piece may complete the tag."""
+    return max((next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if tag.startswith(text[-k:])), 0)
+                for tag in tags), default=0)
 
 
 class Detokenizer:

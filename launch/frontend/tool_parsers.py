@@ -56,6 +56,17 @@ class Call:
         return index | {"id": call_id, "type": "function", "function": function}
 
 
+def dumps(value) -> str:
+    """A call's arguments as JSON text, non-ASCII kept as written (vLLM's), unless it holds a lone surrogate (JSON
+    can write "\\ud800", UTF-8 cannot): then escaped, so the answer can be sent."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
+
+
 Schemas = dict[str, dict]      # the request's tools: name -> parameters schema ({} when it declares none)
 
 
@@ -72,7 +83,7 @@ def hermes_calls(text: str, schemas: Schemas) -> tuple[str | None, list[Call]] |
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
             return None
-        calls.append(Call(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False)))
+        calls.append(Call(obj["name"], dumps(obj["arguments"])))
     return text[:text.index(_START)] or None, calls
 
 
@@ -102,7 +113,7 @@ def glm45_calls(text: str, schemas: Schemas) -> tuple[str | None, list[Call]] | 
         for key, value in _GLM_ARG.findall(body):
             key = key.strip()
             args[key] = coerce(value, properties[key]) if isinstance(properties.get(key), dict) else value
-        calls.append(Call(name, json.dumps(args, ensure_ascii=False)))
+        calls.append(Call(name, dumps(args)))
     return _TAGGED.sub("", text) or None, calls
 
 
@@ -158,7 +169,7 @@ def _listed_calls(parsed) -> list[Call]:
         if not isinstance(item, dict) or not ("name" in item or "arguments" in item):
             continue
         args = item.get("arguments")
-        args = "{}" if args is None else args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        args = "{}" if args is None else args if isinstance(args, str) else dumps(args)
         calls.append(Call(item["name"] if isinstance(item.get("name"), str) else "", args))
     return calls
 
@@ -179,6 +190,12 @@ def schema_types(schema) -> set[str]:
     return types or {"string"}
 
 
+# type names as vLLM reads them besides JSON schema's (a tool's schema may say "int" or "str")
+_ALIASES = {**dict.fromkeys(("str", "text", "varchar", "char", "enum"), "string"),
+            **dict.fromkeys(("int", "int32", "int64", "uint", "uint32", "uint64", "long", "short", "unsigned"),
+                            "integer"),
+            **dict.fromkeys(("float", "float32", "float64", "double"), "number"), "bool": "boolean",
+            "dict": "object", **dict.fromkeys(("arr", "list", "sequence"), "array")}
 _JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
                dict: "object"}
 
@@ -186,8 +203,9 @@ _JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", float: "numb
 def coerce(value: str, schema: dict):
     """A call's text value as the type its schema allows, tried in vLLM's order: null ("null"), integer, number
     (finite; integral ones as integers), boolean ("true"/"1", "false"/"0"), object or array (JSON), string. When
-    none fits and string is not allowed: the value as JSON if it is finite JSON, else the text."""
-    types = schema_types(schema)
+    none fits and string is not allowed: the value as JSON if it is finite JSON, else the text. Type names are
+    read as vLLM reads them: any case, and "int", "str", "float", "bool", "list", "dict" and such for theirs."""
+    types = {_ALIASES.get(t.strip().lower(), t.strip().lower()) for t in schema_types(schema)}
     if "null" in types and value.lower() == "null":
         return None
     for kind in ("integer", "number", "boolean", "object", "array", "string"):

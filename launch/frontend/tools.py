@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from .chat import ChatCompletionRequest
 from .protocol import APIError
 from .text import tag_overlap
-from .tool_parsers import PARSERS, Call, Parser, Schemas
+from .tool_parsers import PARSERS, Call, Parser, Schemas, dumps
 
 def required_calls(text: str) -> list[Call] | None:
     """The calls of "required"'s JSON array of {"name", "parameters"}, or None when text is not one (cut short)."""
@@ -41,7 +41,7 @@ def required_calls(text: str) -> list[Call] | None:
     if not isinstance(items, list) or not items or not all(
             isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i for i in items):
         return None
-    return [Call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+    return [Call(i["name"], dumps(i["parameters"])) for i in items]
 
 
 @dataclass(slots=True)

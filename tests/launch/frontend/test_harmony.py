@@ -32,12 +32,13 @@ CASES = {
     f"{F}A<|end|><|start|>functions.f to=assistant<|channel|>commentary<|message|>B<|end|>": (None, "A", [], "stop"),
     "<|channel|>commentary to=python<|message|>print(1)<|end|><|start|>assistant<|channel|>weird<|message|>z":
         (None, None, [], "stop"),          # a built-in tool's call and an unknown channel are dropped
+    "<|channel|>commentary to=<|constrain|>json<|message|>pre": (None, "pre", [], "stop"),   # no recipient: a preamble
 }
 
 
-def answer(reasoning: bool = True, parsed: bool = True, tools: bool = True, parallel: bool = True) -> HarmonyAnswer:
+def answer(include: bool = True, parsed: bool = True, tools: bool = True, parallel: bool = True) -> HarmonyAnswer:
     plan = ToolPlan("auto", parallel=parallel, parser=PARSERS["hermes"]) if tools else None
-    return HarmonyAnswer(parsed, reasoning, plan)
+    return HarmonyAnswer(parsed, include, plan)
 
 
 def said(ans: HarmonyAnswer, text: str) -> tuple:
@@ -72,8 +73,8 @@ def test_what_the_server_does_not_parse_is_left_out():
            f'commentary to=functions.b<|message|>{{"x": 1}}<|end|><|start|>assistant{F}ok'
     cases = [  # (answer, what it says): no openai tool parser: no calls; no openai_gptoss: no reasoning field
         (answer(tools=False), ("hm", "ok", [], "stop")),
-        (answer(parsed=False, reasoning=False), ("absent", "ok", [("a", "{}"), ("b", '{"x": 1}')], "tool_calls")),
-        (answer(reasoning=False), (None, "ok", [("a", "{}"), ("b", '{"x": 1}')], "tool_calls")),
+        (answer(parsed=False), ("absent", "ok", [("a", "{}"), ("b", '{"x": 1}')], "tool_calls")),
+        (answer(include=False), (None, "ok", [("a", "{}"), ("b", '{"x": 1}')], "tool_calls")),
         (answer(parallel=False), ("hm", "ok", [("a", "{}")], "tool_calls")),
     ]
     for ans, want in cases:
@@ -81,7 +82,9 @@ def test_what_the_server_does_not_parse_is_left_out():
         for pieces in splits(text):
             got = streamed_said(ans, pieces)
             assert got == (None if want[0] == "absent" else want[0], *want[1:]), pieces
-    assert not answer(reasoning=False).shows_logprobs and answer(parsed=False, reasoning=False).shows_logprobs
+    # include_reasoning false hides the logprobs under either parser (vLLM's): they would show the analysis
+    assert not answer(include=False).shows_logprobs and not answer(parsed=False, include=False).shows_logprobs
+    assert answer(parsed=False).shows_logprobs
 
 
 class Tok:

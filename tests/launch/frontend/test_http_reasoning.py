@@ -266,6 +266,33 @@ def test_a_glm45_call_that_ends_the_reasoning_is_a_call(text, want):
         assert (reasoning, content or None, [(c["name"], c["arguments"]) for c in got_calls], got_finish) == want
 
 
+def test_under_a_grammar_only_think_end_ends_the_reasoning():
+    """A grammar (here a named tool choice's) binds after "</think>" only, so a "<tool_call>" before it is reasoning:
+    the constrained output after "</think>" is the answer (before, the unconstrained text from "<tool_call>" was read
+    as the named call's arguments)."""
+    from launch.frontend.chat import ChatCompletionRequest
+
+    class Tok:
+        @staticmethod
+        def get_vocab():
+            return {"<think>": 7, "</think>": 8, "<tool_call>": 9}
+
+        @staticmethod
+        def decode(ids, skip_special_tokens):
+            return {7: "<think>", 8: "</think>", 9: "<tool_call>"}[ids[0]]
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    text = 'plan<tool_call>{"name": "f"}</tool_call> more</think>{"x": 1}'
+    for parser in ("qwen3", "glm45"):
+        for choice, want in (({"type": "function", "function": {"name": "f"}}, ('plan<tool_call>{"name": "f"}'
+                                                                                 '</tool_call> more', '{"x": 1}')),
+                             ("auto", ("plan", text[4:]))):
+            body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                         tool_choice=choice)
+            plan = ReasoningPlan.of(body, parser, Tok)
+            assert plan.split(text) == want and plan.num_tokens([1, 9, 2, 8, 3]) == (3 if choice != "auto" else 1)
+
+
 def test_qwen3_with_thinking_off_is_all_content():
     class Body:
         chat_template_kwargs = {"enable_thinking": False}

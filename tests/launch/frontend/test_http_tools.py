@@ -313,6 +313,7 @@ AUTO = {
     'almost <tool_cal': ('almost <tool_cal', [], "stop"),
     '  <tool_call>' + "[" * 5000: ('  <tool_call>' + "[" * 5000, [], "stop"),               # too deep for json
     '  ': ('  ', [], "stop"),
+    '<tool_call>{"name": "a", "arguments": {"x": "\\ud800é"}}': (None, [("a", '{"x": "\\ud800\\u00e9"}')], "tool_calls"),
 }
 # the same for the deepseek_v3 parser: DeepSeek-V3's markers (special tokens of its tokenizer)
 DS, CALL, SEP, END, ALL_END = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
@@ -329,7 +330,8 @@ DEEPSEEK = {
 GLM_TOOLS = {"weather": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}, "hours": {"type": "array"},
     "note": {"type": ["null", "string"]}, "ratio": {"type": "number"}, "mode": {"enum": [1, "x"]},
-    "opt": {"anyOf": [{"type": "object"}, {"type": "null"}]}}}, "clock": {}}
+    "opt": {"anyOf": [{"type": "object"}, {"type": "null"}]}, "code": {"type": "str"}, "flag": {"type": "Bool"},
+    "f": {"type": " float "}}}, "clock": {}}
 GLM = {
     'Let me check.\n<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>'
     '\n<arg_value>3</arg_value>\n</tool_call>':
@@ -348,6 +350,9 @@ GLM = {
     '<tool_call>weather<arg_key>city</arg_key><arg_value>Ro':
         (None, [("clock", "{}"), ("weather", "{}")], "tool_calls"),        # unknown name dropped, unclosed value too
     'Hi <tool_call>nope</tool_call>': ("Hi ", [], "stop"),
+    '<tool_call>weather<arg_key>code</arg_key><arg_value>007</arg_value><arg_key>flag</arg_key><arg_value>1'
+    '</arg_value><arg_key>f</arg_key><arg_value>2.0</arg_value></tool_call>':     # vLLM's type names: any case, aliases
+        (None, [("weather", '{"code": "007", "flag": true, "f": 2}')], "tool_calls"),
     'A<tool_call>clock</tool_call>B': ("AB", [("clock", "{}")], "tool_calls"),
     'almost <tool_c': ("almost <tool_c", [], "stop"),
 }
