@@ -41,6 +41,7 @@ _TAGGED = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 _DS_START = "<｜tool▁calls▁begin｜>"
 _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _MISTRAL_START, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+_ARRAY = re.compile(r"\[{.*}\]", re.DOTALL)     # pre-v11 calls that do not open the text (vLLM's fallback)
 _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(?P<type>.*)<｜tool▁sep｜>(?P<name>.*)\n```json\n(?P<arguments>.*)\n```"
                       r"<｜tool▁call▁end｜>")
 
@@ -125,40 +126,26 @@ def mistral_calls(text: str, schemas: Schemas) -> tuple[str | None, list[Call]] 
     content, *segments = text.split(_MISTRAL_START)
     segments = [seg.strip() for seg in segments if seg.strip()]
     if segments and segments[0][0] in "[{":      # before v11: one JSON array of calls (or one call)
-        calls = _listed_calls(_first_json(segments[0]))
+        found = _leading_json(segments[0]) or _leading_json(m.group(0) if (m := _ARRAY.search(segments[0])) else "")
+        calls = _listed_calls(found[0] if found else None)
         return (content or None, calls) if calls else None
     calls = []
     for seg in segments:        # from v11: NAME[ARGS]{...} or NAME{...}, each after its own [TOOL_CALLS]
         ends = [at for at in (seg.find(_MISTRAL_ARGS), seg.find("{")) if at >= 0]
         at = min(ends, default=len(seg))
         args = seg[at + len(_MISTRAL_ARGS):] if seg.startswith(_MISTRAL_ARGS, at) else seg[at:]
-        calls.append(Call(seg[:at].strip(), _first_json_text(args)))
+        args = args.strip()
+        found = _leading_json(args)
+        calls.append(Call(seg[:at].strip(), args[:found[1]] if found else args or "{}"))
     return content or None, calls
 
 
-def _first_json(text: str):
-    """The first JSON value at text's start (what follows it is ignored), else the first "[{...}]" in it, else
-    None."""
+def _leading_json(text: str) -> tuple[object, int] | None:
+    """(the JSON value at text's start, where it ends; what follows it is ignored), or None when none is."""
     try:
-        return json.JSONDecoder().raw_decode(text)[0]
-    except (ValueError, RecursionError):
-        pass
-    found = re.search(r"\[{.*}\]", text, re.DOTALL)
-    try:
-        return json.loads(found.group(0)) if found else None
+        return json.JSONDecoder().raw_decode(text)
     except (ValueError, RecursionError):
         return None
-
-
-def _first_json_text(text: str) -> str:
-    """The text of the first JSON value at text's start, as written; "{}" for none; all of it when it is not JSON."""
-    text = text.strip()
-    if not text:
-        return "{}"
-    try:
-        return text[:json.JSONDecoder().raw_decode(text)[1]]
-    except (ValueError, RecursionError):
-        return text
 
 
 def _listed_calls(parsed) -> list[Call]:
