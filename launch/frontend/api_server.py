@@ -13,7 +13,9 @@ connect it to an engine and disconnect it. The parts live beside it:
   access_log.py     the access log (one line per request)
   protocol.py       request shapes and `APIError`; chat.py the chat completions' shapes, tools among them
   answer.py         a chat answer: reasoning (reasoning.py, --reasoning-parser), content, tool calls
-  tools.py          tool calls in chat answers (named, required, auto through a parser)
+  tools.py          tool calls in chat answers (named, required, auto through a parser; tool_parsers.py, and
+                    harmony.py for GPT-OSS)
+  responses.py      /v1/responses: the Responses API as a chat completion, its answer and events reshaped
 Request fields no model in protocol.py or chat.py defines are ignored, with one warning per request naming them.
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..admission import sampling_defaults
@@ -42,6 +45,8 @@ from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan
+from .responses import FIELDS, Events, ResponsesRequest, translate
+from .responses import answer as responses_answer
 from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 from .tool_parsers import NAMES as TOOL_PARSERS
@@ -147,6 +152,31 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _warn_ignored(body, request)
+        return await chat(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        _warn_ignored(body, request)
+        check_model(body.model, state.served)
+        if (refused := body.refused()) is not None:
+            raise APIError(400, refused[1], refused[0], "unsupported_parameter")
+        try:
+            answer = await chat(body.chat(), request)
+        except APIError as e:       # name the field the client sent
+            head, _, rest = (e.param or "").partition(".")
+            e.param = ".".join(filter(None, [FIELDS.get(head, head), rest])) or None
+            raise
+        except ValidationError as e:
+            raise APIError(400, f"the request does not make a chat completion: {e.errors()[0]['msg']}") from e
+        if body.stream:
+            return StreamingResponse(translate(answer.body_iterator, Events(body, state.model_name)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if not isinstance(answer, dict):    # an error answer
+            return answer
+        return responses_answer(body, state.model_name, answer)
+
+    async def chat(body: ChatCompletionRequest, request: Request):
         check_request(body, state.served)
         tools = ToolPlan.of(body, tool_parser)
         eng = engine()

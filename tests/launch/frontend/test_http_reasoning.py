@@ -7,6 +7,7 @@ by the test's own logits processor (a bias that makes the random model write "</
 at the first "</think>" as vLLM's deepseek_r1 parser splits. Streamed answers must say what unstreamed ones say."""
 from __future__ import annotations
 
+import contextlib
 import re
 
 import pytest
@@ -27,6 +28,13 @@ BIAS = 2.0     # on "</think>": the tiny model writes one token of reasoning, th
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
+    with thinking_server(tmp_path_factory) as s:
+        yield s
+
+
+@contextlib.contextmanager
+def thinking_server(tmp_path_factory):
+    """An in-process server (hermes tools, the deepseek_r1 parser) over a tiny checkpoint with think tokens."""
     from transformers import AutoTokenizer
 
     from models.tiny import TINY_VOCAB, make_tiny_checkpoint, save_tiny_tokenizer
@@ -48,14 +56,14 @@ def served(tmp_path_factory):
         yield Served
 
 
-def oracle(served, bias: float, tools: list | None = None) -> tuple[list[int], str]:
+def oracle(served, bias: float, tools: list | None = None, messages: list | None = None) -> tuple[list[int], str]:
     """transformers' greedy output tokens (and their text) with `bias` added to "</think>"'s logit; tools: the chat
-    template's."""
+    template's; messages: the conversation (MESSAGES)."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     tok = served.tokenizer
-    ids = tok.encode(tok.apply_chat_template(MESSAGES, tools=tools, add_generation_prompt=True, tokenize=False),
-                     add_special_tokens=False)
+    ids = tok.encode(tok.apply_chat_template(messages or MESSAGES, tools=tools, add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False)
 
     class Bias(LogitsProcessor):
         def __call__(self, input_ids, scores):

@@ -313,7 +313,8 @@ AUTO = {
     'almost <tool_cal': ('almost <tool_cal', [], "stop"),
     '  <tool_call>' + "[" * 5000: ('  <tool_call>' + "[" * 5000, [], "stop"),               # too deep for json
     '  ': ('  ', [], "stop"),
-    '<tool_call>{"name": "a", "arguments": {"x": "\\ud800é"}}': (None, [("a", '{"x": "\\ud800\\u00e9"}')], "tool_calls"),
+    '<tool_call>{"name": "a", "arguments": {"x": "\\ud800é"}}':              # a lone surrogate: escaped
+        (None, [("a", '{"x": "\\ud800\\u00e9"}')], "tool_calls"),
 }
 # the same for the deepseek_v3 parser: DeepSeek-V3's markers (special tokens of its tokenizer)
 DS, CALL, SEP, END, ALL_END = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",

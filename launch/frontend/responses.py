@@ -1,0 +1,386 @@
+"""OpenAI's Responses API (POST /v1/responses), as vLLM serves it for models with a chat template: the request
+becomes a chat completion (`ResponsesRequest.chat`), which runs as any other, and its answer becomes a response:
+the reasoning (with a --reasoning-parser), then the text, then each function call, as output items.
+
+Input: a string (one user message) or items: messages (role user, system, developer or assistant; content a string
+or input_text/output_text parts), function_call items (an earlier call: an assistant turn's tool call) and
+function_call_output items (its result: a tool turn); reasoning items are dropped, as the chat templates drop earlier
+reasoning. `instructions` become a system message first. Function tools (the Responses API's flat form) are chat's
+tools; tool_choice and parallel_tool_calls are chat's; `text.format` json_schema or json_object is chat's
+response_format; `reasoning.effort` is chat's reasoning_effort; max_output_tokens is max_tokens.
+The response: status "completed", or "incomplete" with incomplete_details.reason "max_output_tokens" when the
+output was cut; usage in the Responses shape (input_tokens, output_tokens, their details).
+Streamed: server-sent events "event: TYPE" + "data: JSON" (each with its sequence_number), in OpenAI's order:
+response.created, response.in_progress; per output item output_item.added, content_part.added, the deltas
+(reasoning_text, output_text, function_call_arguments), their done events, content_part.done, output_item.done;
+then response.completed (or response.incomplete), which carries the whole response; an error midway is an "error"
+event, then response.failed.
+vLLM's sampling fields (logit_bias, top_k, min_p, the penalties, seed, stop, stop_token_ids, ignore_eos, ...;
+PASSED) go to the chat completion as they are. Not served (a 400 naming the field): previous_response_id and stored
+responses (store is taken and nothing is stored, so GET /v1/responses/{id} is a 404, as vLLM without its store),
+background, prompt templates, max_tool_calls, top_logprobs; built-in tools (web search, file search, ...) are not
+function tools, so they fail validation.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from .chat import ChatCompletionRequest
+from .protocol import APIError, _Request
+
+# vLLM's sampling fields on /v1/responses: they go to the chat completion as they are (which checks them)
+PASSED = ("logit_bias", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+          "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
+          "include_reasoning")
+# chat's field -> the Responses field it came from (a 400 names what the client sent)
+FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text", "reasoning_effort":
+          "reasoning"}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class Part(_Request):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class Message(_Request):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Part]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionCall(_Request):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutput(_Request):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+class Reasoning(_Request):
+    type: Literal["reasoning"]
+
+
+class FunctionTool(_Request):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class NamedFunction(_Request):
+    type: Literal["function"]
+    name: Annotated[str, Field(min_length=1)]
+
+
+class Format(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(_Request):
+    format: Format | None = None
+
+
+class ReasoningConfig(_Request):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: str | None = None
+
+
+Item = Annotated[Message | FunctionCall | FunctionCallOutput | Reasoning, Field(union_mode="left_to_right")]
+
+
+class ResponsesRequest(_Request):
+    model: str | None = None
+    input: str | list[Item]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=1e6)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    tools: list[FunctionTool] = Field(default_factory=list)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    stream: bool = False
+    store: bool = True             # taken; nothing is stored
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    background: bool = False
+    prompt: dict | None = None
+    max_tool_calls: int | None = None
+    top_logprobs: int = 0
+    truncation: Literal["auto", "disabled"] | None = "disabled"
+
+    def refused(self) -> tuple[str, str] | None:
+        """(the field, why) of the first thing set that this server does not serve."""
+        if self.previous_response_id is not None:
+            return "previous_response_id", "responses are not stored here; send the whole conversation as input"
+        if self.background:
+            return "background", "background responses are not served; leave background out"
+        if self.prompt is not None:
+            return "prompt", "prompt templates are not served; send input (and instructions)"
+        if self.max_tool_calls is not None:
+            return "max_tool_calls", "max_tool_calls is not served; leave it out"
+        if self.top_logprobs:
+            return "top_logprobs", "logprobs are not served on /v1/responses; use /v1/chat/completions"
+        if self.truncation == "auto":
+            return "truncation", "truncation 'auto' is not served; shorten the input"
+        return None
+
+    def chat(self) -> ChatCompletionRequest:
+        """The chat completion this request runs as."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        items = [Message(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, Message):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCall):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, FunctionCallOutput):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        if not messages:
+            raise APIError(400, "input holds no message; send at least one", "input")
+        body = {"model": self.model, "messages": messages, "stream": self.stream,
+                "parallel_tool_calls": self.parallel_tool_calls}
+        body |= {k: v for k, v in (self.model_extra or {}).items() if k in PASSED}
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        for name in ("max_tokens", "temperature", "top_p"):
+            value = getattr(self, "max_output_tokens" if name == "max_tokens" else name)
+            if value is not None:
+                body[name] = value
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                             for t in self.tools]
+            body["tool_choice"] = self.tool_choice if isinstance(self.tool_choice, str) else {
+                "type": "function", "function": {"name": self.tool_choice.name}}
+        elif self.tool_choice not in ("auto", "none"):
+            raise APIError(400, "tool_choice names a tool, and tools is empty; pass the functions in tools",
+                           "tool_choice")
+        fmt = self.text.format if self.text is not None else None
+        if fmt is not None and fmt.type == "json_object":
+            body["response_format"] = {"type": "json_object"}
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.schema_ is None:
+                raise APIError(400, "text.format json_schema needs a schema", "text.format.schema")
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.name or "output", "schema": fmt.schema_, "strict": fmt.strict}}
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
+        return ChatCompletionRequest.model_validate(body)
+
+    def ignored_fields(self) -> list[str]:
+        """As _Request's, less the fields that go to the chat completion (PASSED)."""
+        return [f for f in super().ignored_fields() if f not in PASSED]
+
+    def shell(self, model: str) -> dict:
+        """The response object's fields that echo the request (OpenAI's Response), before output and usage."""
+        fmt = self.text.format.model_dump(by_alias=True, exclude_none=True) if self.text and self.text.format else {
+            "type": "text"}
+        return {"id": _id("resp"), "object": "response", "created_at": int(time.time()), "model": model,
+                "status": "in_progress", "error": None, "incomplete_details": None, "instructions": self.instructions,
+                "max_output_tokens": self.max_output_tokens, "metadata": self.metadata or {}, "output": [],
+                "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": None,
+                "reasoning": self.reasoning.model_dump() if self.reasoning else None, "store": self.store,
+                "temperature": self.temperature, "top_p": self.top_p, "text": {"format": fmt},
+                "tool_choice": self.tool_choice if isinstance(self.tool_choice, str) else
+                self.tool_choice.model_dump(), "tools": [t.model_dump(exclude_none=True) for t in self.tools],
+                "truncation": self.truncation or "disabled", "user": self.user, "background": False, "usage": None}
+
+
+def usage(chat_usage: dict | None) -> dict | None:
+    """Chat's usage in the Responses shape."""
+    if chat_usage is None:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    reasoning = (chat_usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    return {"input_tokens": chat_usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},     # writes: not counted
+            "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": chat_usage["total_tokens"]}
+
+
+def reasoning_item(text: str, status: str = "completed") -> dict:
+    return {"id": _id("rs"), "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
+def message_item(text: str, status: str = "completed") -> dict:
+    return {"id": _id("msg"), "type": "message", "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {"id": _id("fc"), "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def finish(response: dict, finish_reason: str | None, chat_usage: dict | None) -> dict:
+    """response, completed (or incomplete: cut by max_output_tokens), with its usage."""
+    cut = finish_reason == "length"
+    return response | {"status": "incomplete" if cut else "completed", "usage": usage(chat_usage),
+                       "incomplete_details": {"reason": "max_output_tokens"} if cut else None}
+
+
+def answer(request: ResponsesRequest, model: str, completion: dict) -> dict:
+    """The response to a chat completion's answer."""
+    choice = completion["choices"][0]
+    message, output = choice["message"], []
+    if message.get("reasoning"):
+        output.append(reasoning_item(message["reasoning"]))
+    if message.get("content"):
+        output.append(message_item(message["content"]))
+    for call in message.get("tool_calls") or []:
+        output.append(call_item(call["id"], call["function"]["name"], call["function"]["arguments"]))
+    return finish(request.shell(model) | {"output": output}, choice["finish_reason"], completion.get("usage"))
+
+
+class Events:
+    """A streamed chat completion's chunks -> the Responses API's events (SSE text, in order)."""
+
+    def __init__(self, request: ResponsesRequest, model: str):
+        self.response = request.shell(model)
+        self.seq = 0
+        self.item: dict | None = None     # the output item being streamed
+        self.text = ""                    # its text, or its arguments, so far
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.error: dict | None = None     # the chat stream's error, which fails the response
+
+    def _event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def start(self) -> list[str]:
+        return [self._event("response.created", response=self.response),
+                self._event("response.in_progress", response=self.response)]
+
+    @property
+    def _at(self) -> dict:
+        return {"item_id": self.item["id"], "output_index": len(self.response["output"])}
+
+    def _open(self, item: dict) -> list[str]:
+        out = self._close()
+        self.item, self.text = item, ""
+        shown = item | {"status": "in_progress"}
+        if item["type"] == "message":
+            shown["content"] = []
+        elif item["type"] == "reasoning":
+            shown.pop("content")
+        out.append(self._event("response.output_item.added", output_index=len(self.response["output"]), item=shown))
+        if item["type"] != "function_call":
+            part = item["content"][0] | {"text": ""}
+            out.append(self._event("response.content_part.added", **self._at, content_index=0, part=part))
+        return out
+
+    def _delta(self, kind: str, text: str) -> list[str]:
+        """Events for text of an item of `kind` ("reasoning", "message"), opening one when the open item is not."""
+        out = [] if self.item is not None and self.item["type"] == kind else self._open(
+            reasoning_item("") if kind == "reasoning" else message_item(""))
+        self.text += text
+        name, extra = ("response.reasoning_text.delta", {}) if kind == "reasoning" else (
+            "response.output_text.delta", {"logprobs": []})
+        return out + [self._event(name, **self._at, content_index=0, delta=text, **extra)]
+
+    def _close(self) -> list[str]:
+        if self.item is None:
+            return []
+        item, at, out = self.item, self._at, []
+        if item["type"] == "function_call":
+            item["arguments"] = self.text
+            out.append(self._event("response.function_call_arguments.done", **at, name=item["name"],
+                                   arguments=self.text))
+        else:
+            part = item["content"][0] | {"text": self.text}
+            item["content"] = [part]
+            if item["type"] == "message":
+                out.append(self._event("response.output_text.done", **at, content_index=0, text=self.text,
+                                       logprobs=[]))
+            else:
+                out.append(self._event("response.reasoning_text.done", **at, content_index=0, text=self.text))
+            out.append(self._event("response.content_part.done", **at, content_index=0, part=part))
+        out.append(self._event("response.output_item.done", output_index=at["output_index"], item=item))
+        self.response["output"].append(item)
+        self.item = None
+        return out
+
+    def chunk(self, data: dict) -> list[str]:
+        """The events of one chat chunk (its data)."""
+        if "error" in data:
+            self.error = e = data["error"]
+            return self._close() + [self._event("error", code=e.get("code"), message=e.get("message"),
+                                                param=e.get("param"))]
+        if data.get("usage") is not None:
+            self.usage = data["usage"]
+        out = []
+        for c in data.get("choices", []):
+            delta = c["delta"]
+            if delta.get("reasoning"):
+                out += self._delta("reasoning", delta["reasoning"])
+            if delta.get("content"):
+                out += self._delta("message", delta["content"])
+            for call in delta.get("tool_calls") or []:
+                fn = call.get("function", {})
+                if "id" in call:
+                    out += self._open(call_item(call["id"], fn.get("name", ""), ""))
+                if fn.get("arguments") and self.item is not None:
+                    self.text += fn["arguments"]
+                    out.append(self._event("response.function_call_arguments.delta", **self._at,
+                                           delta=fn["arguments"]))
+            self.finish_reason = c.get("finish_reason") or self.finish_reason
+        return out
+
+    def end(self) -> list[str]:
+        out = self._close()
+        if self.error is not None:
+            failed = self.response | {"status": "failed", "error": {"code": self.error.get("code") or "server_error",
+                                                                   "message": self.error.get("message", "")}}
+            return out + [self._event("response.failed", response=failed)]
+        final = finish(self.response, self.finish_reason, self.usage)
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
+        return out + [self._event(kind, response=final)]
+
+
+async def translate(chat_events, events: Events):
+    """A streamed chat completion's SSE text -> the Responses API's."""
+    for e in events.start():
+        yield e
+    async for text in chat_events:
+        for line in (text if isinstance(text, str) else text.decode()).split("\n"):
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                for e in events.end():
+                    yield e
+                return
+            for e in events.chunk(json.loads(line[len("data: "):])):
+                yield e

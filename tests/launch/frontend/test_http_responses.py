@@ -1,0 +1,157 @@
+"""The Responses API (POST /v1/responses, launch/frontend/responses.py) on an in-process server with the deepseek_r1
+reasoning parser and hermes tools (test_http_reasoning.py's: a tiny checkpoint whose tokenizer has think tokens).
+
+Oracles: transformers' greedy output for the chat template of the conversation the test writes out itself (split
+at "</think>" by the test), and the chat completion of that conversation for the calls; the openai SDK's own types
+must read every response and every streamed event, and the events must add up to the response."""
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from tests.launch.frontend.test_http_logprobs import post
+from tests.launch.frontend.test_http_tools import biased
+from tests.launch.frontend.test_http_reasoning import BIAS, MAX_NEW, MODEL, oracle, thinking_server
+
+openai_types = pytest.importorskip("openai.types.responses")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with thinking_server(tmp_path_factory) as s:
+        yield s
+
+
+def respond(served, **fields) -> dict:
+    code, data = post(served, "/v1/responses", {"model": MODEL, "temperature": 0, "max_output_tokens": MAX_NEW,
+                                                "ignore_eos": True, "logit_bias": {str(served.end): BIAS}, **fields})
+    assert code == 200, data
+    openai_types.Response.model_validate(data)      # the SDK reads it
+    return data
+
+
+def events(served, **fields) -> list[dict]:
+    """The streamed events' data, each read by the SDK's event types; the SSE event names match their types."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=120)
+    body = {"model": MODEL, "temperature": 0, "max_output_tokens": MAX_NEW, "ignore_eos": True,
+            "logit_bias": {str(served.end): BIAS}, "stream": True, **fields}
+    conn.request("POST", "/v1/responses", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    raw = resp.read().decode()
+    conn.close()
+    assert resp.status == 200, raw
+    out = []
+    for block in filter(None, raw.split("\n\n")):
+        name, data = block.split("\n")
+        out.append(json.loads(data.removeprefix("data: ")))
+        assert name == "event: " + out[-1]["type"]
+    from pydantic import TypeAdapter
+    adapter = TypeAdapter(openai_types.ResponseStreamEvent)
+    for e in out:
+        adapter.validate_python(e)
+    assert [e["sequence_number"] for e in out] == list(range(len(out)))
+    return out
+
+
+def texts(response: dict) -> list[tuple]:
+    """(type, text or (name, arguments)) of each output item."""
+    out = []
+    for item in response["output"]:
+        if item["type"] == "function_call":
+            out.append(("function_call", (item["name"], item["arguments"])))
+        else:
+            out.append((item["type"], "".join(p["text"] for p in item["content"])))
+    return out
+
+
+def test_a_response_is_the_reasoning_then_the_text_of_the_greedy_output(served):
+    out, text = oracle(served, BIAS)
+    reasoning, content = text.split("</think>", 1)
+    got = respond(served, input="Hello experts")
+    assert texts(got) == [("reasoning", reasoning), ("message", content)]
+    assert (got["status"], got["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert got["usage"]["output_tokens"] == MAX_NEW and got["usage"]["output_tokens_details"] == {
+        "reasoning_tokens": out.index(served.end)}
+    assert got["usage"]["input_tokens"] + MAX_NEW == got["usage"]["total_tokens"]
+    # the same conversation as items, streamed: the events add up to the response they end with
+    evs = events(served, input=[{"role": "user", "content": [{"type": "input_text", "text": "Hello experts"}]}])
+    kinds = [e["type"] for e in evs]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    final = evs[-1]["response"]
+    assert texts(final) == texts(got) and final["usage"] == got["usage"]
+    assert "".join(e["delta"] for e in evs if e["type"] == "response.reasoning_text.delta") == reasoning
+    assert "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta") == content
+    done = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
+    assert done == final["output"] and [e["output_index"] for e in evs if e["type"] == "response.output_item.added"
+                                        ] == [0, 1]
+
+
+def test_instructions_and_earlier_calls_make_the_chat_conversation(served):
+    """instructions, an earlier function call and its output: the greedy output is transformers' on the chat
+    template of the conversation the test writes out (a system turn, an assistant tool call, a tool turn)."""
+    tools = [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": {"zone": "utc"}}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+    out, text = oracle(served, BIAS, tools, messages=messages)
+    reasoning, content = text.split("</think>", 1)
+    got = respond(served, instructions="Be brief.", tools=[{"type": "function", "name": "clock", "parameters": {
+        "type": "object"}}], input=[{"role": "user", "content": "Time?"},
+                                    {"type": "function_call", "call_id": "call_1", "name": "clock",
+                                     "arguments": '{"zone": "utc"}'},
+                                    {"type": "function_call_output", "call_id": "call_1", "output": "noon"}])
+    assert texts(got) == [("reasoning", reasoning), ("message", content)]
+
+
+def json_bias(served) -> dict[str, float]:
+    """"</think>" pushed up (the grammar binds after it) and whitespace down (the random model would fill JSON with
+    it until max tokens)."""
+    return {str(t): v for t, v in biased(served.tokenizer).items()} | {str(served.end): 8.0}
+
+
+def test_calls_are_function_call_items(served):
+    """A named function: the chat completion's call (already checked against transformers elsewhere) is the
+    response's function_call item, unstreamed and streamed, with the call's id as call_id."""
+    tool = {"type": "function", "name": "clock", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}
+    code, chat = post(served, "/v1/chat/completions", {
+        "model": MODEL, "temperature": 0, "max_tokens": 64, "logit_bias": json_bias(served),
+        "messages": [{"role": "user", "content": "Time?"}], "tools": [{"type": "function", "function": {
+            k: v for k, v in tool.items() if k != "type"}}], "tool_choice": {"type": "function", "function": {
+                "name": "clock"}}})
+    assert code == 200, chat
+    want = [(c["function"]["name"], c["function"]["arguments"]) for c in chat["choices"][0]["message"]["tool_calls"]]
+    fields = dict(input="Time?", tools=[tool], tool_choice={"type": "function", "name": "clock"}, max_output_tokens=64,
+                  logit_bias=json_bias(served), ignore_eos=False)
+    got = respond(served, **fields)
+    assert [x for t, x in texts(got) if t == "function_call"] == want and got["status"] == "completed"
+    assert all(i["call_id"].startswith("chatcmpl-tool-") for i in got["output"] if i["type"] == "function_call")
+    evs = events(served, **fields)
+    args = "".join(e["delta"] for e in evs if e["type"] == "response.function_call_arguments.delta")
+    assert [x for t, x in texts(evs[-1]["response"]) if t == "function_call"] == want == [("clock", args)]
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+    ({"max_output_tokens": 10 ** 6}, "max_output_tokens"),
+    ({"input": []}, "input"),
+])
+def test_what_is_not_served_is_a_400_naming_the_responses_field(served, fields, param):
+    code, data = post(served, "/v1/responses", {"model": MODEL, "input": "hi", **fields})
+    assert code == 400 and data["error"]["param"] == param, data
+
+
+def test_a_json_schema_format_constrains_the_text(served):
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    got = respond(served, input="hi", max_output_tokens=64, ignore_eos=False, logit_bias=json_bias(served),
+                  text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}})
+    message = [x for t, x in texts(got) if t == "message"]
+    assert got["status"] == "completed" and json.loads(message[0])["a"] in ("x", "y")
+    assert got["text"] == {"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}}
