@@ -10,7 +10,7 @@ from launch.frontend.answer import check_parsers, require_tokens
 from launch.frontend.harmony import MARKERS, HarmonyAnswer
 from launch.frontend.tool_parsers import PARSERS
 from launch.frontend.tools import ToolPlan
-from tests.launch.frontend.test_http_tools import splits, streamed
+from tests.launch.frontend.test_http_tools import splits, stream_chunks, streamed
 
 A, F, S = "<|channel|>analysis<|message|>", "<|channel|>final<|message|>", "<|end|><|start|>assistant"
 # text -> (reasoning, content, [(name, arguments)], finish_reason) with both parsers, when the engine says "stop"
@@ -48,10 +48,7 @@ def said(ans: HarmonyAnswer, text: str) -> tuple:
 
 
 def streamed_said(ans: HarmonyAnswer, pieces: list[str]) -> tuple:
-    s = ans.stream()
-    chunks = [{"choices": [{"delta": s.add(p, final=i == len(pieces) - 1), "finish_reason": None}]}
-              for i, p in enumerate(pieces)]
-    chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("stop")
+    chunks = stream_chunks(ans, pieces)
     reasoning = "".join(ch["choices"][0]["delta"].get("reasoning", "") for ch in chunks)
     content, calls, finish = streamed(chunks)
     if "a <|e" not in "".join(pieces):      # no marker, nor a part of one, reaches the client as text

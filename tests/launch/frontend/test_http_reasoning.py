@@ -257,7 +257,7 @@ def test_a_glm45_call_that_ends_the_reasoning_is_a_call(text, want):
     from launch.frontend.answer import ChatAnswer
     from launch.frontend.tool_parsers import PARSERS
     from launch.frontend.tools import ToolPlan
-    from tests.launch.frontend.test_http_tools import splits, streamed
+    from tests.launch.frontend.test_http_tools import splits, stream_chunks, streamed
 
     answer = ChatAnswer(ToolPlan("auto", parser=PARSERS["glm45"], schemas={"clock": {}}),
                         ReasoningPlan(True, True, 1, 2, tool_start="<tool_call>", strip=True))
@@ -265,10 +265,7 @@ def test_a_glm45_call_that_ends_the_reasoning_is_a_call(text, want):
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
     assert (message["reasoning"], message["content"], calls, finish) == want
     for pieces in splits(text):
-        s = answer.stream()
-        chunks = [{"choices": [{"delta": s.add(p, final=i == len(pieces) - 1), "finish_reason": None}]}
-                  for i, p in enumerate(pieces)]
-        chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("stop")
+        chunks = stream_chunks(answer, pieces)
         reasoning = "".join(ch["choices"][0]["delta"].get("reasoning", "") for ch in chunks)
         content, got_calls, got_finish = streamed(chunks)
         assert (reasoning, content or None, [(c["name"], c["arguments"]) for c in got_calls], got_finish) == want

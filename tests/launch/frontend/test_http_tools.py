@@ -103,6 +103,16 @@ def streamed(chunks: list[dict]) -> tuple[str, list[dict], str]:
     return content, [calls[k] for k in sorted(calls)], finish
 
 
+def stream_chunks(answer, pieces: list[str]) -> list[dict]:
+    """The chunks of one choice that answer's stream makes of these pieces of text (the last one final), ending
+    with its finish_reason for an engine "stop"."""
+    s = answer.stream()
+    chunks = [{"choices": [{"delta": s.add(p, final=i == len(pieces) - 1), "finish_reason": None}]}
+              for i, p in enumerate(pieces)]
+    chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("stop")
+    return chunks
+
+
 def calls_of(message: dict) -> list[dict]:
     return [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in message["tool_calls"]]
 
@@ -405,10 +415,7 @@ def test_tool_answers_and_every_split_of_their_stream_say_the_same(mode, text, w
                                 for c in message.get("tool_calls", [])], finish)
     assert got == want
     for pieces in splits(text):
-        s = plan.stream()
-        chunks = [{"choices": [{"delta": s.add(p, final=i == len(pieces) - 1), "finish_reason": None}]}
-                  for i, p in enumerate(pieces)]
-        chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("stop")
+        chunks = stream_chunks(plan, pieces)
         content, calls, finish_s = streamed(chunks)
         assert (content or None, [(c["name"], c["arguments"]) for c in calls], finish_s) == (
             want[0] or None, want[1], want[2]), pieces
