@@ -220,15 +220,16 @@ class Scheduler:
             budget -= num_new
             i += 1
         # Step 2: admit waiting sequences FIFO, unless this step was already short of blocks. A request that
-        # will fork takes a seat per sample now, so running never outgrows max_num_seqs when it forks.
+        # will fork takes a seat per sample now, so running never outgrows max_num_seqs when it forks. One whose
+        # grammar still compiles is passed over (vLLM's WAITING_FOR_FSM): the others go ahead of it.
         num_seats = sum(map(seats_of, self._running))
-        while (not out.preempted and self._waiting and num_seats + seats_of(self._waiting[0]) <= self.max_num_seqs
-               and budget > 0):
-            seq = self._waiting[0]
+        ready = (s for s in list(self._waiting) if not s.compiling)
+        while not out.preempted and budget > 0 and (seq := next(ready, None)) is not None \
+                and num_seats + seats_of(seq) <= self.max_num_seqs:
             assert seq.num_computed_tokens == 0 and not seq.block_table
             if not self._admit(seq, budget):
                 break  # FIFO: no skipping ahead of the head
-            self._waiting.popleft()
+            self._waiting.remove(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             seq.block_table.extend(pool.allocate(self._num_missing_blocks(seq, num_new)))
             seq.status = SequenceStatus.RUNNING

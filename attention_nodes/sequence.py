@@ -91,6 +91,7 @@ class Sequence:
     draft_computed: int = 0
     allowed_ids: torch.Tensor | None = None
     grammar: object = None      # structured outputs: its xgrammar matcher on this rank, once made (structured.py)
+    compiling: bool = False     # its grammar compiles on this rank's grammar thread: not scheduled until it has
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

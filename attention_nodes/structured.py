@@ -7,7 +7,8 @@ which leave -inf as it is: the same as vLLM's mask before them), and the tokens 
 A sequence's matcher is made the first time this rank samples for it, by replaying its output so far, so a sequence
 that arrives from elsewhere (a handover, PD, a resumed request, a fork) carries nothing. A rank starts compiling a
 request's grammar on a worker thread as the request arrives (`prefetch`; xgrammar releases the GIL), so the steps
-go on meanwhile, and its first sample waits for what is left (vLLM compiles asynchronously too). The grammar ends the
+go on meanwhile: the request is not scheduled until it has compiled (vLLM's WAITING_FOR_FSM), and one whose
+grammar fails is aborted before it runs. The grammar ends the
 output: once it is complete only EOS may follow, so a request with structured outputs may not ignore EOS.
 
 Under a reasoning model (SamplingParams.reasoning_end_token_id, its "</think>"), the grammar binds only the tokens
@@ -61,6 +62,10 @@ def check_spec(spec) -> str | None:
     return None
 
 
+def _key(spec: dict) -> str:
+    return json.dumps(spec, sort_keys=True)
+
+
 def _ebnf_literal(text: str) -> str:
     return '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
 
@@ -87,25 +92,18 @@ class Grammars:
         """The compiled grammar of a spec (`check_spec`'s shape), cached (waiting for it when `prefetch` started
         it); ValueError naming the spec when xgrammar cannot compile it (a bad schema, regex or grammar). Safe
         from several threads at once."""
-        key = json.dumps(spec, sort_keys=True)
+        key = _key(spec)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
             pending = self._pending.get(key)
-        if pending is None:
-            return self._store(key, self._build(spec))
-        try:
-            return pending.result()
-        except ValueError:
-            with self._lock:
-                self._pending.pop(key, None)     # read once: a later request compiles it anew
-            raise
+        return self._store(key, self._build(spec)) if pending is None else pending.result()
 
     def prefetch(self, spec: dict) -> Future:
         """Start compiling spec on this object's worker thread unless it is compiled or compiling, and return
         immediately: a future of the compiled grammar (its exception the ValueError `compile` would raise)."""
-        key = json.dumps(spec, sort_keys=True)
+        key = _key(spec)
         with self._lock:
             if key in self._compiled:
                 done = Future()
@@ -114,8 +112,16 @@ class Grammars:
             if key not in self._pending:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="afserve-grammar")
-                self._pending[key] = self._pool.submit(lambda: self._store(key, self._build(spec)))
+                self._pending[key] = self._pool.submit(self._background, key, spec)
             return self._pending[key]
+
+    def _background(self, key: str, spec: dict):
+        try:
+            return self._store(key, self._build(spec))
+        except BaseException:
+            with self._lock:
+                self._pending.pop(key, None)     # a later request compiles it anew
+            raise
 
     def _store(self, key: str, compiled):
         with self._lock:
@@ -155,16 +161,24 @@ class Grammars:
                     seq.grammar = WAITING
                     return WAITING
                 out = out[out.index(gate) + 1:]
-            try:
-                compiled = self.compile(seq.params.structured_outputs)
-            except ValueError as e:     # the worker aborts the request before its next step (AttentionWorker)
-                logger.error("request %r: its structured_outputs do not compile here (%s); it is aborted",
-                             seq.request_id, e)
-                seq.grammar = LOST
+            compiled = self._compiled_for(seq)
+            if compiled is None:
                 return LOST
             seq.grammar = self._xgr.GrammarMatcher(compiled)
             self.accept(seq, out)
         return seq.grammar
+
+    def _compiled_for(self, seq):
+        """seq's compiled grammar, or None (seq LOST, unconstrained, and the log says so) when it does not compile
+        here: only a sequence that came without add_requests (moved, handed over) can get here with such a grammar,
+        as add_requests holds a request back until its grammar has compiled and aborts it if it fails."""
+        try:
+            return self.compile(seq.params.structured_outputs)
+        except ValueError as e:
+            logger.error("request %r: its structured_outputs do not compile here (%s); the rest of its output is not "
+                         "constrained", seq.request_id, e)
+            seq.grammar = LOST
+            return None
 
     def mask(self, logits: torch.Tensor, seqs: list) -> None:
         """logits `[R, V]` (row i samples seqs[i]): the tokens each structured row's grammar does not allow next
@@ -182,8 +196,8 @@ class Grammars:
             m = self.matcher(s) if s.params.structured_outputs else LOST
             if m is WAITING and s.params.reasoning_end_token_id in d:     # the grammar binds from a draft on
                 k = d.index(s.params.reasoning_end_token_id) + 1
-                fresh = self._xgr.GrammarMatcher(self.compile(s.params.structured_outputs))
-                rows.append((fresh, d[k:], at + k, False))
+                if (compiled := self._compiled_for(s)) is not None:
+                    rows.append((self._xgr.GrammarMatcher(compiled), d[k:], at + k, False))
             elif m is not LOST and m is not WAITING:
                 rows.append((m, d, at, True))
             at += 1 + len(d)

@@ -65,7 +65,7 @@ class AttentionWorker:
         self.mtp = mtp
         self._committed = None   # method "mtp": the last committed step's chunks and emitted tokens, for its passes
         self._make_grammars, self._grammars = grammars, None
-        self._compiling: list[tuple[str, Future]] = []     # requests whose grammars compile on a worker thread
+        self._compiling: list[tuple[str, Future, Sequence]] = []    # sequences whose grammars compile (`_reap`)
 
     def adopt(self, moe: MoEContext) -> None:
         """A new generation of the job: reach the experts through its dispatcher and placement."""
@@ -131,7 +131,8 @@ class AttentionWorker:
         for r in requests:
             params = SamplingParams.from_dict(r["params"])
             resume = sorted((int(i), toks) for i, toks in r.get("resume", {}).items())
-            if params.structured_outputs and not self._compiles(r["id"], params):
+            compiling = self._compiles(r["id"], params) if params.structured_outputs else None
+            if params.structured_outputs and compiling is None:
                 ids = sample_ids(r["id"], params.num_samples)
                 ids = [ids[i] for i, _ in resume] if resume else ids      # a resumed request: its open samples
                 self._aborted += [[i, [], "abort", None, None] for i in ids]
@@ -143,6 +144,9 @@ class AttentionWorker:
                     Sequence.resumed(r["id"], i, r["prompt"], toks, params, arrival, self.device)
                 _skip_prompt_logprobs(seq, sent)
                 sent = len(r["prompt"])          # every entry, for the samples after the first
+                if compiling is not None:        # not scheduled before `_reap` has seen its grammar compiled
+                    seq.compiling = True
+                    self._compiling.append((r["id"], compiling, seq))
                 self.scheduler.add(seq)
 
     def abort(self, request_ids: list[str]) -> None:
@@ -264,29 +268,36 @@ class AttentionWorker:
                                      self.inputs.sampling_columns(seqs))
         return [[t] for t in tokens], list(range(len(seqs)))
 
-    def _compiles(self, request_id: str, params: SamplingParams) -> bool:
+    def _compiles(self, request_id: str, params: SamplingParams) -> Future | None:
         """Start compiling a request's grammar as it arrives (the front compiled it already) on the grammars'
-        worker thread, so this rank's steps go on meanwhile: False, and the log says why, if this rank cannot make
-        grammars at all (no tokenizer in its model directory, say); the request is then aborted, not run
-        unconstrained. A grammar that then fails to compile aborts its request at the next step (`_reap`)."""
+        worker thread, so this rank's steps go on meanwhile (the request waits, unscheduled, until `_reap` sees it
+        compiled): its future, or None, and the log says why, if this rank cannot make grammars at all (no
+        tokenizer in its model directory, say); the request is then aborted, not run unconstrained."""
         try:
-            self._compiling.append((request_id, self.grammars().prefetch(params.structured_outputs)))
-            return True
+            return self.grammars().prefetch(params.structured_outputs)
         except Exception as e:    # noqa: BLE001 (one request's grammar must not end the rank)
-            logger.error("rank %d: request %r aborted: its structured_outputs do not compile here: %s", self.rank,
-                         request_id, e)
-            return False
+            self._refuse(request_id, e)
+            return None
+
+    def _refuse(self, request_id: str, why: Exception) -> None:
+        logger.error("rank %d: request %r aborted: its structured_outputs do not compile here: %s", self.rank,
+                     request_id, why)
 
     def _reap(self) -> None:
-        """Between steps: abort the requests whose grammars failed to compile here (their samples end "abort";
-        one that sampled meanwhile did so unconstrained, and the log said so), and forget the finished ones."""
-        done = [(rid, f) for rid, f in self._compiling if f.done()]
-        self._compiling = [(rid, f) for rid, f in self._compiling if not f.done()]
-        for rid, f in done:
-            if f.exception() is not None:
-                logger.error("rank %d: request %r aborted: its structured_outputs do not compile here: %s",
-                             self.rank, rid, f.exception())
+        """Between steps, before scheduling: the sequences whose grammars compiled may be scheduled; the requests
+        whose grammars failed are aborted (their samples end "abort"; none was scheduled)."""
+        still = []
+        for rid, future, seq in self._compiling:
+            if not future.done():
+                still.append((rid, future, seq))
+            elif future.exception() is None:
+                seq.compiling = False
+            elif seq.compiling:         # the request's first sequence to see it aborts them all
+                self._refuse(rid, future.exception())
+                for _, _, other in self._compiling:
+                    other.compiling = other.compiling and (other.group_id or other.request_id) != rid
                 self.abort([rid])
+        self._compiling = still
 
     def grammars(self) -> Grammars:
         if self._grammars is None:

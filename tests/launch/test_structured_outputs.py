@@ -326,9 +326,9 @@ class SlowCompiler:
 
 
 def test_a_rank_compiles_grammars_off_its_steps_and_aborts_a_request_whose_grammar_fails(tiny_checkpoint):
-    """A request's grammar compiles on a worker thread as it arrives: add_requests returns while it compiles (the
-    rank's steps go on; before, the compile ran inside them), the first sample's matcher waits for it and gets the
-    same grammar; one that fails aborts its request alone between steps."""
+    """A request's grammar compiles on a worker thread as it arrives: add_requests returns while it compiles (before,
+    it compiled there, holding up the step), the request is not scheduled until it has compiled while the others
+    go ahead of it (vLLM's WAITING_FOR_FSM), and one whose grammar fails is aborted alone before it ever ran."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -341,27 +341,27 @@ def test_a_rank_compiles_grammars_off_its_steps_and_aborts_a_request_whose_gramm
     tok = AutoTokenizer.from_pretrained(path)
     grammars = Grammars(tok, hf_model(path).config.vocab_size, [tok.eos_token_id])
     grammars.compiler = slow = SlowCompiler(grammars.compiler)
-    sched = Scheduler(BlockPool(8, 4), 4, 16, enable_prefix_caching=False)
+    sched = Scheduler(BlockPool(16, 4), 8, 64, enable_prefix_caching=False)
     model = SimpleNamespace(spec=SimpleNamespace(eos_token_ids=(tok.eos_token_id,)))
-    worker = AttentionWorker(0, model, SimpleNamespace(block_size=4, num_blocks=8), sched, None, 64,
+    worker = AttentionWorker(0, model, SimpleNamespace(block_size=4, num_blocks=16), sched, None, 64,
                              torch.device("cpu"), grammars=lambda: grammars)
     good, bad = SamplingParams(structured_outputs={"regex": "a+"}), SamplingParams(n=2, structured_outputs={
         "regex": "(unclosed"})
     worker.add_requests([{"id": "g", "prompt": [5, 6], "params": good.to_dict()},
-                         {"id": "b", "prompt": [5, 6], "params": bad.to_dict()}])
-    assert slow.started.wait(60) and not any(f.done() for _, f in worker._compiling)     # returned mid-compile
-    worker._reap()           # nothing has failed yet: nothing is aborted
-    assert worker._aborted == [] and sorted(s.group_id or s.request_id for s in sched.waiting) == ["b", "g"]
+                         {"id": "b", "prompt": [5, 6], "params": bad.to_dict()},
+                         {"id": "p", "prompt": [5, 6], "params": SamplingParams().to_dict()}])
+    assert slow.started.wait(60) and not any(f.done() for _, f, _ in worker._compiling)     # returned mid-compile
+    worker._reap()           # nothing has compiled yet: nothing is aborted, and only the plain request runs
+    assert worker._aborted == []
+    assert [s.seq.request_id for s in sched.schedule(64).scheduled] == ["p"]
     slow.go.set()
-    seq = next(s for s in sched.waiting if s.request_id == "g")
-    assert grammars.matcher(seq) is not None and grammars.compile(good.structured_outputs) is \
-        grammars.compile({"regex": "a+"})
-    for _, f in worker._compiling:
+    for _, f, _ in worker._compiling:
         f.exception(timeout=60)
     worker._reap()
     assert worker._aborted == [["b#0", [], "abort", None, None], ["b#1", [], "abort", None, None]]
-    assert [s.group_id or s.request_id for s in sched.waiting] == ["g"] and worker._compiling == []
-    with pytest.raises(ValueError, match="does not compile"):     # the failure is read once, then compiled anew
+    assert [s.seq.request_id for s in sched.schedule(64).scheduled] == ["p", "g"] and worker._compiling == []
+    assert grammars.matcher(next(s for s in sched.running if s.request_id == "g")) is not None
+    with pytest.raises(ValueError, match="does not compile"):     # a failure is not kept: compiled anew, it fails
         grammars.compile(bad.structured_outputs)
 
 
