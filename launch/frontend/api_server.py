@@ -45,7 +45,7 @@ from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan
-from .responses import FIELDS, Events, ResponsesRequest, translate
+from .responses import Events, ResponsesRequest, field_of, translate
 from .responses import answer as responses_answer
 from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
@@ -163,8 +163,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         try:
             answer = await chat(body.chat(), request)
         except APIError as e:       # name the field the client sent
-            head, _, rest = (e.param or "").partition(".")
-            e.param = ".".join(filter(None, [FIELDS.get(head, head), rest])) or None
+            e.param = field_of(e.param)
             raise
         except ValidationError as e:
             raise APIError(400, f"the request does not make a chat completion: {e.errors()[0]['msg']}") from e

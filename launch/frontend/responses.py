@@ -37,9 +37,16 @@ from .protocol import APIError, _Request
 PASSED = ("logit_bias", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
           "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
           "include_reasoning")
-# chat's field -> the Responses field it came from (a 400 names what the client sent)
-FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text", "reasoning_effort":
-          "reasoning"}
+
+
+def field_of(param: str | None) -> str | None:
+    """The Responses field a chat field (a 400's param) came from, so the 400 names what the client sent."""
+    head, _, rest = (param or "").partition(".")
+    if head == "tools" and ".function." in f".{rest}.":        # tools.N.function.X -> tools.N.X
+        return "tools." + rest.replace("function.", "", 1).rstrip(".")
+    named = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+             "reasoning_effort": "reasoning.effort", "tool_choice": "tool_choice"}
+    return named.get(head, param)
 
 
 def _id(prefix: str) -> str:
@@ -70,7 +77,10 @@ class FunctionCall(_Request):
 class FunctionCallOutput(_Request):
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: str | list[Part]
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
 class Reasoning(_Request):
@@ -85,7 +95,7 @@ class FunctionTool(_Request):
     strict: bool | None = None
 
 
-class NamedFunction(_Request):
+class ToolChoiceFunction(_Request):
     type: Literal["function"]
     name: Annotated[str, Field(min_length=1)]
 
@@ -114,11 +124,11 @@ class ResponsesRequest(_Request):
     model: str | None = None
     input: str | list[Item]
     instructions: str | None = None
-    max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=1e6)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    max_output_tokens: int | None = None        # these three: the chat completion checks them
+    temperature: float | None = None
+    top_p: float | None = None
     tools: list[FunctionTool] = Field(default_factory=list)
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction = "auto"
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
@@ -160,12 +170,12 @@ class ResponsesRequest(_Request):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)
+                if last is not None and last["role"] == "assistant":     # that turn's text, then its calls
+                    last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutput):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         if not messages:
             raise APIError(400, "input holds no message; send at least one", "input")
         body = {"model": self.model, "messages": messages, "stream": self.stream,
@@ -205,6 +215,8 @@ class ResponsesRequest(_Request):
         """The response object's fields that echo the request (OpenAI's Response), before output and usage."""
         fmt = self.text.format.model_dump(by_alias=True, exclude_none=True) if self.text and self.text.format else {
             "type": "text"}
+        if fmt["type"] == "json_schema":
+            fmt.setdefault("name", "output")      # the name it ran under
         return {"id": _id("resp"), "object": "response", "created_at": int(time.time()), "model": model,
                 "status": "in_progress", "error": None, "incomplete_details": None, "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens, "metadata": self.metadata or {}, "output": [],
@@ -244,8 +256,11 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
 
 
 def finish(response: dict, finish_reason: str | None, chat_usage: dict | None) -> dict:
-    """response, completed (or incomplete: cut by max_output_tokens), with its usage."""
+    """response, completed (or incomplete: cut by max_output_tokens, and its last item with it, as OpenAI's), with
+    its usage."""
     cut = finish_reason == "length"
+    if cut and response["output"]:
+        response["output"][-1]["status"] = "incomplete"
     return response | {"status": "incomplete" if cut else "completed", "usage": usage(chat_usage),
                        "incomplete_details": {"reason": "max_output_tokens"} if cut else None}
 
@@ -311,10 +326,11 @@ class Events:
             "response.output_text.delta", {"logprobs": []})
         return out + [self._event(name, **self._at, content_index=0, delta=text, **extra)]
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         if self.item is None:
             return []
         item, at, out = self.item, self._at, []
+        item["status"] = status
         if item["type"] == "function_call":
             item["arguments"] = self.text
             out.append(self._event("response.function_call_arguments.done", **at, name=item["name"],
@@ -360,9 +376,9 @@ class Events:
         return out
 
     def end(self) -> list[str]:
-        out = self._close()
+        out = self._close("incomplete" if self.finish_reason == "length" else "completed")
         if self.error is not None:
-            failed = self.response | {"status": "failed", "error": {"code": self.error.get("code") or "server_error",
+            failed = self.response | {"status": "failed", "error": {"code": "server_error",
                                                                    "message": self.error.get("message", "")}}
             return out + [self._event("response.failed", response=failed)]
         final = finish(self.response, self.finish_reason, self.usage)

@@ -55,6 +55,11 @@ def events(served, **fields) -> list[dict]:
     return out
 
 
+def items(reasoning: str, content: str) -> list[tuple]:
+    """What texts() says of a response with this reasoning and content (an empty one makes no item)."""
+    return [(kind, text) for kind, text in (("reasoning", reasoning), ("message", content)) if text]
+
+
 def texts(response: dict) -> list[tuple]:
     """(type, text or (name, arguments)) of each output item."""
     out = []
@@ -70,8 +75,9 @@ def test_a_response_is_the_reasoning_then_the_text_of_the_greedy_output(served):
     out, text = oracle(served, BIAS)
     reasoning, content = text.split("</think>", 1)
     got = respond(served, input="Hello experts")
-    assert texts(got) == [("reasoning", reasoning), ("message", content)]
+    assert texts(got) == items(reasoning, content) and reasoning and content
     assert (got["status"], got["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert [i["status"] for i in got["output"]] == ["completed", "incomplete"]      # the item cut, as OpenAI's
     assert got["usage"]["output_tokens"] == MAX_NEW and got["usage"]["output_tokens_details"] == {
         "reasoning_tokens": out.index(served.end)}
     assert got["usage"]["input_tokens"] + MAX_NEW == got["usage"]["total_tokens"]
@@ -89,21 +95,25 @@ def test_a_response_is_the_reasoning_then_the_text_of_the_greedy_output(served):
 
 
 def test_instructions_and_earlier_calls_make_the_chat_conversation(served):
-    """instructions, an earlier function call and its output: the greedy output is transformers' on the chat
-    template of the conversation the test writes out (a system turn, an assistant tool call, a tool turn)."""
+    """instructions, an earlier answer, its function call and the call's output: the greedy output is transformers'
+    on the chat template of the conversation the test writes out (a system turn, one assistant turn with its text
+    and its call, as a response's output sent back makes it, and a tool turn)."""
     tools = [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time?"},
-                {"role": "assistant", "content": None, "tool_calls": [
+                {"role": "assistant", "content": "Let me look.", "tool_calls": [
                     {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": {"zone": "utc"}}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
     out, text = oracle(served, BIAS, tools, messages=messages)
     reasoning, content = text.split("</think>", 1)
     got = respond(served, instructions="Be brief.", tools=[{"type": "function", "name": "clock", "parameters": {
         "type": "object"}}], input=[{"role": "user", "content": "Time?"},
+                                    {"type": "message", "role": "assistant", "content": [
+                                        {"type": "output_text", "text": "Let me look."}]},
                                     {"type": "function_call", "call_id": "call_1", "name": "clock",
                                      "arguments": '{"zone": "utc"}'},
-                                    {"type": "function_call_output", "call_id": "call_1", "output": "noon"}])
-    assert texts(got) == [("reasoning", reasoning), ("message", content)]
+                                    {"type": "function_call_output", "call_id": "call_1",
+                                     "output": [{"type": "input_text", "text": "noon"}]}])
+    assert texts(got) == items(reasoning, content)
 
 
 def json_bias(served) -> dict[str, float]:
@@ -151,7 +161,18 @@ def test_a_json_schema_format_constrains_the_text(served):
     schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
               "additionalProperties": False}
     got = respond(served, input="hi", max_output_tokens=64, ignore_eos=False, logit_bias=json_bias(served),
-                  text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}})
+                  text={"format": {"type": "json_schema", "schema": schema, "strict": True}})
     message = [x for t, x in texts(got) if t == "message"]
     assert got["status"] == "completed" and json.loads(message[0])["a"] in ("x", "y")
-    assert got["text"] == {"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}}
+    # echoed with the name it ran under (the SDK's type needs one)
+    assert got["text"] == {"format": {"type": "json_schema", "name": "output", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("chat,responses", [
+    ("max_tokens", "max_output_tokens"), ("messages.3.content", "input"), ("response_format.json_schema",
+                                                                             "text.format"),
+    ("tools.0.function.parameters", "tools.0.parameters"), ("reasoning_effort", "reasoning.effort"),
+    ("temperature", "temperature"), (None, None)])
+def test_a_chat_fields_400_names_the_responses_field(chat, responses):
+    from launch.frontend.responses import field_of
+    assert field_of(chat) == responses
