@@ -5,11 +5,12 @@ output and says which tokens may come next. Each step masks the others to -inf (
 which leave -inf as it is: the same as vLLM's mask before them), and the tokens drawn advance the matchers.
 
 A sequence's matcher is made the first time this rank samples for it, by replaying its output so far, so a sequence
-that arrives from elsewhere (a handover, PD, a resumed request, a fork) carries nothing. A rank starts compiling a
-request's grammar on a worker thread as the request arrives (`prefetch`; xgrammar releases the GIL), so the steps
-go on meanwhile: the request is not scheduled until it has compiled (vLLM's WAITING_FOR_FSM), and one whose
-grammar fails is aborted before it runs. The grammar ends the
+that arrives from elsewhere (a handover, PD, a resumed request, a fork) carries nothing. The grammar ends the
 output: once it is complete only EOS may follow, so a request with structured outputs may not ignore EOS.
+
+A rank starts compiling a request's grammar on a worker thread as the request arrives (`prefetch`; xgrammar
+releases the GIL), so the steps go on meanwhile: the request is not scheduled until it has compiled (vLLM's
+WAITING_FOR_FSM), and one whose grammar fails is aborted before it runs.
 
 Under a reasoning model (SamplingParams.reasoning_end_token_id, its "</think>"), the grammar binds only the tokens
 after that token's first appearance in the output (vLLM's rule): until it comes the sequence's matcher is WAITING

@@ -80,7 +80,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     """The app; `attach(app, llm)` connects it to an engine once every rank is ready (until then /health and
     the API answer 503). With `access_log`, one INFO line per request goes to logger "afserve.http.access";
     that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING).
-    tool_parser: how tool_choice "auto" finds calls in the output (launch/frontend/tools.py PARSERS; None:
+    tool_parser: how tool_choice "auto" finds calls in the output (launch/frontend/tool_parsers.py NAMES; None:
     auto is refused, serve.py's --enable-auto-tool-choice is off); reasoning_parser: how chat answers split off
     their reasoning (launch/frontend/reasoning.py PARSERS; None: they do not)."""
     if tool_parser is not None and tool_parser not in TOOL_PARSERS:

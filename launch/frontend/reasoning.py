@@ -150,7 +150,6 @@ class ReasoningPlan:
             at, skip = call, 0
         return at, skip
 
-
     def gate(self, prompt: list[int]) -> int | None:
         """The token after which a structured output binds (SamplingParams.reasoning_end_token_id): `gate_of`'s,
         or None (from the first token) when thinking is off or the reasoning is not shown (include_reasoning false,

@@ -18,9 +18,8 @@ function or "required" asks for, are launch/frontend/chat.py's).
 Streamed: a named function's arguments stream as they come (the first delta names the function and carries the
 call's id). "required" and "auto" hold back what may be calls (all of "required"'s output; "auto"'s text from the
 first text that begins calls (the parser's start, e.g. "<tool_call>"), a tail that may begin it, or whitespace
-before any text) and decide at the end as the unstreamed
-answer does, so the two always agree: the calls come whole in the chunk that carries the
-finish_reason, or the held text as content.
+before any text) and decide at the end as the unstreamed answer does, so the two always agree: the calls come whole
+in the chunk that carries the finish_reason, or the held text as content.
 """
 from __future__ import annotations
 
