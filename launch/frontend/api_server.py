@@ -167,11 +167,11 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
             raise
         except ValidationError as e:
             raise APIError(400, f"the request does not make a chat completion: {e.errors()[0]['msg']}") from e
-        if body.stream:
+        if isinstance(answer, StreamingResponse):
             return StreamingResponse(translate(answer.body_iterator, Events(body, state.model_name)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        if not isinstance(answer, dict):    # an error answer
+        if not isinstance(answer, dict):    # an error answer (the client left, say)
             return answer
         return responses_answer(body, state.model_name, answer)
 
