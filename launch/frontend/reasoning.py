@@ -10,9 +10,9 @@ Parsers (each needs "<think>" and "</think>" to be tokens of the model's tokeniz
                reasoning_effort is "none" (its template then closes the thinking in the prompt): all content.
                As vLLM 0.32's: a "<tool_call>" ends the reasoning too (it begins the content, where the tool
                parser finds the call; not when a grammar binds the output, which it does after "</think>" only),
-               the reasoning's trailing whitespace is dropped, and empty reasoning is null. Not copied: vLLM also
-               drops a "<think>" inside the reasoning and a "</think>" after it, and glm45's "<think>" in the
-               content opens reasoning again.
+               the reasoning's trailing whitespace and any "<think>" in it are dropped, empty reasoning is null,
+               and a "</think>" in the content is dropped (also inside a call's text, where vLLM keeps it). Not
+               copied: glm45's "<think>" in the content opens reasoning again in vLLM.
   glm45        GLM-4.5 (and 4.6, 4.7): as qwen3, its thinking off when chat_template_kwargs say thinking or
                enable_thinking false (and neither true), or reasoning_effort is "none"; GLM's turn markers.
 include_reasoning false (vLLM's): the answer leaves the reasoning out, and the logprobs too (they would show it).
@@ -40,7 +40,7 @@ TURNS = {"deepseek_r1": (), "qwen3": ("<|im_start|>", "<|im_end|>"),
          "glm45": ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")}
 HARMONY = "openai_gptoss"     # GPT-OSS's analysis messages: launch/frontend/harmony.py reads them
 PARSERS = (*TURNS, HARMONY)
-ENGINE_RULES = ("qwen3", "glm45")    # vLLM 0.32's parser-engine rules: <tool_call> ends the reasoning, it is stripped
+ENGINE_RULES = ("qwen3", "glm45")    # vLLM 0.32's parser-engine rules (ReasoningPlan.engine)
 
 
 def think_tokens(tok) -> tuple[int, int, bool] | None:
@@ -112,7 +112,8 @@ class ReasoningPlan:
     turns: frozenset[int] = frozenset()     # the gate's look back stops at these (TURNS)
     tool_start: str | None = None   # it ends the reasoning too, and begins the content (ENGINE_RULES)
     tool_start_id: int | None = None    # its id, when it is one token
-    strip: bool = False     # the reasoning's trailing whitespace is dropped, and empty reasoning is null
+    engine: bool = False    # vLLM's parser-engine rules (ENGINE_RULES): trailing whitespace and "<think>" dropped from
+    # the reasoning, empty reasoning null, "</think>" dropped from the content
 
     @classmethod
     def of(cls, body, parser: str | None, tok) -> ReasoningPlan | None:
@@ -140,7 +141,9 @@ class ReasoningPlan:
             text = text[len(START):]
         at, skip = self.end_in(text)
         reasoning, content = (text, None) if at < 0 else (text[:at], text[at + skip:] or None)
-        return (reasoning.rstrip() or None) if self.strip else reasoning, content
+        if not self.engine:
+            return reasoning, content
+        return reasoning.replace(START, "").rstrip() or None, content and content.replace(END, "") or None
 
     def end_in(self, text: str) -> tuple[int, int]:
         """(where the reasoning ends in text, -1 when it does not; the length of the marker that ends it and is
@@ -185,8 +188,10 @@ class ReasoningStream:
     state: str = "start"       # "start" (the output may still open with "<think>"), "reasoning" or "content"
 
     def add(self, piece: str, final: bool) -> tuple[str, str]:
-        if not self.plan.thinking or self.state == "content":
+        if not self.plan.thinking:
             return "", piece
+        if self.state == "content":
+            return "", self._content(piece, final)
         self.held += piece
         if self.state == "start":
             if START.startswith(self.held) and not final:
@@ -199,9 +204,21 @@ class ReasoningStream:
         if at >= 0:
             self.state = "content"
             reasoning, content, self.held = self.held[:at], self.held[at + skip:], ""
-            return reasoning.rstrip() if plan.strip else reasoning, content
-        cut = len(self.held) - (0 if final else tag_overlap(self.held, END, *filter(None, [plan.tool_start])))
-        if plan.strip:     # trailing whitespace waits until more reasoning follows it
+            return reasoning.replace(START, "").rstrip() if plan.engine else reasoning, self._content(content, final)
+        tags = [END, *filter(None, [plan.tool_start])]
+        if plan.engine:     # a whole "<think>" goes; a part of one waits
+            self.held, tags = self.held.replace(START, ""), tags + [START]
+        cut = len(self.held) - (0 if final else tag_overlap(self.held, *tags))
+        if plan.engine:     # trailing whitespace waits until more reasoning follows it
             cut = len(self.held[:cut].rstrip())
         reasoning, self.held = self.held[:cut], self.held[cut:]
         return reasoning, ""
+
+    def _content(self, piece: str, final: bool) -> str:
+        """Content text to send: under the engine rules without "</think>" (a part of one waits)."""
+        if not self.plan.engine:
+            return piece
+        self.held = (self.held + piece).replace(END, "")
+        cut = len(self.held) - (0 if final else tag_overlap(self.held, END))
+        out, self.held = self.held[:cut], self.held[cut:]
+        return out

@@ -186,11 +186,16 @@ SPLITS = {
 
 
 # the same as vLLM 0.32's qwen3 and glm45 parsers split it (its parser engine's rules), by hand: a "<tool_call>"
-# ends the reasoning and stays as the content's start; the reasoning loses its trailing whitespace; empty is null
+# ends the reasoning and stays as the content's start; the reasoning loses its trailing whitespace and any "<think>";
+# empty is null; the content loses any "</think>"
 ENGINE_SPLITS = {
     "<think>abc \n</think>\nxyz": ("abc", "\nxyz"),
     "abc  <tool_call>{}</tool_call>": ("abc", "<tool_call>{}</tool_call>"),
-    "a<tool_call>b</think>c": ("a", "<tool_call>b</think>c"),
+    "a<tool_call>b</think>c": ("a", "<tool_call>bc"),
+    "<think>a<think>b</think>c</think>d</thi": ("ab", "cd</thi"),       # "<think>" in reasoning, "</think>" after it
+    "\n<think>a</think>b": ("\na", "b"),
+    "a</think></think>": ("a", None),
+    "a<thi": ("a<thi", None),
     "a</think>b<tool_call>c": ("a", "b<tool_call>c"),
     "a \n b  ": ("a \n b", None),
     "<think>\n\n</think>x": (None, "x"),
@@ -204,7 +209,7 @@ ENGINE_SPLITS = {
                          + [(True, t, w) for t, w in ENGINE_SPLITS.items()])
 def test_every_split_of_a_stream_says_what_the_answer_says(engine, text, want):
     plan = ReasoningPlan(thinking=True, include=True, start_id=1, end_id=2, tool_start="<tool_call>" if engine
-                         else None, strip=engine)
+                         else None, engine=engine)
     assert plan.split(text) == want
     for step in (1, 2, 5):
         for tail in ([], [""]):
@@ -260,7 +265,7 @@ def test_a_glm45_call_that_ends_the_reasoning_is_a_call(text, want):
     from tests.launch.frontend.test_http_tools import splits, stream_chunks, streamed
 
     answer = ChatAnswer(ToolPlan("auto", parser=PARSERS["glm45"], schemas={"clock": {}}),
-                        ReasoningPlan(True, True, 1, 2, tool_start="<tool_call>", strip=True))
+                        ReasoningPlan(True, True, 1, 2, tool_start="<tool_call>", engine=True))
     message, finish = answer.message(text, "stop")
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])]
     assert (message["reasoning"], message["content"], calls, finish) == want
@@ -291,7 +296,7 @@ def test_under_a_grammar_only_think_end_ends_the_reasoning():
     for parser in ("qwen3", "glm45"):
         for choice, want in (({"type": "function", "function": {"name": "f"}}, ('plan<tool_call>{"name": "f"}'
                                                                                  '</tool_call> more', '{"x": 1}')),
-                             ("auto", ("plan", text[4:]))):
+                             ("auto", ("plan", text[4:].replace("</think>", "")))):
             body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
                                          tool_choice=choice)
             plan = ReasoningPlan.of(body, parser, Tok)
