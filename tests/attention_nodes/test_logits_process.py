@@ -57,6 +57,19 @@ def test_allowed_tokens_and_bad_words_worked_by_hand():
     assert out[2].tolist() == [0, 1, 2, 3, 4, 5]
 
 
+def test_bad_words_never_ban_every_allowed_token():
+    """A multi-token bad word bans only at run time, so admission cannot see it empty the allowed set: when it would
+    ban every allowed token, the row keeps its allowed tokens (before, it sampled token 0, outside the set)."""
+    logits = torch.arange(6, dtype=torch.float32).repeat(2, 1)
+    inf = float("-inf")
+    words = [[5, 5], [5, 4]]
+    cornered = seq([1], [5], allowed_token_ids=[4, 5], bad_words_token_ids=words)    # both allowed tokens banned
+    open_row = seq([1], [5], allowed_token_ids=[3, 4, 5], bad_words_token_ids=words)  # 3 is left
+    out = shape_logits(logits, [cornered, open_row], EOS)
+    assert out[0].tolist() == [inf, inf, inf, inf, 4, 5]
+    assert out[1].tolist() == [inf, inf, inf, 3, inf, inf]
+
+
 def test_untouched_requests_share_the_tensor():
     logits = torch.randn(2, 5)
     assert shape_logits(logits, [seq([1], []), seq([2], [])], EOS) is logits
