@@ -33,26 +33,30 @@ def shape_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: froz
         for j, (_, ids) in enumerate(allowed):
             keep[j].index_fill_(0, ids, True)
         logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
-    # Step 0b: bad words: a word's last token is -inf where the output ends with the rest of it; not in a row of
-    # allowed_token_ids whose every allowed token it would ban (the allowed set wins: such a row would sample a
+    # Step 1 (the -inf steps commute, so before 0b here): min_tokens: EOS and stop tokens are -inf until enough
+    # tokens are out.
+    stops = {i: [t for t in (*s.params.stop_token_ids, *(() if s.params.ignore_eos else eos_token_ids)) if t < vocab]
+             for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens}
+    if stops:
+        flat.index_fill_(0, _flat_ids(stops, vocab, logits.device), float("-inf"))
+    # Step 0b: bad words: a word's last token is -inf where the output ends with the rest of it. One-token words
+    # always (admission keeps something allowed past them and the stops); longer ones not in a row of
+    # allowed_token_ids whose every token left they would ban (the allowed set wins: such a row would sample a
     # token outside it, as vLLM's does). Decided on the device: no host read.
-    banned = {i: hits for i, s in enumerate(seqs) if s.params.bad_words_token_ids
-              and (hits := _bad_word_ends(s.params.bad_words_token_ids, s.token_ids, s.num_output_tokens, vocab))}
-    if banned:
-        narrow = [i for i in banned if seqs[i].params.allowed_token_ids]
+    for longer in (False, True):
+        banned = {i: hits for i, s in enumerate(seqs) if s.params.bad_words_token_ids
+                  and (hits := _bad_word_ends([w for w in s.params.bad_words_token_ids if (len(w) > 1) == longer],
+                                              s.token_ids, s.num_output_tokens, vocab))}
+        if not banned:
+            continue
+        narrow = [i for i in banned if longer and seqs[i].params.allowed_token_ids]
         if narrow:
             rows = torch.tensor(narrow, dtype=torch.int64, device=logits.device)
             before = logits[rows]
         flat.index_fill_(0, _flat_ids(banned, vocab, logits.device), float("-inf"))
         if narrow:
             after = logits[rows]
-            emptied = torch.isneginf(after).all(dim=1, keepdim=True)
-            logits[rows] = torch.where(emptied, before, after)
-    # Step 1: min_tokens: EOS and stop tokens are -inf until enough tokens are out.
-    stops = {i: [t for t in (*s.params.stop_token_ids, *(() if s.params.ignore_eos else eos_token_ids)) if t < vocab]
-             for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens}
-    if stops:
-        flat.index_fill_(0, _flat_ids(stops, vocab, logits.device), float("-inf"))
+            logits[rows] = torch.where(torch.isneginf(after).all(dim=1, keepdim=True), before, after)
     # Step 2: logit_bias, added (each request's keys are distinct, so no id is hit twice).
     biased = {i: [t for t in s.params.logit_bias if t < vocab] for i, s in enumerate(seqs) if s.params.logit_bias}
     if biased:

@@ -205,20 +205,25 @@ class ReasoningStream:
             self.state = "content"
             reasoning, content, self.held = self.held[:at], self.held[at + skip:], ""
             return reasoning.replace(START, "").rstrip() if plan.engine else reasoning, self._content(content, final)
-        tags = [END, *filter(None, [plan.tool_start])]
-        if plan.engine:     # a whole "<think>" goes; a part of one waits
-            self.held, tags = self.held.replace(START, ""), tags + [START]
+        # the held text stays as written: tags are found, and "<think>" dropped, in it as split() does in the whole
+        tags = [END, *filter(None, [plan.tool_start]), *([START] if plan.engine else [])]
         cut = len(self.held) - (0 if final else tag_overlap(self.held, *tags))
-        if plan.engine:     # trailing whitespace waits until more reasoning follows it
-            cut = len(self.held[:cut].rstrip())
+        while plan.engine and cut:     # trailing whitespace (and "<think>"s) wait until more reasoning follows
+            if self.held.endswith(START, 0, cut):
+                cut -= len(START)
+            elif self.held[cut - 1].isspace():
+                cut -= 1
+            else:
+                break
         reasoning, self.held = self.held[:cut], self.held[cut:]
-        return reasoning, ""
+        return reasoning.replace(START, "") if plan.engine else reasoning, ""
 
     def _content(self, piece: str, final: bool) -> str:
-        """Content text to send: under the engine rules without "</think>" (a part of one waits)."""
+        """Content text to send: under the engine rules without "</think>" (a part of one waits; the held text
+        stays as written, so the drops are split()'s)."""
         if not self.plan.engine:
             return piece
-        self.held = (self.held + piece).replace(END, "")
+        self.held += piece
         cut = len(self.held) - (0 if final else tag_overlap(self.held, END))
         out, self.held = self.held[:cut], self.held[cut:]
-        return out
+        return out.replace(END, "")

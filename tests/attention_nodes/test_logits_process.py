@@ -68,6 +68,9 @@ def test_bad_words_never_ban_every_allowed_token():
     out = shape_logits(logits, [cornered, open_row], EOS)
     assert out[0].tolist() == [inf, inf, inf, inf, 4, 5]
     assert out[1].tolist() == [inf, inf, inf, 3, inf, inf]
+    # what is left counts min_tokens' bans (EOS 0 here), and one-token bad words stay banned
+    late = seq([1], [5], allowed_token_ids=[0, 3, 5], bad_words_token_ids=[[3], [5, 5]], min_tokens=4)
+    assert shape_logits(logits[:1], [late], EOS)[0].tolist() == [inf, inf, inf, inf, inf, 5]
 
 
 def test_untouched_requests_share_the_tensor():
