@@ -97,6 +97,9 @@ class Header:
         return Call(self.recipient.removeprefix("functions."), arguments)
 
 
+PLAIN = Header("assistant", "final", None, None)     # an output with no whole header reads as one final message
+
+
 def _body_end(text: str) -> tuple[int, int]:
     """(where a message's text ends in text, -1 when it has not; the end marker's length)."""
     found = [(i, len(e)) for e in ENDS if (i := text.find(e)) >= 0]
@@ -153,7 +156,7 @@ class HarmonyAnswer:
     def message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
         """The unstreamed answer: (message, finish_reason)."""
         parts = {"reasoning": [], "content": [], "call": []}
-        for header, body in messages(text) or [(Header("assistant", "final", None, None), text)]:
+        for header, body in messages(text) or [(PLAIN, text)]:
             if (kind := header.kind) == "call":
                 parts[kind].append(header.call(body))
             elif kind != "drop" and body:
@@ -236,7 +239,7 @@ class HarmonyStream:
             self._close(delta)
             self.held, self.header = self.held[end + skip:], None
         if final and not self.headed and self.held:     # no whole header: all content
-            self.header = Header("assistant", "final", None, None)
+            self.header = PLAIN
             self._text(delta, self.held)
         return delta
 

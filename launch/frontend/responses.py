@@ -58,13 +58,18 @@ class Part(_Request):
     text: str
 
 
+def _joined(value: str | list[Part]) -> str:
+    """A string, or text parts joined."""
+    return value if isinstance(value, str) else "".join(p.text for p in value)
+
+
 class Message(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Part]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return _joined(self.content)
 
 
 class FunctionCall(_Request):
@@ -80,7 +85,7 @@ class FunctionCallOutput(_Request):
     output: str | list[Part]
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return _joined(self.output)
 
 
 class Reasoning(_Request):
