@@ -36,6 +36,7 @@ from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.frontend.answer import check_parsers, require_tokens
 from launch.frontend.reasoning import PARSERS as REASONING_PARSERS
+from launch.frontend.tool_parsers import HARMONY
 from launch.frontend.tool_parsers import NAMES as TOOL_PARSERS
 from launch.llm import LLM
 from launch.procs import leave_process
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
         expert_ranks = args.expert_ranks if args.expert_ranks is not None else 1
     llm_kwargs = dict(attention_ranks=attention_ranks, expert_ranks=expert_ranks, **engine_options(args))
     if not (args.prompt or args.stdin):
-        if (args.reasoning_parser or args.tool_call_parser) and _leads(args):
+        if (args.reasoning_parser or args.tool_call_parser == HARMONY) and _leads(args):   # parsers that read tokens
             try:
                 require_tokens(load_tokenizer(args.model), args.tool_call_parser, args.reasoning_parser, args.model)
             except ValueError as e:      # no such tokens, or a tokenizer that does not load
