@@ -16,16 +16,21 @@ function or "required" asks for, are launch/frontend/chat.py's).
 - parallel_tool_calls false: only the first call is answered.
 
 Streamed: a named function's arguments stream as they come (the first delta names the function and carries the
-call's id). "required" and "auto" hold back what may be calls (all of "required"'s output; "auto"'s text from the
-first text that begins calls (the parser's start, e.g. "<tool_call>"), a tail that may begin it, or whitespace
-before any text) and decide at the end as the unstreamed answer does, so the two always agree: the calls come whole
-in the chunk that carries the finish_reason, or the held text as content.
+call's id). "auto" sends as content the text before the first text that begins calls (the parser's start, e.g.
+"<tool_call>"), holding a tail that may begin it and whitespace before any text. From there, and for "required"
+from the start, each call goes out piece by piece, as vLLM's do: its first delta names it as soon as its name is
+known, then its arguments follow as they are written, in the form the unstreamed answer gives them
+(launch/frontend/call_stream.py). The chunk that carries the finish_reason sends what the unstreamed answer has
+beyond that (the rest of the content; calls, or the rest of them, that did not go out), so when the text is the
+calls it began the two agree. A text that stops being calls once some went out (cut short inside a call, or not
+JSON after all) cannot take them back; that stream then has calls the unstreamed answer lacks.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
+from .call_stream import READERS, REQUIRED, CallStream
 from .chat import ChatCompletionRequest
 from .protocol import APIError
 from .text import tag_overlap
@@ -118,22 +123,37 @@ class ToolStream:
     in_calls: bool = False      # "auto": the parser's start came; the rest is decided at the end
     named_id: str | None = None     # the named function's call id, once its first delta went
     found: bool = False
+    calls: CallStream | None = None     # "auto" and "required": the calls streamed so far
+
+    def __post_init__(self) -> None:
+        reader = REQUIRED if self.plan.mode == "required" else READERS.get(self.plan.parser)
+        if self.plan.mode != "named" and reader is not None:
+            self.calls = CallStream(reader(self.plan.schemas), self.plan.parser.call_id,
+                                    None if self.plan.parallel else 1)
 
     def add(self, piece: str, final: bool) -> dict:
         """The delta for this piece: {"content": ...}, {"tool_calls": [...]}, both, or {} (nothing to send)."""
         self.parts.append(piece)
         if self.plan.mode == "named":
             return self._named(piece)
-        delta = {} if self.plan.mode == "required" or self.in_calls else self._content(piece)
+        if self.plan.mode == "required" or self.in_calls:
+            delta, calls_text = {}, piece
+        else:
+            delta = self._content(piece)
+            calls_text = self.pending[self.pending.find(self.plan.parser.start):] if self.in_calls else ""
         if not final:
+            if calls_text and self.calls is not None and (deltas := self.calls.add(calls_text)):
+                delta["tool_calls"] = deltas
             return delta
         content, calls = self.plan.calls("".join(self.parts))
         rest = (content or "")[self.num_sent:]
         if rest:
             delta["content"] = delta.get("content", "") + rest
-        if calls:
-            self.found = True
-            delta["tool_calls"] = [c.answer(self.plan.parser.call_id(), index=k) for k, c in enumerate(calls)]
+        deltas = self.calls.rest(calls) if self.calls is not None else [
+            c.answer(self.plan.parser.call_id(), index=k) for k, c in enumerate(calls)]
+        self.found = bool(calls) or bool(self.calls and self.calls.sent)
+        if deltas:
+            delta["tool_calls"] = deltas
         return delta
 
     def _named(self, piece: str) -> dict:
