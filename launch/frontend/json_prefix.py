@@ -3,14 +3,14 @@ piece by piece (launch/frontend/call_stream.py) while adding up to the unstreame
 
 `JsonPrefix` reads one value's text as it comes and returns, each time, the text that is sure to extend what it
 returned before, if the value goes on to be valid JSON:
-- canonical (the default): the value as `json.dumps(json.loads(text), ensure_ascii=False)` writes it, the form
-  vLLM's parsers answer arguments in: ", " and ": " between items, strings escaped as json.dumps escapes them,
+- canonical (the default): the value as `json.dumps(json.loads(text), ensure_ascii=False)` writes it (with
+  `ascii`, as `json.dumps(json.loads(text))` does: harmony's), the form vLLM's parsers answer arguments in: ", " and ": " between items, strings escaped as json.dumps escapes them,
   each number as json.dumps writes what json.loads reads (so a number goes out once it has ended);
 - raw: the value as written, from its first character (whitespace after a token held until more follows).
 `done` once the value is whole, and `end`: how many of the characters fed it took (what follows is not the
 value's). It stops (`failed`, and returns nothing more) where no JSON value could dump back to what it returned:
-not JSON, a repeated key (json.loads keeps the last value, in the first key's place), a lone surrogate (the
-unstreamed answer then escapes all non-ASCII), or a top-level value not opening with one of `opens`.
+not JSON, a repeated key (json.loads keeps the last value, in the first key's place), a lone surrogate without
+`ascii` (the unstreamed answer then escapes all non-ASCII), or a top-level value not opening with one of `opens`.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ class JsonPrefix:
     """One value's text, fed piece by piece (module docstring). `opens`: the characters the value may begin with
     (None: any)."""
 
-    def __init__(self, canonical: bool = True, opens: str | None = None):
-        self.canonical, self.opens = canonical, opens
+    def __init__(self, canonical: bool = True, opens: str | None = None, ascii: bool = False):
+        self.canonical, self.opens, self.ascii = canonical, opens, ascii
         self.stack: list[set[str] | None] = []     # open containers: an object's keys so far, None for an array
         self.expect = "value"       # value | item (value or "]") | key | member (key or "}") | colon | next | -
         self.done = self.failed = False
@@ -169,7 +169,7 @@ class JsonPrefix:
         if key is None or key in self.stack[-1]:
             return self._fail()
         self.stack[-1].add(key)
-        out.append(json.dumps(key, ensure_ascii=False))
+        out.append(json.dumps(key, ensure_ascii=self.ascii))
 
     def _flush_string(self, out: list[str], final: bool) -> None:
         """Out the canonical form of the string's raw text so far, up to an escape not yet whole (or a high
@@ -179,7 +179,7 @@ class JsonPrefix:
         text = self._decode(raw[:cut])
         if text is None:
             return self._fail()
-        out.append(json.dumps(text, ensure_ascii=False)[1:-1])
+        out.append(json.dumps(text, ensure_ascii=self.ascii)[1:-1])
         self._token = raw[cut:]
 
     def _decode(self, raw: str) -> str | None:
@@ -187,7 +187,7 @@ class JsonPrefix:
             text = json.loads('"' + raw + '"')
         except ValueError:
             return None
-        return None if any("\ud800" <= ch <= "\udfff" for ch in text) else text
+        return None if not self.ascii and any("\ud800" <= ch <= "\udfff" for ch in text) else text
 
 
 def _safe_cut(raw: str) -> int:

@@ -60,8 +60,9 @@ def test_what_goes_out_begins_the_final_form_and_ends_as_it(seed):
     text = spelled(rng, v)
     final = json.dumps(json.loads(text), ensure_ascii=False)
     after = rng.choice(["", "}", " </tool_call>", ",{"])      # what follows the value is not its
-    for canonical, want in ((True, final), (False, text.strip())):
-        j, sent = JsonPrefix(canonical=canonical), ""
+    for canonical, ascii, want in ((True, False, final), (False, False, text.strip()),
+                                   (True, True, json.dumps(json.loads(text)))):
+        j, sent = JsonPrefix(canonical=canonical, ascii=ascii), ""
         for p in pieces(rng, " " + text + after):
             sent += j.feed(p)
             assert want.startswith(sent), (text, sent)
@@ -90,3 +91,5 @@ def test_opens_refuses_other_values_and_raw_keeps_the_text_as_written():
     assert j.feed('{"a" :1 , "a":"\\ud800"} tail') == '{"a" :1 , "a":"\\ud800"}' and j.done
     j = JsonPrefix(canonical=False)
     assert j.feed('{"zone": ') == '{"zone":'      # whitespace after a token waits for what follows
+    j = JsonPrefix(ascii=True)       # harmony's form escapes every non-ASCII, a lone surrogate too
+    assert j.feed('{"x": "\\ud800é"}') == '{"x": "\\ud800\\u00e9"}' == json.dumps({"x": "\ud800é"}) and j.done
