@@ -227,6 +227,15 @@ READERS: dict[object, Callable[[Schemas], _Reader]] = {     # by tool_parsers.Pa
 REQUIRED = lambda schemas: _Listed("parameters")       # noqa: E731
 
 
+def rest_of(call, index: int, sent: str) -> str:
+    """What call's arguments (a tool_parsers.Call, the unstreamed answer's call `index`) have beyond `sent`, the
+    text that went out of them; "" (logged) when they do not begin with it."""
+    if call.arguments.startswith(sent):
+        return call.arguments[len(sent):]
+    log.warning("streamed tool call %d's arguments %r do not begin the answer's %r", index, sent, call.arguments)
+    return ""
+
+
 def _found(m: re.Match | None) -> Found | None:
     if m is None:
         return None
@@ -302,11 +311,10 @@ class CallStream:
                 out.append(call.answer(self.call_id(), index=k))
                 continue
             name, sent = self.sent[k]
-            if call.name != name or not call.arguments.startswith(sent):
-                log.warning("streamed tool call %d (%s %r) is not the answer's (%s %r)", k, name, sent, call.name,
-                            call.arguments)
-            elif len(call.arguments) > len(sent):
-                out.append({"index": k, "function": {"arguments": call.arguments[len(sent):]}})
+            if call.name != name:
+                log.warning("streamed tool call %d is %s, the answer's %s", k, name, call.name)
+            elif more := rest_of(call, k, sent):
+                out.append({"index": k, "function": {"arguments": more}})
         if len(calls) < len(self.sent):
             log.warning("%d tool calls streamed, the answer has %d", len(self.sent), len(calls))
         return out

@@ -16,8 +16,10 @@ last two are EOS ids of GPT-OSS, so they end the output), or where the output en
     whole messages is dropped (vLLM answers its raw text).
 usage.completion_tokens_details.reasoning_tokens counts the text tokens (not special ones, such as an EOS) of
 analysis messages and of commentary messages to a recipient (vLLM's count).
-Streamed: reasoning and content stream as they come; a tail that may begin a marker is held back, and each call
-comes whole when its message ends (vLLM streams the arguments piece by piece).
+Streamed: reasoning and content stream as they come, a tail that may begin a marker held back. A call opens (its
+id and name) when its header ends, and its arguments follow as they are written, re-written as the unstreamed
+answer writes them (launch/frontend/json_prefix.py), as vLLM streams them; a call's text that is not JSON after
+all sends the rest at its end only when it extends what went out (else it is logged).
 A named or "required" tool choice is answered as on other models (launch/frontend/tools.py): its grammar binds
 from the first token, so the model writes no harmony header there.
 """
@@ -28,6 +30,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .call_stream import rest_of
+from .json_prefix import JsonPrefix
 from .reasoning import HARMONY as REASONING_PARSER
 from .text import tag_overlap
 from .tool_parsers import HARMONY as TOOL_PARSER
@@ -215,7 +219,9 @@ class HarmonyStream:
     began: dict = field(default_factory=dict)     # kind -> a message of it sent text (the next is joined by "\n")
     opened: bool = False            # this message sent text
     call_text: str = ""             # this call's text so far
-    num_calls: int = 0
+    num_calls: int = 0              # calls opened
+    sent: str | None = None         # the open call's arguments that went out (None: it is not answered)
+    args: JsonPrefix | None = None  # what of its text is sure to begin its arguments (None: its text as written)
 
     def add(self, piece: str, final: bool) -> dict:
         self.held += piece
@@ -226,6 +232,8 @@ class HarmonyStream:
                     break
                 self.header, self.held, self.headed, self.opened = Header.of(self.held[:at]), \
                     self.held[at + len(MESSAGE):], True, False
+                if self.header.kind == "call":
+                    self._open(delta)
                 continue
             end, skip = _body_end(self.held)
             if end < 0:
@@ -243,10 +251,31 @@ class HarmonyStream:
             self._text(delta, self.held)
         return delta
 
+    def _open(self, delta: dict) -> None:
+        """A call's header came: its first delta, when the answer answers it."""
+        if not self.answer._answered([self.header], self.num_calls):
+            return
+        first = self.header.call("").answer(self.answer.tools.parser.call_id(), index=self.num_calls)
+        delta.setdefault("tool_calls", []).append(first)
+        self.num_calls += 1
+        kind = self.header.content_type
+        self.sent, self.args = "", JsonPrefix(ascii=True) if kind is None or "json" in kind else None
+
+    def _arguments(self, delta: dict, text: str) -> None:
+        if text:
+            calls = delta.setdefault("tool_calls", [])
+            if calls and calls[-1]["index"] == self.num_calls - 1:
+                calls[-1]["function"]["arguments"] += text
+            else:
+                calls.append({"index": self.num_calls - 1, "function": {"arguments": text}})
+            self.sent += text
+
     def _text(self, delta: dict, text: str) -> None:
         kind = self.header.kind
         if kind == "call":
             self.call_text += text
+            if self.sent is not None:
+                self._arguments(delta, self.args.feed(text) if self.args is not None else text)
             return
         if not text or kind == "drop" or (kind == "reasoning" and not self.answer.reasoning):
             return
@@ -256,14 +285,10 @@ class HarmonyStream:
         delta[kind] = delta.get(kind, "") + text
 
     def _close(self, delta: dict) -> None:
-        if self.header.kind != "call":
+        if self.header.kind != "call" or self.sent is None:
             return
-        calls = self.answer._answered([self.header.call(self.call_text)], self.num_calls)
-        self.call_text = ""
-        for c in calls:
-            delta.setdefault("tool_calls", []).append(c.answer(self.answer.tools.parser.call_id(),
-                                                               index=self.num_calls))
-            self.num_calls += 1
+        self._arguments(delta, rest_of(self.header.call(self.call_text), self.num_calls - 1, self.sent))
+        self.call_text, self.sent, self.args = "", None, None
 
     def finish_reason(self, finish: str | None) -> str | None:
         return self.answer.tools.finish_reason(True, finish) if self.num_calls else finish

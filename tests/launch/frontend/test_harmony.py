@@ -33,6 +33,8 @@ CASES = {
     "<|channel|>commentary to=python<|message|>print(1)<|end|><|start|>assistant<|channel|>weird<|message|>z":
         (None, None, [], "stop"),          # a built-in tool's call and an unknown channel are dropped
     "<|channel|>commentary to=<|constrain|>json<|message|>pre": (None, "pre", [], "stop"),   # no recipient: a preamble
+    '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"city":"Zürich", "n": [1.50, -0]}<|call|>':
+        (None, None, [("f", '{"city": "Z\\u00fcrich", "n": [1.5, 0]}')], "tool_calls"),   # re-written as json.dumps
 }
 
 
@@ -63,6 +65,11 @@ def test_harmony_answers_and_every_split_of_their_stream_say_the_same(text):
     assert said(ans, text) == CASES[text]
     for pieces in splits(text):
         assert streamed_said(ans, pieces) == CASES[text], pieces
+    if CASES[text][2]:      # a call opens when its header ends, and its arguments follow before the message ends
+        chunks = stream_chunks(ans, list(text) + [""])
+        sent = [(i, c) for i, ch in enumerate(chunks) for c in ch["choices"][0]["delta"].get("tool_calls", [])]
+        assert "id" in sent[0][1] and sent[0][0] < text.rindex("<|message|>") + len("<|message|>"), sent
+        assert len(sent) > 2 or len(CASES[text][2][0][1]) <= 2, sent
 
 
 def test_what_the_server_does_not_parse_is_left_out():
