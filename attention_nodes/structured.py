@@ -90,16 +90,25 @@ class Grammars:
         self._pool: ThreadPoolExecutor | None = None
 
     def compile(self, spec: dict):
-        """The compiled grammar of a spec (`check_spec`'s shape), cached (waiting for it when `prefetch` started
-        it); ValueError naming the spec when xgrammar cannot compile it (a bad schema, regex or grammar). Safe
-        from several threads at once."""
+        """The compiled grammar of a spec (`check_spec`'s shape), cached (waiting for it when `prefetch` or another
+        thread's `compile` started it: concurrent requests with one new schema compile it once); ValueError naming
+        the spec when xgrammar cannot compile it (a bad schema, regex or grammar). Safe from several threads at
+        once."""
         key = _key(spec)
         with self._lock:
             if key in self._compiled:
                 self._compiled.move_to_end(key)
                 return self._compiled[key]
             pending = self._pending.get(key)
-        return self._store(key, self._build(spec)) if pending is None else pending.result()
+            if pending is None:
+                self._pending[key] = mine = Future()
+        if pending is not None:
+            return pending.result()
+        try:
+            mine.set_result(self._background(key, spec))
+        except BaseException as e:
+            mine.set_exception(e)
+        return mine.result()
 
     def prefetch(self, spec: dict) -> Future:
         """Start compiling spec on this object's worker thread unless it is compiled or compiling, and return

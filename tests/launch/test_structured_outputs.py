@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -316,9 +317,11 @@ class SlowCompiler:
     def __init__(self, compiler):
         import threading
         self.inner, self.go, self.started = compiler, threading.Event(), threading.Event()
+        self.num_compiles = 0
 
     def __getattr__(self, name):
         def compile_(*args, **kwargs):
+            self.num_compiles += 1
             self.started.set()
             assert self.go.wait(60), "the test never let the compile end"
             return getattr(self.inner, name)(*args, **kwargs)
@@ -363,6 +366,40 @@ def test_a_rank_compiles_grammars_off_its_steps_and_aborts_a_request_whose_gramm
     assert grammars.matcher(next(s for s in sched.running if s.request_id == "g")) is not None
     with pytest.raises(ValueError, match="does not compile"):     # a failure is not kept: compiled anew, it fails
         grammars.compile(bad.structured_outputs)
+
+
+def test_requests_with_one_new_grammar_at_once_compile_it_once(tiny_checkpoint):
+    """Several front threads compiling one new spec share one compile (each used to compile it), and its failure
+    too; a failure is not kept."""
+    import threading
+
+    from transformers import AutoTokenizer
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    grammars = Grammars(tok, hf_model(path).config.vocab_size, [tok.eos_token_id])
+    grammars.compiler = slow = SlowCompiler(grammars.compiler)
+    for spec, ok in (({"regex": "a+b"}, True), ({"regex": "(unclosed"}, False)):
+        slow.num_compiles, slow.go, got = 0, threading.Event(), []
+
+        def one():
+            try:
+                got.append(grammars.compile(spec))
+            except ValueError as e:
+                got.append(e)
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        assert slow.started.wait(60)
+        time.sleep(0.2)          # the others reach compile while the first one's compile is held
+        slow.go.set()
+        for t in threads:
+            t.join(60)
+        assert slow.num_compiles == 1 and len(got) == 4, (slow.num_compiles, got)
+        assert all(g is got[0] for g in got) if ok else all(isinstance(g, ValueError) for g in got)
+        slow.started.clear()
+    with pytest.raises(ValueError, match="does not compile"):
+        grammars.compile({"regex": "(unclosed"})
+    assert slow.num_compiles == 2
 
 
 def test_draft_rows_follow_the_drafts_and_leave_the_matcher_as_it_was(tiny_checkpoint):
