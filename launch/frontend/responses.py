@@ -365,19 +365,28 @@ class Events:
         out = []
         for c in data.get("choices", []):
             delta = c["delta"]
+            calls = delta.get("tool_calls") or []
+            opens = next((k for k, call in enumerate(calls) if "id" in call), len(calls))
+            out += self._arguments(calls[:opens])   # the open call's rest first: content beside it follows the calls
             if delta.get("reasoning"):
                 out += self._delta("reasoning", delta["reasoning"])
             if delta.get("content"):
                 out += self._delta("message", delta["content"])
-            for call in delta.get("tool_calls") or []:
-                fn = call.get("function", {})
+            for call in calls[opens:]:
                 if "id" in call:
-                    out += self._open(call_item(call["id"], fn.get("name", ""), ""))
-                if fn.get("arguments") and self.item is not None:
-                    self.text += fn["arguments"]
-                    out.append(self._event("response.function_call_arguments.delta", **self._at,
-                                           delta=fn["arguments"]))
+                    out += self._open(call_item(call["id"], call["function"].get("name", ""), ""))
+                out += self._arguments([call])
             self.finish_reason = c.get("finish_reason") or self.finish_reason
+        return out
+
+    def _arguments(self, calls: list[dict]) -> list[str]:
+        """Events for argument pieces of the open function_call item."""
+        out = []
+        for call in calls:
+            if (more := call.get("function", {}).get("arguments")) and self.item is not None and \
+                    self.item["type"] == "function_call":
+                self.text += more
+                out.append(self._event("response.function_call_arguments.delta", **self._at, delta=more))
         return out
 
     def end(self) -> list[str]:

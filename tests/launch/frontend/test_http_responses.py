@@ -176,3 +176,30 @@ def test_a_json_schema_format_constrains_the_text(served):
 def test_a_chat_fields_400_names_the_responses_field(chat, responses):
     from launch.frontend.responses import field_of
     assert field_of(chat) == responses
+
+
+def test_streamed_calls_make_the_function_call_items_of_the_unstreamed_response():
+    """Chat streams of glm45 calls (argument pieces as they come, the last call's rest in the final chunk beside
+    content that came between the calls) make, through the Responses events, the items of the unstreamed
+    response: each call's arguments whole and in its own item, for every split of the text."""
+    from launch.frontend.responses import Events, ResponsesRequest, answer
+    from launch.frontend.tool_parsers import PARSERS
+    from launch.frontend.tools import ToolPlan
+    from tests.launch.frontend.test_http_tools import GLM_TOOLS, splits, stream_chunks
+
+    text = ('Checking both.\n<tool_call>clock</tool_call>\n<tool_call>weather<arg_key>city</arg_key><arg_value>Rome'
+            '</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call>')
+    plan, request = ToolPlan("auto", parser=PARSERS["glm45"], schemas=GLM_TOOLS), ResponsesRequest(input="hi")
+    message, finish = plan.message(text, "stop")
+    want = [(i["type"], i.get("name"), i.get("arguments") or i.get("content", [{}])[0].get("text"))
+            for i in answer(request, MODEL, {"choices": [{"message": message, "finish_reason": finish}]})["output"]]
+    assert [w[0] for w in want] == ["message", "function_call", "function_call"], want
+    for pieces in splits(text):
+        events = Events(request, MODEL)
+        for chunk in stream_chunks(plan, pieces):
+            events.chunk(chunk)
+        done = json.loads(events.end()[-1].split("data: ", 1)[1])["response"]
+        got = [(i["type"], i.get("name"), i.get("arguments") or i["content"][0]["text"]) for i in done["output"]]
+        calls = [g for g in got if g[0] == "function_call"]
+        assert calls == [w for w in want if w[0] == "function_call"], (pieces, got)
+        assert "".join(g[2] for g in got if g[0] == "message") == want[0][2], (pieces, got)
