@@ -1,21 +1,25 @@
-"""Tool calls streamed piece by piece, as vLLM streams them: a call's first delta names it (with its id) as soon as
-its name is known, then its arguments follow as the model writes them. launch/frontend/tools.py's ToolStream
-feeds a `CallStream` the text from where calls begin and, at the end, sends what the unstreamed answer has
-beyond what went out.
+"""Tool calls streamed piece by piece, as vLLM streams them: a call's first delta names it (with its id) once its
+name and the start of its arguments are written, then its arguments follow as the model writes them.
+launch/frontend/tools.py's ToolStream feeds a `CallStream` the text from where calls begin and, at the end, sends
+what the unstreamed answer has beyond what went out (`rest`).
 
 What goes out is sure to begin the unstreamed answer's arguments when the text goes on to be the calls it began:
 a call's arguments go through a `JsonPrefix` (launch/frontend/json_prefix.py) in the form the parser answers
 them in (re-dumped JSON for hermes, "required" and Mistral's array; the text as written for Mistral's v11 calls
 and DeepSeek-V3's json blocks; GLM-4.5's values one whole value at a time, typed as the unstreamed answer types
 them). A call written in a way these readers do not follow (keys in another order, say) stops the streaming
-there: it, and every call after it, comes whole at the end, as before. A text that stops being calls once some
-went out (cut short inside one, or not JSON after all) cannot take them back: the unstreamed answer then has no
-call, or another, where the stream sent one (vLLM's streams do the same); that is logged.
+there: it, and every call after it, comes whole at the end, as before. What went out cannot be taken back, so a
+stream and the unstreamed answer differ (it is logged) when the text stops being the calls it began (cut short
+inside one, not JSON after all: the answer drops that call or makes the text content), or when the answer
+re-writes what went out (a key repeated in the arguments: json.loads keeps the last value; a lone surrogate
+after non-ASCII text, which makes the answer escape all non-ASCII).
 
-Per format (`READERS`, by parser; `REQUIRED` for tool_choice "required"), a reader's `header(text, pos)` finds
-the next call at or after pos: `Found(name, at)` (its arguments start at `at`), `Skip(pos)` (a call the answer
-drops; look again from pos) or None (not yet known); `arguments()` reads one call's arguments; `close` is the
-text after the arguments that ends a call (looked for before the next call is).
+Per format (`READERS`, by parser; `REQUIRED` for tool_choice "required"), a reader has `begin`, the text that
+begins each call, and `header(text, pos)`, which finds the next call at or after pos: `Found(name, at)` (its
+arguments start at `at`), `Skip(pos)` (a call the answer drops; look again from pos) or None (not yet known);
+`arguments()` reads one call's arguments; `close` is the text after the arguments that ends a call (looked for
+before the next call is). Each piece of text is read once, whatever the output's length: a call's arguments are
+fed to their reader as they come, and only the text between calls is kept.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from .tool_parsers import PARSERS, Schemas, coerce, dumps
 log = logging.getLogger(__name__)
 
 _NAME = r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"'     # a JSON string's text, escapes as written
+MAX_HEADER = 1024       # a call whose header has not matched this far past its begin is one these readers do not follow
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,7 @@ class Skip:
 
 
 class _Reader:
+    begin = ""      # the text that begins each call ("": a call follows where the last one closed)
     close = ""
 
     def arguments(self):
@@ -54,12 +60,12 @@ class _Reader:
 class _Tagged(_Reader):
     """hermes: <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>, name first."""
 
+    begin = "<tool_call>"
     close = "</tool_call>"
     _head = re.compile(r'<tool_call>\s*\{\s*' + _NAME + r'\s*,\s*"arguments"\s*:\s*')
 
     def header(self, text: str, pos: int):
-        at = text.find("<tool_call>", pos)
-        return None if at < 0 else _found(self._head.match(text, at))
+        return _found(self._head.match(text, pos))
 
 
 class _Listed(_Reader):
@@ -72,10 +78,12 @@ class _Listed(_Reader):
     def __init__(self, key: str, lead: str = "", opens: str | None = None):
         self._first = re.compile(re.escape(lead) + r'\s*\[\s*\{\s*' + _NAME + rf'\s*,\s*"{key}"\s*:\s*')
         self._next = re.compile(r'\s*,\s*\{\s*' + _NAME + rf'\s*,\s*"{key}"\s*:\s*')
-        self.opens = opens
+        self.opens, self._started = opens, False
 
     def header(self, text: str, pos: int):
-        return _found((self._next if pos else self._first).match(text, pos))
+        found = _found((self._next if self._started else self._first).match(text, pos))
+        self._started = self._started or found is not None
+        return found
 
     def arguments(self):
         return JsonPrefix(opens=self.opens)
@@ -85,14 +93,12 @@ class _Mistral(_Reader):
     """Mistral's: [TOOL_CALLS] then a JSON array (before v11; `_Listed`), or NAME[ARGS]{...} after each
     [TOOL_CALLS] (v11), its arguments the JSON value as written. A lone object after [TOOL_CALLS] comes whole."""
 
-    _listed = _Listed("arguments", "[TOOL_CALLS]", opens="{[")
-
     def __init__(self):
         self.mode: str | None = None
+        self._listed = _Listed("arguments", "[TOOL_CALLS]", opens="{[")
 
-    @property
-    def close(self) -> str:
-        return self._listed.close if self.mode == "listed" else ""
+    begin = property(lambda self: "[TOOL_CALLS]" if self.mode == "named" else "")
+    close = property(lambda self: self._listed.close if self.mode == "listed" else "")
 
     def header(self, text: str, pos: int):
         if self.mode is None:
@@ -102,10 +108,7 @@ class _Mistral(_Reader):
             self.mode = "listed" if lead[0] == "[" else "object" if lead[0] == "{" else "named"
         if self.mode != "named":
             return self._listed.header(text, pos) if self.mode == "listed" else None
-        at = text.find("[TOOL_CALLS]", pos)
-        if at < 0:
-            return None
-        at += len("[TOOL_CALLS]")
+        at = pos + len("[TOOL_CALLS]")
         ends = [e for e in (text.find("[ARGS]", at), text.find("{", at)) if e >= 0]
         end = min(ends, default=-1)
         if end < 0 or "[TOOL_CALLS]" in text[at:end] or not text[at:end].strip():
@@ -120,11 +123,15 @@ class _DeepSeek(_Reader):
     """DeepSeek-V3's: <｜tool▁call▁begin｜>TYPE<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>, ARGS as
     written on one line."""
 
+    begin = "<｜tool▁call▁begin｜>"
     _head = re.compile(r"<｜tool▁call▁begin｜>[^\n]*<｜tool▁sep｜>([^\n]*)\n```json\n")
 
     def header(self, text: str, pos: int):
-        m = self._head.search(text, pos)
-        return None if m is None else Found(m.group(1), m.end())
+        if (m := self._head.match(text, pos)) is not None:
+            return Found(m.group(1), m.end())
+        if "\n```json\n" in text[pos:] or text.find(self.begin, pos + 1) >= 0:     # not a call: look further on
+            return Skip(pos + 1)
+        return None
 
     def arguments(self):
         return _Line("\n```<｜tool▁call▁end｜>")
@@ -134,25 +141,26 @@ class _Line:
     """One line's text as written, up to `end` (which must follow it)."""
 
     def __init__(self, end: str):
-        self._end, self._text, self._sent = end, "", 0
+        self._end, self._tail, self._length = end, None, 0     # _tail: the text from the line's end on
         self.done = self.failed = False
         self.end = 0
 
     def feed(self, text: str) -> str:
         if self.done or self.failed:
             return ""
-        self._text += text
-        line = self._text.find("\n")
-        if line < 0:
-            cut = len(self._text)
-        elif self._text.startswith(self._end, line):
-            cut, self.done, self.end = line, True, line + len(self._end)
-        elif self._end.startswith(self._text[line:]):
-            cut = line
+        out = ""
+        if self._tail is None:
+            if (line := text.find("\n")) < 0:
+                self._length += len(text)
+                return text
+            out, self._tail, self._length = text[:line], text[line:], self._length + line
         else:
-            self.failed = True
+            self._tail += text
+        if self._tail.startswith(self._end):
+            self.done, self.end = True, self._length + len(self._end)
+        elif not self._end.startswith(self._tail):
+            self.failed = True      # a second line: the answer does not take this call
             return ""
-        out, self._sent = self._text[self._sent:cut], cut
         return out
 
 
@@ -160,14 +168,13 @@ class _Glm(_Reader):
     """GLM-4.5's: <tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>; a name that is
     not one of the request's tools is dropped."""
 
+    begin = "<tool_call>"
+
     def __init__(self, schemas: Schemas):
         self.schemas = schemas
 
     def header(self, text: str, pos: int):
-        at = text.find("<tool_call>", pos)
-        if at < 0:
-            return None
-        at += len("<tool_call>")
+        at = pos + len("<tool_call>")
         ends = [e for e in (text.find("<arg_key>", at), text.find("</tool_call>", at)) if e >= 0]
         if not ends:
             return None
@@ -188,21 +195,31 @@ class _GlmArgs:
     whole, once its </arg_value> came, "}" at its </tool_call>."""
 
     _pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+    _tags = ("</arg_value>", "</tool_call>")
 
     def __init__(self, properties: dict):
         self.properties, self.keys = properties, set()
-        self._text, self._pos = "", 0
+        self._parts: list[str] = []
+        self._tail = ""     # the last characters fed, that may begin a tag the next piece ends
+        self._seen = 0      # characters fed
+        self._pos = 0       # where the next pair is looked for
         self.done = self.failed = False
         self.end = 0
 
     def feed(self, text: str) -> str:
         if self.done or self.failed:
             return ""
-        out = ["{"] if not self._text and not self._pos else []
-        self._text += text
-        close = self._text.find("</tool_call>", max(0, len(self._text) - len(text) - len("</tool_call>")))
-        body = self._text if close < 0 else self._text[:close]
-        while body.find("</arg_value>", self._pos) >= 0 and (m := self._pair.search(body, self._pos)):
+        out = ["{"] if not self._seen else []
+        window, self._tail = self._tail + text, (self._tail + text)[-len("</tool_call>"):]
+        self._parts.append(text)
+        self._seen += len(text)
+        if not any(tag in window for tag in self._tags):    # nothing can end here: join nothing
+            return "".join(out)
+        whole = "".join(self._parts)
+        self._parts = [whole]
+        close = whole.find("</tool_call>", self._pos)
+        body = whole if close < 0 else whole[:close]
+        while m := self._pair.search(body, self._pos):
             key, value = m.group(1).strip(), m.group(2)
             if key in self.keys:
                 self.failed = True
@@ -227,15 +244,6 @@ READERS: dict[object, Callable[[Schemas], _Reader]] = {     # by tool_parsers.Pa
 REQUIRED = lambda schemas: _Listed("parameters")       # noqa: E731
 
 
-def rest_of(call, index: int, sent: str) -> str:
-    """What call's arguments (a tool_parsers.Call, the unstreamed answer's call `index`) have beyond `sent`, the
-    text that went out of them; "" (logged) when they do not begin with it."""
-    if call.arguments.startswith(sent):
-        return call.arguments[len(sent):]
-    log.warning("streamed tool call %d's arguments %r do not begin the answer's %r", index, sent, call.arguments)
-    return ""
-
-
 def _found(m: re.Match | None) -> Found | None:
     if m is None:
         return None
@@ -243,6 +251,15 @@ def _found(m: re.Match | None) -> Found | None:
         return Found(json.loads('"' + m.group(1) + '"'), m.end())
     except ValueError:
         return None
+
+
+def rest_of(call, index: int, sent: str) -> str | None:
+    """What call's arguments (a tool_parsers.Call, the unstreamed answer's call `index`) have beyond `sent`, the
+    text that went out of them; None (logged) when they do not begin with it."""
+    if call.arguments.startswith(sent):
+        return call.arguments[len(sent):]
+    log.warning("streamed tool call %d's arguments %r do not begin the answer's %r", index, sent, call.arguments)
+    return None
 
 
 @dataclass(slots=True)
@@ -254,67 +271,85 @@ class CallStream:
     call_id: Callable[[], str]
     limit: int | None = None
     sent: list[list[str]] = field(default_factory=list)
-    text: str = ""
+    text: str = ""          # the text not yet read into a call's arguments, from where the last call closed
     stopped: bool = False   # a call these readers do not follow: the rest comes at the end
     _args: object = None    # the open call's arguments reader
-    _fed: int = 0           # characters of text fed to it
-    _at: int = 0            # where its arguments start
-    _pos: int = 0           # where the next call is looked for
+    _fed: int = 0           # characters fed to it
+    _pos: int = 0           # where in text the next call is looked for
+    _closing: bool = False  # the last call's arguments ended; its close (reader.close) has not come
 
     def add(self, piece: str) -> list[dict]:
-        self.text += piece
         out: list[dict] = []
-        while not self.stopped:
-            if self._args is None and not self._open(out):
-                break
-            more = self._args.feed(self.text[self._fed:])
-            self._fed = len(self.text)
-            if more:
-                self.sent[-1][1] += more
-                if out and out[-1]["index"] == len(self.sent) - 1:
-                    out[-1]["function"]["arguments"] += more
-                else:
-                    out.append({"index": len(self.sent) - 1, "function": {"arguments": more}})
-            if self._args.failed:
-                self.stopped = True
-            if not self._args.done:
-                break
-            end = self._at + self._args.end
-            close = self.text.find(self.reader.close, end) if self.reader.close else end
-            if close < 0:
-                break
-            self._args, self._pos = None, close + len(self.reader.close)
+        if self.stopped:
+            return out
+        if self._args is not None:
+            self._feed(piece, out)
+        else:
+            self.text += piece
+        while not self.stopped and self._args is None and self._open(out):
+            self._feed(self.text[self._pos:], out)
         return out
 
+    def _feed(self, text: str, out: list[dict]) -> None:
+        """Feed the open call's arguments reader text; once they end, keep what follows them and close the call."""
+        more = self._args.feed(text)
+        self._fed += len(text)
+        if more:
+            self.sent[-1][1] += more
+            if out and out[-1]["index"] == len(self.sent) - 1:
+                out[-1]["function"]["arguments"] += more
+            else:
+                out.append({"index": len(self.sent) - 1, "function": {"arguments": more}})
+        if self._args.failed:
+            self.stopped = True
+        elif self._args.done:       # the end lies in this text: what follows it is kept
+            self.text, self._pos, self._args = text[len(text) - (self._fed - self._args.end):], 0, None
+            self._closing = bool(self.reader.close)
+
     def _open(self, out: list[dict]) -> bool:
-        """Look for the next call; True when one opened (its first delta in out)."""
-        while (found := self.reader.header(self.text, self._pos)) is not None:
+        """Look for the next call in text; True when one opened (its first delta in out, text from its arguments'
+        start at self._pos)."""
+        reader, text = self.reader, self.text
+        if self._closing:
+            if (close := text.find(reader.close)) < 0:      # keep only what may begin it
+                self.text = text[max(0, len(text) - len(reader.close) + 1):]
+                return False
+            self.text, self._pos, self._closing = text[close + len(reader.close):], 0, False
+            text = self.text
+        while True:
+            if reader.begin:
+                at = text.find(reader.begin, self._pos)
+                if at < 0:      # keep only what may begin the next call
+                    self.text, self._pos = text[max(0, len(text) - len(reader.begin) + 1):], 0
+                    return False
+                self._pos = at
+            found = reader.header(text, self._pos)
             if isinstance(found, Skip):
                 self._pos = found.pos
                 continue
+            if found is None:
+                self.stopped = len(text) - self._pos > MAX_HEADER
+                return False
             if self.limit is not None and len(self.sent) >= self.limit:
                 self.stopped = True
                 return False
-            self._args, self._at, self._fed = self.reader.arguments(), found.at, found.at
+            self._args, self._fed, self._pos = reader.arguments(), 0, found.at
             self.sent.append([found.name, ""])
             out.append({"index": len(self.sent) - 1, "id": self.call_id(), "type": "function",
                         "function": {"name": found.name, "arguments": ""}})
             return True
-        return False
 
     def rest(self, calls: list) -> list[dict]:
-        """The final deltas: for each call of the unstreamed answer (tool_parsers.Call), what it has beyond what
-        went out, or the whole call when none of it did."""
-        out = []
-        for k, call in enumerate(calls):
-            if k >= len(self.sent):
-                out.append(call.answer(self.call_id(), index=k))
-                continue
-            name, sent = self.sent[k]
-            if call.name != name:
-                log.warning("streamed tool call %d is %s, the answer's %s", k, name, call.name)
-            elif more := rest_of(call, k, sent):
+        """The final deltas: for each call of the unstreamed answer (tool_parsers.Call) that agrees with the one
+        that went out at its index, what it has beyond it; the answer's calls from the first that does not
+        (another name, or none: the stream sent one the answer dropped) go out whole after those sent."""
+        out, agree = [], len(self.sent)
+        for k, (name, sent) in enumerate(self.sent):
+            if k >= len(calls) or calls[k].name != name:
+                log.warning("tool call %d streamed as %s is %s in the answer", k, name,
+                            calls[k].name if k < len(calls) else "not")
+                agree = k
+                break
+            if more := rest_of(calls[k], k, sent):
                 out.append({"index": k, "function": {"arguments": more}})
-        if len(calls) < len(self.sent):
-            log.warning("%d tool calls streamed, the answer has %d", len(self.sent), len(calls))
-        return out
+        return out + [c.answer(self.call_id(), index=len(self.sent) + j) for j, c in enumerate(calls[agree:])]

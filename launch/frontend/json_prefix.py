@@ -4,21 +4,26 @@ piece by piece (launch/frontend/call_stream.py) while adding up to the unstreame
 `JsonPrefix` reads one value's text as it comes and returns, each time, the text that is sure to extend what it
 returned before, if the value goes on to be valid JSON:
 - canonical (the default): the value as `json.dumps(json.loads(text), ensure_ascii=False)` writes it (with
-  `ascii`, as `json.dumps(json.loads(text))` does: harmony's), the form vLLM's parsers answer arguments in: ", " and ": " between items, strings escaped as json.dumps escapes them,
-  each number as json.dumps writes what json.loads reads (so a number goes out once it has ended);
+  `ascii`, as `json.dumps(json.loads(text))` does: harmony's), the form vLLM's parsers answer arguments in:
+  ", " and ": " between items, strings escaped as json.dumps escapes them, each number as json.dumps writes
+  what json.loads reads (so a number goes out once it has ended);
 - raw: the value as written, from its first character (whitespace after a token held until more follows).
 `done` once the value is whole, and `end`: how many of the characters fed it took (what follows is not the
-value's). It stops (`failed`, and returns nothing more) where no JSON value could dump back to what it returned:
-not JSON, a repeated key (json.loads keeps the last value, in the first key's place), a lone surrogate without
-`ascii` (the unstreamed answer then escapes all non-ASCII), or a top-level value not opening with one of `opens`.
+value's). It stops (`failed`, and returns nothing more) where the text cannot dump back to what it returned
+and what follows: not JSON, a repeated key (json.loads keeps the last value, in the first key's place), a lone
+surrogate without `ascii` (the unstreamed answer then escapes all non-ASCII), or a top-level value not opening
+with one of `opens`. Each character is read once (a string's plain characters in runs), and only a string's
+text since the last piece is kept (a key's until it ends).
 """
 from __future__ import annotations
 
 import json
+import re
 
 _SPACE = " \t\n\r"              # JSON's whitespace
 _NOT_SCALAR = _SPACE + ',:[]{}"'  # what ends a number or literal
 _HEX = set("0123456789abcdefABCDEF")
+_RUN = re.compile(r'[^"\\]+')         # a run of a string's characters that neither end it nor escape
 
 
 class JsonPrefix:
@@ -40,12 +45,16 @@ class JsonPrefix:
     def feed(self, text: str) -> str:
         """The sure text that `text`, the next characters of the value (and maybe of what follows it), adds."""
         out: list[str] = []
-        for i, c in enumerate(text):
-            if self.done or self.failed:
-                break
-            self._char(c, out)
-            if self.done and self.end == 0:
+        i = 0
+        while i < len(text) and not (self.done or self.failed):
+            if self._string is not None and not self._escaped and (run := _RUN.match(text, i)):
+                self._run(run.group(), out)     # a string's plain characters, in one go
+                i = run.end()
+                continue
+            self._char(text[i], out)
+            if self.done:
                 self.end = self._fed + i + (0 if self._ended_by_next else 1)
+            i += 1
         self._fed += len(text)
         if self._string == "value" and not self.failed and self.canonical:
             self._flush_string(out, final=False)
@@ -158,9 +167,14 @@ class JsonPrefix:
                 self._after_value()
             return
         self._escaped = c == "\\" and not self._escaped
-        self._token += c
+        self._run(c, out)
+
+    def _run(self, text: str, out: list[str]) -> None:
+        """Characters inside a string: kept to decode (canonical, or a key), or sent as written (raw)."""
         if not self.canonical and self._string == "value":
-            self._emit(out, "", c)
+            self._emit(out, "", text)
+        else:
+            self._token += text
 
     def _key(self, out: list[str]) -> None:
         if not self.canonical:      # the text as written: a repeated key or a lone surrogate stays as it is

@@ -23,7 +23,9 @@ known, then its arguments follow as they are written, in the form the unstreamed
 (launch/frontend/call_stream.py). The chunk that carries the finish_reason sends what the unstreamed answer has
 beyond that (the rest of the content; calls, or the rest of them, that did not go out), so when the text is the
 calls it began the two agree. A text that stops being calls once some went out (cut short inside a call, or not
-JSON after all) cannot take them back; that stream then has calls the unstreamed answer lacks.
+JSON after all) cannot take them back: that stream then has calls the unstreamed answer lacks, no more content
+(the answer's would be their text), and finish_reason "tool_calls" if the engine stopped, else its reason
+("length"), as vLLM's streams.
 """
 from __future__ import annotations
 
@@ -123,6 +125,7 @@ class ToolStream:
     in_calls: bool = False      # "auto": the parser's start came; the rest is decided at the end
     named_id: str | None = None     # the named function's call id, once its first delta went
     found: bool = False
+    broken: bool = False        # calls went out, and the answer has none (cut short inside one, or not JSON)
     calls: CallStream | None = None     # "auto" and "required": the calls streamed so far
 
     def __post_init__(self) -> None:
@@ -146,12 +149,12 @@ class ToolStream:
                 delta["tool_calls"] = deltas
             return delta
         content, calls = self.plan.calls("".join(self.parts))
+        self.found, self.broken = bool(calls), not calls and bool(self.calls and self.calls.sent)
         rest = (content or "")[self.num_sent:]
-        if rest:
+        if rest and not self.broken:        # broken: the answer's content past what went out is the calls' text
             delta["content"] = delta.get("content", "") + rest
         deltas = self.calls.rest(calls) if self.calls is not None else [
             c.answer(self.plan.parser.call_id(), index=k) for k, c in enumerate(calls)]
-        self.found = bool(calls) or bool(self.calls and self.calls.sent)
         if deltas:
             delta["tool_calls"] = deltas
         return delta
@@ -184,4 +187,8 @@ class ToolStream:
         return {"content": out} if out else {}
 
     def finish_reason(self, finish: str | None) -> str | None:
+        """The answer's; when calls went out that the answer lacks, vLLM's for a stream: "tool_calls" if the
+        engine stopped, else its reason ("length": cut short)."""
+        if self.broken:
+            return "tool_calls" if finish == "stop" else finish
         return self.plan.finish_reason(self.found, finish)

@@ -342,6 +342,8 @@ DEEPSEEK = {
         (None, [("a", "{}"), ("b", "[1, 2]")], "tool_calls"),
     f'x{DS}{CALL}function{SEP}a\n```json\n{{"cut': ("x", [], "stop"),      # no whole call: dropped, as vLLM
     'no calls <｜tool▁calls': ('no calls <｜tool▁calls', [], "stop"),
+    f'{DS}{CALL}function{SEP}a\n```json\n{{\n"x": 1}}\n```{END}{CALL}function{SEP}b\n```json\n{{"y": 2}}\n```'
+    f'{END}{ALL_END}': (None, [("b", '{"y": 2}')], "tool_calls"),        # a call over two lines: dropped
 }
 # the same for the glm45 parser, whose calls' values take the types of the tools' schemas (vLLM's rules, by hand)
 GLM_TOOLS = {"weather": {"type": "object", "properties": {
@@ -415,11 +417,14 @@ def splits(text: str):
             yield pieces + [""]
 
 
-# texts that begin a call which is then not one (not JSON after all; cut short): a stream that sent part of it
-# cannot take it back. text -> the call a stream may have sent (by hand): its name, and arguments that what
-# went out begins
-BROKEN = {'<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>': ("a", '{"x": 1}'),
-          f'x{DS}{CALL}function{SEP}a\n```json\n{{"cut': ("a", '{"cut')}
+# texts that begin a call which is then not one (not JSON after all; cut short; a second line): a stream that
+# sent part of it cannot take it back. text -> what a stream that sent it says (by hand; vLLM's streams do so):
+# its content (no more than went out before the call), its calls (each one's arguments begin these), and
+# finish_reason "tool_calls" as the engine stopped; the answer's calls after the broken one come after it
+BROKEN = {'<tool_call>{"name": "a", "arguments": {"x": 1}</tool_call>': (None, [("a", '{"x": 1}')], "tool_calls"),
+          f'x{DS}{CALL}function{SEP}a\n```json\n{{"cut': ("x", [("a", '{"cut')], "tool_calls"),
+          f'{DS}{CALL}function{SEP}a\n```json\n{{\n"x": 1}}\n```{END}{CALL}function{SEP}b\n```json\n{{"y": 2}}\n```'
+          f'{END}{ALL_END}': (None, [("a", "{"), ("b", '{"y": 2}')], "tool_calls")}
 # texts whose calls the stream does not follow (keys in another order, Mistral's lone object, ...): they come
 # whole at the end; every other text's first call opens before the stream's last piece
 WHOLE = {'[TOOL_CALLS]{"name": "clock"} and more', '[TOOL_CALLS][1, {"arguments": {"a": 1}}, {"x": 2}]',
@@ -438,10 +443,11 @@ def test_tool_answers_and_every_split_of_their_stream_say_the_same(mode, text, w
     for pieces in splits(text):
         chunks = stream_chunks(plan, pieces)
         content, calls, finish_s = streamed(chunks)
-        if text in BROKEN and calls:
-            name, arguments = BROKEN[text]
-            assert (content or None, finish_s) == (want[0] or None, "tool_calls"), pieces
-            assert [c["name"] for c in calls] == [name] and arguments.startswith(calls[0]["arguments"]), pieces
+        if text in BROKEN and [c["name"] for c in calls] != [c[0] for c in want[1]]:
+            broken = BROKEN[text]
+            assert (content or None, finish_s) == (broken[0], broken[2]), pieces
+            assert [c["name"] for c in calls] == [c[0] for c in broken[1]], pieces
+            assert all(b[1].startswith(c["arguments"]) for c, b in zip(calls, broken[1])), pieces
         else:
             assert (content or None, [(c["name"], c["arguments"]) for c in calls], finish_s) == (
                 want[0] or None, want[1], want[2]), pieces
@@ -449,9 +455,24 @@ def test_tool_answers_and_every_split_of_their_stream_say_the_same(mode, text, w
             assert all(plan.parser.start[0] not in (ch["choices"][0]["delta"].get("content") or "") for ch in chunks)
     if mode != "named" and (want[1] or text in BROKEN) and text not in WHOLE:    # calls go out as they come
         chunks = stream_chunks(plan, list(text) + [""])
-        opened = [i for i, ch in enumerate(chunks) if any("id" in c for c in ch["choices"][0]["delta"].get(
-            "tool_calls", []))]
-        assert opened and opened[0] < len(text), text
+        sent = [(i, c) for i, ch in enumerate(chunks) for c in ch["choices"][0]["delta"].get("tool_calls", [])]
+        assert "id" in sent[0][1] and sent[0][0] < len(text), text      # the first call opens before the end
+        early = "".join(c["function"].get("arguments", "") for i, c in sent if i < len(text) and c["index"] == 0)
+        assert len(early) >= min(2, len((BROKEN[text][1] if text in BROKEN else want[1])[0][1])), sent
+
+
+def test_a_call_cut_short_ends_length_with_no_more_content():
+    """A stream that sent part of a call cut short by max_tokens cannot take it back; it ends "length" (vLLM's),
+    not "tool_calls", and does not send the call's text again as content (the unstreamed answer's)."""
+    text = 'Hi<tool_call>{"name": "a", "arguments": {"x": '
+    plan = ToolPlan("auto")
+    assert plan.message(text, "length") == ({"role": "assistant", "content": text}, "length")
+    s = plan.stream()
+    deltas = [s.add(c, final=False) for c in text] + [s.add("", final=True)]
+    chunks = [{"choices": [{"delta": d, "finish_reason": None}]} for d in deltas]
+    chunks[-1]["choices"][0]["finish_reason"] = s.finish_reason("length")
+    content, calls, finish = streamed(chunks)
+    assert (content, [(c["name"], c["arguments"]) for c in calls], finish) == ("Hi", [("a", '{"x": ')], "length")
 
 
 def test_call_ids_take_the_parsers_form():

@@ -1,7 +1,8 @@
 """JsonPrefix (launch/frontend/json_prefix.py): what it sends of a JSON value written piece by piece is always the
 start of the value's final form, and all of it once the value is whole. Oracle: Python's json module, on values
 and spellings the test makes at random (nesting, escapes, surrogate pairs, non-ASCII, numbers in other forms,
-whitespace anywhere JSON allows it) and cut at random."""
+whitespace anywhere JSON allows it) and cut at random. And CallStream (launch/frontend/call_stream.py) reads each
+piece once, keeping only the text between calls."""
 from __future__ import annotations
 
 import json
@@ -43,8 +44,8 @@ def spelled(rng: random.Random, v) -> str:
         return "[" + space() + ",".join(space() + spelled(rng, x) + space() for x in v) + "]"
     if isinstance(v, float) and v == 1.0:
         return rng.choice(["1.0", "1.00", "10e-1", "1E0"])
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return rng.choice([str(v), f"{v}"])
+    if isinstance(v, int) and not isinstance(v, bool):
+        return rng.choice([str(v), f"{v}E+0", f"{v}e-0", "-0" if v == 0 else f"{v}.000"])
     return json.dumps(v, ensure_ascii=rng.random() < 0.5)
 
 
@@ -93,3 +94,29 @@ def test_opens_refuses_other_values_and_raw_keeps_the_text_as_written():
     assert j.feed('{"zone": ') == '{"zone":'      # whitespace after a token waits for what follows
     j = JsonPrefix(ascii=True)       # harmony's form escapes every non-ASCII, a lone surrogate too
     assert j.feed('{"x": "\\ud800é"}') == '{"x": "\\ud800\\u00e9"}' == json.dumps({"x": "\ud800é"}) and j.done
+
+
+def test_a_long_stream_keeps_only_the_text_between_calls():
+    """Each piece is read once: a long argument goes through its reader as it comes (CallStream keeps no copy of
+    it, JsonPrefix none of a raw string), text after the calls is not kept, and a call the readers do not follow
+    stops the streaming once its header runs past MAX_HEADER (the rest comes whole at the end)."""
+    from launch.frontend.call_stream import MAX_HEADER, READERS, CallStream
+    from launch.frontend.tool_parsers import PARSERS
+    for parser, text in (
+            ("hermes", '<tool_call>{"name": "a", "arguments": {"code": "' + "x = 1\\n" * 3000 + '"}}</tool_call>'
+             + " trailing" * 500),
+            ("mistral", '[TOOL_CALLS]a[ARGS]{"code": "' + "y" * 20000 + '"}' + " trailing" * 500),
+            ("glm45", "<tool_call>a<arg_key>code</arg_key><arg_value>" + "z" * 20000 + "</arg_value></tool_call>")):
+        s = CallStream(READERS[PARSERS[parser]]({"a": {}}), lambda: "id")
+        longest = 0
+        for i in range(0, len(text), 3):
+            s.add(text[i:i + 3])
+            longest = max(longest, len(s.text), len(getattr(s._args, "_token", "")))
+        assert longest < 64 and not s.stopped and len(s.sent) == 1, (parser, longest)
+        assert len(s.sent[0][1]) > 20000, parser
+    s = CallStream(READERS[PARSERS["hermes"]]({}), lambda: "id")
+    text = '<tool_call>{"arguments": {"code": "' + "w" * 5000 + '"}, "name": "a"}</tool_call>'
+    for i in range(0, len(text), 3):
+        s.add(text[i:i + 3])
+        assert len(s.text) <= MAX_HEADER + 3
+    assert s.stopped and s.sent == []
