@@ -36,6 +36,7 @@ from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.frontend.answer import check_parsers, require_tokens
 from launch.frontend.reasoning import PARSERS as REASONING_PARSERS
+from launch.frontend.response_store import DEFAULT_CAPACITY as RESPONSES_STORE
 from launch.frontend.tool_parsers import HARMONY
 from launch.frontend.tool_parsers import NAMES as TOOL_PARSERS
 from launch.llm import LLM
@@ -115,8 +116,9 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
     front = None
     if _leads(args):   # the HTTP front in its own process, listening before the weights load
         from launch.frontend.process import FrontProcess
-        front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs,
-                             args.tool_call_parser if args.enable_auto_tool_choice else None, args.reasoning_parser)
+        front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs, {
+            "tool_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
+            "reasoning_parser": args.reasoning_parser, "responses_store": args.responses_store})
     llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -180,6 +182,10 @@ def main(argv=None) -> int:
     p.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                    help="split a thinking model's reasoning (up to </think>) from its answer in chat responses: "
                         "deepseek_r1, qwen3, glm45, or openai_gptoss (GPT-OSS's analysis messages; vLLM's flag)")
+    p.add_argument("--responses-store", type=int, default=RESPONSES_STORE, metavar="N",
+                   help=f"keep the last N /v1/responses responses created with store true, for GET "
+                        f"/v1/responses/ID and previous_response_id, in the HTTP front's memory; 0 keeps none "
+                        f"(default {RESPONSES_STORE})")
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
@@ -187,6 +193,8 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 0))
     if not world:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
+    if args.responses_store < 0:
+        p.error(f"--responses-store {args.responses_store} is invalid: pass a count >= 0 (0 keeps none)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         p.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(TOOL_PARSERS)})")
     try:

@@ -16,6 +16,7 @@ connect it to an engine and disconnect it. The parts live beside it:
   tools.py          tool calls in chat answers (named, required, auto through a parser; tool_parsers.py, and
                     harmony.py for GPT-OSS)
   responses.py      /v1/responses: the Responses API as a chat completion, its answer and events reshaped
+  response_store.py the responses kept for GET /v1/responses/{id} and previous_response_id
 Request fields no model in protocol.py or chat.py defines are ignored, with one warning per request naming them.
 """
 from __future__ import annotations
@@ -45,6 +46,7 @@ from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan
+from .response_store import DEFAULT_CAPACITY, ResponseStore
 from .responses import Events, ResponsesRequest, field_of, translate
 from .responses import answer as responses_answer
 from .text import TextStream
@@ -58,7 +60,7 @@ logger = logging.getLogger("afserve.http")
 
 
 class _ServerState:
-    def __init__(self, model_name: str, model_path: str):
+    def __init__(self, model_name: str, model_path: str, responses_store: int = DEFAULT_CAPACITY):
         self.model_name, self.model_path = model_name, model_path
         self.engine: EngineClient | None = None
         self.metrics = Metrics()
@@ -68,6 +70,7 @@ class _ServerState:
         self.loop_ready = threading.Event()
         self.tool_parser: str | None = None
         self.reasoning_parser: str | None = None
+        self.responses = ResponseStore(responses_store)     # /v1/responses kept for GET and previous_response_id
 
     @property
     def served(self) -> tuple[str, str]:
@@ -76,20 +79,23 @@ class _ServerState:
 
 
 def build_app(model_name: str, model_path: str, api_key: str | None = None, access_log: bool = True,
-              tool_parser: str | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, reasoning_parser: str | None = None,
+              responses_store: int = DEFAULT_CAPACITY) -> FastAPI:
     """The app; `attach(app, llm)` connects it to an engine once every rank is ready (until then /health and
     the API answer 503). With `access_log`, one INFO line per request goes to logger "afserve.http.access";
     that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING).
     tool_parser: how tool_choice "auto" finds calls in the output (launch/frontend/tool_parsers.py NAMES; None:
     auto is refused, serve.py's --enable-auto-tool-choice is off); reasoning_parser: how chat answers split off
-    their reasoning (launch/frontend/reasoning.py PARSERS; None: they do not)."""
+    their reasoning (launch/frontend/reasoning.py PARSERS; None: they do not); responses_store: how many
+    /v1/responses responses are kept for GET and previous_response_id (launch/frontend/response_store.py; 0:
+    none)."""
     if tool_parser is not None and tool_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_parser={tool_parser!r} is unknown; pass one of {', '.join(TOOL_PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is unknown; pass one of "
                          f"{', '.join(REASONING_PARSERS)}")
     check_parsers(tool_parser, reasoning_parser)
-    state = _ServerState(model_name, model_path)
+    state = _ServerState(model_name, model_path, responses_store)
     state.tool_parser, state.reasoning_parser = tool_parser, reasoning_parser
 
     @contextlib.asynccontextmanager
@@ -160,20 +166,37 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         check_model(body.model, state.served)
         if (refused := body.refused()) is not None:
             raise APIError(400, refused[1], refused[0], "unsupported_parameter")
+        store = state.responses
+        previous = store.conversation(body.previous_response_id) if body.previous_response_id is not None else []
+        body.store = body.store and store.enabled       # answered false where none is kept (vLLM's)
+        kept = previous + body.messages()
+
+        def done(response: dict) -> dict:
+            if body.store:
+                store.put(response, kept)
+            return response
         try:
-            answer = await chat(body.chat(), request)
+            answer = await chat(body.chat(previous), request)
         except APIError as e:       # name the field the client sent
             e.param = field_of(e.param)
             raise
         except ValidationError as e:
             raise APIError(400, f"the request does not make a chat completion: {e.errors()[0]['msg']}") from e
         if isinstance(answer, StreamingResponse):
-            return StreamingResponse(translate(answer.body_iterator, Events(body, state.model_name)),
+            return StreamingResponse(translate(answer.body_iterator, Events(body, state.model_name, done)),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         if not isinstance(answer, dict):    # an error answer (the client left, say)
             return answer
-        return responses_answer(body, state.model_name, answer)
+        return done(responses_answer(body, state.model_name, answer))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        return state.responses.response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return state.responses.delete(response_id)
 
     async def chat(body: ChatCompletionRequest, request: Request):
         check_request(body, state.served)

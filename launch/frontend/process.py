@@ -45,11 +45,10 @@ class FrontLLM(LLM):
 
 
 def front_main(host: str, port: int, api_key: str | None, model_name: str, model: str, llm_kwargs: dict,
-               inbox, outbox, control, status, leader: int, tool_parser: str | None = None,
-               reasoning_parser: str | None = None) -> None:
+               inbox, outbox, control, status, leader: int, app_options: dict) -> None:
     """The front process: serve HTTP at once, attach to the engine when the leader says so, stop when told.
     leader: the leader's pid (compared after the parent-death signal is armed: a leader that died before it
-    was leaves this process with another parent); tool_parser, reasoning_parser: build_app's."""
+    was leaves this process with another parent); app_options: build_app's keywords (tool_parser, ...)."""
     die_with_parent()
     if os.getppid() != leader:
         os._exit(1)
@@ -61,7 +60,7 @@ def front_main(host: str, port: int, api_key: str | None, model_name: str, model
 
     from .api_server import attach, build_app, shut_down
 
-    app = build_app(model_name, model, api_key, tool_parser=tool_parser, reasoning_parser=reasoning_parser)
+    app = build_app(model_name, model, api_key, **app_options)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=3))
     thread = threading.Thread(target=server.run, name="afserve-http", daemon=True)
@@ -95,11 +94,11 @@ class FrontProcess:
     """The leader's handle on its HTTP front. `inbox`/`outbox` are the leader loop's queues."""
 
     def __init__(self, host: str, port: int, api_key: str | None, model_name: str, model: str, llm_kwargs: dict,
-                 tool_parser: str | None = None, reasoning_parser: str | None = None):
+                 app_options: dict | None = None):
         """Spawn the front and return once it listens (SystemExit naming host:port when it cannot). llm_kwargs:
         the leader's LLM arguments after the model (the front checks requests against the same config);
-        tool_parser: tool_choice "auto"'s parser (None: auto is refused); reasoning_parser: how chat answers split
-        off their reasoning (None: they do not)."""
+        app_options: build_app's keywords (tool_parser: tool_choice "auto"'s parser, reasoning_parser,
+        responses_store)."""
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox, self._control, status = ctx.Queue(), Outbox(ctx), ctx.Queue(), ctx.Queue()
         # Exiting never waits to flush words the front no longer reads (it may be gone).
@@ -110,7 +109,7 @@ class FrontProcess:
         self.lost = False      # the front exited on its own: the job shut down for it, and exits non-zero
         self.proc = ctx.Process(target=front_main, name="afserve-http", daemon=True,
                                 args=(host, port, api_key, model_name, model, llm_kwargs, self.inbox, self.outbox,
-                                      self._control, status, os.getpid(), tool_parser, reasoning_parser))
+                                      self._control, status, os.getpid(), app_options or {}))
         self.proc.start()
         self.outbox.close_reader()   # the front holds it now: progress for a front that is gone is dropped
         # Before multiprocessing's own exit handler, which would SIGTERM the front (ignored) and join it forever.

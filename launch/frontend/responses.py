@@ -16,10 +16,9 @@ response.created, response.in_progress; per output item output_item.added, conte
 then response.completed (or response.incomplete), which carries the whole response; an error midway is an "error"
 event, then response.failed.
 vLLM's sampling fields (logit_bias, top_k, min_p, the penalties, seed, stop, stop_token_ids, ignore_eos, ...;
-PASSED) go to the chat completion as they are. Not served (a 400 naming the field): previous_response_id and stored
-responses (store is taken and nothing is stored, so GET /v1/responses/{id} is a 404, as vLLM without its store),
-background, prompt templates, max_tool_calls, top_logprobs; built-in tools (web search, file search, ...) are not
-function tools, so they fail validation.
+PASSED) go to the chat completion as they are. `store` and `previous_response_id`: launch/frontend/response_store.py.
+Not served (a 400 naming the field): background, prompt templates, max_tool_calls, top_logprobs; built-in tools (web
+search, file search, ...) are not function tools, so they fail validation.
 """
 from __future__ import annotations
 
@@ -138,7 +137,7 @@ class ResponsesRequest(_Request):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     stream: bool = False
-    store: bool = True             # taken; nothing is stored
+    store: bool = True             # false where the server keeps none (the route sets it)
     metadata: dict[str, str] | None = None
     user: str | None = None
     previous_response_id: str | None = None
@@ -150,8 +149,6 @@ class ResponsesRequest(_Request):
 
     def refused(self) -> tuple[str, str] | None:
         """(the field, why) of the first thing set that this server does not serve."""
-        if self.previous_response_id is not None:
-            return "previous_response_id", "responses are not stored here; send the whole conversation as input"
         if self.background:
             return "background", "background responses are not served; leave background out"
         if self.prompt is not None:
@@ -164,9 +161,9 @@ class ResponsesRequest(_Request):
             return "truncation", "truncation 'auto' is not served; shorten the input"
         return None
 
-    def chat(self) -> ChatCompletionRequest:
-        """The chat completion this request runs as."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+    def messages(self) -> list[dict]:
+        """The input as chat messages (without the instructions)."""
+        messages = []
         items = [Message(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, Message):
@@ -174,13 +171,18 @@ class ResponsesRequest(_Request):
             elif isinstance(item, FunctionCall):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant":     # that turn's text, then its calls
-                    last.setdefault("tool_calls", []).append(call)
+                if messages and messages[-1]["role"] == "assistant":     # that turn's text, then its calls
+                    messages[-1].setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutput):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        return messages
+
+    def chat(self, previous: list[dict] = ()) -> ChatCompletionRequest:
+        """The chat completion this request runs as; previous: the messages of the conversation it continues."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        messages += [*previous, *self.messages()]
         if not messages:
             raise APIError(400, "input holds no message; send at least one", "input")
         body = {"model": self.model, "messages": messages, "stream": self.stream,
@@ -225,7 +227,7 @@ class ResponsesRequest(_Request):
         return {"id": _id("resp"), "object": "response", "created_at": int(time.time()), "model": model,
                 "status": "in_progress", "error": None, "incomplete_details": None, "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens, "metadata": self.metadata or {}, "output": [],
-                "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": None,
+                "parallel_tool_calls": self.parallel_tool_calls, "previous_response_id": self.previous_response_id,
                 "reasoning": self.reasoning.model_dump() if self.reasoning else None, "store": self.store,
                 "temperature": self.temperature, "top_p": self.top_p, "text": {"format": fmt},
                 "tool_choice": self.tool_choice if isinstance(self.tool_choice, str) else
@@ -284,10 +286,11 @@ def answer(request: ResponsesRequest, model: str, completion: dict) -> dict:
 
 
 class Events:
-    """A streamed chat completion's chunks -> the Responses API's events (SSE text, in order)."""
+    """A streamed chat completion's chunks -> the Responses API's events (SSE text, in order). done: called with
+    the final response unless it failed (the route stores it)."""
 
-    def __init__(self, request: ResponsesRequest, model: str):
-        self.response = request.shell(model)
+    def __init__(self, request: ResponsesRequest, model: str, done=lambda response: None):
+        self.response, self.done = request.shell(model), done
         self.seq = 0
         self.item: dict | None = None     # the output item being streamed
         self.text = ""                    # its text, or its arguments, so far
@@ -380,8 +383,7 @@ class Events:
         return out
 
     def _arguments(self, calls: list[dict]) -> list[str]:
-        """Events for argument pieces of the open function_call item."""
-        out = []
+        out = []        # events for argument pieces of the open function_call item
         for call in calls:
             if (more := call.get("function", {}).get("arguments")) and self.item is not None and \
                     self.item["type"] == "function_call":
@@ -396,6 +398,7 @@ class Events:
                                                                    "message": self.error.get("message", "")}}
             return out + [self._event("response.failed", response=failed)]
         final = finish(self.response, self.finish_reason, self.usage)
+        self.done(final)
         kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         return out + [self._event(kind, response=final)]
 

@@ -145,7 +145,6 @@ def test_calls_are_function_call_items(served):
 
 
 @pytest.mark.parametrize("fields,param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
@@ -203,3 +202,47 @@ def test_streamed_calls_make_the_function_call_items_of_the_unstreamed_response(
         calls = [g for g in got if g[0] == "function_call"]
         assert calls == [w for w in want if w[0] == "function_call"], (pieces, got)
         assert "".join(g[2] for g in got if g[0] == "message") == want[0][2], (pieces, got)
+
+
+def fetch(served, method: str, path: str) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=120)
+    conn.request(method, path)
+    resp = conn.getresponse()
+    data = json.loads(resp.read().decode())
+    conn.close()
+    return resp.status, data
+
+
+def test_a_stored_response_is_read_back_and_continued_by_previous_response_id(served):
+    """store (OpenAI's default) keeps a response: GET answers it, and previous_response_id continues its
+    conversation: the greedy output is transformers' on the chat template of the conversation the test writes out
+    (the new instructions, the earlier input, the earlier answer's text as the assistant's turn without its
+    reasoning, the new input), unstreamed and streamed. store false keeps none; DELETE forgets one; an unknown id is
+    a 404 naming the field."""
+    first = respond(served, instructions="Be brief.", input="Hello experts")
+    assert first["store"] is True and first["previous_response_id"] is None
+    code, got = fetch(served, "GET", f"/v1/responses/{first['id']}")
+    assert code == 200 and got == first
+    openai_types.Response.model_validate(got)
+    earlier = dict(texts(first))["message"]
+    messages = [{"role": "system", "content": "Again."}, {"role": "user", "content": "Hello experts"},
+                {"role": "assistant", "content": earlier}, {"role": "user", "content": "More"}]
+    reasoning, _, content = oracle(served, BIAS, messages=messages)[1].partition("</think>")
+    second = respond(served, instructions="Again.", previous_response_id=first["id"], input="More")
+    assert texts(second) == items(reasoning, content) and second["previous_response_id"] == first["id"], (
+        texts(second), reasoning, content)
+    evs = events(served, instructions="Again.", previous_response_id=first["id"], input="More", store=False)
+    final = evs[-1]["response"]
+    assert texts(final) == texts(second) and final["store"] is False
+    assert fetch(served, "GET", f"/v1/responses/{final['id']}")[0] == 404      # store false: not kept
+    # a streamed one is kept too, and continues as the unstreamed one
+    streamed_first = events(served, instructions="Be brief.", input="Hello experts")[-1]["response"]
+    assert fetch(served, "GET", f"/v1/responses/{streamed_first['id']}") == (200, streamed_first)
+    again = respond(served, instructions="Again.", previous_response_id=streamed_first["id"], input="More")
+    assert texts(again) == texts(second)
+    assert fetch(served, "DELETE", f"/v1/responses/{first['id']}") == (200, {"id": first["id"], "object": "response",
+                                                                            "deleted": True})
+    code, err = fetch(served, "GET", f"/v1/responses/{first['id']}")
+    assert code == 404 and first["id"] in err["error"]["message"] and err["error"]["param"] == "response_id"
+    code, err = post(served, "/v1/responses", {"model": MODEL, "input": "x", "previous_response_id": first["id"]})
+    assert code == 404 and err["error"]["param"] == "previous_response_id", err

@@ -41,7 +41,7 @@ def server(model_dir):
     srv = LocalServer(model_dir, nproc=3, args=[
         "--attention-ranks", "1", "--api-key", KEY, "--max-model-len", str(MAX_LEN),
         "--collective-timeout-s", str(COLLECTIVE_TIMEOUT_S), "--heartbeat-s", "0.5",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--responses-store", "1"])
     with srv:
         yield srv
 
@@ -357,6 +357,17 @@ def test_tools_reach_the_template_and_serve_py_turns_auto_tool_choice_on(client,
     assert got.usage.prompt_tokens == len(ids) and c.finish_reason == "length"
 
 
+def test_serve_py_bounds_the_stored_responses(client):
+    """--responses-store 1 reaches the front: the openai SDK reads a stored response back until a newer one
+    pushes it out."""
+    first = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0)
+    assert first.store and client.responses.retrieve(first.id).id == first.id
+    second = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, temperature=0)
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    with pytest.raises(openai.NotFoundError, match=first.id):
+        client.responses.retrieve(first.id)
+
+
 def test_auto_tool_choice_needs_a_parser_and_a_reasoning_parser_its_tokens(model_dir):
     import subprocess
     import sys
@@ -374,6 +385,8 @@ def test_auto_tool_choice_needs_a_parser_and_a_reasoning_parser_its_tokens(model
     assert run.returncode == 2 and "lacks <|start|>, <|channel|>" in run.stderr, run.stderr
     run = serve("--tool-call-parser", "openai", "--reasoning-parser", "qwen3")
     assert run.returncode == 2 and "take each other or none" in run.stderr, run.stderr
+    run = serve("--responses-store", "-1")
+    assert run.returncode == 2 and "--responses-store -1 is invalid" in run.stderr, run.stderr
 
 
 def test_bad_chat_requests_get_openai_errors(server):
