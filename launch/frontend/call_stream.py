@@ -264,13 +264,13 @@ def rest_of(call, index: int, sent: str) -> str | None:
 
 @dataclass(slots=True)
 class CallStream:
-    """The deltas of the calls in a growing text (`add` each piece), and what each call sent (`sent`: [name,
-    arguments] per index). At most `limit` calls (parallel_tool_calls false: 1)."""
+    """The deltas of the calls in a growing text (`add` each piece), and what each call sent (`sent`: (name, the
+    pieces of its arguments) per index). At most `limit` calls (parallel_tool_calls false: 1)."""
 
     reader: _Reader
     call_id: Callable[[], str]
     limit: int | None = None
-    sent: list[list[str]] = field(default_factory=list)
+    sent: list[tuple[str, list[str]]] = field(default_factory=list)
     text: str = ""          # the text not yet read into a call's arguments, from where the last call closed
     stopped: bool = False   # a call these readers do not follow: the rest comes at the end
     _args: object = None    # the open call's arguments reader
@@ -295,7 +295,7 @@ class CallStream:
         more = self._args.feed(text)
         self._fed += len(text)
         if more:
-            self.sent[-1][1] += more
+            self.sent[-1][1].append(more)
             if out and out[-1]["index"] == len(self.sent) - 1:
                 out[-1]["function"]["arguments"] += more
             else:
@@ -334,7 +334,7 @@ class CallStream:
                 self.stopped = True
                 return False
             self._args, self._fed, self._pos = reader.arguments(), 0, found.at
-            self.sent.append([found.name, ""])
+            self.sent.append((found.name, []))
             out.append({"index": len(self.sent) - 1, "id": self.call_id(), "type": "function",
                         "function": {"name": found.name, "arguments": ""}})
             return True
@@ -344,12 +344,12 @@ class CallStream:
         that went out at its index, what it has beyond it; the answer's calls from the first that does not
         (another name, or none: the stream sent one the answer dropped) go out whole after those sent."""
         out, agree = [], len(self.sent)
-        for k, (name, sent) in enumerate(self.sent):
+        for k, (name, pieces) in enumerate(self.sent):
             if k >= len(calls) or calls[k].name != name:
                 log.warning("tool call %d streamed as %s is %s in the answer", k, name,
                             calls[k].name if k < len(calls) else "not")
                 agree = k
                 break
-            if more := rest_of(calls[k], k, sent):
+            if more := rest_of(calls[k], k, "".join(pieces)):
                 out.append({"index": k, "function": {"arguments": more}})
         return out + [c.answer(self.call_id(), index=len(self.sent) + j) for j, c in enumerate(calls[agree:])]

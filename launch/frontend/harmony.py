@@ -218,9 +218,9 @@ class HarmonyStream:
     headed: bool = False            # a whole header came
     began: dict = field(default_factory=dict)     # kind -> a message of it sent text (the next is joined by "\n")
     opened: bool = False            # this message sent text
-    call_text: str = ""             # this call's text so far
+    call_text: list[str] = field(default_factory=list)     # this call's text so far, in pieces
     num_calls: int = 0              # calls opened
-    sent: str | None = None         # the open call's arguments that went out (None: it is not answered)
+    sent: list[str] | None = None   # the open call's arguments that went out, in pieces (None: not answered)
     args: JsonPrefix | None = None  # what of its text is sure to begin its arguments (None: its text as written)
 
     def add(self, piece: str, final: bool) -> dict:
@@ -259,7 +259,7 @@ class HarmonyStream:
         delta.setdefault("tool_calls", []).append(first)
         self.num_calls += 1
         kind = self.header.content_type
-        self.sent, self.args = "", JsonPrefix(ascii=True) if kind is None or "json" in kind else None
+        self.sent, self.args = [], JsonPrefix(ascii=True) if kind is None or "json" in kind else None
 
     def _arguments(self, delta: dict, text: str) -> None:
         if text:
@@ -268,12 +268,12 @@ class HarmonyStream:
                 calls[-1]["function"]["arguments"] += text
             else:
                 calls.append({"index": self.num_calls - 1, "function": {"arguments": text}})
-            self.sent += text
+            self.sent.append(text)
 
     def _text(self, delta: dict, text: str) -> None:
         kind = self.header.kind
         if kind == "call":
-            self.call_text += text
+            self.call_text.append(text)
             if self.sent is not None:
                 self._arguments(delta, self.args.feed(text) if self.args is not None else text)
             return
@@ -287,8 +287,9 @@ class HarmonyStream:
     def _close(self, delta: dict) -> None:
         if self.header.kind != "call" or self.sent is None:
             return
-        self._arguments(delta, rest_of(self.header.call(self.call_text), self.num_calls - 1, self.sent))
-        self.call_text, self.sent, self.args = "", None, None
+        self._arguments(delta, rest_of(self.header.call("".join(self.call_text)), self.num_calls - 1,
+                                       "".join(self.sent)))
+        self.call_text, self.sent, self.args = [], None, None
 
     def finish_reason(self, finish: str | None) -> str | None:
         return self.answer.tools.finish_reason(True, finish) if self.num_calls else finish
