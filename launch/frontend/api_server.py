@@ -15,7 +15,8 @@ connect it to an engine and disconnect it. The parts live beside it:
   answer.py         a chat answer: reasoning (reasoning.py, --reasoning-parser), content, tool calls
   tools.py          tool calls in chat answers (named, required, auto through a parser; tool_parsers.py, and
                     harmony.py for GPT-OSS)
-  responses.py      /v1/responses: the Responses API as a chat completion, its answer and events reshaped
+  responses.py      /v1/responses: the Responses API as a chat completion, its answer reshaped (its events:
+                    response_events.py)
   response_store.py the responses kept for GET /v1/responses/{id} and previous_response_id
 Request fields no model in protocol.py or chat.py defines are ignored, with one warning per request naming them.
 """
@@ -47,7 +48,8 @@ from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan
 from .response_store import DEFAULT_CAPACITY, ResponseStore
-from .responses import Events, ResponsesRequest, field_of, translate
+from .response_events import Events, translate
+from .responses import ResponsesRequest, field_of
 from .responses import answer as responses_answer
 from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut

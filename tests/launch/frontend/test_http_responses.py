@@ -181,7 +181,8 @@ def test_streamed_calls_make_the_function_call_items_of_the_unstreamed_response(
     """Chat streams of glm45 calls (argument pieces as they come, the last call's rest in the final chunk beside
     content that came between the calls) make, through the Responses events, the items of the unstreamed
     response: each call's arguments whole and in its own item, for every split of the text."""
-    from launch.frontend.responses import Events, ResponsesRequest, answer
+    from launch.frontend.response_events import Events
+    from launch.frontend.responses import ResponsesRequest, answer
     from launch.frontend.tool_parsers import PARSERS
     from launch.frontend.tools import ToolPlan
     from tests.launch.frontend.test_http_tools import GLM_TOOLS, splits, stream_chunks
