@@ -171,7 +171,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         store = state.responses
         previous = store.conversation(body.previous_response_id) if body.previous_response_id is not None else []
         body.store = body.store and store.enabled       # answered false where none is kept (vLLM's)
-        kept = previous + body.messages()
+        kept = body.messages(previous)
 
         def done(response: dict) -> dict:
             if body.store:

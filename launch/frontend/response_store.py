@@ -56,7 +56,8 @@ class ResponseStore:
 
     def _entry(self, response_id: str, param: str) -> tuple[dict, list[dict]]:
         if response_id not in self._kept:
-            why = "responses are not stored on this server (--responses-store 0)" if not self.enabled else \
+            why = "this server stores no responses (its store holds 0: serve.py's --responses-store)" if \
+                not self.enabled else \
                 "it was never stored here (store false), or it was deleted, or pushed out by newer ones"
             raise APIError(404, f"Response with id {response_id!r} not found: {why}", param)
         self._kept.move_to_end(response_id)

@@ -156,18 +156,23 @@ class ResponsesRequest(_Request):
             return "truncation", "truncation 'auto' is not served; shorten the input"
         return None
 
-    def messages(self) -> list[dict]:
-        """The input as chat messages (without the instructions)."""
-        messages = []
+    def messages(self, previous: list[dict] = ()) -> list[dict]:
+        """The conversation without the instructions: previous (the one previous_response_id continues; its dicts
+        are not changed), then the input as chat messages."""
+        messages, known = list(previous), {c["id"] for m in previous for c in m.get("tool_calls", ())}
         items = [Message(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, Message):
                 messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCall):
+                if item.call_id in known:
+                    raise APIError(400, f"function_call {item.call_id!r} is in the conversation "
+                                        f"previous_response_id continues already; send only the new items (its "
+                                        f"function_call_output)", "input")
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 if messages and messages[-1]["role"] == "assistant":     # that turn's text, then its calls
-                    messages[-1].setdefault("tool_calls", []).append(call)
+                    messages[-1] = messages[-1] | {"tool_calls": [*messages[-1].get("tool_calls", ()), call]}
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif isinstance(item, FunctionCallOutput):
@@ -177,7 +182,7 @@ class ResponsesRequest(_Request):
     def chat(self, previous: list[dict] = ()) -> ChatCompletionRequest:
         """The chat completion this request runs as; previous: the messages of the conversation it continues."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
-        messages += [*previous, *self.messages()]
+        messages += self.messages(previous)
         if not messages:
             raise APIError(400, "input holds no message; send at least one", "input")
         body = {"model": self.model, "messages": messages, "stream": self.stream,

@@ -142,6 +142,20 @@ def test_calls_are_function_call_items(served):
     evs = events(served, **fields)
     args = "".join(e["delta"] for e in evs if e["type"] == "response.function_call_arguments.delta")
     assert [x for t, x in texts(evs[-1]["response"]) if t == "function_call"] == want == [("clock", args)]
+    # the call's output, sent with previous_response_id, continues the conversation as the whole of it sent as
+    # input does (the stored call and its output in one assistant turn, then a tool turn; the calls' text is
+    # the test's own from the response): with no call text before it, and with some
+    call = next(i for i in got["output"] if i["type"] == "function_call")
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "noon"}
+    more = dict(max_output_tokens=8)      # no tools: the template fits in max_model_len
+    whole = respond(served, input=[{"role": "user", "content": "Time?"}, {
+        "type": "function_call", "call_id": call["call_id"], "name": "clock", "arguments": call["arguments"]},
+        result], **more)
+    continued = respond(served, previous_response_id=got["id"], input=[result], **more)
+    assert texts(continued) == texts(whole)
+    code, err = post(served, "/v1/responses", {"model": MODEL, "previous_response_id": got["id"], "input": [
+        {k: call[k] for k in ("type", "call_id", "name", "arguments")}, result], **more})
+    assert code == 400 and err["error"]["param"] == "input" and call["call_id"] in err["error"]["message"], err
 
 
 @pytest.mark.parametrize("fields,param", [

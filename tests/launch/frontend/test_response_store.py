@@ -29,6 +29,22 @@ def test_a_stored_response_leaves_its_input_then_its_text_and_calls_as_the_assis
     assert store.conversation("r2") == asked and store.response("r2") == response("r2", THOUGHT)
 
 
+def test_a_call_sent_after_a_stored_turn_joins_it_and_leaves_the_stored_one_as_it_was():
+    """A function_call item right after the stored assistant turn is a call of that turn (as when the whole
+    conversation is sent as input), in a new message: the stored conversation stays as it was."""
+    from launch.frontend.responses import ResponsesRequest
+    store = ResponseStore(2)
+    store.put(response("r1", {"type": "message", "content": [{"type": "output_text", "text": "Let me look."}]}),
+              [{"role": "user", "content": "Time?"}])
+    request = ResponsesRequest(previous_response_id="r1", input=[CALL, {"type": "function_call_output",
+                                                                         "call_id": "c1", "output": "noon"}])
+    turn = {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "clock", "arguments": '{"zone": "utc"}'}}]}
+    assert request.messages(store.conversation("r1")) == [
+        {"role": "user", "content": "Time?"}, turn, {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    assert store.conversation("r1")[-1] == {"role": "assistant", "content": "Let me look."}
+
+
 def test_the_store_keeps_the_most_recently_used_and_none_at_zero():
     store = ResponseStore(2)
     for rid in ("a", "b"):
@@ -45,7 +61,7 @@ def test_the_store_keeps_the_most_recently_used_and_none_at_zero():
     off = ResponseStore(0)
     off.put(response("x", TEXT), [])
     assert not off.enabled
-    with pytest.raises(APIError, match="not stored on this server"):
+    with pytest.raises(APIError, match="stores no responses"):
         off.response("x")
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="capacity"):
