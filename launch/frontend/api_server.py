@@ -47,8 +47,8 @@ from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan
-from .response_store import DEFAULT_CAPACITY, ResponseStore
 from .response_events import Events, translate
+from .response_store import DEFAULT_CAPACITY, ResponseStore
 from .responses import ResponsesRequest, field_of
 from .responses import answer as responses_answer
 from .text import TextStream

@@ -122,7 +122,7 @@ class ToolStream:
     pending: str = ""           # "auto" before a call, and a named call's leading whitespace: text not sent yet
     num_sent: int = 0           # "auto": characters of the text sent as content
     has_text: bool = False      # "auto": content other than whitespace went out
-    in_calls: bool = False      # "auto": the parser's start came; the rest is decided at the end
+    in_calls: bool = False      # "auto": the parser's start came; the rest goes to `calls` (and the end decides)
     named_id: str | None = None     # the named function's call id, once its first delta went
     found: bool = False
     broken: bool = False        # calls went out, and the answer has none (cut short inside one, or not JSON)
