@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import harmony
-from .reasoning import ReasoningPlan, ReasoningStream, require_think_tokens
+from .reasoning import ReasoningCount, ReasoningPlan, ReasoningStream, require_think_tokens
+from .text import GrowingCounts
 from .tools import ToolPlan, ToolStream
 
 
@@ -33,6 +34,7 @@ def require_tokens(tok, tool_parser: str | None, reasoning_parser: str | None, m
 class ChatAnswer:
     tools: ToolPlan | None = None
     reasoning: ReasoningPlan | None = None
+    counted: GrowingCounts | None = None     # usage_details' counts so far
 
     @classmethod
     def of(cls, tools: ToolPlan | None, reasoning: ReasoningPlan | None) -> ChatAnswer | None:
@@ -64,7 +66,9 @@ class ChatAnswer:
         """usage's completion_tokens_details for these outputs' token ids ({}: no reasoning parser)."""
         if self.reasoning is None:
             return {}
-        return {"completion_tokens_details": {"reasoning_tokens": sum(map(self.reasoning.num_tokens, outputs))}}
+        if self.counted is None:       # a stream's outputs grow: each is counted on from where it was
+            self.counted = GrowingCounts(lambda ids: ReasoningCount(ids, self.reasoning))
+        return {"completion_tokens_details": {"reasoning_tokens": self.counted.total(outputs)}}
 
     def stream(self) -> ChatAnswerStream:
         return ChatAnswerStream(self, self.reasoning.stream() if self.reasoning else None,

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from .call_stream import rest_of
 from .json_prefix import JsonPrefix
 from .reasoning import HARMONY as REASONING_PARSER
-from .text import tag_overlap
+from .text import GrowingCounts, tag_overlap
 from .tool_parsers import HARMONY as TOOL_PARSER
 from .tool_parsers import Call
 from .tools import ToolPlan
@@ -133,6 +133,7 @@ class HarmonyAnswer:
     decode: Callable[[list[int]], str] = lambda ids: ""     # token ids -> text with the markers (reasoning_tokens)
     ids: dict[int, str] = field(default_factory=dict)       # the markers' token ids -> the markers
     special: frozenset[int] = frozenset()    # the tokenizer's other special ids (EOS): no text
+    counted: GrowingCounts | None = None     # usage_details' counts so far
 
     keeps_special_tokens = True     # the markers are special tokens of GPT-OSS's tokenizer
 
@@ -180,31 +181,50 @@ class HarmonyAnswer:
         return calls if self.tools.parallel else calls[:max(0, 1 - before)]
 
     def usage_details(self, outputs: list[list[int]]) -> dict:
-        """usage's completion_tokens_details ({}: without openai_gptoss)."""
+        """usage's completion_tokens_details ({}: without openai_gptoss). A growing output (a stream's, with
+        continuous_usage_stats) is counted on from where the last call left it, not from its start."""
         if not self.parsed:
             return {}
-        return {"completion_tokens_details": {"reasoning_tokens": sum(map(self.num_tokens, outputs))}}
+        if self.counted is None:
+            self.counted = GrowingCounts(lambda ids: _Count(ids, self))
+        return {"completion_tokens_details": {"reasoning_tokens": self.counted.total(outputs)}}
 
     def num_tokens(self, ids: list[int]) -> int:
         """The text tokens of analysis messages and of commentary messages to a recipient (vLLM's count)."""
-        count, header, counts = 0, [], False     # header: the ids of the header being read (None: in a text)
-        for t in ids:
-            marker = self.ids.get(t)
-            if header is not None:
-                if marker == MESSAGE:
-                    h = Header.of(self.decode(header))
-                    counts = h.channel == "analysis" or (h.channel == "commentary" and h.recipient is not None)
-                    header = None
-                else:
-                    header.append(t)
-            elif marker in ENDS:
-                header = []
-            elif marker is None and counts and t not in self.special:
-                count += 1
-        return count
+        return _Count(ids, self).advance()
 
     def stream(self) -> HarmonyStream:
         return HarmonyStream(self)
+
+
+@dataclass(slots=True)
+class _Count:
+    """HarmonyAnswer.num_tokens' count over one output, resumable: `advance` reads the ids added since."""
+
+    ids: list[int]
+    answer: HarmonyAnswer
+    pos: int = 0                # ids read
+    count: int = 0
+    header: list[int] | None = field(default_factory=list)     # the ids of the header being read (None: in a text)
+    counts: bool = False        # the text being read is counted
+
+    def advance(self) -> int:
+        answer = self.answer
+        for t in self.ids[self.pos:]:
+            marker = answer.ids.get(t)
+            if self.header is not None:
+                if marker == MESSAGE:
+                    h = Header.of(answer.decode(self.header))
+                    self.counts = h.channel == "analysis" or (h.channel == "commentary" and h.recipient is not None)
+                    self.header = None
+                else:
+                    self.header.append(t)
+            elif marker in ENDS:
+                self.header = []
+            elif marker is None and self.counts and t not in answer.special:
+                self.count += 1
+        self.pos = len(self.ids)
+        return self.count
 
 
 @dataclass(slots=True)

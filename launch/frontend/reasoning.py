@@ -170,13 +170,32 @@ class ReasoningPlan:
     def num_tokens(self, ids: list[int]) -> int:
         """Reasoning tokens of an output: those before its first "</think>" or tool start token (all without one),
         "<think>" not."""
-        if not self.thinking:
-            return 0
-        before = ids[:min((ids.index(e) for e in (self.end_id, self.tool_start_id) if e in ids), default=len(ids))]
-        return len(before) - (1 if before and before[0] == self.start_id else 0)
+        return ReasoningCount(ids, self).advance()
 
     def stream(self) -> ReasoningStream:
         return ReasoningStream(self)
+
+
+@dataclass(slots=True)
+class ReasoningCount:
+    """ReasoningPlan.num_tokens over one output, resumable (text.GrowingCounts): `advance` reads the ids added
+    since."""
+
+    ids: list[int]
+    plan: ReasoningPlan
+    pos: int = 0                # ids read
+    end: int | None = None      # where the reasoning ended, once it has
+
+    def advance(self) -> int:
+        plan = self.plan
+        if not plan.thinking:
+            return 0
+        if self.end is None:
+            ends = (plan.end_id, plan.tool_start_id)
+            self.end = next((i for i in range(self.pos, len(self.ids)) if self.ids[i] in ends), None)
+        self.pos = len(self.ids)
+        before = len(self.ids) if self.end is None else self.end
+        return before - (1 if before and self.ids[0] == plan.start_id else 0)
 
 
 @dataclass(slots=True)

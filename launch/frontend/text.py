@@ -12,6 +12,25 @@ def tag_overlap(text: str, *tags: str) -> int:
                 for tag in tags), default=0)
 
 
+class GrowingCounts:
+    """A count over outputs that grow in place (a stream's token ids, whose usage each chunk carries under
+    continuous_usage_stats): each output's counter goes on from where it stopped, so a stream of n tokens costs
+    O(n) rather than O(n^2). start(ids): a fresh counter with `ids`, `pos` (the ids it has read) and `advance()`
+    (reads the rest, returns the count)."""
+
+    def __init__(self, start):
+        self.start, self._counters = start, {}
+
+    def total(self, outputs: list[list[int]]) -> int:
+        n = 0
+        for ids in outputs:
+            counter = self._counters.get(id(ids))
+            if counter is None or counter.ids is not ids or counter.pos > len(ids):
+                self._counters[id(ids)] = counter = self.start(ids)
+            n += counter.advance()
+        return n
+
+
 class Detokenizer:
     """Token ids -> their text, one token at a time, as vLLM's incremental detokeniser works: each token decodes a
     short window (the last whole-character run of tokens as left context, then the tokens since), never the whole

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from launch.frontend.answer import check_parsers, require_tokens
-from launch.frontend.harmony import MARKERS, HarmonyAnswer
+from launch.frontend.harmony import MARKERS, HarmonyAnswer, marker_ids
 from launch.frontend.tool_parsers import PARSERS
 from launch.frontend.tools import ToolPlan
 from tests.launch.frontend.test_http_tools import splits, stream_chunks, streamed
@@ -119,6 +119,16 @@ def test_reasoning_tokens_are_the_analysis_and_the_calls_text_tokens():
     assert ans.num_tokens(ids) == 3 and ans.usage_details([ids, ids[:4]]) == {
         "completion_tokens_details": {"reasoning_tokens": 4}}
     assert HarmonyAnswer.of(Body, None, None, "openai", Tok).usage_details([ids]) == {}
+    # a stream's growing output (continuous_usage_stats) is counted on, not again from its start: each header is
+    # decoded once however many times the usage is asked for, and each count is the whole prefix's
+    decoded = []
+    counting = HarmonyAnswer(True, True, None, lambda h: decoded.append(h) or Tok.decode(h), *marker_ids(Tok))
+    grown = []
+    for t in ids:
+        grown.append(t)
+        assert counting.usage_details([grown]) == {"completion_tokens_details": {
+            "reasoning_tokens": ans.num_tokens(list(grown))}}
+    assert len(decoded) == 4 == sum(w == "<|message|>" for w in text)
 
 
 @pytest.mark.parametrize("tool,reasoning,ok", [

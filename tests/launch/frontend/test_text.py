@@ -187,3 +187,25 @@ def test_each_tokens_text_ends_where_the_full_decode_of_it_and_those_before_ends
         spans.add(ids[7:])
         assert spans.ends == want
 
+
+
+def test_growing_counts_go_on_from_where_they_stopped():
+    """ChatAnswer's reasoning_tokens over a stream's output that grows in place (continuous_usage_stats asks after
+    every token): each count equals ReasoningPlan.num_tokens of the whole prefix (the count written out by hand at
+    the end), each id is read once, and an output replaced or cut short is counted again from its start."""
+    from launch.frontend.answer import ChatAnswer
+    from launch.frontend.reasoning import ReasoningPlan
+    plan = ReasoningPlan(True, True, start_id=1, end_id=2, tool_start_id=3)
+    answer = ChatAnswer(reasoning=plan)
+    out, want = [], []
+    for t in [1, 7, 7, 7, 2, 9, 9, 3, 2]:          # <think> a a a </think> b b <tool_call> </think>
+        out.append(t)
+        want.append(plan.num_tokens(list(out)))
+        assert answer.usage_details([out]) == {"completion_tokens_details": {"reasoning_tokens": want[-1]}}
+    assert want == [0, 1, 2, 3, 3, 3, 3, 3, 3]
+    reads = answer.counted._counters[id(out)]
+    assert reads.pos == len(out) and reads.end == 4
+    del out[2:]                                      # cut short: counted again
+    assert answer.usage_details([out]) == {"completion_tokens_details": {"reasoning_tokens": 1}}
+    tool_first = [7, 3, 7]                           # a tool start ends the reasoning too
+    assert answer.usage_details([tool_first, [1, 7]]) == {"completion_tokens_details": {"reasoning_tokens": 2}}
