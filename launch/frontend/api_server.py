@@ -18,6 +18,7 @@ connect it to an engine and disconnect it. The parts live beside it:
   responses.py      /v1/responses: the Responses API as a chat completion, its answer reshaped (its events:
                     response_events.py)
   response_store.py the responses kept for GET /v1/responses/{id} and previous_response_id
+  messages.py       /v1/messages: Anthropic's Messages API as a chat completion (its events: message_events.py)
 Request fields no model in protocol.py or chat.py defines are ignored, with one warning per request naming them.
 """
 from __future__ import annotations
@@ -47,6 +48,9 @@ from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan
+from . import messages as messages_api
+from .message_events import MessageEvents
+from .messages import MessagesRequest
 from .response_events import Events, translate
 from .response_store import DEFAULT_CAPACITY, ResponseStore
 from .responses import ResponsesRequest, field_of
@@ -200,15 +204,48 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     async def delete_response(response_id: str):
         return state.responses.delete(response_id)
 
+    @app.post("/v1/messages")
+    async def anthropic_messages(body: MessagesRequest, request: Request):
+        _warn_ignored(body, request)
+        try:
+            check_model(body.model, state.served)
+            answer = await chat(body.chat(), request)
+        except APIError as e:       # Anthropic's error shape
+            return JSONResponse(messages_api.error_body(e), status_code=e.status)
+        except ValidationError as e:
+            return JSONResponse(messages_api.error_body(APIError(
+                400, f"the request does not make a chat completion: {e.errors()[0]['msg']}")), status_code=400)
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(translate(answer.body_iterator, MessageEvents(state.model_name)),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if not isinstance(answer, dict):    # an error answer (the client left, say)
+            return answer
+        return messages_api.answer(state.model_name, answer)
+
+    @app.post("/v1/messages/count_tokens")
+    async def anthropic_count_tokens(body: MessagesRequest, request: Request):
+        _warn_ignored(body, request)
+        try:
+            check_model(body.model, state.served)
+            chat_body = body.chat(counting=True)
+            check_request(chat_body, state.served)
+            return {"input_tokens": len(chat_prompt(engine(), chat_body))}
+        except APIError as e:
+            return JSONResponse(messages_api.error_body(e), status_code=e.status)
+
+    def chat_prompt(eng: EngineClient, body: ChatCompletionRequest) -> list[int]:
+        """A chat's prompt token ids: its template rendered, tokenized, truncated as it asks."""
+        text = chat_text(eng.llm.tokenizer, body, state.model_name, body.continue_final_message)
+        return prompt_ids(eng.llm, text, "messages", body.add_special_tokens, body.truncation(eng.llm.max_model_len))
+
     async def chat(body: ChatCompletionRequest, request: Request):
         check_request(body, state.served)
         tools = ToolPlan.of(body, tool_parser)
         eng = engine()
         tok = eng.llm.tokenizer
         reasoning = ReasoningPlan.of(body, reasoning_parser, tok)
-        text = chat_text(tok, body, state.model_name, body.continue_final_message)
-        prompts = [prompt_ids(eng.llm, text, "messages", body.add_special_tokens,
-                              body.truncation(eng.llm.max_model_len))]
+        prompts = [chat_prompt(eng, body)]
         params = await sampling_params(eng.llm, body, body.limit(), prompts)
         if reasoning is not None:
             params = reasoning.gated(params, prompts)     # the grammar binds once the thinking has ended
@@ -293,14 +330,16 @@ class ApiKey:
     OPEN = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
     def __init__(self, app, key: str):
-        self.app, self.want = app, f"Bearer {key}".encode()
+        self.app, self.want, self.key = app, f"Bearer {key}".encode(), key.encode()
 
     async def __call__(self, scope, receive, send):
+        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
         if scope["type"] != "http" or scope["path"] in self.OPEN or secrets.compare_digest(
-                dict(scope["headers"]).get(b"authorization", b""), self.want):
+                headers.get(b"authorization", b""), self.want) or secrets.compare_digest(
+                headers.get(b"x-api-key", b""), self.key):      # Anthropic's clients send the key so
             return await self.app(scope, receive, send)
-        err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
+        err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or "
+                            "'x-api-key: <key>')", code="invalid_api_key")
         if (rec := scope.get("state", {}).get("access")) is not None:
             rec.error = err.message
         await JSONResponse(err.body(), status_code=401)(scope, receive, send)

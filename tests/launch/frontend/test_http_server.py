@@ -368,6 +368,33 @@ def test_serve_py_bounds_the_stored_responses(client):
         client.responses.retrieve(first.id)
 
 
+def test_anthropics_clients_key_is_taken_as_a_bearer_token_or_x_api_key(server, reference):
+    """The anthropic SDK (2.x sends its api_key as a bearer token) gets the greedy text of the chat template; the
+    x-api-key header that Anthropic's other clients send is taken as the bearer token is; a wrong key is a 401."""
+    anthropic = pytest.importorskip("anthropic")
+    tok = reference.tokenizer
+    msgs = [{"role": "user", "content": "hi"}]
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    out = reference.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    got = client.messages.create(model=MODEL, max_tokens=4, messages=msgs,
+                                 extra_body={"temperature": 0, "ignore_eos": True})
+    assert got.content[0].text == tok.decode(out.token_ids) and got.stop_reason == "max_tokens"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model=MODEL, max_tokens=4, messages=msgs)
+    body = json.dumps({"model": MODEL, "max_tokens": 4, "messages": msgs, "temperature": 0, "ignore_eos": True})
+    for key, status in ((KEY, 200), ("wrong", 401)):
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        conn.request("POST", "/v1/messages", body=body,
+                     headers={"Content-Type": "application/json", "x-api-key": key})
+        resp = conn.getresponse()
+        data = json.loads(resp.read())
+        conn.close()
+        assert resp.status == status, data
+        assert status == 401 or data["content"][0]["text"] == got.content[0].text
+
+
 def test_auto_tool_choice_needs_a_parser_and_a_reasoning_parser_its_tokens(model_dir):
     import subprocess
     import sys
