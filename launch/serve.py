@@ -168,7 +168,8 @@ def main(argv=None) -> int:
     p = add_engine_args(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or Anthropic's 'x-api-key: "
+                                                    "KEY') on /v1/*")
     p.add_argument("--served-model-name", default=None, help="the model id clients pass (default: the directory "
                                                               "name of --model)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -193,6 +194,8 @@ def main(argv=None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 0))
     if not world:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
+    if args.api_key == "":
+        p.error("--api-key is empty: pass a key, or leave the flag out to serve without one")
     if args.responses_store < 0:
         p.error(f"--responses-store {args.responses_store} is invalid: pass a count >= 0 (0 keeps none)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

@@ -95,6 +95,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     their reasoning (launch/frontend/reasoning.py PARSERS; None: they do not); responses_store: how many
     /v1/responses responses are kept for GET and previous_response_id (launch/frontend/response_store.py; 0:
     none)."""
+    if api_key == "":     # it would match a missing x-api-key header
+        raise ValueError("api_key is empty: pass a key, or leave it out to serve without one")
     if tool_parser is not None and tool_parser not in TOOL_PARSERS:
         raise ValueError(f"tool_parser={tool_parser!r} is unknown; pass one of {', '.join(TOOL_PARSERS)}")
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
@@ -187,7 +189,9 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
             e.param = field_of(e.param)
             raise
         except ValidationError as e:
-            raise APIError(400, f"the request does not make a chat completion: {e.errors()[0]['msg']}") from e
+            err = _chat_invalid(e)
+            err.param = field_of(err.param)
+            raise err from e
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(translate(answer.body_iterator, Events(body, state.model_name, done)),
                                      media_type="text/event-stream",
@@ -207,14 +211,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     @app.post("/v1/messages")
     async def anthropic_messages(body: MessagesRequest, request: Request):
         _warn_ignored(body, request)
-        try:
-            check_model(body.model, state.served)
-            answer = await chat(body.chat(), request)
-        except APIError as e:       # Anthropic's error shape
-            return JSONResponse(messages_api.error_body(e), status_code=e.status)
-        except ValidationError as e:
-            return JSONResponse(messages_api.error_body(APIError(
-                400, f"the request does not make a chat completion: {e.errors()[0]['msg']}")), status_code=400)
+        check_model(body.model, state.served)
+        answer = await chat(anthropic_chat(body), request)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(translate(answer.body_iterator, MessageEvents(state.model_name)),
                                      media_type="text/event-stream",
@@ -226,13 +224,16 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     @app.post("/v1/messages/count_tokens")
     async def anthropic_count_tokens(body: MessagesRequest, request: Request):
         _warn_ignored(body, request)
+        check_model(body.model, state.served)
+        chat_body = anthropic_chat(body, counting=True)
+        check_request(chat_body, state.served)
+        return {"input_tokens": len(chat_prompt(engine(), chat_body))}
+
+    def anthropic_chat(body: MessagesRequest, counting: bool = False) -> ChatCompletionRequest:
         try:
-            check_model(body.model, state.served)
-            chat_body = body.chat(counting=True)
-            check_request(chat_body, state.served)
-            return {"input_tokens": len(chat_prompt(engine(), chat_body))}
-        except APIError as e:
-            return JSONResponse(messages_api.error_body(e), status_code=e.status)
+            return body.chat(counting)
+        except ValidationError as e:
+            raise _chat_invalid(e) from e
 
     def chat_prompt(eng: EngineClient, body: ChatCompletionRequest) -> list[int]:
         """A chat's prompt token ids: its template rendered, tokenized, truncated as it asks."""
@@ -287,11 +288,13 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Every error is answered in OpenAI's {"error": {...}} shape; its message goes to the access log."""
+    """Every error is answered in OpenAI's {"error": {...}} shape (Anthropic's on /v1/messages); its message goes to
+    the access log."""
 
     def answer(request: Request, err: APIError, headers: dict | None = None) -> JSONResponse:
         access_record(request).error = err.message
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+        body = messages_api.error_body(err) if request.url.path.startswith("/v1/messages") else err.body()
+        return JSONResponse(body, status_code=err.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -336,13 +339,20 @@ class ApiKey:
         headers = dict(scope["headers"]) if scope["type"] == "http" else {}
         if scope["type"] != "http" or scope["path"] in self.OPEN or secrets.compare_digest(
                 headers.get(b"authorization", b""), self.want) or secrets.compare_digest(
-                headers.get(b"x-api-key", b""), self.key):      # Anthropic's clients send the key so
+                headers.get(b"x-api-key", b"") or b"\0", self.key):      # Anthropic's clients send the key so
             return await self.app(scope, receive, send)
         err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or "
                             "'x-api-key: <key>')", code="invalid_api_key")
         if (rec := scope.get("state", {}).get("access")) is not None:
             rec.error = err.message
         await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+
+
+def _chat_invalid(e: ValidationError) -> APIError:
+    """A 400 naming the chat field a converted request (Responses, Messages) got wrong."""
+    first = e.errors()[0]
+    where = ".".join(str(x) for x in first.get("loc", ())) or None
+    return APIError(400, f"the request does not make a chat completion: {where}: {first['msg']}", where)
 
 
 def _warn_ignored(body, request: Request) -> None:

@@ -22,7 +22,7 @@ class MessageEvents:
         self.started = False
         self.index = -1                 # the open block's index (-1: none yet)
         self.kind: str | None = None    # the open block's type (None: none open)
-        self.has_calls = False
+        self.calls: list[list[str]] = []     # each call's argument pieces
         self.finish_reason: str | None = None
         self.stop: int | str | None = None
         self.usage: dict | None = None
@@ -62,6 +62,7 @@ class MessageEvents:
         out = []        # input_json_delta events for argument pieces of the open tool_use block
         for call in calls:
             if (more := call.get("function", {}).get("arguments")) and self.kind == "tool_use":
+                self.calls[-1].append(more)
                 out.append(self._event("content_block_delta", index=self.index,
                                        delta={"type": "input_json_delta", "partial_json": more}))
         return out
@@ -87,7 +88,7 @@ class MessageEvents:
                                    {"type": "text_delta", "text": delta["content"]})
             for call in calls[opens:]:
                 if "id" in call:
-                    self.has_calls = True
+                    self.calls.append([])
                     out += self._open({"type": "tool_use", "id": call["id"], "name": call["function"].get("name", ""),
                                        "input": {}})
                 out += self._arguments([call])
@@ -99,7 +100,7 @@ class MessageEvents:
         if self.failed:
             return []
         out = self._start({"usage": self.usage}) + (self._open({"type": "text", "text": ""}) if self.index < 0 else [])
-        reason, sequence = stop_reason(self.finish_reason, self.stop, self.has_calls)
+        reason, sequence = stop_reason(self.finish_reason, self.stop, ["".join(c) for c in self.calls])
         return out + self._close() + [
             self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                         usage={"output_tokens": (self.usage or {}).get("completion_tokens", 0)}),

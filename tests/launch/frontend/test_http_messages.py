@@ -137,8 +137,13 @@ def test_a_stop_sequence_is_named_and_errors_are_anthropics(served, client):
                             {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]},
                          "messages.0.content.0"),
                         ({"max_tokens": 4, "tool_choice": {"type": "tool"}, "messages": [
-                            {"role": "user", "content": "hi"}]}, "tool_choice.name")):
-        code, err = post(served, "/v1/messages", {"model": MODEL, **body})
+                            {"role": "user", "content": "hi"}]}, "tool_choice.name"),
+                        ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+                        ({"max_tokens": 4, "tool_choice": {"type": "bogus"}, "messages": [
+                            {"role": "user", "content": "hi"}]}, "tool_choice"),          # fails the body's schema
+                        ({"count": True, "messages": [{"role": "user", "content": []}]}, "messages")):  # no message
+        path = "/v1/messages/count_tokens" if body.pop("count", False) else "/v1/messages"
+        code, err = post(served, path, {"model": MODEL, **body})
         assert code == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
         assert param in err["error"]["message"], err
     with pytest.raises(anthropic.NotFoundError):

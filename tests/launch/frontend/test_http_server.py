@@ -374,7 +374,8 @@ def test_anthropics_clients_key_is_taken_as_a_bearer_token_or_x_api_key(server, 
     anthropic = pytest.importorskip("anthropic")
     tok = reference.tokenizer
     msgs = [{"role": "user", "content": "hi"}]
-    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False),
+                     add_special_tokens=False)
     out = reference.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     client = anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
     got = client.messages.create(model=MODEL, max_tokens=4, messages=msgs,
@@ -414,6 +415,11 @@ def test_auto_tool_choice_needs_a_parser_and_a_reasoning_parser_its_tokens(model
     assert run.returncode == 2 and "take each other or none" in run.stderr, run.stderr
     run = serve("--responses-store", "-1")
     assert run.returncode == 2 and "--responses-store -1 is invalid" in run.stderr, run.stderr
+    run = serve("--api-key", "")        # an empty key would match a missing x-api-key header: refused
+    assert run.returncode == 2 and "--api-key is empty" in run.stderr, run.stderr
+    from launch.frontend.api_server import build_app
+    with pytest.raises(ValueError, match="api_key is empty"):
+        build_app(MODEL, model_dir, api_key="")
 
 
 def test_bad_chat_requests_get_openai_errors(server):
