@@ -14,7 +14,7 @@ import pytest
 
 from tests.launch.frontend.test_http_logprobs import post
 from tests.launch.frontend.test_http_reasoning import BIAS, MAX_NEW, MODEL, oracle, thinking_server
-from tests.launch.frontend.test_http_responses import json_bias
+from tests.launch.frontend.test_http_responses import EARLIER_CALL, EARLIER_TOOLS, json_bias
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -76,11 +76,7 @@ def test_a_message_is_the_thinking_then_the_text_of_the_greedy_output(served, cl
 def test_system_and_an_earlier_call_make_the_chat_conversation(served, client):
     """system, an assistant turn with text and a tool_use, and the user's tool_result: the greedy output is
     transformers' on the chat template of the conversation the test writes out, and count_tokens counts it."""
-    tools = [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time?"},
-                {"role": "assistant", "content": "Let me look.", "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": {"zone": "utc"}}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+    tools, messages = EARLIER_TOOLS, EARLIER_CALL
     ids, text = oracle(served, BIAS, tools, messages=messages)
     reasoning, content = text.split("</think>", 1)
     request = dict(model=MODEL, max_tokens=MAX_NEW, system=[{"type": "text", "text": "Be brief."}],

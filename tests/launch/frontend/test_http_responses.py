@@ -94,15 +94,20 @@ def test_a_response_is_the_reasoning_then_the_text_of_the_greedy_output(served):
                                         ] == [0, 1]
 
 
+# a conversation with an earlier call and its result, as the chat template reads it (the oracle's; the Messages
+# API's test sends it too)
+EARLIER_TOOLS = [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
+EARLIER_CALL = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": {"zone": "utc"}}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+
+
 def test_instructions_and_earlier_calls_make_the_chat_conversation(served):
     """instructions, an earlier answer, its function call and the call's output: the greedy output is transformers'
     on the chat template of the conversation the test writes out (a system turn, one assistant turn with its text
     and its call, as a response's output sent back makes it, and a tool turn)."""
-    tools = [{"type": "function", "function": {"name": "clock", "parameters": {"type": "object"}}}]
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Time?"},
-                {"role": "assistant", "content": "Let me look.", "tool_calls": [
-                    {"id": "call_1", "type": "function", "function": {"name": "clock", "arguments": {"zone": "utc"}}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "noon"}]
+    tools, messages = EARLIER_TOOLS, EARLIER_CALL
     out, text = oracle(served, BIAS, tools, messages=messages)
     reasoning, content = text.split("</think>", 1)
     got = respond(served, instructions="Be brief.", tools=[{"type": "function", "name": "clock", "parameters": {
