@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from .messages import shell, stop_reason, usage
+from .response_events import delta_parts
 
 
 class MessageEvents:
@@ -58,14 +59,13 @@ class MessageEvents:
         out = [] if self.kind == kind else self._open(block)
         return out + [self._event("content_block_delta", index=self.index, delta=delta)]
 
-    def _arguments(self, calls: list[dict]) -> list[str]:
-        out = []        # input_json_delta events for argument pieces of the open tool_use block
-        for call in calls:
-            if (more := call.get("function", {}).get("arguments")) and self.kind == "tool_use":
-                self.calls[-1].append(more)
-                out.append(self._event("content_block_delta", index=self.index,
-                                       delta={"type": "input_json_delta", "partial_json": more}))
-        return out
+    def _arguments(self, more: str) -> list[str]:
+        """The input_json_delta event of an argument piece of the open tool_use block (none when none is open)."""
+        if self.kind != "tool_use":
+            return []
+        self.calls[-1].append(more)
+        return [self._event("content_block_delta", index=self.index,
+                            delta={"type": "input_json_delta", "partial_json": more})]
 
     def chunk(self, data: dict) -> list[str]:
         """The events of one chat chunk (its data)."""
@@ -77,21 +77,17 @@ class MessageEvents:
         if data.get("usage") is not None:
             self.usage = data["usage"]
         for c in data.get("choices", []):
-            delta, calls = c["delta"], c["delta"].get("tool_calls") or []
-            opens = next((k for k, call in enumerate(calls) if "id" in call), len(calls))
-            out += self._arguments(calls[:opens])   # the open call's rest first: content beside it follows it
-            if delta.get("reasoning"):
-                out += self._delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
-                                   {"type": "thinking_delta", "thinking": delta["reasoning"]})
-            if delta.get("content"):
-                out += self._delta("text", {"type": "text", "text": ""},
-                                   {"type": "text_delta", "text": delta["content"]})
-            for call in calls[opens:]:
-                if "id" in call:
+            for kind, value in delta_parts(c["delta"]):
+                if kind == "call":
                     self.calls.append([])
-                    out += self._open({"type": "tool_use", "id": call["id"], "name": call["function"].get("name", ""),
-                                       "input": {}})
-                out += self._arguments([call])
+                    out += self._open({"type": "tool_use", "id": value[0], "name": value[1], "input": {}})
+                elif kind == "arguments":
+                    out += self._arguments(value)
+                elif kind == "reasoning":
+                    out += self._delta("thinking", {"type": "thinking", "thinking": "", "signature": ""},
+                                       {"type": "thinking_delta", "thinking": value})
+                else:
+                    out += self._delta("text", {"type": "text", "text": ""}, {"type": "text_delta", "text": value})
             if c.get("finish_reason"):
                 self.finish_reason, self.stop = c["finish_reason"], c.get("stop_reason")
         return out

@@ -12,6 +12,24 @@ import json
 from .responses import ResponsesRequest, call_item, finish, message_item, reasoning_item
 
 
+def delta_parts(delta: dict):
+    """A chat delta's parts in the order a converted stream (Responses, Messages) shows them: the open call's
+    argument pieces first (a final chunk carries them beside content that follows the calls), then reasoning,
+    content, and each call with an id (it opens one) or its argument piece. Yields (kind, value): ("arguments",
+    text), ("reasoning", text), ("content", text) or ("call", (id, name))."""
+    calls = delta.get("tool_calls") or []
+    opens = next((k for k, call in enumerate(calls) if "id" in call), len(calls))
+    for k, call in enumerate(calls):
+        if k == opens:
+            yield from ((kind, delta[kind]) for kind in ("reasoning", "content") if delta.get(kind))
+        if "id" in call:
+            yield "call", (call["id"], call["function"].get("name", ""))
+        if more := call.get("function", {}).get("arguments"):
+            yield "arguments", more
+    if opens == len(calls):
+        yield from ((kind, delta[kind]) for kind in ("reasoning", "content") if delta.get(kind))
+
+
 class Events:
     """A streamed chat completion's chunks -> the Responses API's events (SSE text, in order). done: called with
     the final response unless it failed (the route stores it)."""
@@ -94,29 +112,22 @@ class Events:
             self.usage = data["usage"]
         out = []
         for c in data.get("choices", []):
-            delta = c["delta"]
-            calls = delta.get("tool_calls") or []
-            opens = next((k for k, call in enumerate(calls) if "id" in call), len(calls))
-            out += self._arguments(calls[:opens])   # the open call's rest first: content beside it follows the calls
-            if delta.get("reasoning"):
-                out += self._delta("reasoning", delta["reasoning"])
-            if delta.get("content"):
-                out += self._delta("message", delta["content"])
-            for call in calls[opens:]:
-                if "id" in call:
-                    out += self._open(call_item(call["id"], call["function"].get("name", ""), ""))
-                out += self._arguments([call])
+            for kind, value in delta_parts(c["delta"]):
+                if kind == "call":
+                    out += self._open(call_item(*value, ""))
+                elif kind == "arguments":
+                    out += self._arguments(value)
+                else:
+                    out += self._delta("message" if kind == "content" else kind, value)
             self.finish_reason = c.get("finish_reason") or self.finish_reason
         return out
 
-    def _arguments(self, calls: list[dict]) -> list[str]:
-        out = []        # events for argument pieces of the open function_call item
-        for call in calls:
-            if (more := call.get("function", {}).get("arguments")) and self.item is not None and \
-                    self.item["type"] == "function_call":
-                self.text += more
-                out.append(self._event("response.function_call_arguments.delta", **self._at, delta=more))
-        return out
+    def _arguments(self, more: str) -> list[str]:
+        """The event of an argument piece of the open function_call item (none when the open item is not one)."""
+        if self.item is None or self.item["type"] != "function_call":
+            return []
+        self.text += more
+        return [self._event("response.function_call_arguments.delta", **self._at, delta=more)]
 
     def end(self) -> list[str]:
         out = self._close("incomplete" if self.finish_reason == "length" else "completed")
