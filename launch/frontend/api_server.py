@@ -184,7 +184,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
                 store.put(response, kept)
             return response
         try:
-            answer = await chat(body.chat(previous), request)
+            answer = await chat(body.chat(kept), request)
         except APIError as e:       # name the field the client sent
             e.param = field_of(e.param)
             raise

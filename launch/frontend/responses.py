@@ -179,10 +179,11 @@ class ResponsesRequest(_Request):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         return messages
 
-    def chat(self, previous: list[dict] = ()) -> ChatCompletionRequest:
-        """The chat completion this request runs as; previous: the messages of the conversation it continues."""
+    def chat(self, conversation: list[dict] | None = None) -> ChatCompletionRequest:
+        """The chat completion this request runs as; conversation: `messages(previous)` when it continues a stored
+        one (None: its input alone)."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
-        messages += self.messages(previous)
+        messages += self.messages() if conversation is None else conversation
         if not messages:
             raise APIError(400, "input holds no message; send at least one", "input")
         body = {"model": self.model, "messages": messages, "stream": self.stream,
