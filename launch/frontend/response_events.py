@@ -38,7 +38,7 @@ class Events:
         self.response, self.done = request.shell(model), done
         self.seq = 0
         self.item: dict | None = None     # the output item being streamed
-        self.text = ""                    # its text, or its arguments, so far
+        self.pieces: list[str] = []       # its text, or its arguments, so far (joined once, when it closes)
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.error: dict | None = None     # the chat stream's error, which fails the response
@@ -58,7 +58,7 @@ class Events:
 
     def _open(self, item: dict) -> list[str]:
         out = self._close()
-        self.item, self.text = item, ""
+        self.item, self.pieces = item, []
         shown = item | {"status": "in_progress"}
         if item["type"] == "message":
             shown["content"] = []
@@ -74,7 +74,7 @@ class Events:
         """Events for text of an item of `kind` ("reasoning", "message"), opening one when the open item is not."""
         out = [] if self.item is not None and self.item["type"] == kind else self._open(
             reasoning_item("") if kind == "reasoning" else message_item(""))
-        self.text += text
+        self.pieces.append(text)
         name, extra = ("response.reasoning_text.delta", {}) if kind == "reasoning" else (
             "response.output_text.delta", {"logprobs": []})
         return out + [self._event(name, **self._at, content_index=0, delta=text, **extra)]
@@ -82,20 +82,21 @@ class Events:
     def _close(self, status: str = "completed") -> list[str]:
         if self.item is None:
             return []
+        text = "".join(self.pieces)
         item, at, out = self.item, self._at, []
         item["status"] = status
         if item["type"] == "function_call":
-            item["arguments"] = self.text
+            item["arguments"] = text
             out.append(self._event("response.function_call_arguments.done", **at, name=item["name"],
-                                   arguments=self.text))
+                                   arguments=text))
         else:
-            part = item["content"][0] | {"text": self.text}
+            part = item["content"][0] | {"text": text}
             item["content"] = [part]
             if item["type"] == "message":
-                out.append(self._event("response.output_text.done", **at, content_index=0, text=self.text,
+                out.append(self._event("response.output_text.done", **at, content_index=0, text=text,
                                        logprobs=[]))
             else:
-                out.append(self._event("response.reasoning_text.done", **at, content_index=0, text=self.text))
+                out.append(self._event("response.reasoning_text.done", **at, content_index=0, text=text))
             out.append(self._event("response.content_part.done", **at, content_index=0, part=part))
         out.append(self._event("response.output_item.done", output_index=at["output_index"], item=item))
         self.response["output"].append(item)
@@ -126,7 +127,7 @@ class Events:
         """The event of an argument piece of the open function_call item (none when the open item is not one)."""
         if self.item is None or self.item["type"] != "function_call":
             return []
-        self.text += more
+        self.pieces.append(more)
         return [self._event("response.function_call_arguments.delta", **self._at, delta=more)]
 
     def end(self) -> list[str]:
