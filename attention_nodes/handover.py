@@ -37,6 +37,7 @@ def pack_sequences(worker, chosen: list[Sequence] | None = None) -> tuple[dict, 
                      "num_preemptions": seq.num_preemptions, "prompt_logprobs": seq.prompt_logprobs,
                      "num_prompt_logprobs_sent": seq.num_prompt_logprobs_sent, "group_id": seq.group_id,
                      "sample_index": seq.sample_index, "forked": seq.forked,
+                     "num_cached_tokens": seq.num_cached_tokens,
                      "generator": None if seq.generator is None else bytes(seq.generator.get_state().numpy()),
                      "blocks": [blocks.setdefault(b, len(blocks)) for b in seq.block_table]})
     ids = torch.tensor(list(blocks), dtype=torch.int64, device=worker.kv.tensor.device)
@@ -149,4 +150,5 @@ def _sequence(d: dict, device: torch.device) -> Sequence:
                     num_prompt_tokens=d["num_prompt_tokens"], params=params, arrival=0,
                     num_preemptions=d["num_preemptions"], generator=generator,
                     prompt_logprobs=d["prompt_logprobs"], num_prompt_logprobs_sent=d["num_prompt_logprobs_sent"],
-                    group_id=d["group_id"], sample_index=d["sample_index"], forked=d["forked"])
+                    group_id=d["group_id"], sample_index=d["sample_index"], forked=d["forked"],
+                    num_cached_tokens=d["num_cached_tokens"])

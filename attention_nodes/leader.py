@@ -1,21 +1,21 @@
 """The frontend leader on attention rank 0.
 
-It takes commands from the front (LLM or HTTP server) through an inbox queue, gives each new
-request to the attention rank that caches the longest prefix of it when that rank has room, else to the one
-with the most free KV blocks (cache-aware routing: each rank's report carries the keys of the blocks its
-prefix cache gained and lost since the last step, so the leader mirrors every rank's cache as a set of
-64-bit keys and hashes each new prompt once), broadcasts the step header, and
-pushes per-request progress to an outbox queue. Inbox commands: ("add", request dict, ...),
-("abort", request_id), ("stats",), ("comm_stats"[, events]), ("scale", {"attention_ranks", "expert_ranks", "retire"}),
-("shutdown",).
+It takes commands from the front (LLM or HTTP server) through an inbox queue, gives each new request to the
+attention rank that caches the longest prefix of it when that rank has room, else to the one with the most free KV
+blocks (cache-aware routing: each rank's report carries the keys of the blocks its prefix cache gained and lost
+since the last step, so the leader mirrors every rank's cache as a set of 64-bit keys and hashes each new prompt
+once), broadcasts the step header, and pushes per-request progress to an outbox queue. Inbox commands: ("add",
+request dict, ...), ("abort", request_id), ("stats",), ("comm_stats"[, events]), ("scale", {"attention_ranks",
+"expert_ranks", "retire"}), ("shutdown",).
 Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
-prompt logprobs ((entry, rank) pairs) or None, new token logprobs or None], ...]), ("stats", dict) and
-("comm_stats", dict); between steps, a scale request's ("spawn", [roles], deadline) and ("scale", record), and the
-autoscaler's ("autoscaled", record). A request added with "stream": False (`LLM.generate`, which returns only whole
-outputs) has its progress held back for up to HOLD_STEPS steps, or until a step in which some request finishes, a
-streamed request makes progress or the leader runs out of work; the held outputs then go out, in order, in one
-message (one pickle and one pipe write for several steps instead of one per step, and the reading process wakes as
-rarely; the bound keeps what the reader has left to take in when the last request ends small).
+prompt logprobs ((entry, rank) pairs) or None, new token logprobs or None, cached prompt tokens or None], ...]),
+("stats", dict) and ("comm_stats", dict); between steps, a scale request's ("spawn", [roles], deadline) and
+("scale", record), and the autoscaler's ("autoscaled", record). A request added with "stream": False
+(`LLM.generate`, which returns only whole outputs) has its progress held back for up to HOLD_STEPS steps, or until
+a step in which some request finishes, a streamed request makes progress or the leader runs out of work; the held
+outputs then go out, in order, in one message (one pickle and one pipe write for several steps instead of one per
+step, and the reading process wakes as rarely; the bound keeps what the reader has left to take in when the last
+request ends small).
 PD (`prefill_ranks` P > 0): new requests go to attention ranks 0..P-1 only; a request whose prefill is done there
 moves to the decode rank (P..) with room for it, the longest cached prefix of its prompt first, then the most free
 blocks (`plan_moves`; attention_nodes/pd.py carries the moves out).
@@ -271,7 +271,7 @@ class Leader:
             cached.update(rep.cache_added)
         outputs = [out for rep in reports for out in rep.outputs]
         send = False
-        for row_id, toks, finish, prompt_lps, _ in outputs:
+        for row_id, toks, finish, prompt_lps, *_ in outputs:
             base, index = split_sample_id(row_id)
             send = send or finish is not None or base not in self.final_only
             if base not in self.assigned:
@@ -398,7 +398,7 @@ class Leader:
         ids, done = sample_ids(rid, n), self.finished.setdefault(rid, set())
         ending = [i for i in range(n) if i not in done and some_id in (rid, ids[i])]
         if ending:
-            self.put(outbox, ("out", [[ids[i], [], "abort", None, None] for i in ending]))
+            self.put(outbox, ("out", [[ids[i], [], "abort", None, None, None] for i in ending]))
         done.update(ending)
         if len(done) < n:
             self.open_samples[rid] = n - len(done)

@@ -350,6 +350,8 @@ class Scheduler:
             seq.replace_blocks(seq.block_table + restored)
         seq.num_computed_tokens = num_cached
         seq.num_registered_blocks = len(seq.block_table)
+        if seq.num_cached_tokens is None:       # the first admission's (a recompute's hits are its own blocks)
+            seq.num_cached_tokens = num_cached
         if lookup:
             self.num_prefix_queries += seq.num_tokens
             self.num_prefix_hits += num_cached

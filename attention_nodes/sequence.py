@@ -65,6 +65,9 @@ class Sequence:
     group_id: for a request drawing several samples (SamplingParams.num_samples > 1), the request's own id; each
         sample's request_id is then f"{group_id}#{sample_index}". None otherwise.
     forked: the samples exist (set on all of them once the first sample is drawn).
+    num_cached_tokens: the prompt tokens found in the prefix cache (device or host tier) when the sequence was
+        first admitted, which it did not compute (vLLM's RequestOutput.num_cached_tokens; 0 with caching off);
+        None until then. A recompute after preemption does not change it.
     """
 
     request_id: str
@@ -92,6 +95,7 @@ class Sequence:
     allowed_ids: torch.Tensor | None = None
     grammar: object = None      # structured outputs: its xgrammar matcher on this rank, once made (structured.py)
     compiling: bool = False     # its grammar compiles on this rank's grammar thread: not scheduled until it has
+    num_cached_tokens: int | None = None
 
     @classmethod
     def from_request(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -146,7 +150,7 @@ class Sequence:
                         num_computed_tokens=self.num_computed_tokens, block_table=list(self.block_table),
                         status=self.status, generator=generator, block_keys=list(self.block_keys),
                         num_registered_blocks=self.num_registered_blocks, group_id=self.group_id,
-                        sample_index=index, forked=True)
+                        sample_index=index, forked=True, num_cached_tokens=self.num_cached_tokens)
 
     def prompt_logprob_positions(self, start: int, end: int) -> range:
         """Of a forward over positions [start, end), those whose logits score a prompt token not yet scored

@@ -135,7 +135,7 @@ class AttentionWorker:
             if params.structured_outputs and compiling is None:
                 ids = sample_ids(r["id"], params.num_samples)
                 ids = [ids[i] for i, _ in resume] if resume else ids      # a resumed request: its open samples
-                self._aborted += [[i, [], "abort", None, None] for i in ids]
+                self._aborted += [[i, [], "abort", None, None, None] for i in ids]
                 continue
             sent = r.get("prompt_logprobs_sent", 0)
             for i, toks in resume or [(None, None)]:
@@ -154,7 +154,7 @@ class AttentionWorker:
             for seq in self.scheduler.abort(rid):
                 # Aborted before it forked, a request still ends each of its samples.
                 ids = sample_ids(seq.group_id, seq.params.num_samples) if seq.needs_fork else [seq.request_id]
-                self._aborted += [[i, [], "abort", None, None] for i in ids]
+                self._aborted += [[i, [], "abort", None, None, None] for i in ids]
 
     def step(self, capacity: int, micro_batches: int = 1, stretch: int = 1) -> StepReport:
         """One forward. capacity: the header's bound on this step's tokens (sizes the dispatch messages; a PD
@@ -240,10 +240,10 @@ class AttentionWorker:
         for seq, toks in produced:     # toks None: a max_tokens=0 request, done once its prompt is scored
             lps = token_lps.get(id(seq)) if toks is not None else None
             outputs.append([seq.request_id, toks or [], seq.finish_reason, _new_prompt_logprobs(seq),
-                            None if lps is None else lps[:len(toks)]])
+                            None if lps is None else lps[:len(toks)], seq.num_cached_tokens])
         reported = {id(seq) for seq, _ in produced}
-        outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq), None] for seq, _, _ in scored
-                    if id(seq) not in reported]
+        outputs += [[seq.request_id, [], None, _new_prompt_logprobs(seq), None, seq.num_cached_tokens]
+                    for seq, _, _ in scored if id(seq) not in reported]
         wall = self.moe.dispatcher.stats.now() - t0
         work = [sum(s.num_new_tokens for s in ran), sum(s.num_new_tokens * s.start + s.num_new_tokens
                                                         * (s.num_new_tokens + 1) // 2 for s in ran), row,

@@ -60,7 +60,7 @@ def run_round(llm: LLM, prompts: list[list[int]], output: int) -> dict:
         if msg[0] != "out":
             continue
         now = time.perf_counter()
-        for rid, toks, finish, _, _ in msg[1]:
+        for rid, toks, finish, *_ in msg[1]:
             if rid not in count:
                 continue
             if toks:

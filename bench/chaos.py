@@ -124,7 +124,7 @@ def trial(path: str, prompts, expected, rng: random.Random, watchdog: float, mom
                     msg = llm._poll(llm.outbox, deadline, "the chaos trial")
                     if msg[0] == "scale":
                         answer = msg[1]
-                    for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
+                    for row, toks, finish, *_ in msg[1] if msg[0] == "out" else []:
                         rows[row] += toks
                         ends[row] += finish is not None
                         open_rows -= finish is not None

@@ -73,8 +73,9 @@ class StepHeader:
 @dataclass(slots=True)
 class StepReport:
     """What one attention rank tells the leader after a step. outputs: [request_id, [new token ids],
-    finish_reason or None, new prompt logprobs ((entry, rank) pairs) or None, new token logprobs or None] per
-    request that made progress."""
+    finish_reason or None, new prompt logprobs ((entry, rank) pairs) or None, new token logprobs or None, the prompt
+    tokens found cached at the first admission (Sequence.num_cached_tokens; None for an abort)] per request that
+    made progress."""
 
     rank: int
     num_free_blocks: int

@@ -112,9 +112,10 @@ class LLM:
     # ----- requests -------------------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams) -> str:
         """Validate one request and queue it for the leader; returns its request id. Progress arrives on `outbox`
-        as ("out", [[request_id, [new ids], finish_reason or None, new prompt logprobs, new token logprobs], ...]):
-        prompt logprobs are (entry, rank) per new prompt position (a list after msgpack; None for the first), token
-        logprobs an entry per new token, each None when not asked for."""
+        as ("out", [[request_id, [new ids], finish_reason or None, new prompt logprobs, new token logprobs, cached
+        prompt tokens], ...]): prompt logprobs are (entry, rank) per new prompt position (a list after msgpack; None
+        for the first), token logprobs an entry per new token, each None when not asked for; cached prompt tokens as
+        RequestOutput.num_cached_tokens (None in an abort's row)."""
         ids = self.admission.prompt_ids(prompt)
         self.admission.check(ids, params)
         return self.enqueue(ids, params)
@@ -175,6 +176,7 @@ class LLM:
             self._lead(stop_when_idle=True)
         samples = {rid: {} for rid in rids}
         prompt_logprobs = {rid: [] if p.prompt_logprobs is not None else None for rid, p in zip(rids, params)}
+        cached: dict[str, int | None] = dict.fromkeys(rids)
         grouped = {rid for rid, p in zip(rids, params) if p.num_samples > 1}
         num_open = sum(p.num_samples for p in params)
         passed = []     # what is not this call's (a submit caller's progress, an answer): put back after
@@ -185,8 +187,10 @@ class LLM:
                     continue
                 own, other = split_rows(msg, samples, grouped, self._abandoned)
                 passed += [other] if other is not None else []
-                for row_id, toks, reason, new_prompt_logprobs, new_logprobs in own:
+                for row_id, toks, reason, new_prompt_logprobs, new_logprobs, num_cached in own:
                     rid, index = split_id(row_id, grouped)
+                    if cached[rid] is None:       # the first admission's count (every sample's row carries it)
+                        cached[rid] = num_cached
                     sample = samples[rid].setdefault(index, Sample(index))
                     sample.add(toks, new_logprobs, reason)
                     if new_prompt_logprobs:     # (entry, rank) pairs, None for the first prompt token
@@ -209,7 +213,7 @@ class LLM:
             outs.append(RequestOutput(rid, i, first.token_ids, first.text, first.finish_reason,
                                       None if scored is None else [e and e[0] for e in scored], first.logprobs, best,
                                       None if scored is None else [e and vllm_rank(e[0], t, e[1], p.prompt_logprobs)
-                                                                   for t, e in zip(i, scored)]))
+                                                                   for t, e in zip(i, scored)], cached[rid]))
         return outs
 
     def stats(self) -> dict:

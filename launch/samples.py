@@ -97,7 +97,10 @@ class RequestOutput:
     its place among the top k when it is one of them, else how many tokens are at least as likely); None for the
     first.
     samples: the SamplingParams.n samples (with best_of: the best n, best first); token_ids, text, finish_reason
-    and logprobs above are the first one's."""
+    and logprobs above are the first one's.
+    num_cached_tokens: the prompt tokens the engine found in its prefix cache when it first admitted the request
+    and did not compute (vLLM's; 0 with enable_prefix_caching off or with prompt_logprobs, which score every
+    position; None for a request aborted before it was admitted)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -108,6 +111,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     samples: list[Sample] = field(default_factory=list)
     prompt_logprob_ranks: list[int | None] | None = None
+    num_cached_tokens: int | None = None
 
 
 def vllm_rank(entry: dict[int, float], token: int, count: int, k: int) -> int:

@@ -44,6 +44,7 @@ class Progress:
     finish: str | None
     prompt_logprobs: list | None = None    # new prompt positions, (entry, rank) or None (None: none asked)
     logprobs: list[dict[int, float]] | None = None                 # one per new token (None: none asked)
+    num_cached_tokens: int | None = None   # the request's prompt tokens found cached (None: an abort's row)
 
 
 @dataclass(slots=True, eq=False)
@@ -162,8 +163,9 @@ class EngineClient:
 
     def _deliver(self, outputs: list) -> None:
         """outputs: the leader's rows [request or sample id, [new token ids], finish_reason or None, new prompt
-        logprobs or None, new token logprobs or None]; each goes to its handler's sink as a `Progress`, all of
-        them in one callback on the loop (each call_soon_threadsafe wakes the loop through its self-pipe)."""
+        logprobs or None, new token logprobs or None, cached prompt tokens or None]; each goes to its handler's
+        sink as a `Progress`, all of them in one callback on the loop (each call_soon_threadsafe wakes the loop
+        through its self-pipe)."""
         now = time.monotonic()
         handed: list[tuple[asyncio.Queue, Progress]] = []
         with self._lock:

@@ -138,6 +138,8 @@ def test_running_sequences_keep_tokens_progress_and_kv_content():
     src, dst = make_source(), make_destination()
     before = {rid: (list(q.token_ids), q.num_computed_tokens, q.num_prompt_tokens, list(q.block_table))
               for rid, q in by_id(src.scheduler).items()}
+    for i, q in enumerate(src.scheduler.running):    # as prefix-cache hits at their first admission would set
+        q.num_cached_tokens = 4 * i
     x_blocks = list(dst.scheduler.running[0].block_table)
     x_kv = dst.kv.tensor[:, :, x_blocks].clone()
     free_before = dst.block_pool.num_free_blocks
@@ -165,6 +167,8 @@ def test_running_sequences_keep_tokens_progress_and_kv_content():
     assert [(got[r].group_id, got[r].sample_index, got[r].forked) for r in ("c#0", "c#1")] == \
         [("c", 0, True), ("c", 1, True)]
     assert got["a"].params == src.scheduler.running[0].params
+    # and how much of each prompt was found cached when first admitted (the front reports it: vLLM's usage)
+    assert [got[r].num_cached_tokens for r in SRC_RUNNING + SRC_WAITING] == [0, 4, 8, 12, 16, None]
 
 
 def test_shared_blocks_stay_shared_and_free_back_to_the_pool():

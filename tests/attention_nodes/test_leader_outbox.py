@@ -73,7 +73,7 @@ def test_other_messages_follow_the_held_outputs():
     leader.handle(("abort", "q"), {}, outbox)
     leader.handle(("stats",), {}, outbox)
     sent = _drain(outbox)
-    assert sent[:2] == [("out", [_out("a", [1])]), ("out", [["q", [], "abort", None, None]])]
+    assert sent[:2] == [("out", [_out("a", [1])]), ("out", [["q", [], "abort", None, None, None]])]
     assert sent[2][0] == "stats" and len(sent) == 3
     # a finished final-only request is forgotten with its flag
     _step(leader, outbox, [_out("a", [2], "stop")])

@@ -29,7 +29,7 @@ def _req(rid: str, n: int = 1, **kw) -> dict:
 
 
 def _out(row, toks, finish=None, prompt_lps=None):
-    return [row, toks, finish, prompt_lps, None]
+    return [row, toks, finish, prompt_lps, None, 0]
 
 
 def test_lost_rank_requests_resume_and_ranks_are_renumbered():
@@ -59,7 +59,7 @@ def test_lost_rank_requests_resume_and_ranks_are_renumbered():
     assert moved["b"]["resume"] == {"0": [11]} and moved["g"]["resume"] == {"0": []}
     assert moved["b"]["prompt"] == [5, 6, 7] and moved["b"]["prompt_logprobs_sent"] == 0
     ended = outbox.get_nowait()
-    assert ended == ("out", [["e", [], "abort", None, None]])
+    assert ended == ("out", [["e", [], "abort", None, None, None]])
     assert leader.req2rank == {"a": 0, "c": 1, "d": 0, "f": 1}
     assert leader.inflight.new_requests == {} and leader.inflight.aborts == {"1": ["f"]}
     assert leader.num_attention_ranks == 2 and len(leader.reports) == len(leader.cached) == 2
@@ -90,7 +90,7 @@ def test_a_moved_request_aborted_while_queued_ends_only_its_open_samples():
     assert [r["resume"] for r in leader.pending] == [{"1": [2]}]
     aborts: dict = {}
     leader.handle(("abort", "b"), aborts, outbox)
-    assert outbox.get_nowait() == ("out", [["b#1", [], "abort", None, None]])    # b#0 had finished already
+    assert outbox.get_nowait() == ("out", [["b#1", [], "abort", None, None, None]])    # b#0 had finished already
     assert not leader.pending and "b" not in leader.assigned and not aborts
 
 
@@ -101,7 +101,7 @@ def test_one_sample_aborted_while_queued_ends_that_sample_only():
     leader.regroup([0])
     aborts: dict = {}
     leader.handle(("abort", "b#1"), aborts, outbox)
-    assert outbox.get_nowait() == ("out", [["b#1", [], "abort", None, None]])
+    assert outbox.get_nowait() == ("out", [["b#1", [], "abort", None, None, None]])
     assert [r["resume"] for r in leader.pending] == [{"0": [1], "2": [3]}] and not aborts
     leader.handle(("abort", "b#1"), aborts, outbox)           # again: nothing more ends
     assert outbox.empty() and len(leader.pending) == 1
@@ -118,7 +118,7 @@ def test_one_sample_of_a_request_never_assigned_ends_alone():
     leader.outbox = outbox
     leader.pending.append(_req("x", n=2))
     leader.handle(("abort", "x#0"), {}, outbox)
-    assert outbox.get_nowait() == ("out", [["x#0", [], "abort", None, None]])
+    assert outbox.get_nowait() == ("out", [["x#0", [], "abort", None, None, None]])
     assert [r["resume"] for r in leader.pending] == [{"1": []}]
     header = leader.next_step({})
     assert header.new_requests["0"][0]["resume"] == {"1": []} and leader.open_samples["x"] == 1
@@ -145,7 +145,7 @@ def test_a_sample_abort_in_flight_to_a_lost_rank_ends_that_sample_only():
     leader, outbox = _moved(2, [_out("b#0", [1]), _out("b#1", [2])])
     leader.inflight = leader.next_step({"1": ["b#0"]})
     leader.regroup([0])
-    assert outbox.get_nowait() == ("out", [["b#0", [], "abort", None, None]])
+    assert outbox.get_nowait() == ("out", [["b#0", [], "abort", None, None, None]])
     assert [r["resume"] for r in leader.pending] == [{"1": [2]}] and leader.open_samples["b"] == 1
 
 

@@ -94,9 +94,9 @@ def test_a_lost_peer_in_the_background_joins_reaches_the_forward():
 
 
 def test_merged_pass_reports_carry_every_pass_outputs_and_the_last_state():
-    a = StepReport(1, 10, 2, 0, 2, outputs=[["r1", [5], None, None, None]], cache_added=[1, 3], cache_evicted=[4],
+    a = StepReport(1, 10, 2, 0, 2, outputs=[["r1", [5], None, None, None, 0]], cache_added=[1, 3], cache_evicted=[4],
                    wall_s=1, busy_s=0.5)
-    b = StepReport(1, 9, 1, 0, 1, num_preemptions=3, outputs=[["r1", [6], "length", None, None]],
+    b = StepReport(1, 9, 1, 0, 1, num_preemptions=3, outputs=[["r1", [6], "length", None, None, 0]],
                    cache_added=[2, 4], cache_evicted=[1, 7], wall_s=0.5, busy_s=0.25)
     m = merge_reports([a, b])
     assert [o[1] for o in m.outputs] == [[5], [6]] and m.outputs[1][2] == "length"

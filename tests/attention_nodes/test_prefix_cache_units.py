@@ -128,6 +128,29 @@ def test_admission_starts_after_the_cached_prefix_and_computes_the_last_token():
     assert sched.block_pool.refcount(b.block_table[0]) == 2
 
 
+def test_a_request_keeps_the_cached_count_of_its_first_admission():
+    """vLLM's num_cached_tokens: what a request found cached when first admitted. b, admitted with nothing
+    cached, is preempted once a needs a third block; when it comes back it finds its own two prompt blocks (the
+    rank's hit counter says so) but still reports 0. c, sharing a's first block, reports 4."""
+    sched = Scheduler(BlockPool(5, 4), 8, 64, enable_prefix_caching=True)
+    a, b = make_seq("a", list(range(10, 18)), 1), make_seq("b", list(range(30, 38)), 2)
+    assert a.num_cached_tokens is None       # not admitted yet
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sched.update(out, [7, 7], EOS, 1000)
+    out = sched.schedule()
+    assert out.preempted == [b] and (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
+    sched.update(out, [7], EOS, 1000)
+    hits = sched.num_prefix_hits
+    run_to_end(sched)
+    assert sched.num_prefix_hits - hits == 8 and b.num_preemptions == 1 and b.num_cached_tokens == 0
+    c = make_seq("c", list(range(10, 14)) + [50, 51, 52], 3)
+    sched.add(c)
+    run_to_end(sched)
+    assert c.num_cached_tokens == 4
+
+
 def test_a_failed_admission_changes_nothing():
     pool = BlockPool(4, 4)
     sched = Scheduler(pool, 8, 64, enable_prefix_caching=True)

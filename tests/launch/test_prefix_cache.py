@@ -45,6 +45,8 @@ def test_hits_are_counted_and_skip_exactly_their_prefill(tiny_checkpoint):
         last = llm.stats()
     assert [o.token_ids for o in warm + outs] == expected[:5]
     assert again == [expected[5]] * 2
+    # each output says how many of its prompt tokens it found cached (vLLM's RequestOutput.num_cached_tokens)
+    assert [o.num_cached_tokens for o in warm + outs] == [0] + [cached_tokens(len(prefix), len(p)) for p in rest]
     assert before["prefix_cache_hits"] == 0 and before["prefix_cache_queries"] == len(first)
     hits = after["prefix_cache_hits"]
     assert hits == sum(cached_tokens(len(prefix), len(p)) for p in rest) > 0
@@ -69,6 +71,9 @@ def test_tokens_with_cache_on_and_off_under_preemption(tiny_checkpoint, on):
     assert [o.token_ids for o in outs] == expected
     assert stats["num_preemptions"] > 0
     assert (stats["prefix_cache_hits"] > 0) == on
+    # a recompute after preemption finds the sequence's own blocks: those are not counted as the request's hits
+    assert [o.num_cached_tokens for o in outs] == [0] + [cached_tokens(19, len(p)) * on for p in prompts[1:]]
+    assert sum(o.num_cached_tokens for o in outs) < stats["prefix_cache_hits"] or not on
 
 
 def test_repeated_prefix_is_routed_to_the_rank_that_caches_it(tiny_checkpoint):
@@ -93,14 +98,19 @@ def test_a_cache_salt_shares_cached_blocks_only_with_the_same_salt(tiny_checkpoi
     path = tiny_checkpoint("qwen3_moe")
     prompt = make_prompts(1, 256, 17, 17, seed=51)[0]          # 4 whole blocks before its last token
     expected = hf_greedy(path, [prompt], MAX_NEW)[0]
-    hits = []
+    hits, reported = [], []
     with LLM(path, attention_ranks=1, expert_ranks=1, block_size=BS) as llm:
         for salt in ("a", "b", None, "a", None):
             before = llm.stats()["prefix_cache_hits"]
             out = llm.generate([prompt], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, cache_salt=salt))[0]
             assert out.token_ids == expected, salt
             hits.append(llm.stats()["prefix_cache_hits"] - before)
-    assert hits == [0, 0, 0, 16, 16]
+            reported.append(out.num_cached_tokens)
+        # two samples of one request: its prompt counted once; prompt logprobs score every position, so none
+        two = llm.generate([prompt], SamplingParams(max_tokens=2, n=2, ignore_eos=True, cache_salt="a"))[0]
+        scored = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=0, cache_salt="a"))[0]
+    assert hits == reported == [0, 0, 0, 16, 16]
+    assert (len(two.samples), two.num_cached_tokens, scored.num_cached_tokens) == (2, 16, 0)
     with pytest.raises(ValueError, match=r"SamplingParams\.cache_salt=''"):
         SamplingParams(cache_salt="")
 
@@ -119,13 +129,14 @@ def test_blocks_evicted_to_the_host_tier_are_restored_not_recomputed(tiny_checkp
         out_a = llm.generate([a], PARAMS)[0].token_ids
         llm.generate([filler], SamplingParams(max_tokens=4, ignore_eos=True))
         before = llm.stats()
-        out_a2 = llm.generate([a2], PARAMS)[0].token_ids
+        out_a2 = llm.generate([a2], PARAMS)[0]
         after = llm.stats()
-    assert [out_a, out_a2] == expected
+    assert [out_a, out_a2.token_ids] == expected
     hit = cached_tokens(len(prefix), len(a2))
     assert before["kv_offload_saved_blocks"] >= len(a) // BS and before["kv_offload_restored_blocks"] == 0
     assert after["kv_offload_restored_blocks"] == hit // BS > 0
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == hit
+    assert out_a2.num_cached_tokens == hit      # restored from the host tier: cached, not computed
     assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == len(a2) - hit
 
 

@@ -307,7 +307,7 @@ def test_a_rank_that_cannot_compile_a_grammar_aborts_that_request_alone():
     structured = SamplingParams(n=2, structured_outputs={"regex": "a+"})
     worker.add_requests([{"id": "s", "prompt": [5, 6], "params": structured.to_dict()},
                          {"id": "p", "prompt": [5, 6], "params": SamplingParams().to_dict()}])
-    assert worker._aborted == [["s#0", [], "abort", None, None], ["s#1", [], "abort", None, None]]
+    assert worker._aborted == [["s#0", [], "abort", None, None, None], ["s#1", [], "abort", None, None, None]]
     assert [s.request_id for s in sched.waiting] == ["p"]
 
 
@@ -361,7 +361,7 @@ def test_a_rank_compiles_grammars_off_its_steps_and_aborts_a_request_whose_gramm
     for _, f, _ in worker._compiling:
         f.exception(timeout=60)
     worker._reap()
-    assert worker._aborted == [["b#0", [], "abort", None, None], ["b#1", [], "abort", None, None]]
+    assert worker._aborted == [["b#0", [], "abort", None, None, None], ["b#1", [], "abort", None, None, None]]
     assert [s.seq.request_id for s in sched.schedule(64).scheduled] == ["p", "g"] and worker._compiling == []
     assert grammars.matcher(next(s for s in sched.running if s.request_id == "g")) is not None
     with pytest.raises(ValueError, match="does not compile"):     # a failure is not kept: compiled anew, it fails

@@ -39,7 +39,7 @@ def _stream_rows(llm: LLM, prompts, params, kill_pid: int | None, after_tokens: 
         msg = llm._poll(llm.outbox, deadline, "the elastic test")
         if msg[0] != "out":
             continue
-        for row, toks, finish, prompt_lps, _ in msg[1]:
+        for row, toks, finish, prompt_lps, *_ in msg[1]:
             r = rows.setdefault(row, {"tokens": [], "finish": None, "prompt_logprobs": 0})
             assert r["finish"] is None, f"{row} reported after it finished"
             r["tokens"] += toks
@@ -199,7 +199,7 @@ def test_a_stopped_rank_is_left_out_like_a_dead_one(tiny_checkpoint, victim, opt
             stopped, open_rows, deadline = False, len(rids), time.monotonic() + 240
             while open_rows:
                 msg = llm._poll(llm.outbox, deadline, "the stopped-rank test")
-                for row, toks, finish, _, _ in msg[1] if msg[0] == "out" else []:
+                for row, toks, finish, *_ in msg[1] if msg[0] == "out" else []:
                     rows[row] += toks
                     open_rows -= finish is not None
                 if not stopped and sum(map(len, rows.values())) >= 24:
