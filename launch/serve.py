@@ -118,7 +118,8 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
         from launch.frontend.process import FrontProcess
         front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs, {
             "tool_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
-            "reasoning_parser": args.reasoning_parser, "responses_store": args.responses_store})
+            "reasoning_parser": args.reasoning_parser, "responses_store": args.responses_store,
+            "prompt_tokens_details": args.enable_prompt_tokens_details})
     llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -187,6 +188,10 @@ def main(argv=None) -> int:
                    help=f"keep the last N /v1/responses responses created with store true, for GET "
                         f"/v1/responses/ID and previous_response_id, in the HTTP front's memory; 0 keeps none "
                         f"(default {RESPONSES_STORE})")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens found in the prefix "
+                        "cache, in chat and completion answers (and Anthropic's cache_read_input_tokens; vLLM's "
+                        "flag; /v1/responses always reports them)")
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")

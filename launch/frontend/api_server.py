@@ -66,8 +66,10 @@ logger = logging.getLogger("afserve.http")
 
 
 class _ServerState:
-    def __init__(self, model_name: str, model_path: str, responses_store: int = DEFAULT_CAPACITY):
+    def __init__(self, model_name: str, model_path: str, responses_store: int = DEFAULT_CAPACITY,
+                 prompt_tokens_details: bool = False):
         self.model_name, self.model_path = model_name, model_path
+        self.prompt_tokens_details = prompt_tokens_details     # usage's cached_tokens (chat, completions, messages)
         self.engine: EngineClient | None = None
         self.metrics = Metrics()
         self.created = int(time.time())
@@ -86,7 +88,7 @@ class _ServerState:
 
 def build_app(model_name: str, model_path: str, api_key: str | None = None, access_log: bool = True,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
-              responses_store: int = DEFAULT_CAPACITY) -> FastAPI:
+              responses_store: int = DEFAULT_CAPACITY, prompt_tokens_details: bool = False) -> FastAPI:
     """The app; `attach(app, llm)` connects it to an engine once every rank is ready (until then /health and
     the API answer 503). With `access_log`, one INFO line per request goes to logger "afserve.http.access";
     that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING).
@@ -94,7 +96,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     auto is refused, serve.py's --enable-auto-tool-choice is off); reasoning_parser: how chat answers split off
     their reasoning (launch/frontend/reasoning.py PARSERS; None: they do not); responses_store: how many
     /v1/responses responses are kept for GET and previous_response_id (launch/frontend/response_store.py; 0:
-    none)."""
+    none); prompt_tokens_details: chat, completions and Anthropic messages report the prompt tokens found in the
+    prefix cache in usage (vLLM's --enable-prompt-tokens-details; /v1/responses always does, as vLLM's)."""
     if api_key == "":     # it would match a missing x-api-key header
         raise ValueError("api_key is empty: pass a key, or leave it out to serve without one")
     if tool_parser is not None and tool_parser not in TOOL_PARSERS:
@@ -103,7 +106,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is unknown; pass one of "
                          f"{', '.join(REASONING_PARSERS)}")
     check_parsers(tool_parser, reasoning_parser)
-    state = _ServerState(model_name, model_path, responses_store)
+    state = _ServerState(model_name, model_path, responses_store, prompt_tokens_details)
     state.tool_parser, state.reasoning_parser = tool_parser, reasoning_parser
 
     @contextlib.asynccontextmanager
@@ -161,7 +164,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         if body.echo:   # a prompt that truncate_prompt_tokens cut is echoed as the tokens the model saw
             echo = [ids if keep and was_cut(eng.llm.tokenizer, p, ids, body.add_special_tokens) else p
                     for p, ids in zip(sent, prompts)]
-        return await respond(state.model_name, eng, body, request, prompts, params, chat=False, echo=echo)
+        return await respond(state.model_name, eng, body, request, prompts, params, chat=False, echo=echo,
+                             cached_details=state.prompt_tokens_details)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -184,7 +188,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
                 store.put(response, kept)
             return response
         try:
-            answer = await chat(body.chat(kept), request)
+            answer = await chat(body.chat(kept), request, cached_details=True)
         except APIError as e:       # name the field the client sent
             e.param = field_of(e.param)
             raise
@@ -240,7 +244,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         text = chat_text(eng.llm.tokenizer, body, state.model_name, body.continue_final_message)
         return prompt_ids(eng.llm, text, "messages", body.add_special_tokens, body.truncation(eng.llm.max_model_len))
 
-    async def chat(body: ChatCompletionRequest, request: Request):
+    async def chat(body: ChatCompletionRequest, request: Request, cached_details: bool | None = None):
         check_request(body, state.served)
         tools = ToolPlan.of(body, tool_parser)
         eng = engine()
@@ -251,7 +255,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         if reasoning is not None:
             params = reasoning.gated(params, prompts)     # the grammar binds once the thinking has ended
         answer = HarmonyAnswer.of(body, tools, reasoning_parser, tool_parser, tok) or ChatAnswer.of(tools, reasoning)
-        return await respond(state.model_name, eng, body, request, prompts, params, chat=True, answer=answer)
+        return await respond(state.model_name, eng, body, request, prompts, params, chat=True, answer=answer,
+                             cached_details=state.prompt_tokens_details if cached_details is None else cached_details)
 
     @app.post("/tokenize")
     async def tokenize_(body: TokenizeRequest, request: Request):

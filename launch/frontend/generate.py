@@ -154,6 +154,7 @@ class _Choice:
     finish: str | None = None
     stop_reason: str | int | None = None   # vLLM's: the stop string or stop token id that ended it (None: EOS, length)
     stop_ids: frozenset = frozenset()      # the request's stop_token_ids
+    cached: int | None = None              # its prompt's tokens the engine found cached (None: not known yet)
     text: list[str] = field(default_factory=list)
     positions: list[Position] = field(default_factory=list)
 
@@ -204,6 +205,7 @@ async def _drive(eng: EngineClient, routes: dict[str, list[_Choice]], sink: asyn
                     yield (c, *c.take_echo())
                 c.num_tokens += len(toks)
                 c.sample.add(toks, got.logprobs, finish)
+                c.cached = got.num_cached_tokens if c.cached is None else c.cached     # the first admission's
                 piece = c.stream.add(toks, final=finish is not None,
                                      hide_last=bool(toks) and finish == "stop" and not c.stream.include_stop)
                 stopped = c.stream.stopped and finish is None      # still running in the engine: release it
@@ -243,11 +245,13 @@ def _best(choices: list[_Choice], params: SamplingParams, n: int) -> list[_Choic
 
 async def respond(model_name: str, eng: EngineClient, body, request: Request, prompts: list[list[int]],
                   per_prompt: list[SamplingParams], chat: bool, echo: list | None = None,
-                  answer: ChatAnswer | None = None):
+                  answer: ChatAnswer | None = None, cached_details: bool = False):
     """Submit every prompt (n choices each: one per sample, or with best_of the best n samples) and answer as
     body asks: streamed or one JSON body. per_prompt: each prompt's parameters (they differ in max_tokens at
     most); echo: the prompts as sent (strings or ids), to return first (completions); answer: how a chat's
-    answer shows reasoning and tool calls (launch/frontend/answer.py; None: its text is the content)."""
+    answer shows reasoning and tool calls (launch/frontend/answer.py; None: its text is the content);
+    cached_details: usage carries prompt_tokens_details.cached_tokens, the prompt tokens the engine found in its
+    prefix cache (vLLM's --enable-prompt-tokens-details), once the engine has said."""
     params = per_prompt[0]
     stops = body.stop_strings()
     n = body.n
@@ -301,6 +305,9 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
         p = sum({ch.prompt_index: ch.prompt_len for ch in of}.values())
         c = sum(ch.num_tokens for ch in of)
         details = answer.usage_details([ch.stream.ids for ch in of]) if answer else {}
+        cached = {ch.prompt_index: ch.cached for ch in of if ch.cached is not None}
+        if cached_details and cached:
+            details["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c} | details
 
     answered = choices         # with best_of, the best n of each prompt once known

@@ -2,10 +2,11 @@
 streamed chat completion's chunks become server-sent events "event: TYPE" + "data: JSON", in Anthropic's order:
 message_start (the message with no content, its usage's input tokens), then per content block
 content_block_start, its deltas (thinking_delta, text_delta, or a tool_use's input_json_delta: the call's
-arguments as they come) and content_block_stop, then message_delta (stop_reason, stop_sequence, output tokens)
-and message_stop. A stream with no block sends one empty text block, as the unstreamed answer has. An error
-midway is an "error" event. The interface is response_events.Events' (start, chunk, end), so its `translate`
-reads the chat stream.
+arguments as they come) and content_block_stop, then message_delta (stop_reason, stop_sequence, and the whole
+usage: output tokens, and the input tokens less those found cached, which message_start cannot know yet) and
+message_stop. A stream with no block sends one empty text block, as the unstreamed answer has. An error midway is
+an "error" event. The interface is response_events.Events' (start, chunk, end), so its `translate` reads the chat
+stream.
 """
 from __future__ import annotations
 
@@ -99,5 +100,5 @@ class MessageEvents:
         reason, sequence = stop_reason(self.finish_reason, self.stop, ["".join(c) for c in self.calls])
         return out + self._close() + [
             self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                        usage={"output_tokens": (self.usage or {}).get("completion_tokens", 0)}),
+                        usage=usage(self.usage)),      # the whole request's (the cached tokens known now)
             self._event("message_stop")]

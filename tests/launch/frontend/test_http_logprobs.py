@@ -567,10 +567,12 @@ def test_prefix_cache_counters_count_cached_tokens(served):
     q0, h0 = _prefix_counters(served)
     complete(served, prompt=prompt, max_tokens=1, **GREEDY)
     q1, h1 = _prefix_counters(served)
-    complete(served, prompt=prompt, max_tokens=1, **GREEDY)
+    again = complete(served, prompt=prompt, max_tokens=1, **GREEDY)
     q2, h2 = _prefix_counters(served)
     assert (q1 - q0, h1 - h0) == (40, 0)
     assert (q2 - q1, h2 - h1) == (40, 32)
+    # this server runs without vLLM's --enable-prompt-tokens-details: usage does not say what was cached
+    assert again["usage"] == {"prompt_tokens": 40, "completion_tokens": 1, "total_tokens": 41}
     # vLLM's cache_salt: the same prompt under a salt finds nothing, then its own blocks
     hits = []
     for _ in range(2):
