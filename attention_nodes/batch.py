@@ -15,8 +15,8 @@ import torch
 from kernels.ops import plan_decode_attention
 from kernels.paged_attention import DecodeGroup
 
-from .scheduler import ScheduledSeq, SchedulerOutput
 from .spec_decode import DeviceDrafts, place_drafts
+from .step_plan import ScheduledSeq, SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -29,9 +29,9 @@ from kernels.ops import plan_decode_attention
 
 from .batch import DecodeMeta, ForwardBatch, PrefillMeta
 from .sampler import SamplingColumns
-from .scheduler import ScheduledSeq
-from .spec_decode import DeviceDrafts, place_drafts
 from .sequence import Sequence
+from .spec_decode import DeviceDrafts, place_drafts
+from .step_plan import ScheduledSeq
 
 _TOP_K_CAP = 2**24     # top_k is kept as a float32 column: larger values (all act as the vocabulary) are capped
 

@@ -36,14 +36,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
 from .batch import ForwardBatch, attention_metadata
 from .kv_cache import KVCache
 from .model import AttentionModel, MoEContext, rms_norm
-from .scheduler import ScheduledSeq
 from .sequence import Sequence
 from .spec_decode import DeviceDrafts
 from .speculation import scratch_blocks
+from .step_plan import ScheduledSeq
 
 
 class _MTPCache(KVCache):

@@ -26,8 +26,8 @@ from attention_nodes.batch import ForwardBatch
 from attention_nodes.graphs import slot_sizes
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.sampling_params import SamplingParams
-from attention_nodes.scheduler import ScheduledSeq
 from attention_nodes.sequence import Sequence
+from attention_nodes.step_plan import ScheduledSeq
 from comm.shm import host_identity
 from comm.stats import CommStats
 

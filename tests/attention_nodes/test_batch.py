@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from attention_nodes.batch import split_micro_batches
 from attention_nodes.sampling_params import SamplingParams
-from attention_nodes.scheduler import ScheduledSeq
 from attention_nodes.sequence import Sequence
+from attention_nodes.step_plan import ScheduledSeq
 
 
 def make_scheduled(sizes: list[int]) -> list[ScheduledSeq]:

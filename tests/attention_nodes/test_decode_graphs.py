@@ -12,8 +12,8 @@ from attention_nodes.graphs import (SINK_BLOCKS, DecodeGraphs, GraphCaptureError
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.model import AttentionModel
 from attention_nodes.sampling_params import SamplingParams
-from attention_nodes.scheduler import ScheduledSeq
 from attention_nodes.sequence import Sequence
+from attention_nodes.step_plan import ScheduledSeq
 from kernels.paged_attention import plan_decode
 from launch.runtime.memory import NoExperts
 from models.checkpoint import Checkpoint

@@ -13,8 +13,9 @@ from attention_nodes.block_pool import BlockPool
 from attention_nodes.handover import pack_sequences, plan_take_over, unpack_sequences
 from attention_nodes.kv_cache import KVCache
 from attention_nodes.sampling_params import SamplingParams
-from attention_nodes.scheduler import Scheduler, SchedulerOutput
+from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
+from attention_nodes.step_plan import SchedulerOutput
 from comm.control import pack as msg_pack
 from comm.control import unpack as msg_unpack
 

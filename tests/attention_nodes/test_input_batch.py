@@ -12,8 +12,9 @@ from attention_nodes.batch import ForwardBatch, order_for_batch, split_micro_bat
 from attention_nodes.block_pool import BlockPool
 from attention_nodes.input_batch import InputBatch
 from attention_nodes.sampling_params import SamplingParams
-from attention_nodes.scheduler import ScheduledSeq, Scheduler
+from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
+from attention_nodes.step_plan import ScheduledSeq
 
 EOS = frozenset({0})
 BS = 4

@@ -5,8 +5,9 @@ import pytest
 
 from attention_nodes.block_pool import BlockPool
 from attention_nodes.sampling_params import SamplingParams
-from attention_nodes.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
+from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence, SequenceStatus
+from attention_nodes.step_plan import ScheduledSeq, SchedulerOutput
 
 EOS = frozenset({2})
 MAX_MODEL_LEN = 1000

@@ -128,8 +128,8 @@ def random_batch(lengths: list[int], first_block: int, vocab: int, seed: int):
     """Prompt chunks of random tokens (so attention weights matter) with their own blocks -> ForwardBatch."""
     from attention_nodes.batch import ForwardBatch
     from attention_nodes.sampling_params import SamplingParams
-    from attention_nodes.scheduler import ScheduledSeq
     from attention_nodes.sequence import Sequence
+    from attention_nodes.step_plan import ScheduledSeq
 
     g = torch.Generator().manual_seed(seed)
     scheduled, block = [], first_block
