@@ -85,7 +85,7 @@ def test_a_failed_step_with_moves_settles_them_where_ranks_hold_them():
     leader.next_step({})
     reps = [StepReport(r, 50, 1, 0) for r in range(3)]
     reps[0].ready, reps[1].ready = [["a", 1, 1]], [["b", 1, 1]]
-    reps[0].outputs, reps[1].outputs = [["a", [7], None, None, None]], [["b", [8], None, None, None]]
+    reps[0].outputs, reps[1].outputs = [["a", [7], None, None, None, 0]], [["b", [8], None, None, None, 0]]
     leader.collect(reps, outbox)
     leader.inflight = leader.next_step({})
     assert sorted(leader.inflight.moves) == [[0, 2, ["a"]], [1, 2, ["b"]]]

@@ -74,7 +74,7 @@ def test_reports_reach_the_leader_in_one_collective_unless_one_overflows(big):
 
 def _report(rank: int, big: bool) -> StepReport:
     n = 3000 if big and rank == 1 else 3 + rank
-    return StepReport(rank, 100 - rank, n, 0, outputs=[[f"r{rank}-{i}", [i, i + 1], None, None, None]
+    return StepReport(rank, 100 - rank, n, 0, outputs=[[f"r{rank}-{i}", [i, i + 1], None, None, None, 0]
                                                       for i in range(n)])
 
 

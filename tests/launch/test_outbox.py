@@ -12,7 +12,7 @@ from launch.procs import OUTBOX_PIPE_BYTES, LocalOutbox, Outbox
 
 def _write(outbox: Outbox, n: int) -> None:
     for i in range(n):
-        outbox.put(("out", [[f"r{i}", [i, i + 1], None if i % 3 else "stop", None, None]]))
+        outbox.put(("out", [[f"r{i}", [i, i + 1], None if i % 3 else "stop", None, None, 0]]))
     outbox.put(("big", b"x" * (3 * OUTBOX_PIPE_BYTES)))   # larger than the pipe: the put waits for the reader
     outbox.put(("done", n))
 
@@ -25,7 +25,7 @@ def test_messages_from_another_process_arrive_whole_and_in_order():
     got = [outbox.get(timeout=60) for _ in range(302)]
     proc.join(timeout=60)
     assert proc.exitcode == 0
-    assert got[:300] == [("out", [[f"r{i}", [i, i + 1], None if i % 3 else "stop", None, None]]) for i in range(300)]
+    assert got[:300] == [("out", [[f"r{i}", [i, i + 1], None if i % 3 else "stop", None, None, 0]]) for i in range(300)]
     assert got[300] == ("big", b"x" * (3 * OUTBOX_PIPE_BYTES)) and got[301] == ("done", 300)
     with pytest.raises(queue.Empty):
         outbox.get(timeout=0.05)

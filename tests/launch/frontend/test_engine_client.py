@@ -33,8 +33,8 @@ def test_a_steps_progress_reaches_the_event_loop_in_one_callback_in_order():
     client.loop = loop = Loop()
     sinks = [asyncio.Queue(), asyncio.Queue()]
     ids = [client.submit([1, 2], SamplingParams(), s) for s in sinks]
-    client._deliver([[ids[0], [5], None, None, None], [ids[1], [6], None, None, None], ["gone", [7], None, None, None],
-                     [ids[0], [8], "length", None, None]])
+    client._deliver([[ids[0], [5], None, None, None, 0], [ids[1], [6], None, None, None, 0],
+                     ["gone", [7], None, None, None, 0], [ids[0], [8], "length", None, None, 0]])
     assert len(loop.calls) == 1
     fn, args = loop.calls[0]
     fn(*args)
@@ -58,7 +58,8 @@ def test_the_finish_reason_counted_is_the_one_the_client_sees():
         return metrics.registry.get_sample_value("afserve_requests_finished_total", {"finish_reason": reason}) or 0
 
     a, b, c = (client.submit([1, 2], SamplingParams(), asyncio.Queue()) for _ in range(3))
-    client._deliver([[a, [5], "length", None, None], [b, [6], "length", None, None], [c, [7], None, None, None]])
+    client._deliver([[a, [5], "length", None, None, 0], [b, [6], "length", None, None, 0],
+                     [c, [7], None, None, None, 0]])
     assert counted("length") == counted("stop") == 0       # not yet: the handlers have not looked at the text
     client.finished(a, "stop")                             # its stop string ended the last token's text
     assert (counted("stop"), counted("length")) == (1, 0)
