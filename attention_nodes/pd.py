@@ -83,7 +83,7 @@ def summed(reports: list[list]) -> dict:
 
 
 def ready_requests(worker) -> list[list]:
-    """A prefill rank's requests that wait to move, oldest first: [[request id, distinct KV blocks its samples
+    """A prefill rank's requests that wait to move, in admission order: [[request id, distinct KV blocks its samples
     hold, its samples], ...] (a request counts once all its live samples are prefilled)."""
     groups: dict[str, list] = {}
     for seq in worker.scheduler.parked():

@@ -51,6 +51,8 @@ class SamplingParams:
     cache_salt (vLLM's, a request field there): None, or a non-empty string mixed into the prefix cache's keys, so
         the request shares cached blocks only with requests of the same salt (tenants cannot probe each other's
         prompts by timing).
+    priority (vLLM's, a request field there): under the engine's scheduling_policy "priority", a lower value is
+        admitted first and preempted last (ties: the earlier arrival); under "fcfs" it must stay 0.
     Order, as vLLM's sampler: the structured outputs' mask (it commutes with the rest: a masked token stays -inf),
     allowed_token_ids, bad words, min_tokens, logit_bias,
     repetition, frequency and presence penalties, temperature, min_p, top-k, top-p.
@@ -78,6 +80,7 @@ class SamplingParams:
     structured_outputs: dict | None = None
     reasoning_end_token_id: int | None = None
     cache_salt: str | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         def bad(name: str, value, want: str) -> ValueError:
@@ -161,6 +164,8 @@ class SamplingParams:
                                          f"the request draws from seed + i)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", self.cache_salt, "pass None or a non-empty string")
+        if type(self.priority) is not int or not -2**63 <= self.priority < 2**63:
+            raise bad("priority", self.priority, "pass an integer in [-2**63, 2**63) (lower is more urgent)")
         gate = self.reasoning_end_token_id
         if gate is not None and (self.structured_outputs is None or type(gate) is not int or gate < 0
                                  or gate in self.stop_token_ids):

@@ -9,6 +9,11 @@ its blocks are freed and it later recomputes all its tokens as a prefill.
 Invariant: `running` is sorted by arrival and every running arrival is below
 every waiting arrival, so the newest running sequence is always `running[-1]`.
 
+Policy "priority" (vLLM's `scheduling_policy`): the waiting queue is ordered by (SamplingParams.priority, arrival),
+a lower priority first, and the running sequence preempted when blocks run out is the one with the highest
+(priority, arrival), wherever it is in `running`: one already scheduled in this step gives its tokens and blocks
+back. `running` keeps the order of admission, so the invariant above holds only under "fcfs".
+
 A prefill rank of PD (`prefill_only`) runs prompts only: a sequence whose prefill is done (Sequence.prefilled)
 stays in `running`, holding its blocks and its seat, but is not scheduled again; it waits there until the
 leader moves it to a decode rank (attention_nodes/pd.py).
@@ -20,20 +25,26 @@ Every full block a step computes is registered, so it can be found again once it
 from __future__ import annotations
 
 from collections import deque
+from typing import Literal
 
 from attention_nodes.block_pool import BlockPool, chain_hashes
 from attention_nodes.sequence import Sequence, SequenceStatus
 from attention_nodes.step_plan import ScheduledSeq, SchedulerOutput
+
+POLICIES = ("fcfs", "priority")
 
 
 class Scheduler:
     """Owns the waiting queue and the running list; allocates KV blocks from `block_pool`."""
 
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, policy: Literal["fcfs", "priority"] = "fcfs") -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Scheduler {name}={value!r} is invalid: pass an integer >= 1")
+        if policy not in POLICIES:
+            raise ValueError(f"Scheduler policy={policy!r} is unknown: pass one of {', '.join(POLICIES)}")
+        self.by_priority = policy == "priority"
         self.block_pool = block_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -47,7 +58,7 @@ class Scheduler:
         self.num_prompt_tokens_computed = 0  # prompt positions run through the model (recomputes included)
         self.prefill_only = False        # PD's prefill rank: prefilled sequences wait to move (module docstring)
 
-    running = property(lambda self: self._running, doc="RUNNING seqs, oldest arrival first.")
+    running = property(lambda self: self._running, doc="RUNNING seqs in admission order (fcfs: oldest first).")
     waiting = property(lambda self: self._waiting, doc="WAITING seqs (deque), next to admit first.")
     num_running = property(lambda self: len(self._running))
     num_waiting = property(lambda self: len(self._waiting))
@@ -71,7 +82,16 @@ class Scheduler:
                              f"KV blocks but the pool has {self.block_pool.num_blocks}: shorten the prompt")
         self._last_arrival = seq.arrival
         self._live[seq.request_id] = seq
-        self._waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """seq into the waiting queue: at its tail, or by priority in its place (found from the tail: a new
+        arrival of the common priority goes last at once)."""
+        i = len(self._waiting)
+        if self.by_priority:
+            while i and _rank(self._waiting[i - 1]) > _rank(seq):
+                i -= 1
+        self._waiting.insert(i, seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Drop a waiting or running request (every unfinished sample of it, by the request's id; or one sample,
@@ -90,14 +110,15 @@ class Scheduler:
         return seqs
 
     def parked(self) -> list[Sequence]:
-        """A prefill rank's sequences that are done with their prefill and wait to move, oldest first."""
+        """A prefill rank's sequences that are done with their prefill and wait to move, in admission order."""
         return [s for s in self._running if s.prefilled] if self.prefill_only else []
 
     def take_over(self, running: list[Sequence], waiting: list[Sequence], next_arrival) -> None:
         """Sequences handed over from another rank (attention_nodes/handover.py): running ones, holding their
         blocks already, join `running` after the current ones; waiting ones (holding none) the waiting queue's
         tail. Arrivals are renumbered with next_arrival() (the current waiting ones too, after the new running
-        ones) so that running stays sorted and below every waiting arrival."""
+        ones) so that under fcfs running stays sorted and below every waiting arrival; under priority the waiting
+        queue is sorted again by (priority, arrival)."""
         for seq in running + waiting:
             if seq.request_id in self._live:
                 raise ValueError(f"request_id={seq.request_id!r} handed over is already here")
@@ -107,6 +128,8 @@ class Scheduler:
         for seq in running + list(self._waiting):
             seq.arrival = next_arrival()
             self._last_arrival = seq.arrival
+        if self.by_priority:
+            self._waiting = deque(sorted(self._waiting, key=_rank))
 
     def fork(self, sched: ScheduledSeq, generators: list) -> list[ScheduledSeq]:
         """Make samples 1.. of a request whose first sample is being drawn in this step (sched: its entry in the
@@ -130,7 +153,8 @@ class Scheduler:
         pool = self.block_pool
         budget = self.max_num_batched_tokens if budget is None else min(budget, self.max_num_batched_tokens)
         out = SchedulerOutput.empty()
-        # Step 1: running sequences, oldest first; preempt the newest when blocks run out.
+        # Step 1: running sequences in admission order; preempt the newest (priority: the least urgent) when blocks
+        # run out.
         i = 0
         reserve = self._later_needs() if any(s.spec_tokens for s in self._running) else None
         while i < len(self._running) and budget > 0:
@@ -149,12 +173,14 @@ class Scheduler:
             assert num_new > 0, f"running request {seq.request_id!r} has no token to compute"
             shared_tail = self._is_shared_tail(seq)   # again after each preemption: a preempted sample held it
             num_missing = self._num_missing_blocks(seq, num_new) + shared_tail
-            while not pool.can_allocate(num_missing) and self._running[-1] is not seq:
-                out.preempted.append(self._preempt_newest())
+            while not pool.can_allocate(num_missing) and (victim := self._victim()) is not seq:
+                at, tokens = self._preempt(victim, out)
+                i -= at < i           # (priority) one scheduled before this one: its tokens come back
+                budget += tokens      # (`reserve` then runs one entry behind for the step: fewer drafts, no harm)
                 shared_tail = self._is_shared_tail(seq)
                 num_missing = self._num_missing_blocks(seq, num_new) + shared_tail
             if not pool.can_allocate(num_missing):
-                out.preempted.append(self._preempt_newest())  # the seq itself: its blocks go to older ones
+                self._preempt(seq, out)  # the seq itself: its blocks go to older (or more urgent) ones
                 break
             if shared_tail:   # copy on write: this step writes into a block other samples hold
                 tail = seq.num_computed_tokens // pool.block_size
@@ -344,9 +370,22 @@ class Scheduler:
                                f"{self.block_pool.num_blocks}: raise num_blocks or lower max_model_len")
         return max(0, needed - len(seq.block_table))
 
-    def _preempt_newest(self) -> Sequence:
-        victim = self._running.pop()
-        assert all(s.arrival <= victim.arrival for s in self._running), "running is not sorted by arrival"
+    def _victim(self) -> Sequence:
+        """The running sequence to preempt first: the newest, or by priority the least urgent."""
+        return max(self._running, key=_rank) if self.by_priority else self._running[-1]
+
+    def _preempt(self, victim: Sequence, out: SchedulerOutput) -> tuple[int, int]:
+        """Send a running sequence back to wait (its KV dropped, recomputed when admitted again); listed in
+        out.preempted. -> (its index in `running`, the tokens of its entry in out.scheduled taken back: 0 unless
+        it was scheduled earlier in this step, which only the priority policy does)."""
+        at = self._running.index(victim)
+        del self._running[at]
+        assert self.by_priority or all(s.arrival <= victim.arrival for s in self._running), \
+            "running is not sorted by arrival"
+        tokens = 0
+        if self.by_priority and (k := next((k for k, e in enumerate(out.scheduled) if e.seq is victim), None)) \
+                is not None:
+            tokens = out.scheduled.pop(k).num_new_tokens
         self._release(victim)
         victim.num_computed_tokens = 0
         victim.spec_tokens = []
@@ -354,12 +393,21 @@ class Scheduler:
         victim.num_registered_blocks = 0
         victim.status = SequenceStatus.WAITING
         victim.num_preemptions += 1
-        self._waiting.appendleft(victim)
-        return victim
+        if self.by_priority:
+            self._enqueue(victim)
+        else:
+            self._waiting.appendleft(victim)     # its arrival is below every waiting one's
+        out.preempted.append(victim)
+        return at, tokens
 
     def _release(self, seq: Sequence) -> None:
         self.block_pool.free(reversed(seq.block_table))   # the tail is reused first, the shared head kept longest
         seq.replace_blocks([])
+
+
+def _rank(seq: Sequence) -> tuple[int, int, int]:
+    """The priority policy's order: a lower priority first, then the earlier arrival, then the sample."""
+    return seq.params.priority, seq.arrival, seq.sample_index
 
 
 def seats_of(seq: Sequence) -> int:

@@ -43,7 +43,8 @@ class Sequence:
     """A request's prompt plus generated tokens.
 
     token_ids: prompt followed by generated tokens.
-    arrival: monotonic admission number; the largest running arrival is preempted first.
+    arrival: monotonic admission number; the largest running arrival is preempted first (scheduling_policy
+        "fcfs"; under "priority" the largest (params.priority, arrival)).
     num_computed_tokens: prefix of token_ids whose KV is in the cache (reset to 0 on preemption).
     block_table: KV block ids covering token_ids[i] at block_table[i // block_size].
     finish_reason: "stop", "length" or "abort" once finished.

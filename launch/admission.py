@@ -36,8 +36,9 @@ class Admission:
     """The checks of one engine, once its limits are known (the leader's start-up report)."""
 
     def __init__(self, tokenizer, vocab_size: int, max_num_seqs: int, max_model_len: int, kv_capacity_tokens: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), scheduling_policy: str = "fcfs"):
         self.tokenizer, self.vocab_size, self.max_num_seqs = tokenizer, vocab_size, max_num_seqs
+        self.scheduling_policy = scheduling_policy
         self.max_model_len, self.kv_capacity_tokens = max_model_len, kv_capacity_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self._grammars: Grammars | None = None
@@ -80,6 +81,7 @@ class Admission:
         """ValueError unless the request's samples fit max_num_seqs (`check_samples`), its token ids leave
         something to sample (`check_tokens`) and it fits (`check_fits`)."""
         self.check_samples(params)
+        self.check_priority(params)
         self.check_tokens(params)
         self.check_structured(params)
         self.check_fits(ids, params)
@@ -108,6 +110,13 @@ class Admission:
             if self._grammars is None:
                 self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._grammars.compile(spec)
+
+    def check_priority(self, params: SamplingParams) -> None:
+        """ValueError naming priority when one is set but the engine does not schedule by it."""
+        if params.priority and self.scheduling_policy != "priority":
+            raise ValueError(f"SamplingParams.priority={params.priority} needs scheduling_policy='priority', and "
+                             f"this engine schedules by {self.scheduling_policy!r}: start it with "
+                             f"scheduling_policy='priority' (--scheduling-policy priority) or leave priority at 0")
 
     def check_samples(self, params: SamplingParams) -> None:
         """ValueError unless the request's samples (side by side) fit max_num_seqs: else they would wait forever."""

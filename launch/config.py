@@ -12,6 +12,7 @@ from dataclasses import MISSING, Field, asdict, dataclass, field, fields, replac
 
 import torch
 
+from attention_nodes.scheduler import POLICIES as SCHEDULING_POLICIES
 from attention_nodes.speculation import SpeculativeConfig
 from kernels.ops import BACKENDS as KERNEL_BACKENDS
 from kernels.ops import resolve_backend
@@ -186,6 +187,10 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = option(64, "most sequences scheduled at once")
     max_num_batched_tokens: int = option(512, "most tokens in one step, prompt chunks and decodes together")
+    scheduling_policy: str = option("fcfs", "which waiting request is admitted first and which running one is "
+                                            "preempted when KV blocks run out: fcfs (the earliest arrival; the "
+                                            "newest), or priority (vLLM's: the lowest SamplingParams.priority, "
+                                            "ties by arrival; the highest)", choices=SCHEDULING_POLICIES)
     max_model_len: int | None = option(None, "most tokens of one sequence, prompt and output (default: the "
                                              "model's max_position_embeddings)")
     speculative_config: dict | None = option(None, "speculative decoding, vLLM's keys (JSON on the command line): "
@@ -201,6 +206,9 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
         _int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r} is invalid: choose one of "
+                             f"{SCHEDULING_POLICIES}")
         if self.max_model_len is not None:
             _int("max_model_len", self.max_model_len, 1)
         SpeculativeConfig.from_dict(self.speculative_config)   # raises for a bad one, naming the key

@@ -7,7 +7,7 @@ import logging
 import os
 import queue
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint, load_tokenizer
@@ -99,7 +99,8 @@ class LLM:
         self.max_model_len = info["max_model_len"]
         self.kv_capacity_tokens = info["num_kv_blocks"] * info["block_size"]
         self.admission = Admission(self.tokenizer, self.spec.vocab_size, self.config.scheduler.max_num_seqs,
-                                   self.max_model_len, self.kv_capacity_tokens, self.spec.eos_token_ids)
+                                   self.max_model_len, self.kv_capacity_tokens, self.spec.eos_token_ids,
+                                   self.config.scheduler.scheduling_policy)
 
     @property
     def is_leader(self) -> bool:
@@ -147,9 +148,11 @@ class LLM:
         """Progress from the leader, as `submit` describes it."""
         return self._outbox
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order."""
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order.
+        priority (vLLM's): one for every prompt or one per prompt, set as their SamplingParams.priority (needs
+        scheduling_policy "priority" unless 0)."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down; create a new one")
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -165,6 +168,11 @@ class LLM:
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be SamplingParams instances")
+        if priority is not None:
+            ranks = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+            if len(ranks) != len(prompts):
+                raise ValueError(f"{len(ranks)} priorities for {len(prompts)} prompts; pass one or one per prompt")
+            params = [replace(p, priority=r) for p, r in zip(params, ranks)]
         ids = [self.admission.prompt_ids(p) for p in prompts]
         for i, p in zip(ids, params):
             self.admission.check(i, p)

@@ -83,6 +83,10 @@ async def sampling_params(llm, body, max_tokens: int | None, prompts: list[list[
             except ValueError as e:
                 raise APIError(400, str(e), "best_of" if params.best_of is not None else "n") from e
             try:
+                llm.admission.check_priority(params)
+            except ValueError as e:
+                raise APIError(400, str(e), "priority") from e
+            try:
                 llm.admission.check_tokens(params)
             except ValueError as e:
                 raise APIError(400, str(e), param_of(e)) from e

@@ -90,8 +90,6 @@ REFUSED_EXTRAS = {
     "use_beam_search": ((False, None), "beam search is not supported; leave use_beam_search out"),
     "logits_processors": ((None, []), "custom logits processors are not supported; leave logits_processors out"),
     "prompt_embeds": ((None,), "prompt embeddings are not supported; pass a prompt"),
-    "priority": ((0, None), "priority scheduling is not served (vLLM also refuses a priority without it); leave "
-                            "priority out or 0"),
 }
 
 
@@ -126,6 +124,7 @@ class _Sampling(_Request):
     prompt_logprobs: Annotated[int, Field(lt=2**31)] | None = None   # vLLM's: score the prompt, top k per token
     return_token_ids: bool | None = None         # vLLM's: prompt_token_ids and token_ids beside the text
     cache_salt: str | None = None                # vLLM's: the prefix cache is shared only under the same salt
+    priority: Annotated[int, Field(ge=-2**63, lt=2**63)] = 0   # vLLM's: lower first (--scheduling-policy priority)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields
     response_format: dict | None = None
     structured_outputs: dict | None = None
@@ -255,7 +254,7 @@ class _Sampling(_Request):
                 repetition_penalty=given.get("repetition_penalty", 1.0),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size), n=n, best_of=best_of,
                 allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words or None,
-                structured_outputs=structured, cache_salt=self.cache_salt)
+                structured_outputs=structured, cache_salt=self.cache_salt, priority=self.priority)
         except ValueError as e:
             param = param_of(e)
             raise APIError(400, str(e), field_name if param == "structured_outputs" else param) from e

@@ -30,7 +30,7 @@ from .protocol import APIError, _Request
 # vLLM's sampling fields on /v1/responses: they go to the chat completion as they are (which checks them)
 PASSED = ("logit_bias", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
           "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "cache_salt",
-          "include_reasoning")
+          "include_reasoning", "priority")
 
 
 def field_of(param: str | None) -> str | None:

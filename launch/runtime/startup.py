@@ -72,7 +72,7 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     pool = BlockPool(num_blocks, cache.block_size, HostTier(host_blocks) if host_blocks else None,
                      track_events=cache.enable_prefix_caching and par.attention_ranks > 1)
     sched = Scheduler(pool, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                      cache.enable_prefix_caching)
+                      cache.enable_prefix_caching, config.scheduler.scheduling_policy)
     exclusive = lambda block: pool.refcount(block) == 1    # noqa: E731
     draft = None if speculative is None or speculative.model is None else load_draft_model(
         speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs, exclusive)

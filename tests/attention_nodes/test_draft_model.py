@@ -16,6 +16,7 @@ from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.scheduler import Scheduler
 from attention_nodes.sequence import Sequence
 from attention_nodes.speculation import SpeculativeConfig
+from attention_nodes.step_plan import SchedulerOutput
 from launch.runtime.sizing import DeviceSettings
 from launch.runtime.startup import load_draft_model
 from models.checkpoint import Checkpoint
@@ -82,7 +83,8 @@ def test_proposals_are_the_drafts_greedy_continuation(dense_draft, backend):
             full = (s.num_tokens - 1) // BS * BS
             assert s.draft_computed == (full if shared or full // BS >= len(s.block_table) else s.num_tokens)
         if step == 4:   # a preempted sequence gives its blocks back and starts from nothing
-            victim = sched._preempt_newest()
+            victim = sched.running[-1]
+            sched._preempt(victim, SchedulerOutput())
             assert victim.draft_computed == 0
     assert shared_tails >= 2      # the two samples' shared tail was met (and its copy on write after)
 

@@ -1,5 +1,6 @@
 """Scheduler: token budget, chunked prefill, decode, preemption by recompute, FIFO admission, abort."""
 import random
+from collections import Counter
 
 import pytest
 
@@ -19,8 +20,8 @@ def make_seq(arrival: int, prompt_len: int, max_tokens: int = 16, **params) -> S
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64) -> Scheduler:
-    return Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
+                   max_num_batched_tokens: int = 64, policy: str = "fcfs") -> Scheduler:
+    return Scheduler(BlockPool(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, policy=policy)
 
 
 def step(sched: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[bool], list]:
@@ -241,11 +242,13 @@ def check_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
     assert all(seq.block_table == [] for seq in sched.waiting)
 
 
-def test_simulated_loop_with_tiny_pool_runs_every_request_to_max_tokens():
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_simulated_loop_with_tiny_pool_runs_every_request_to_max_tokens(policy):
     rng = random.Random(0)
-    sched = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=12)
+    sched = make_scheduler(num_blocks=10, block_size=4, max_num_seqs=4, max_num_batched_tokens=12, policy=policy)
     all_eos = frozenset(range(100))  # every sampled token is EOS, so ignore_eos is what keeps them going
-    pending = [make_seq(a, rng.randint(1, 20), rng.randint(1, 12), ignore_eos=True) for a in range(40)]
+    pending = [make_seq(a, rng.randint(1, 20), rng.randint(1, 12), ignore_eos=True,
+                        priority=rng.randrange(3) if policy == "priority" else 0) for a in range(40)]
     seqs, streamed = list(pending), {s.request_id: [] for s in pending}
     for _ in range(10_000):
         for _ in range(3):
@@ -267,6 +270,126 @@ def test_simulated_loop_with_tiny_pool_runs_every_request_to_max_tokens():
         assert seq.block_table == []
     assert sum(s.num_preemptions for s in seqs) > 0  # the pool really was too small
     assert sched.block_pool.num_free_blocks == sched.block_pool.num_blocks
+
+
+def test_priority_orders_waiting_requests_and_admission():
+    """vLLM's priority policy: the lowest priority first, ties by arrival, a later arrival taking its place among
+    the waiting ones."""
+    sched = make_scheduler(max_num_seqs=2, policy="priority")
+    for arrival, priority in enumerate([0, 5, -1, 0]):
+        sched.add(make_seq(arrival, 3, max_tokens=2, priority=priority))
+    assert [s.request_id for s in sched.waiting] == ["r2", "r0", "r3", "r1"]
+    out, _, _ = step(sched)
+    assert [s.seq.request_id for s in out.scheduled] == ["r2", "r0"]
+    sched.add(make_seq(4, 3, max_tokens=2, priority=1))       # behind r3 (0), ahead of r1 (5)
+    assert [s.request_id for s in sched.waiting] == ["r3", "r4", "r1"]
+    finished = []
+    while sched.has_work:
+        finished += [seq.request_id for seq, _ in step(sched)[2] if seq.is_finished]
+    assert finished == ["r2", "r0", "r3", "r4", "r1"]
+    with pytest.raises(ValueError, match="policy='lifo' is unknown"):
+        make_scheduler(policy="lifo")
+
+
+@pytest.mark.parametrize("policy, scheduled, preempted, waiting", [
+    ("fcfs", [("r0", 7, 1), ("r1", 8, 1)], "r2", ["r2", "r3"]),      # the newest goes, back to the queue's front
+    # the least urgent, though scheduled first in the step; it waits behind the more urgent r3
+    ("priority", [("r1", 8, 1), ("r2", 3, 1)], "r0", ["r3", "r0"]),
+])
+def test_priority_preempts_the_least_urgent_running_request(policy, scheduled, preempted, waiting):
+    """5 blocks of 4. r0 (priority 5, 6-token prompt) runs alone, then r1 (8 tokens) and r2 (3) join: the pool
+    is full, and r3 (priority 1) waits. Next step (a budget of 2 tokens) r0's and r2's tokens fit their blocks but
+    r1's ninth needs a third."""
+    sched = make_scheduler(num_blocks=5, block_size=4, policy=policy)
+    seqs = {"r0": make_seq(0, 6, max_tokens=4, priority=5 if policy == "priority" else 0),
+            "r1": make_seq(1, 8, max_tokens=4), "r2": make_seq(2, 3, max_tokens=4),
+            "r3": make_seq(3, 3, max_tokens=4, priority=1 if policy == "priority" else 0)}
+    sched.add(seqs["r0"])
+    step(sched)
+    sched.add(seqs["r1"])
+    sched.add(seqs["r2"])
+    step(sched)
+    assert sched.block_pool.num_free_blocks == 0 and [q.num_tokens for q in seqs.values()] == [8, 9, 4, 3]
+    sched.add(seqs["r3"])
+    sched.max_num_batched_tokens = 2      # two tokens: r2's is the one r0 gives back
+    out, _, _ = step(sched, token=70)
+    victim = seqs[preempted]
+    assert work(out) == scheduled and out.preempted == [victim]
+    assert (victim.status, victim.num_computed_tokens, victim.block_table) == (SequenceStatus.WAITING, 0, [])
+    assert [q.request_id for q in sched.running] == [q[0] for q in scheduled]
+    assert [q.request_id for q in sched.waiting] == waiting
+    assert 70 not in victim.output_token_ids        # its taken-back entry drew nothing
+    assert all(seqs[rid].output_token_ids[-1] == 70 for rid, _, _ in scheduled)
+    while sched.has_work:
+        step(sched)
+    assert [q.num_output_tokens for q in seqs.values()] == [4, 4, 4, 4] and sched.block_pool.num_free_blocks == 5
+
+
+@pytest.mark.parametrize("policy, order", [("fcfs", ["r0", "r1", "r2"]), ("priority", ["r0", "r2", "r1"])])
+def test_handed_over_waiting_requests_join_the_queue_by_the_policy(policy, order):
+    """A handover's waiting request (r2, priority 1) goes behind this rank's (r0: 0, r1: 3) under fcfs, between
+    them under priority; arrivals are renumbered in the queue's order, the handed one's last."""
+    sched = make_scheduler(policy=policy)
+    sched.add(make_seq(0, 3, priority=0))
+    sched.add(make_seq(1, 3, priority=3 if policy == "priority" else 0))
+    arrivals = iter(range(10, 20))
+    sched.take_over([], [make_seq(2, 3, priority=1 if policy == "priority" else 0)], lambda: next(arrivals))
+    assert [s.request_id for s in sched.waiting] == order
+    assert [s.arrival for s in sched.waiting] == ([10, 12, 11] if policy == "priority" else [10, 11, 12])
+
+
+def check_shared_invariants(sched: Scheduler, out: SchedulerOutput) -> None:
+    """check_invariants where samples share blocks: each used block is held once per reference."""
+    pool = sched.block_pool
+    assert out.num_tokens <= sched.max_num_batched_tokens and len(out.scheduled) <= sched.max_num_seqs
+    for s in out.scheduled:
+        assert s.seq.status is SequenceStatus.RUNNING and s.start == s.seq.num_computed_tokens
+        assert len(s.seq.block_table) * pool.block_size >= s.start + s.num_new_tokens
+    held = Counter(b for seq in sched.running for b in seq.block_table)
+    assert len(held) == pool.num_used_blocks and all(pool.refcount(b) == n for b, n in held.items())
+    assert all(seq.block_table == [] for seq in sched.waiting)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_simulated_loop_with_samples_and_drafts_under_a_tiny_pool(policy, monkeypatch):
+    """As above, with requests drawing 2 samples (forked at their first draw, sharing blocks, copying the shared
+    tail on write) and running sequences carrying 0-2 drafts (some accepted): under preemption, including the
+    priority policy's taking back of a sequence scheduled earlier in its step (this run does, counted), every
+    sample gets exactly max_tokens tokens, no block is held twice and every block comes back."""
+    taken_back = []
+    preempt = Scheduler._preempt
+    monkeypatch.setattr(Scheduler, "_preempt", lambda self, victim, out: taken_back.append(
+        (got := preempt(self, victim, out))[1] > 0) or got)
+    rng = random.Random(2)
+    sched = make_scheduler(num_blocks=12, block_size=4, max_num_seqs=6, max_num_batched_tokens=14, policy=policy)
+    pending = [make_seq(a, rng.randint(1, 14), rng.randint(2, 10), ignore_eos=True, n=rng.choice([1, 1, 2]),
+                        priority=rng.randrange(4) if policy == "priority" else 0) for a in range(40)]
+    everyone = list(pending)
+    for _ in range(10_000):
+        if pending:
+            sched.add(pending.pop(0))
+        if not sched.has_work:
+            break
+        for seq in sched.running:       # drafts for the next step, as a proposer leaves them
+            room = seq.params.max_tokens - seq.num_output_tokens - 1
+            seq.spec_tokens = [rng.randrange(3, 100) for _ in range(min(room, rng.randrange(3)))] \
+                if seq.num_output_tokens else []
+        out = sched.schedule()
+        assert not out.is_empty, "scheduler stalled with work left"
+        check_shared_invariants(sched, out)
+        for entry in [e for e in out.scheduled if e.needs_sample and e.seq.needs_fork]:     # as the worker does
+            forks = sched.fork(entry, [None] * (entry.seq.params.num_samples - 1))
+            out.scheduled += forks
+            everyone += [f.seq for f in forks]
+        sampled = [None if not e.needs_sample else e.drafts[:rng.randrange(len(e.drafts) + 1)] + [7]
+                   for e in out.scheduled]
+        sched.update(out, sampled, EOS, MAX_MODEL_LEN)
+    assert not sched.has_work and not pending
+    assert len(everyone) == sum(q.params.num_samples for q in everyone if q.sample_index == 0)
+    assert all(q.is_finished and q.num_output_tokens == q.params.max_tokens and q.block_table == []
+               for q in everyone)
+    assert len(taken_back) > 10 and sched.block_pool.num_free_blocks == 12
+    assert any(taken_back) == (policy == "priority")
 
 
 def test_seq_outgrowing_the_whole_pool_fails_fast():
