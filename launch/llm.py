@@ -224,6 +224,12 @@ class LLM:
                                                                    for t, e in zip(i, scored)], cached[rid]))
         return outs
 
+    def beam_search(self, prompts, params) -> list:
+        """vLLM's LLM.beam_search (launch/beam_search.py): one BeamSearchOutput per prompt, its best
+        params.beam_width beams (BeamSearchParams), best first."""
+        from .beam_search import beam_search
+        return beam_search(self, prompts, params)
+
     def stats(self) -> dict:
         """Engine counters from the leader: steps, preemptions, prefill chunks, queue sizes, free KV blocks."""
         if self.runtime is not None:

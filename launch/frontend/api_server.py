@@ -5,7 +5,7 @@ This module owns the app: its routes, error handlers and API-key check, and `att
 connect it to an engine and disconnect it. The parts live beside it:
   engine_client.py  `EngineClient`: the LLM's inbox/outbox <-> asyncio handlers (router thread)
   generate.py       completions and chat completions: checks, sampling parameters, n and best_of, echo, JSON
-                    and SSE answers
+                    and SSE answers; beam.py their use_beam_search
   logprobs.py       logprobs in OpenAI's completions and chat shapes
   tokens.py         prompts and chats -> token ids; /tokenize and /detokenize
   text.py           `TextStream`: incremental detokenisation, stop strings, where each token's text sits
@@ -38,19 +38,20 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..admission import sampling_defaults
+from . import beam
+from . import messages as messages_api
 from .access_log import ACCESS_LOGGER, AccessLog, access_record
 from .answer import ChatAnswer, check_parsers, require_tokens
 from .chat import ChatCompletionRequest
 from .engine_client import EngineClient
 from .generate import check_model, check_request, respond, sampling_params
 from .harmony import HarmonyAnswer
+from .message_events import MessageEvents
+from .messages import MessagesRequest
 from .metrics import Metrics, scrape
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan
-from . import messages as messages_api
-from .message_events import MessageEvents
-from .messages import MessagesRequest
 from .response_events import Events, translate
 from .response_store import DEFAULT_CAPACITY, ResponseStore
 from .responses import ResponsesRequest, field_of
@@ -157,7 +158,11 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         keep = body.truncation(eng.llm.max_model_len)
         sent = body.prompts()
         prompts = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens, keep) for p in sent]
+        if body.use_beam_search:
+            beam.check(body)
         params = await sampling_params(eng.llm, body, body.limit(), prompts)
+        if body.use_beam_search:
+            return await beam.answer(state.model_name, eng, body, request, prompts, params, chat=False)
         if (reasoning := ReasoningPlan.of(body, reasoning_parser, eng.llm.tokenizer)) is not None:
             params = reasoning.gated(params, prompts)     # structured outputs bind once a prompt's thinking ended
         echo = None
@@ -251,10 +256,14 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         tok = eng.llm.tokenizer
         reasoning = ReasoningPlan.of(body, reasoning_parser, tok)
         prompts = [chat_prompt(eng, body)]
+        if body.use_beam_search:
+            beam.check(body)
         params = await sampling_params(eng.llm, body, body.limit(), prompts)
         if reasoning is not None:
             params = reasoning.gated(params, prompts)     # the grammar binds once the thinking has ended
         answer = HarmonyAnswer.of(body, tools, reasoning_parser, tool_parser, tok) or ChatAnswer.of(tools, reasoning)
+        if body.use_beam_search:
+            return await beam.answer(state.model_name, eng, body, request, prompts, params, chat=True, shape=answer)
         return await respond(state.model_name, eng, body, request, prompts, params, chat=True, answer=answer,
                              cached_details=state.prompt_tokens_details if cached_details is None else cached_details)
 

@@ -87,7 +87,6 @@ class StreamOptions(_Request):
 # vLLM's request fields that change the output, which this server does not serve: name -> (the values that change
 # nothing, why). Other unknown fields are ignored with a warning.
 REFUSED_EXTRAS = {
-    "use_beam_search": ((False, None), "beam search is not supported; leave use_beam_search out"),
     "logits_processors": ((None, []), "custom logits processors are not supported; leave logits_processors out"),
     "prompt_embeds": ((None,), "prompt embeddings are not supported; pass a prompt"),
 }
@@ -125,6 +124,8 @@ class _Sampling(_Request):
     return_token_ids: bool | None = None         # vLLM's: prompt_token_ids and token_ids beside the text
     cache_salt: str | None = None                # vLLM's: the prefix cache is shared only under the same salt
     priority: Annotated[int, Field(ge=-2**63, lt=2**63)] = 0   # vLLM's: lower first (--scheduling-policy priority)
+    use_beam_search: bool = False                # vLLM's: n beams (launch/frontend/beam.py), with its length_penalty
+    length_penalty: float = 1.0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields
     response_format: dict | None = None
     structured_outputs: dict | None = None

@@ -533,7 +533,6 @@ def test_output_changing_extensions_at_their_defaults_are_taken(served, caplog):
     ("/v1/chat/completions", {"prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"prompt_logprobs": -1}, "prompt_logprobs"),
     ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
-    ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/chat/completions", {"priority": 1}, "priority"),
     ("/v1/completions", {"logits_processors": ["my.module:Proc"]}, "logits_processors"),
     ("/v1/completions", {"prompt_embeds": "AAAA"}, "prompt_embeds"),
