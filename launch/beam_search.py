@@ -24,7 +24,8 @@ class BeamSearchParams:
     """vLLM's: beam_width beams (1 to MAX_LOGPROBS // 2: each step asks for 2 * beam_width candidates), at most
     max_tokens generated tokens each; temperature scales the step's draw (whose token joins the candidates; 0:
     greedy, the candidates are the most likely tokens either way); length_penalty the score's exponent;
-    include_stop_str_in_output keeps a final EOS in the tokens and text."""
+    include_stop_str_in_output keeps a final EOS in the tokens and text; skip_special_tokens leaves special
+    tokens out of the text."""
 
     beam_width: int
     max_tokens: int
@@ -32,6 +33,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if type(self.beam_width) is not int or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
@@ -151,5 +153,6 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
                 asked[j], found[j] = None, done.value
     for best in found:
         for beam in best:
-            beam.text = llm.decode(beam.output_ids)
+            beam.text = None if llm.tokenizer is None else llm.tokenizer.decode(
+                beam.output_ids, skip_special_tokens=params.skip_special_tokens)
     return [BeamSearchOutput(best) for best in found]

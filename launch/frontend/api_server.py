@@ -160,9 +160,9 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         prompts = [prompt_ids(eng.llm, p, "prompt", body.add_special_tokens, keep) for p in sent]
         if body.use_beam_search:
             beam.check(body)
-        params = await sampling_params(eng.llm, body, body.limit(), prompts)
-        if body.use_beam_search:
+            params = await sampling_params(eng.llm, beam.sampled(body), body.limit(), prompts)
             return await beam.answer(state.model_name, eng, body, request, prompts, params, chat=False)
+        params = await sampling_params(eng.llm, body, body.limit(), prompts)
         if (reasoning := ReasoningPlan.of(body, reasoning_parser, eng.llm.tokenizer)) is not None:
             params = reasoning.gated(params, prompts)     # structured outputs bind once a prompt's thinking ended
         echo = None
@@ -256,14 +256,14 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         tok = eng.llm.tokenizer
         reasoning = ReasoningPlan.of(body, reasoning_parser, tok)
         prompts = [chat_prompt(eng, body)]
+        answer = HarmonyAnswer.of(body, tools, reasoning_parser, tool_parser, tok) or ChatAnswer.of(tools, reasoning)
         if body.use_beam_search:
             beam.check(body)
+            params = await sampling_params(eng.llm, beam.sampled(body), body.limit(), prompts)
+            return await beam.answer(state.model_name, eng, body, request, prompts, params, chat=True, shape=answer)
         params = await sampling_params(eng.llm, body, body.limit(), prompts)
         if reasoning is not None:
             params = reasoning.gated(params, prompts)     # the grammar binds once the thinking has ended
-        answer = HarmonyAnswer.of(body, tools, reasoning_parser, tool_parser, tok) or ChatAnswer.of(tools, reasoning)
-        if body.use_beam_search:
-            return await beam.answer(state.model_name, eng, body, request, prompts, params, chat=True, shape=answer)
         return await respond(state.model_name, eng, body, request, prompts, params, chat=True, answer=answer,
                              cached_details=state.prompt_tokens_details if cached_details is None else cached_details)
 

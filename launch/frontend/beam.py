@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -21,11 +22,25 @@ from .protocol import APIError
 
 
 def check(body) -> None:
-    """A 400 naming the field when a beam search request asks for what it cannot give."""
+    """A 400 naming the field when a beam search request asks for what it cannot give: a stream, an echo,
+    logprobs, or a constrained output (structured outputs or a required or named tool choice: the steps are not
+    constrained)."""
     if body.stream:
         raise APIError(400, "use_beam_search cannot stream (as in vLLM): pass stream false", "stream")
     if getattr(body, "echo", False):
         raise APIError(400, "use_beam_search does not echo the prompt: leave echo out", "echo")
+    logprobs, prompt_logprobs = body.logprob_counts()
+    if logprobs is not None or prompt_logprobs is not None:
+        name = "prompt_logprobs" if logprobs is None else "logprobs"
+        raise APIError(400, f"use_beam_search does not return {name}: leave {name} out", name)
+    if (name := body.structured()[1]) is not None:
+        raise APIError(400, f"use_beam_search does not constrain its beams ({name}): leave {name} out", name)
+
+
+def sampled(body):
+    """The request as its sampling parameters are checked for the search's steps: one sample each (n is the
+    beam width, whatever max_num_seqs)."""
+    return body.model_copy(update={"n": 1, "best_of": None})
 
 
 async def _step(eng: EngineClient, beams: list[list[int]], params, request: Request) -> list[dict[int, float]]:
@@ -57,15 +72,18 @@ async def _step(eng: EngineClient, beams: list[list[int]], params, request: Requ
     return [got[rid] for rid in rids]
 
 
-async def run(eng: EngineClient, prompts: list[list[int]], params: list[BeamSearchParams], request: Request
-              ) -> list[list[BeamSequence]]:
+async def run(eng: EngineClient, prompts: list[list[int]], params: list[BeamSearchParams], request: Request,
+              cache_salt: str | None = None) -> list[list[BeamSequence]]:
     """Every prompt's search at once (params: each one's, which differ in max_tokens at most), each step one
-    request per live beam of every prompt."""
-    eos, step = frozenset(eng.llm.spec.eos_token_ids), params[0].step_params()
+    request per live beam of every prompt (under the request's cache_salt). Stops with a 499 once the client is
+    gone."""
+    eos, step = frozenset(eng.llm.spec.eos_token_ids), replace(params[0].step_params(), cache_salt=cache_salt)
     searches = [search(p, q, eos) for p, q in zip(prompts, params)]
     asked: list[list[list[int]] | None] = [next(s) for s in searches]
     found: list[list[BeamSequence] | None] = [None] * len(prompts)
     while any(a is not None for a in asked):
+        if await request.is_disconnected():
+            raise APIError(499, "client disconnected")
         owners = [j for j, a in enumerate(asked) if a is not None for _ in a]
         answers = await _step(eng, [b for a in asked if a is not None for b in a], step, request)
         for j in sorted(set(owners)):
@@ -88,26 +106,29 @@ async def answer(model_name: str, eng: EngineClient, body, request: Request, pro
         field = str(e).split("=")[0].removeprefix("BeamSearchParams.")
         raise APIError(400, str(e), {"beam_width": "n"}.get(field, field)) from e
     try:
-        found = await run(eng, prompts, params, request)
+        found = await run(eng, prompts, params, request, per_prompt[0].cache_salt)
     except APIError as e:
         if e.status != 499:
             raise
         return JSONResponse(e.body(), status_code=499)
-    choices, completion_tokens = [], 0
+    choices, outputs = [], []
+    skip = body.skip_special_tokens and not (shape and shape.keeps_special_tokens)
+    ids = bool(body.return_token_ids)       # vLLM's: the prompt's and each choice's token ids
     for p, best in enumerate(found):
         for i, beam in enumerate(best):
-            completion_tokens += len(beam.output_ids)
-            text = eng.llm.tokenizer.decode(beam.output_ids, skip_special_tokens=body.skip_special_tokens)
+            outputs.append(beam.output_ids)
+            text = eng.llm.tokenizer.decode(beam.output_ids, skip_special_tokens=skip)
             choice = {"index": p * body.n + i, "logprobs": None, "finish_reason": beam.finish_reason,
-                      "stop_reason": beam.stop_reason}
+                      "stop_reason": beam.stop_reason} | ({"token_ids": beam.output_ids} if ids else {})
             if chat:
                 message, finish = shape.message(text, beam.finish_reason) if shape else (
                     {"role": "assistant", "content": text}, beam.finish_reason)
                 choices.append(choice | {"message": message, "finish_reason": finish})
             else:
-                choices.append(choice | {"text": text})
-    prompt_tokens = sum(len(p) for p in prompts)
+                choices.append(choice | {"text": text} | ({"prompt_token_ids": prompts[p]} if ids else {}))
+    prompt_tokens, completion_tokens = sum(len(p) for p in prompts), sum(len(o) for o in outputs)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens} | (shape.usage_details(outputs) if shape else {})
     return {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, "created": int(time.time()),
             "object": "chat.completion" if chat else "text_completion", "model": model_name, "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+            "usage": usage} | ({"prompt_token_ids": prompts[0]} if chat and ids else {})

@@ -27,8 +27,8 @@ def reference(model, prompt: list[int], width: int, max_tokens: int, length_pena
                 (done if t == EOS and not ignore_eos else grown).append((tokens + [t], total + lp))
         live = sorted(grown, key=lambda b: -b[1])[:width]
 
-    def rank(beam):
-        return beam[1] / (len(beam[0]) - (beam[0][-1] == EOS and not ignore_eos)) ** length_penalty
+    def rank(beam):     # a final EOS is not counted in the length (vLLM's, after transformers')
+        return beam[1] / (len(beam[0]) - (beam[0][-1] == EOS)) ** length_penalty
     best = sorted(done + live, key=lambda b: -rank(b))[:width]
     n = len(prompt)
     return [(b[0][n:-1], b[1], "stop") if b in done else (b[0][n:], b[1], "length") for b in best]
@@ -82,8 +82,9 @@ def test_bad_parameters_name_the_field(engine):
 
 def test_the_server_answers_use_beam_search_with_the_reference_beams(tiny_checkpoint):
     """vLLM's use_beam_search: n beams per prompt (two prompts at once on completions, a chat on chat
-    completions), best first, each the reference's tokens, text and finish (an EOS-ended beam says which EOS);
-    streaming, an echo and a width over 10 are 400s naming the field."""
+    completions, with vLLM's return_token_ids), best first, each the reference's tokens, text and finish (an
+    EOS-ended beam says which EOS); a stream, an echo, a width over 10, logprobs and a constrained output are 400s
+    naming the field. max_num_seqs 2 does not bound the width (the steps are one-sample requests)."""
     from tests.launch.frontend.in_process import serving
     from tests.launch.frontend.test_http_logprobs import chat_ids, post
 
@@ -91,7 +92,7 @@ def test_the_server_answers_use_beam_search_with_the_reference_beams(tiny_checkp
     model = hf_model(path)
     prompts = make_prompts(3, 256, 4, 12, seed=95)[:2]
     chat = [{"role": "user", "content": "Hello experts"}]
-    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=128) as llm, \
+    with LLM(path, attention_ranks=1, expert_ranks=1, max_model_len=128, max_num_seqs=2) as llm, \
             serving(llm, path, "tiny") as (port, _):
         class Served:
             pass
@@ -106,11 +107,14 @@ def test_the_server_answers_use_beam_search_with_the_reference_beams(tiny_checkp
         assert [(c["text"], c["finish_reason"], c["stop_reason"]) for c in got["choices"]] == [
             (tok.decode(ids, skip_special_tokens=True), why, EOS if why == "stop" else None) for ids, _, why in want]
         assert got["usage"]["completion_tokens"] == sum(len(ids) for ids, _, _ in want)
-        code, got = post(Served, "/v1/chat/completions", fields | {"messages": chat})
+        code, got = post(Served, "/v1/chat/completions", fields | {"messages": chat, "return_token_ids": True})
         assert code == 200, got
-        want = reference(model, chat_ids(tok, chat), 3, 8)
-        assert [(c["message"]["content"], c["finish_reason"]) for c in got["choices"]] == [
-            (tok.decode(ids, skip_special_tokens=True), why) for ids, _, why in want]
-        for extra, param in [({"stream": True}, "stream"), ({"echo": True}, "echo"), ({"n": 11}, "n")]:
+        ids = chat_ids(tok, chat)
+        want = reference(model, ids, 3, 8)
+        assert [(c["message"]["content"], c["finish_reason"], c["token_ids"]) for c in got["choices"]] == [
+            (tok.decode(out, skip_special_tokens=True), why, out) for out, _, why in want]
+        assert got["prompt_token_ids"] == ids
+        for extra, param in [({"stream": True}, "stream"), ({"echo": True}, "echo"), ({"n": 11}, "n"),
+                             ({"logprobs": 2}, "logprobs"), ({"guided_regex": "a+"}, "guided_regex")]:
             code, err = post(Served, "/v1/completions", fields | {"prompt": prompts[0]} | extra)
             assert code == 400 and err["error"]["param"] == param, err
