@@ -86,7 +86,7 @@ def test_the_server_answers_use_beam_search_with_the_reference_beams(tiny_checkp
     EOS-ended beam says which EOS); a stream, an echo, a width over 10, logprobs and a constrained output are 400s
     naming the field. max_num_seqs 2 does not bound the width (the steps are one-sample requests)."""
     from tests.launch.frontend.in_process import serving
-    from tests.launch.frontend.test_http_logprobs import chat_ids, post
+    from tests.launch.frontend.test_http_logprobs import _prefix_counters, chat_ids, post
 
     path = tiny_checkpoint("qwen3_moe")
     model = hf_model(path)
@@ -114,6 +114,16 @@ def test_the_server_answers_use_beam_search_with_the_reference_beams(tiny_checkp
         assert [(c["message"]["content"], c["finish_reason"], c["token_ids"]) for c in got["choices"]] == [
             (tok.decode(out, skip_special_tokens=True), why, out) for out, _, why in want]
         assert got["prompt_token_ids"] == ids
+        # the steps keep the request's cache_salt: a salted search finds none of the unsalted one's blocks, then
+        # its own (a 40-token prompt: two whole blocks of 16 before its last token)
+        long = make_prompts(1, 256, 40, 40, seed=96)[0]
+        hits = []
+        for salt in (None, "tenant", "tenant"):
+            before = _prefix_counters(Served)[1]
+            code, _ = post(Served, "/v1/completions", fields | {"prompt": long, "n": 1, "max_tokens": 1}
+                           | ({"cache_salt": salt} if salt else {}))
+            hits.append(_prefix_counters(Served)[1] - before)
+        assert code == 200 and hits == [0, 0, 32]
         for extra, param in [({"stream": True}, "stream"), ({"echo": True}, "echo"), ({"n": 11}, "n"),
                              ({"logprobs": 2}, "logprobs"), ({"guided_regex": "a+"}, "guided_regex")]:
             code, err = post(Served, "/v1/completions", fields | {"prompt": prompts[0]} | extra)
