@@ -224,6 +224,15 @@ class LLM:
                                                                    for t, e in zip(i, scored)], cached[rid]))
         return outs
 
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (OpenAI-format message dicts) or a list of them through the chat
+        template (tools and chat_template_kwargs reach it), then generate (launch/offline_chat.py)."""
+        from .offline_chat import chat_prompt_ids
+        return self.generate(chat_prompt_ids(self, messages, tools, add_generation_prompt, continue_final_message,
+                                             chat_template_kwargs), sampling_params)
+
     def beam_search(self, prompts, params) -> list:
         """vLLM's LLM.beam_search (launch/beam_search.py): one BeamSearchOutput per prompt, its best
         params.beam_width beams (BeamSearchParams), best first."""

@@ -1,0 +1,42 @@
+"""`LLM.chat` (vLLM's): conversations in OpenAI's message format through the checkpoint's chat template, as the
+server's /v1/chat/completions renders them (launch/frontend/tokens.py's chat_text, the same message checks), then
+`generate`. The output is the model's text as generated: no reasoning or tool-call parsing (as vLLM's)."""
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+__all__ = ["chat_prompt_ids"]
+
+
+def chat_prompt_ids(llm, messages, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None
+                    ) -> list[list[int]]:
+    """The prompt token ids of one conversation (a list of message dicts) or of each of a list of them; a
+    ValueError naming what is wrong (a message's field, the options, a template that rejects them)."""
+    from .frontend.chat import ChatCompletionRequest
+    from .frontend.protocol import APIError
+    from .frontend.tokens import chat_ids
+
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages={messages!r} is not a conversation: pass a list of message dicts (or a list "
+                         f"of such lists)")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    out = []
+    for i, conversation in enumerate(conversations):
+        where = "messages" if len(conversations) == 1 else f"messages[{i}]"
+        try:
+            body = ChatCompletionRequest(messages=conversation, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message,
+                                         chat_template_kwargs=chat_template_kwargs)
+        except ValidationError as e:
+            first = e.errors()[0]
+            field = ".".join(str(x) for x in first.get("loc", ()))
+            raise ValueError(f"{where}: {field}: {first['msg']}") from e
+        try:
+            if problems := body.unsupported():
+                raise APIError(400, problems[0][1], problems[0][0])
+            out.append(chat_ids(llm.tokenizer, body, llm.config.model, continue_final_message))
+        except APIError as e:
+            raise ValueError(f"{where}: {e.message}") from e
+    return out
