@@ -51,6 +51,9 @@ class SamplingParams:
     cache_salt (vLLM's, a request field there): None, or a non-empty string mixed into the prefix cache's keys, so
         the request shares cached blocks only with requests of the same salt (tenants cannot probe each other's
         prompts by timing).
+    stop (vLLM's): strings that end the output where they appear; its text ends before the first one (with
+        include_stop_str_in_output, after it), finish_reason "stop". The front that reads the text applies them
+        (`LLM.generate`: launch/samples.py; the server takes its own field); the ranks never read them.
     priority (vLLM's, a request field there): under the engine's scheduling_policy "priority", a lower value is
         admitted first and preempted last (ties: the earlier arrival); under "fcfs" it must stay 0.
     Order, as vLLM's sampler: the structured outputs' mask (it commutes with the rest: a masked token stays -inf),
@@ -81,6 +84,8 @@ class SamplingParams:
     reasoning_end_token_id: int | None = None
     cache_salt: str | None = None
     priority: int = 0
+    stop: list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, value, want: str) -> ValueError:
@@ -164,6 +169,12 @@ class SamplingParams:
                                          f"the request draws from seed + i)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", self.cache_salt, "pass None or a non-empty string")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is not None and (not isinstance(self.stop, (list, tuple))
+                                      or not all(isinstance(x, str) and x for x in self.stop)):
+            raise bad("stop", self.stop, "pass None, a non-empty string or a list of them")
+        self.stop = list(self.stop) if self.stop else None
         if type(self.priority) is not int or not -2**63 <= self.priority < 2**63:
             raise bad("priority", self.priority, "pass an integer in [-2**63, 2**63) (lower is more urgent)")
         gate = self.reasoning_end_token_id

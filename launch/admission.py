@@ -82,6 +82,9 @@ class Admission:
         something to sample (`check_tokens`) and it fits (`check_fits`)."""
         self.check_samples(params)
         self.check_priority(params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"SamplingParams.stop={params.stop!r} needs the model's tokenizer, and this checkpoint "
+                             f"has none: pass stop_token_ids instead")
         self.check_tokens(params)
         self.check_structured(params)
         self.check_fits(ids, params)

@@ -18,7 +18,7 @@ from .joiners import JoinerStarter
 from .procs import (Answers, LocalOutbox, Outbox, free_port, kill_all, rank_context, spawn_is_fresh, start_joiner,
                     start_rank)
 from .runtime.planning import check_autoscale, check_scale
-from .samples import Abandoned, RequestOutput, Sample, chosen, split_id, split_rows, vllm_rank
+from .samples import Abandoned, Gathering, RequestOutput, split_rows
 
 logger = logging.getLogger("afserve")
 
@@ -182,47 +182,26 @@ class LLM:
         rids = self.enqueue_all(ids, params, stream=False)   # one message: the leader admits them together
         if self.runtime is not None:
             self._lead(stop_when_idle=True)
-        samples = {rid: {} for rid in rids}
-        prompt_logprobs = {rid: [] if p.prompt_logprobs is not None else None for rid, p in zip(rids, params)}
-        cached: dict[str, int | None] = dict.fromkeys(rids)
-        grouped = {rid for rid, p in zip(rids, params) if p.num_samples > 1}
-        num_open = sum(p.num_samples for p in params)
+        got = Gathering(rids, params, self.tokenizer)
         passed = []     # what is not this call's (a submit caller's progress, an answer): put back after
         try:
-            while num_open:
+            while got.num_open:
                 msg = self._poll(self._outbox, None, "generate")
                 if self._answers.keep(msg):      # for a stats(), comm_stats() or scale() in another thread
                     continue
-                own, other = split_rows(msg, samples, grouped, self._abandoned)
+                own, other = split_rows(msg, got.samples, got.grouped, self._abandoned)
                 passed += [other] if other is not None else []
-                for row_id, toks, reason, new_prompt_logprobs, new_logprobs, num_cached in own:
-                    rid, index = split_id(row_id, grouped)
-                    if cached[rid] is None:       # the first admission's count (every sample's row carries it)
-                        cached[rid] = num_cached
-                    sample = samples[rid].setdefault(index, Sample(index))
-                    sample.add(toks, new_logprobs, reason)
-                    if new_prompt_logprobs:     # (entry, rank) pairs, None for the first prompt token
-                        prompt_logprobs[rid].extend(new_prompt_logprobs)
-                    num_open -= reason is not None
+                for row in own:
+                    if (stopped := got.take(row)) is not None:     # a stop string ended that sample
+                        self._inbox.put(("abort", stopped))
         finally:
-            if num_open:    # raised (an interrupt, a dead rank): what still runs is aborted, its progress dropped
-                for rid, p in zip(rids, params):
-                    if left := p.num_samples - sum(s.finish_reason is not None for s in samples[rid].values()):
-                        self._abandoned.add(rid, left)
-                        self._inbox.put(("abort", rid))
+            # rows still to come (it raised; or a stop string's abort): dropped; what still runs is aborted
+            for rid, left in got.unfinished().items():
+                self._abandoned.add(rid, left)
+                if got.num_open:
+                    self._inbox.put(("abort", rid))
             self._outbox.put_back(passed)
-        outs = []
-        for rid, i, p in zip(rids, ids, params):
-            best = chosen(list(samples[rid].values()), p)
-            for s in best:   # the EOS or stop token id that ended a sample is not in its text (vLLM's)
-                s.text = self.decode(s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids)
-            first = best[0]
-            scored = prompt_logprobs[rid]
-            outs.append(RequestOutput(rid, i, first.token_ids, first.text, first.finish_reason,
-                                      None if scored is None else [e and e[0] for e in scored], first.logprobs, best,
-                                      None if scored is None else [e and vllm_rank(e[0], t, e[1], p.prompt_logprobs)
-                                                                   for t, e in zip(i, scored)], cached[rid]))
-        return outs
+        return got.outputs(ids, self.decode)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list[dict] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,

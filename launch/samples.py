@@ -1,15 +1,17 @@
 """Front-side bookkeeping of one request's samples (SamplingParams.n, best_of): the engine reports each sample
 under its own id, f"{request id}#{index}" (see Sequence.group_id); the front gathers them back per request and,
-with best_of, returns the n whose tokens have the highest summed log-probability."""
+with best_of, returns the n whose tokens have the highest summed log-probability. `Gathering` is what
+`LLM.generate` keeps of its requests as their rows arrive, stop strings (SamplingParams.stop) among it."""
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.sequence import sample_ids
 
-__all__ = ["RequestOutput", "Sample", "chosen", "sample_ids", "split_id"]
+__all__ = ["Gathering", "RequestOutput", "Sample", "chosen", "sample_ids", "split_id"]
 
 
 def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
@@ -74,6 +76,7 @@ class Sample:
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None    # vLLM's: the stop string, or the stop_token_ids id, that ended it
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
 
@@ -100,7 +103,9 @@ class RequestOutput:
     and logprobs above are the first one's.
     num_cached_tokens: the prompt tokens the engine found in its prefix cache when it first admitted the request
     and did not compute (vLLM's; 0 with enable_prefix_caching off or with prompt_logprobs, which score every
-    position; None for a request aborted before it was admitted)."""
+    position; None for a request aborted before it was admitted).
+    stop_reason: vLLM's, the first sample's: the stop string (SamplingParams.stop) or stop_token_ids id that
+    ended it, else None."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -112,6 +117,7 @@ class RequestOutput:
     samples: list[Sample] = field(default_factory=list)
     prompt_logprob_ranks: list[int | None] | None = None
     num_cached_tokens: int | None = None
+    stop_reason: str | int | None = None
 
 
 def vllm_rank(entry: dict[int, float], token: int, count: int, k: int) -> int:
@@ -136,3 +142,81 @@ def chosen(samples: list[Sample], params: SamplingParams) -> list[Sample]:
         for s in best:
             s.logprobs = None
     return best
+
+
+class Gathering:
+    """`LLM.generate`'s requests as their outbox rows arrive: each sample's tokens and logprobs, the prompt's
+    scores and cached count, and with stop strings each sample's text as it grows (launch/frontend/text.py's
+    TextStream, as the server's). A sample a stop string ended is over for the caller at once: `take` names it,
+    the caller aborts it in the engine, and its later rows, up to its final one, are dropped (`stopping`)."""
+
+    def __init__(self, rids: list[str], params: list[SamplingParams], tokenizer):
+        self.rids, self.params = rids, dict(zip(rids, params))
+        self.samples: dict[str, dict[int, Sample]] = {rid: {} for rid in rids}
+        self.scores = {rid: [] if p.prompt_logprobs is not None else None for rid, p in self.params.items()}
+        self.cached: dict[str, int | None] = dict.fromkeys(rids)
+        self.grouped = {rid for rid, p in self.params.items() if p.num_samples > 1}
+        self.num_open = sum(p.num_samples for p in params)
+        self.stopping: set[str] = set()     # rows a stop string ended whose final row has not come
+        self._tokenizer = tokenizer
+        self._texts: dict[str, tuple] = {}    # row id -> (its TextStream, the text pieces so far)
+
+    def take(self, row: list) -> str | None:
+        """One of this call's rows -> the row id of a sample a stop string just ended (to abort), or None."""
+        row_id, toks, reason, new_prompt_logprobs, new_logprobs, num_cached = row
+        if row_id in self.stopping:
+            if reason is not None:
+                self.stopping.discard(row_id)
+            return None
+        rid, index = split_id(row_id, self.grouped)
+        p = self.params[rid]
+        if self.cached[rid] is None:       # the first admission's count (every sample's row carries it)
+            self.cached[rid] = num_cached
+        sample = self.samples[rid].setdefault(index, Sample(index))
+        sample.add(toks, new_logprobs, reason)
+        if new_prompt_logprobs:     # (entry, rank) pairs, None for the first prompt token
+            self.scores[rid].extend(new_prompt_logprobs)
+        if reason == "stop" and toks and toks[-1] in p.stop_token_ids:
+            sample.stop_reason = toks[-1]
+        if p.stop:
+            if row_id not in self._texts:
+                from .frontend.text import TextStream
+                self._texts[row_id] = (TextStream(self._tokenizer, p.stop, min_tokens=p.min_tokens,
+                                                  include_stop=p.include_stop_str_in_output), [])
+            stream, pieces = self._texts[row_id]
+            pieces.append(stream.add(toks, final=reason is not None,
+                                     hide_last=bool(toks) and reason == "stop" and not stream.include_stop))
+            if stream.stopped:
+                sample.finish_reason, sample.stop_reason = "stop", stream.stop_reason
+                if reason is None:         # the engine would go on: the caller ends it
+                    self.num_open -= 1
+                    self.stopping.add(row_id)
+                    return row_id
+        self.num_open -= reason is not None
+        return None
+
+    def unfinished(self) -> dict[str, int]:
+        """Per request, how many of its samples the engine has not ended yet: those a stop string ended whose
+        final row is still to come, and (when the call raised) those still running."""
+        left = Counter({rid: p.num_samples - sum(s.finish_reason is not None for s in self.samples[rid].values())
+                        for rid, p in self.params.items()})
+        left.update(split_id(row_id, self.grouped)[0] for row_id in self.stopping)
+        return {rid: n for rid, n in left.items() if n}
+
+    def outputs(self, prompts: list[list[int]], decode) -> list[RequestOutput]:
+        """One output per request, in order. decode: token ids -> text (without stop strings)."""
+        outs = []
+        for rid, ids in zip(self.rids, prompts):
+            p = self.params[rid]
+            best = chosen(list(self.samples[rid].values()), p)
+            for s in best:   # the EOS or stop token id that ended a sample is not in its text (vLLM's)
+                row_id = sample_ids(rid, p.num_samples)[s.index]
+                s.text = "".join(self._texts[row_id][1]) if row_id in self._texts else \
+                    decode(s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids)
+            first, scored = best[0], self.scores[rid]
+            outs.append(RequestOutput(rid, ids, first.token_ids, first.text, first.finish_reason,
+                                      None if scored is None else [e and e[0] for e in scored], first.logprobs, best,
+                                      None if scored is None else [e and vllm_rank(e[0], t, e[1], p.prompt_logprobs)
+                                                                   for t, e in zip(ids, scored)],
+                                      self.cached[rid], first.stop_reason))
+        return outs
