@@ -119,6 +119,9 @@ class LLM:
         RequestOutput.num_cached_tokens (None in an abort's row)."""
         ids = self.admission.prompt_ids(prompt)
         self.admission.check(ids, params)
+        if params.stop:
+            raise ValueError(f"SamplingParams.stop={params.stop!r}: submit's caller reads token ids, and stop strings "
+                             f"are applied to text by generate() and the server; use stop_token_ids, or generate()")
         return self.enqueue(ids, params)
 
     def enqueue(self, ids: list[int], params: SamplingParams, stream: bool = True) -> str:
@@ -149,10 +152,10 @@ class LLM:
         return self._outbox
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 priority: int | list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, *, priority: int | list[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order.
         priority (vLLM's): one for every prompt or one per prompt, set as their SamplingParams.priority (needs
-        scheduling_policy "priority" unless 0)."""
+        scheduling_policy "priority" unless 0). use_tqdm: vLLM's, taken and ignored (no progress bar)."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down; create a new one")
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
@@ -182,20 +185,20 @@ class LLM:
         rids = self.enqueue_all(ids, params, stream=False)   # one message: the leader admits them together
         if self.runtime is not None:
             self._lead(stop_when_idle=True)
-        got = Gathering(rids, params, self.tokenizer)
+        got = Gathering(rids, params, self.tokenizer, self.spec.eos_token_ids)
         passed = []     # what is not this call's (a submit caller's progress, an answer): put back after
         try:
-            while got.num_open:
+            while got.num_open or got.stopping:     # (a stopped sample's final row: about a step after its abort)
                 msg = self._poll(self._outbox, None, "generate")
                 if self._answers.keep(msg):      # for a stats(), comm_stats() or scale() in another thread
                     continue
                 own, other = split_rows(msg, got.samples, got.grouped, self._abandoned)
                 passed += [other] if other is not None else []
                 for row in own:
-                    if (stopped := got.take(row)) is not None:     # a stop string ended that sample
-                        self._inbox.put(("abort", stopped))
+                    if (stopped := got.take(row)) is not None and self.runtime is None:
+                        self._inbox.put(("abort", stopped))       # a stop string ended it (torchrun: ran already)
         finally:
-            # rows still to come (it raised; or a stop string's abort): dropped; what still runs is aborted
+            # raised: the rows still to come are dropped, and what still runs is aborted
             for rid, left in got.unfinished().items():
                 self._abandoned.add(rid, left)
                 if got.num_open:
@@ -203,12 +206,15 @@ class LLM:
             self._outbox.put_back(passed)
         return got.outputs(ids, self.decode)
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             tools: list[dict] | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = False, chat_template: str | None = None, tools: list[dict] | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI-format message dicts) or a list of them through the chat
         template (tools and chat_template_kwargs reach it), then generate (launch/offline_chat.py)."""
         from .offline_chat import chat_prompt_ids
+        if chat_template is not None:
+            raise ValueError("chat_template: this engine renders the checkpoint's own chat template; leave it out")
         return self.generate(chat_prompt_ids(self, messages, tools, add_generation_prompt, continue_final_message,
                                              chat_template_kwargs), sampling_params)
 

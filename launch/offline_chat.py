@@ -20,7 +20,9 @@ def chat_prompt_ids(llm, messages, tools: list[dict] | None = None, add_generati
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages={messages!r} is not a conversation: pass a list of message dicts (or a list "
                          f"of such lists)")
-    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError(f"model {llm.config.model!r} has no tokenizer chat template; pass prompts to generate()")
+    conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
     out = []
     for i, conversation in enumerate(conversations):
         where = "messages" if len(conversations) == 1 else f"messages[{i}]"

@@ -23,8 +23,8 @@ def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
 
 
 class Abandoned:
-    """The requests of a generate() that raised -> how many of their samples are still open: their rows are
-    dropped, each request until its last sample's final row. Safe to share between the threads reading the
+    """The requests of a generate() that raised -> how many of their samples are still open in the engine: their
+    rows are dropped, each request until its last sample's final row. Safe to share between the threads reading the
     outbox (generate(), and stats() from another)."""
 
     def __init__(self) -> None:
@@ -150,8 +150,11 @@ class Gathering:
     TextStream, as the server's). A sample a stop string ended is over for the caller at once: `take` names it,
     the caller aborts it in the engine, and its later rows, up to its final one, are dropped (`stopping`)."""
 
-    def __init__(self, rids: list[str], params: list[SamplingParams], tokenizer):
+    def __init__(self, rids: list[str], params: list[SamplingParams], tokenizer, eos_token_ids=()):
         self.rids, self.params = rids, dict(zip(rids, params))
+        # vLLM's stop_reason ids: stop_token_ids and the checkpoint's other EOS ids, not the tokenizer's own EOS
+        eos = set(eos_token_ids) - {getattr(tokenizer, "eos_token_id", None)}
+        self._stop_ids = {rid: set(p.stop_token_ids) | (set() if p.ignore_eos else eos) for rid, p in zip(rids, params)}
         self.samples: dict[str, dict[int, Sample]] = {rid: {} for rid in rids}
         self.scores = {rid: [] if p.prompt_logprobs is not None else None for rid, p in self.params.items()}
         self.cached: dict[str, int | None] = dict.fromkeys(rids)
@@ -176,7 +179,7 @@ class Gathering:
         sample.add(toks, new_logprobs, reason)
         if new_prompt_logprobs:     # (entry, rank) pairs, None for the first prompt token
             self.scores[rid].extend(new_prompt_logprobs)
-        if reason == "stop" and toks and toks[-1] in p.stop_token_ids:
+        if reason == "stop" and toks and toks[-1] in self._stop_ids[rid]:
             sample.stop_reason = toks[-1]
         if p.stop:
             if row_id not in self._texts:
@@ -212,7 +215,8 @@ class Gathering:
             for s in best:   # the EOS or stop token id that ended a sample is not in its text (vLLM's)
                 row_id = sample_ids(rid, p.num_samples)[s.index]
                 s.text = "".join(self._texts[row_id][1]) if row_id in self._texts else \
-                    decode(s.token_ids[:-1] if s.finish_reason == "stop" else s.token_ids)
+                    decode(s.token_ids[:-1] if s.finish_reason == "stop" and not p.include_stop_str_in_output
+                           else s.token_ids)
             first, scored = best[0], self.scores[rid]
             outs.append(RequestOutput(rid, ids, first.token_ids, first.text, first.finish_reason,
                                       None if scored is None else [e and e[0] for e in scored], first.logprobs, best,
