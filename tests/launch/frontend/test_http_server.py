@@ -472,14 +472,14 @@ def test_unknown_fields_are_ignored_with_one_warning(server, client):
     ignored = "The following fields were present in the request but ignored"
     got = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, stream=True,
                                     stream_options={"include_usage": True, "zz_depth": 1},
-                                    extra_body={"ignore_eos": True, "zz_top": {"a": [1]}, "length_penalty": 1.1})
+                                    extra_body={"ignore_eos": True, "zz_top": {"a": [1]}, "zz_penalty": 1.1})
     assert [c for c in got][-1].usage.completion_tokens == 3
     chat = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
         {"role": "user", "content": "Hello", "zz_msg": True}], extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 2
     lines = log_lines(server, start, ignored)
     assert len(lines) == 2, lines          # one line per request, naming every ignored field at any depth
-    assert "'length_penalty', 'stream_options.zz_depth', 'zz_top'" in lines[0], lines[0]
+    assert "'stream_options.zz_depth', 'zz_penalty', 'zz_top'" in lines[0], lines[0]
     assert "'messages.0.zz_msg'" in lines[1] and "/v1/chat/completions" in lines[1], lines[1]
     # fields this server knows but does not implement are still refused, named
     code, data = post(server, "/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "!", "zz_other": 1})
