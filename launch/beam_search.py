@@ -7,8 +7,8 @@ probability over (tokens, prompt included, less a final EOS) ** length_penalty) 
 answer. Each step's requests share the prompt's and the beams' earlier blocks through the prefix cache.
 
 `search` is the algorithm alone, a generator: it yields each step's beams (token id lists) and takes back each
-beam's candidates ({token id: log-probability}); `LLM.beam_search` drives it with `generate`, the HTTP front
-with its engine client (launch/frontend/beam.py)."""
+beam's candidates ({token id: log-probability}); `Searches` runs several prompts' together, which
+`LLM.beam_search` drives with `generate` and the HTTP front with its engine client (launch/frontend/beam.py)."""
 from __future__ import annotations
 
 from collections.abc import Generator
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from attention_nodes.sampling_params import MAX_LOGPROBS, SamplingParams
 
-__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "search"]
+__all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "Searches", "search"]
 
 
 @dataclass(slots=True)
@@ -118,6 +118,33 @@ def search(prompt: list[int], params: BeamSearchParams, eos: frozenset[int]
     return best
 
 
+class Searches:
+    """Several prompts' searches driven together: `beams()` lists every live beam as (prompt index, token ids),
+    `answer` takes their candidates in that order, `done` once every search has ended, `found` their results."""
+
+    def __init__(self, prompts: list[list[int]], params: list[BeamSearchParams], eos: frozenset[int]):
+        self._runs = [search(p, q, eos) for p, q in zip(prompts, params)]
+        self._asked: list[list[list[int]] | None] = [next(r) for r in self._runs]
+        self.found: list[list[BeamSequence] | None] = [None] * len(prompts)
+
+    @property
+    def done(self) -> bool:
+        return all(a is None for a in self._asked)
+
+    def beams(self) -> list[tuple[int, list[int]]]:
+        return [(j, b) for j, a in enumerate(self._asked) if a is not None for b in a]
+
+    def answer(self, beams: list[tuple[int, list[int]]], candidates: list[dict[int, float]]) -> None:
+        per: dict[int, list[dict[int, float]]] = {}
+        for (j, _), c in zip(beams, candidates, strict=True):
+            per.setdefault(j, []).append(c)
+        for j, cands in per.items():
+            try:
+                self._asked[j] = self._runs[j].send(cands)
+            except StopIteration as done:
+                self._asked[j], self.found[j] = None, done.value
+
+
 def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
     """`LLM.beam_search`: every prompt's search at once, each step one `generate` call over all their live beams.
     prompts: a string, a list of token ids, or a list of either (as generate's)."""
@@ -134,25 +161,15 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
     ids = [llm.admission.prompt_ids(p) for p in prompts]
     for i in ids:
         llm.admission.check_fits(i, SamplingParams(max_tokens=params.max_tokens))
-    eos, step = frozenset(llm.spec.eos_token_ids), params.step_params()
-    searches = [search(i, params, eos) for i in ids]
-    asked: list[list[list[int]] | None] = [next(s) for s in searches]
-    found: list[list[BeamSequence] | None] = [None] * len(ids)
-    while any(a is not None for a in asked):
-        beams = [(j, b) for j, a in enumerate(asked) if a is not None for b in a]
+    searches, step = Searches(ids, [params] * len(ids), frozenset(llm.spec.eos_token_ids)), params.step_params()
+    while not searches.done:
+        beams = searches.beams()
         outs = llm.generate([b for _, b in beams], step)
-        answers: dict[int, list[dict[int, float]]] = {}
-        for (j, _), out in zip(beams, outs):
-            if out.finish_reason == "abort":
-                raise RuntimeError(f"the engine aborted beam search step request {out.request_id!r}")
-            answers.setdefault(j, []).append(out.logprobs[0])
-        for j, cands in answers.items():
-            try:
-                asked[j] = searches[j].send(cands)
-            except StopIteration as done:
-                asked[j], found[j] = None, done.value
-    for best in found:
+        if aborted := [o.request_id for o in outs if o.finish_reason == "abort"]:
+            raise RuntimeError(f"the engine aborted beam search step request {aborted[0]!r}")
+        searches.answer(beams, [o.logprobs[0] for o in outs])
+    for best in searches.found:
         for beam in best:
             beam.text = None if llm.tokenizer is None else llm.tokenizer.decode(
                 beam.output_ids, skip_special_tokens=params.skip_special_tokens)
-    return [BeamSearchOutput(best) for best in found]
+    return [BeamSearchOutput(best) for best in searches.found]

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from attention_nodes.sampling_params import SamplingParams
 
-from ..beam_search import BeamSearchParams, BeamSequence, search
+from ..beam_search import BeamSearchParams, BeamSequence, Searches
 from .answer import ChatAnswer
 from .engine_client import EngineClient, Progress, engine_down
 from .protocol import APIError
@@ -77,21 +77,14 @@ async def run(eng: EngineClient, prompts: list[list[int]], params: list[BeamSear
     """Every prompt's search at once (params: each one's, which differ in max_tokens at most), each step one
     request per live beam of every prompt (under the request's cache_salt). Stops with a 499 once the client is
     gone."""
-    eos, step = frozenset(eng.llm.spec.eos_token_ids), replace(params[0].step_params(), cache_salt=cache_salt)
-    searches = [search(p, q, eos) for p, q in zip(prompts, params)]
-    asked: list[list[list[int]] | None] = [next(s) for s in searches]
-    found: list[list[BeamSequence] | None] = [None] * len(prompts)
-    while any(a is not None for a in asked):
+    searches = Searches(prompts, params, frozenset(eng.llm.spec.eos_token_ids))
+    step = replace(params[0].step_params(), cache_salt=cache_salt)
+    while not searches.done:
         if await request.is_disconnected():
             raise APIError(499, "client disconnected")
-        owners = [j for j, a in enumerate(asked) if a is not None for _ in a]
-        answers = await _step(eng, [b for a in asked if a is not None for b in a], step, request)
-        for j in sorted(set(owners)):
-            try:
-                asked[j] = searches[j].send([c for o, c in zip(owners, answers) if o == j])
-            except StopIteration as done:
-                asked[j], found[j] = None, done.value
-    return found
+        beams = searches.beams()
+        searches.answer(beams, await _step(eng, [b for _, b in beams], step, request))
+    return searches.found
 
 
 async def answer(model_name: str, eng: EngineClient, body, request: Request, prompts: list[list[int]],
