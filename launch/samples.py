@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.sequence import sample_ids
 
-__all__ = ["Gathering", "RequestOutput", "Sample", "chosen", "sample_ids", "split_id"]
+__all__ = ["Gathering", "RequestOutput", "Sample", "chosen", "sample_ids", "split_id", "stop_reason_ids"]
 
 
 def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
@@ -20,6 +20,15 @@ def split_id(row_id: str, grouped: set[str]) -> tuple[str, int]:
     if sep and rid in grouped:
         return rid, int(index)
     return row_id, 0
+
+
+def stop_reason_ids(params: SamplingParams, eos_token_ids, tokenizer) -> frozenset:
+    """The token ids that are a sample's stop_reason when one ends it (vLLM's): its stop_token_ids and the
+    checkpoint's other EOS ids (vLLM adds them to stop_token_ids), never the tokenizer's own EOS; under ignore_eos,
+    EOS ids are stop tokens only if given."""
+    if params.ignore_eos:
+        return frozenset(params.stop_token_ids)
+    return (frozenset(params.stop_token_ids) | set(eos_token_ids)) - {getattr(tokenizer, "eos_token_id", None)}
 
 
 class Abandoned:
@@ -152,9 +161,7 @@ class Gathering:
 
     def __init__(self, rids: list[str], params: list[SamplingParams], tokenizer, eos_token_ids=()):
         self.rids, self.params = rids, dict(zip(rids, params))
-        # vLLM's stop_reason ids: stop_token_ids and the checkpoint's other EOS ids, not the tokenizer's own EOS
-        eos = set(eos_token_ids) - {getattr(tokenizer, "eos_token_id", None)}
-        self._stop_ids = {rid: set(p.stop_token_ids) | (set() if p.ignore_eos else eos) for rid, p in zip(rids, params)}
+        self._stop_ids = {rid: stop_reason_ids(p, eos_token_ids, tokenizer) for rid, p in zip(rids, params)}
         self.samples: dict[str, dict[int, Sample]] = {rid: {} for rid in rids}
         self.scores = {rid: [] if p.prompt_logprobs is not None else None for rid, p in self.params.items()}
         self.cached: dict[str, int | None] = dict.fromkeys(rids)

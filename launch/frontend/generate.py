@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from attention_nodes.sampling_params import SamplingParams
 
 from ..admission import sampling_defaults
-from ..samples import Sample, chosen, sample_ids
+from ..samples import Sample, chosen, sample_ids, stop_reason_ids
 from .access_log import access_record
 from .answer import ChatAnswer, ChatAnswerStream
 from .engine_client import EngineClient, Progress, engine_down
@@ -266,11 +266,7 @@ async def respond(model_name: str, eng: EngineClient, body, request: Request, pr
     tok = eng.llm.tokenizer
     has_logprobs = params.logprobs is not None
     prompt_k = body.prompt_logprobs     # vLLM's prompt_logprobs answer (the engine's k may be larger: echo)
-    # vLLM's stop_reason: the stop token id that ended it, the checkpoint's other EOS ids included (vLLM adds them
-    # to stop_token_ids), but null for the tokenizer's own EOS; under ignore_eos, EOS ids are stop tokens only if given
-    primary = set() if params.ignore_eos else {getattr(tok, "eos_token_id", None)}
-    eos = set() if params.ignore_eos else set(eng.llm.spec.eos_token_ids)
-    stop_ids = (frozenset(params.stop_token_ids) | eos) - primary
+    stop_ids = stop_reason_ids(params, eng.llm.spec.eos_token_ids, tok)     # vLLM's stop_reason ids
     skip_special = body.skip_special_tokens and not (answer and answer.keeps_special_tokens)
     try:
         for p, ids in enumerate(prompts):
