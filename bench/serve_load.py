@@ -14,7 +14,9 @@ Against vLLM (`--peer vllm`, in place of both parts above): the same client and 
 the peer venv (--peer-venv, default .venv-vllm; bench/vllm_peer.py: dtype float32, max-num-seqs 64,
 max-num-batched-tokens 512, a free loopback port, 1 GiB of KV cache), then, once it has stopped, to ours (--split
 A+E ranks, default 1+2; the same limits and the same KV cache bytes, split among the attention ranks). Printed
-side by side per level: TTFT and TPOT p50/p99 and output tok/s, afserve / vLLM; --out gets the JSON.
+side by side per level: TTFT and TPOT p50/p99 and output tok/s, afserve / vLLM; then the means of TTFT and TPOT
+and, by Little's law (sum of the requests' times in that phase / wall time), how many requests were on average
+waiting for their first token and how many streaming; --out gets the JSON.
 
 Shared system prompt (`--only shared-prefix` runs just this part): 64 chat-like requests that start with the
 same 512-token system prompt and add 16-64 tokens of their own, 16 output tokens each, at concurrency 8, sent
@@ -64,7 +66,7 @@ async def run_level(url: str, concurrency: int, prompts, olens) -> dict:
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(concurrency)
-    ttft, tpot, tokens = [], [], []
+    ttft, tpot, tokens, decoding = [], [], [], []
 
     async def one(prompt, n):
         async with sem:
@@ -83,6 +85,7 @@ async def run_level(url: str, concurrency: int, prompts, olens) -> dict:
                     usage = chunk.usage.completion_tokens
             assert usage == n, (usage, n)
             ttft.append(first - t0)
+            decoding.append(last - first)
             if n > 1:
                 tpot.append((last - first) / (n - 1))
             tokens.append(n)
@@ -94,8 +97,11 @@ async def run_level(url: str, concurrency: int, prompts, olens) -> dict:
         await client.close()
     wall = time.perf_counter() - t0
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3   # noqa: E731
+    # Little's law: the requests waiting for their first token and those streaming, on average over the run
     return {"ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99), "tpot_p50": pct(tpot, 50),
-            "tpot_p99": pct(tpot, 99), "tok_s": sum(tokens) / wall, "requests": len(prompts)}
+            "tpot_p99": pct(tpot, 99), "ttft_mean": float(np.mean(ttft)) * 1e3, "tpot_mean": float(np.mean(tpot)) * 1e3,
+            "waiting": sum(ttft) / wall, "streaming": sum(decoding) / wall, "tok_s": sum(tokens) / wall,
+            "requests": len(prompts)}
 
 
 def shared_prefix_requests(n: int, system_len: int, seed: int, model: str) -> tuple[list[list[int]], list[int]]:
@@ -238,6 +244,14 @@ def run_vllm_levels(path: str, args) -> None:
         cells = [f"{a[k]:.{d}f} / {v[k]:.{d}f}" for k, d in
                  (("ttft_p50", 1), ("ttft_p99", 1), ("tpot_p50", 2), ("tpot_p99", 2), ("tok_s", 0))]
         print(f"| {c} | {a['requests']} | {' | '.join(cells)} | {a['tok_s'] / v['tok_s']:.2f}x |")
+    print("\nMeans, and by Little's law the requests waiting for their first token and those streaming, on average")
+    print("| concurrency | TTFT mean ms | TPOT mean ms | waiting | streaming |")
+    print("|---|---|---|---|---|")
+    for c in args.levels:
+        a, v = ours[c], theirs[c]
+        cells = [f"{a[k]:.{d}f} / {v[k]:.{d}f}" for k, d in
+                 (("ttft_mean", 1), ("tpot_mean", 2), ("waiting", 1), ("streaming", 1))]
+        print(f"| {c} | {' | '.join(cells)} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"date": time.strftime("%Y-%m-%d %H:%M:%S %z"), "levels": args.levels, "repeats": args.repeats,
