@@ -22,6 +22,7 @@ from . import cpu_attention, cpu_build, cpu_ops, sdpa_attention
 from .moe import SILU, ExpertAct, fused_moe_ref
 from .paged_attention import (
     DecodeGroup,
+    kv_bits,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     plan_decode,
@@ -157,7 +158,7 @@ def write_latent(cache: torch.Tensor, entry: torch.Tensor, slot_mapping: torch.T
     keep = slot_mapping >= 0
     if may_skip and not bool(keep.all()):
         entry, slot_mapping = entry[keep], slot_mapping[keep]
-    cache.view(N * bs, one, width).index_copy_(0, slot_mapping, entry.to(cache.dtype))
+    kv_bits(cache.view(N * bs, one, width)).index_copy_(0, slot_mapping, kv_bits(entry.to(cache.dtype)))
 
 
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

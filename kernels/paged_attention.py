@@ -2,13 +2,22 @@
 
 Names: T query tokens in the batch, B sequences, h query heads, kvh KV heads, g = h / kvh query heads
 per KV head, d head dim, N cache blocks, bs block size, M max blocks per sequence.
-Cache layout per layer: k_cache, v_cache `[N, bs, kvh, d]`.
+Cache layout per layer: k_cache, v_cache `[N, bs, kvh, d]`. A cache may hold float8 (`kv_cache_dtype`, e4m3 or
+e5m2, no scale: vLLM's default where a checkpoint has none): keys and values are cast to it as they are written
+(torch's cast, which saturates e4m3 at +-448) and cast back to the query's dtype as they are read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def kv_bits(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor viewed as uint8 (torch's CPU index_copy_ has no float8 kernel); any other as it is."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else t
 
 
 def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -20,8 +29,8 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     keep = slot_mapping >= 0
     if may_skip and not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    k_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(N * bs, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    kv_bits(k_cache.view(N * bs, kvh, d)).index_copy_(0, slot_mapping, kv_bits(k.to(k_cache.dtype)))
+    kv_bits(v_cache.view(N * bs, kvh, d)).index_copy_(0, slot_mapping, kv_bits(v.to(v_cache.dtype)))
 
 
 def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -135,9 +144,10 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     N, bs, kvh, d = k_cache.shape
     G, h, _ = q.shape
     g = h // kvh
-    k = k_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d)
+    k = k_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).to(q.dtype)
     # MLA passes its latent cache as both K and V: gather it once.
-    v = k if v_cache is k_cache else v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d)
+    v = k if v_cache is k_cache else \
+        v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).to(q.dtype)
     keep = grp.mask                                                      # [G, 1, L]
     if window is not None:
         pos = torch.arange(keep.shape[-1], device=keep.device)
@@ -163,16 +173,16 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     as in the decode."""
     out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
     for start, end, k, v, mask in prefill_chunks(k_cache, v_cache, block_tables, cu_seqlens_q.tolist(),
-                                                 context_lens.tolist(), window):
+                                                 context_lens.tolist(), window, q.dtype):
         out[start:end] = _attend(q[None, start:end], k, v, mask[None], scale, sinks)[0]
     return out
 
 
 def prefill_chunks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, starts: list[int],
-                   lens: list[int], window: int | None):
+                   lens: list[int], window: int | None, dtype: torch.dtype):
     """Per prefill chunk that has queries (host lists: starts = cu_seqlens_q, lens = context_lens) -> (start, end,
-    its gathered prefix k and v `[1, kvh, L, d]`, mask `[Q, L]` bool: offset-causal, within the window). Shared
-    by the reference and the SDPA prefill."""
+    its gathered prefix k and v `[1, kvh, L, d]` in dtype (the queries'), mask `[Q, L]` bool: offset-causal,
+    within the window). Shared by the reference and the SDPA prefill."""
     bs = k_cache.shape[1]
     for i, ctx in enumerate(lens):
         start, end = starts[i], starts[i + 1]
@@ -180,8 +190,8 @@ def prefill_chunks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: t
         if Q == 0:
             continue
         rows = _rows(block_tables[i:i + 1, :-(-ctx // bs)], bs)[:ctx]
-        k = _gather(k_cache, rows, 1)
-        v = k if v_cache is k_cache else _gather(v_cache, rows, 1)
+        k = _gather(k_cache, rows, 1).to(dtype)
+        v = k if v_cache is k_cache else _gather(v_cache, rows, 1).to(dtype)
         q_pos = torch.arange(ctx - Q, ctx, device=k_cache.device)
         k_pos = torch.arange(ctx, device=k_cache.device)[None, :]
         mask = k_pos <= q_pos[:, None]

@@ -44,9 +44,9 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   window: int | None) -> torch.Tensor:
     N, bs, kvh, d = k_cache.shape
     G, h, _ = q.shape
-    k = k_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).transpose(1, 2)
+    k = k_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).transpose(1, 2).to(q.dtype)
     v = k if v_cache is k_cache else \
-        v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).transpose(1, 2)
+        v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).transpose(1, 2).to(q.dtype)
     keep = grp.mask                                                      # [G, 1, L]
     if window is not None:
         pos = torch.arange(keep.shape[-1], device=keep.device)
@@ -70,7 +70,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     lens = context_lens.tolist() if host_context_lens is None else host_context_lens
     out = q.new_empty(*q.shape[:2], v_cache.shape[-1])
     kvh, h = k_cache.shape[2], q.shape[1]
-    for start, end, k, v, mask in prefill_chunks(k_cache, v_cache, block_tables, starts, lens, window):
+    for start, end, k, v, mask in prefill_chunks(k_cache, v_cache, block_tables, starts, lens, window, q.dtype):
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1)[None], k, v, attn_mask=mask, scale=scale,
                                            enable_gqa=kvh != h)          # [1, h, Q, dv]
         out[start:end] = o[0].transpose(0, 1)

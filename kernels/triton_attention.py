@@ -41,7 +41,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         return
     check_launch(_write_kv_kernel, "write_kv", k_cache, v_cache, k, v, slot_mapping)
     N, bs, kvh, d = k_cache.shape
-    k, v = k.reshape(T, kvh * d), v.reshape(T, kvh * d)
+    # cast here, not in the kernel: a float8 cache gets torch's saturating cast (the interpreter's differs)
+    k, v = k.reshape(T, kvh * d).to(k_cache.dtype), v.reshape(T, kvh * d).to(v_cache.dtype)
     kc, vc = _slot_rows(k_cache, "k_cache"), _slot_rows(v_cache, "v_cache")
     _write_kv_kernel[(T,)](k, v, kc, vc, slot_mapping, k.stride(0), v.stride(0), kc.stride(0), vc.stride(0),
                            ROW=kvh * d, BLOCK=triton.next_power_of_2(kvh * d))
@@ -67,7 +68,7 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, toks, t_mask, allowe
     blk = tl.load(table_ptr + toks // BS, mask=t_mask, other=0).to(tl.int64)
     off = toks % BS
     k = tl.load(k_ptr + (blk * stride_kn + off * stride_kb + kh * stride_kh)[None, :] + offs_d[:, None],
-                mask=d_mask[:, None] & t_mask[None, :], other=0.0)                           # [BLOCK_D, BLOCK_N]
+                mask=d_mask[:, None] & t_mask[None, :], other=0.0).to(q.dtype)               # [BLOCK_D, BLOCK_N]
     s = mma(q, k, tl.zeros([ROWS, BLOCK_N], tl.float32), PRECISION, UPCAST) * qk_scale
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -75,7 +76,7 @@ def _attend_tile(q, m_i, l_i, acc, k_ptr, v_ptr, table_ptr, toks, t_mask, allowe
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     v = tl.load(v_ptr + (blk * stride_vn + off * stride_vb + kh * stride_vh)[:, None] + offs_d[None, :],
-                mask=t_mask[:, None] & d_mask[None, :], other=0.0)                           # [BLOCK_N, BLOCK_D]
+                mask=t_mask[:, None] & d_mask[None, :], other=0.0).to(q.dtype)               # [BLOCK_N, BLOCK_D]
     acc = mma(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, UPCAST)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
