@@ -10,8 +10,10 @@ Printed per case: median ns per context token and GB/s of K/V read (20th-80th pe
 as many bytes (the machine's limit for reading them once, measured here). Calls alternate between the kernels so
 the VM's drift reaches both alike.
 --baseline FILE also builds another version of the kernel source (e.g. `git show REV:kernels/csrc/paged_decode.c`)
-and times it in the same rounds: the "base/C" column is its time over this one's.
-Run: python bench/cpu_decode.py [--repeats 200] [--warmup 20] [--baseline FILE]
+and times it in the same rounds: the "base/C" column is its time over this one's. --kv-dtype fp8 or fp8_e5m2 times
+the same cases over a float8 cache (the engine's kv_cache_dtype; a quarter of the bytes, widened in registers);
+run it beside the default fp32 run to compare.
+Run: python bench/cpu_decode.py [--repeats 200] [--warmup 20] [--baseline FILE] [--kv-dtype fp32|fp8|fp8_e5m2]
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from kernels import cpu_attention, sdpa_attention
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16
 CACHE_BLOCKS = 8192
 LAYERS = 10        # caches cycled in the DRAM case: 10 x ~20 MB, far over the L3
+KV_DTYPES = {"fp32": torch.float32, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def case(batch: int, gen: torch.Generator):
@@ -47,7 +50,7 @@ def case(batch: int, gen: torch.Generator):
 def call_with(lib, inputs) -> torch.Tensor:
     """The C decode through library `lib` (this source's or the baseline's build)."""
     keep = cpu_attention.library
-    cpu_attention.library = lambda: lib
+    cpu_attention.library = lambda kv_dtype=torch.float32: lib
     try:
         return cpu_attention.paged_decode_attention(*inputs)
     finally:
@@ -71,8 +74,9 @@ def layer_caches(q, k, v, tables, lens, scale, layers: int, gen: torch.Generator
     remap = torch.empty(k.shape[0], dtype=torch.int32)
     remap[used.long()] = torch.arange(used.numel(), dtype=torch.int32)
     small = remap[tables.long()]
-    return [(q, torch.randn(used.numel(), *k.shape[1:], generator=gen),
-             torch.randn(used.numel(), *v.shape[1:], generator=gen), small, lens, scale) for _ in range(layers)]
+    return [(q, torch.randn(used.numel(), *k.shape[1:], generator=gen).to(k.dtype),
+             torch.randn(used.numel(), *v.shape[1:], generator=gen).to(v.dtype), small, lens, scale)
+            for _ in range(layers)]
 
 
 def timed(fn, repeats: int, warmup: int) -> list[float]:
@@ -96,13 +100,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--baseline", type=Path, help="another paged_decode.c to time beside this one")
+    ap.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="fp32", help="what the K/V caches hold")
     args = ap.parse_args()
-    libraries = {"C": cpu_attention.library()}
+    kv_dtype = KV_DTYPES[args.kv_dtype]
+    libraries = {"C": cpu_attention.library(kv_dtype)}
     if args.baseline:
         source = cpu_attention.SOURCE
         cpu_attention.SOURCE = args.baseline
         cpu_attention.library.cache_clear()
-        libraries["base"] = cpu_attention.library()
+        libraries["base"] = cpu_attention.library(kv_dtype)
         cpu_attention.SOURCE = source
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -111,9 +117,10 @@ def main() -> None:
           + (f"{'base ns/tok':>13}{'base/C':>8}" if args.baseline else ""))
     for batch, layers in ((4, 1), (64, 1), (64, LAYERS)):
         q, k, v, tables, lens = case(batch, gen)
+        k, v = k.to(kv_dtype), v.to(kv_dtype)
         per_layer = layer_caches(q, k, v, tables, lens, scale, layers, gen) if layers > 1 else None
         tokens = int(lens.sum())
-        nbytes = tokens * KV_HEADS * HEAD_DIM * 4 * 2
+        nbytes = tokens * KV_HEADS * HEAD_DIM * k.element_size() * 2
         ref = sdpa_attention.paged_decode_attention(q, k, v, tables, lens, scale)
         src = torch.randn(nbytes // 4, generator=gen)
         dst = torch.empty_like(src)

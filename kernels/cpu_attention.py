@@ -1,7 +1,9 @@
 """Paged decode attention in C for the CPU: reads each sequence's K/V blocks where they lie in the cache, where the
 sdpa backend gathers a copy of them first (decode attention is memory-bound, so the copy costs about as much as
-the attention). The source is kernels/csrc/paged_decode.c, built and loaded by kernels/cpu_build.py. Only fp32
-caches on the CPU take it; anything else, and prefill, go to the sdpa backend. A call can split its sequences over
+the attention). The source is kernels/csrc/paged_decode.c, built and loaded by kernels/cpu_build.py once per cache
+element type: fp32, or float8 (e4m3fn, e5m2; widened to fp32 in registers, so a float8 cache is read at a quarter
+of the bytes). fp32 queries on the CPU take it; anything else, and prefill, go to the sdpa backend. A call can
+split its sequences over
 a few threads of the library's own (`set_threads`): on a CPU, attention ranks are busy while the expert ranks
 wait, so the cores the experts leave idle can read the cache (the engine's `decode_threads`).
 """
@@ -15,28 +17,45 @@ import torch
 from .cpu_build import CSRC, FLAGS, build, loads
 
 SOURCE = CSRC / "paged_decode.c"
-SYMBOL = "afserve_paged_decode_f32"
+SYMBOL = "afserve_paged_decode"
+# the cache's element type -> the source's KV_FMT
+KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}   # cache dtype -> its KV_FMT
+_loaded: set[torch.dtype] = set()
+_threads = 1
 
 
-@functools.cache
-def library() -> ctypes.CDLL:
-    """The built library (compiled once per machine kind and source). Raises BuildError naming the cause."""
-    lib = build(SOURCE, FLAGS)
+def build_library(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The decode for caches of kv_dtype compiled (once per machine kind, source, format and flags) and loaded, its
+    pool set to the process's threads. Raises BuildError naming the cause."""
+    lib = build(SOURCE, FLAGS + (f"-DKV_FMT={KV_FORMATS[kv_dtype]}", *extra_flags))
     fn = getattr(lib, SYMBOL)
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 11 + [ctypes.c_float, ctypes.c_int64]
     lib.afserve_set_threads.argtypes = [ctypes.c_int]
     lib.afserve_set_threads.restype = ctypes.c_int
+    lib.afserve_set_threads(_threads)
+    return lib
+
+
+@functools.cache
+def library(kv_dtype: torch.dtype = torch.float32) -> ctypes.CDLL:
+    """The library this process uses for caches of kv_dtype (`build_library`, loaded once)."""
+    lib = build_library(kv_dtype)
+    _loaded.add(kv_dtype)
     return lib
 
 
 def set_threads(n: int) -> int:
     """Threads the decode splits its sequences over from now on in this process (1: the calling thread alone;
-    the library keeps a pool of n - 1 workers, started on first need) -> the number in use (capped at 64).
-    Calls with under 2048 context tokens in all run on the calling thread."""
+    each format's library keeps a pool of n - 1 workers, started on first need) -> the number in use (capped at
+    64). Calls with under 2048 context tokens in all run on the calling thread."""
+    global _threads
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"decode threads={n!r} must be a positive int")
-    return library().afserve_set_threads(n)
+    _threads = library().afserve_set_threads(n)
+    for kv_dtype in _loaded - {torch.float32}:
+        library(kv_dtype).afserve_set_threads(n)
+    return _threads
 
 
 @functools.cache
@@ -49,9 +68,10 @@ VECTOR = 8   # floats per vector in the C source (W): the head dims must be mult
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether this call can run in C: fp32 CPU tensors, head dims a multiple of VECTOR, each cache's blocks one
-    after another with its last dim contiguous (the engine's caches, and the MLA cache used as both K and V)."""
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    """Whether this call can run in C: fp32 CPU queries over an fp32 or float8 cache, head dims a multiple of
+    VECTOR, each cache's blocks one after another with its last dim contiguous (the engine's caches, and the MLA
+    cache used as both K and V)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == v_cache.dtype in KV_FORMATS
             and k_cache.shape[-1] % VECTOR == 0 and v_cache.shape[-1] % VECTOR == 0
             and all(c.device.type == "cpu" and c.stride(-1) == 1 and c.stride(0) == c.shape[1] * c.stride(1)
                     for c in (k_cache, v_cache)))
@@ -75,7 +95,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = q.new_empty(B, h, dv)
     if B == 0:
         return out
-    rc = library().afserve_paged_decode_f32(
+    rc = library(k_cache.dtype).afserve_paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(),
         None if sink is None else sink.data_ptr(), out.data_ptr(), B, h, kvh, dk, dv, bs, tables.shape[1],
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), scale, window or 0)

@@ -9,7 +9,10 @@
  * s = block * bs + offset and KV head g is at k + s * k_tok + g * k_head (dk contiguous floats), the value at
  * v + s * v_tok + g * v_head (dv floats); block_tables [B, M] int32 (-1 padded), context_lens [B] int32.
  * dk and dv must be multiples of W (the caller checks). Vectors are GCC/clang vector extensions, so the
- * compiler picks the instructions (-march=native). Built and loaded by kernels/cpu_attention.py.
+ * compiler picks the instructions (-march=native). Built and loaded by kernels/cpu_attention.py, once per cache
+ * element type: KV_FMT 0 (fp32, the default), 1 (float8 e4m3fn) or 2 (float8 e5m2); strides count elements.
+ * A float8 cache is read a vector of bytes at a time and widened to fp32 in registers (exactly; NaN and inf
+ * patterns, which a cast of finite values never stores in e4m3fn, read as finite numbers).
  * Returns 0, or -1 when scratch memory cannot be had.
  */
 #include <math.h>
@@ -20,8 +23,69 @@
 #include <string.h>
 
 #include "vec.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
+
+#ifndef KV_FMT
+#define KV_FMT 0
+#endif
+#if KV_FMT == 0
+typedef float kv_t;
+static inline vec load_kv(const kv_t *p) { return load(p); }
+#else
+typedef uint8_t kv_t;
+typedef uint8_t bvec __attribute__((vector_size(W)));
+#if KV_FMT == 1   /* e4m3fn: exponent bias 7, 3 mantissa bits */
+#define MANT 3
+#define BIAS 7
+#else             /* e5m2: exponent bias 15, 2 mantissa bits */
+#define MANT 2
+#define BIAS 15
+#endif
+
+#if defined(__F16C__) && W == 8
+typedef uint16_t svec __attribute__((vector_size(W * sizeof(uint16_t))));
+
+/* W float8 values -> fp32 through fp16 and F16C's one-instruction widening (measured 1.5x faster than the integer
+ * form below on this project's x86 VM): e5m2 is the top byte of an fp16; an e4m3fn byte's exponent and mantissa
+ * bits moved into fp16's places read as 2^-8 of its value (subnormals too, which fp16 holds as subnormals), so
+ * the result is scaled by 2^8. */
+static inline vec load_kv(const kv_t *p) {
+    bvec b;
+    memcpy(&b, p, sizeof b);
+    svec x = __builtin_convertvector(b, svec);
+    x = BIAS == 7 ? ((x & 0x7F) << 7) | ((x & 0x80) << 8) : x << 8;
+    __m128i half;
+    memcpy(&half, &x, sizeof half);
+    const __m256 f = _mm256_cvtph_ps(half);
+    vec out;
+    memcpy(&out, &f, sizeof out);
+    return BIAS == 7 ? out * splat(256.0f) : out;
+}
+#else
+/* W float8 values -> fp32 in integer lanes: a normal number's exponent and mantissa bits move into fp32's places
+ * and the exponent is rebased; a subnormal (exponent bits 0) is its mantissa times 2^(1 - BIAS - MANT), made from
+ * an integer conversion, so no fp32 denormal is ever an operand. */
+static inline vec load_kv(const kv_t *p) {
+    bvec b;
+    memcpy(&b, p, sizeof b);
+    const ivec x = __builtin_convertvector(b, ivec);
+    const ivec mag = x & 0x7F, sign = (x & 0x80) << 24;
+    const ivec normal = (mag << (23 - MANT)) + ((127 - BIAS) << 23);
+    const vec sub = __builtin_convertvector(mag, vec) * splat(1.0f / (float)(1 << (BIAS + MANT - 1)));
+    ivec subbits, bits;
+    memcpy(&subbits, &sub, sizeof sub);
+    const ivec is_sub = (mag >> MANT) == 0;             /* all ones where the exponent bits are 0 */
+    bits = ((normal & ~is_sub) | (subbits & is_sub)) | sign;
+    vec out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+#endif
+#endif
 
 static inline vec vmax(vec a, vec b) {
     ivec keep = a > b, ai, bi;
@@ -60,9 +124,9 @@ static inline vec exp_nonpositive(vec x) {
     return p * scale;
 }
 
-static inline float dot(const float *a, const float *b, int64_t nv) {
-    vec acc = load(a) * load(b);
-    for (int64_t c = 1; c < nv; ++c) acc += load(a + c * W) * load(b + c * W);
+static inline float dot(const float *a, const kv_t *b, int64_t nv) {
+    vec acc = load(a) * load_kv(b);
+    for (int64_t c = 1; c < nv; ++c) acc += load(a + c * W) * load_kv(b + c * W);
     return hsum(acc);
 }
 
@@ -70,13 +134,15 @@ static inline float dot(const float *a, const float *b, int64_t nv) {
  * blocks lie anywhere in the cache, so the hardware prefetchers lose the stream at every block. One block ahead
  * measured 1.2-1.3x faster on DRAM-resident K/V (bench/cpu_decode.py; 84-91 -> 70-73 ns per context token timed
  * in the engine at 1+1); prefetcht0/prefetcht1, or two blocks ahead, gained less. */
-static inline void prefetch_block(const float *p, int64_t floats) {
-    for (int64_t o = 0; o < floats; o += 64 / sizeof(float)) __builtin_prefetch(p + o, 0, 1);
+static inline void prefetch_block(const kv_t *p, int64_t elements) {
+    for (int64_t o = 0; o < elements; o += 64 / sizeof(kv_t)) __builtin_prefetch(p + o, 0, 1);
 }
 
 /* One call's arguments, shared by the threads that split its sequences. */
 struct job {
-    const float *q, *k, *v, *sinks;
+    const float *q;
+    const kv_t *k, *v;
+    const float *sinks;
     const int32_t *block_tables, *context_lens;
     float *out;
     int64_t h, kvh, dk, dv, bs, M, k_tok, k_head, v_tok, v_head, window, stride;
@@ -99,7 +165,7 @@ static inline vec reduce8(const vec a[8]) {
 /* score_t = scale * q_j . k_t for the tokens [0, n_tok) of one block run (consecutive slots from kt) and the query
  * heads [j0, j0 + group) of one KV head. Eight dots at a time (8 / group tokens x the group's heads) keep eight
  * independent FMA chains going and reduce together; the rest one at a time. */
-static inline __attribute__((always_inline)) void run_scores(const float *qb, const float *kt, float *scores,
+static inline __attribute__((always_inline)) void run_scores(const float *qb, const kv_t *kt, float *scores,
                                                              int64_t n_tok, int64_t k_tok, int64_t j0, int64_t group,
                                                              int64_t dk, int64_t stride, float scale, int64_t nk) {
     const float *qg = qb + j0 * dk;
@@ -111,7 +177,7 @@ static inline __attribute__((always_inline)) void run_scores(const float *qb, co
             for (int d = 0; d < 8; ++d) acc[d] = splat(0.0f);
             for (int64_t c = 0; c < nk; ++c)
                 for (int d = 0; d < 8; ++d)
-                    acc[d] += load(qg + (d % group) * dk + c * W) * load(kt + (i + d / group) * k_tok + c * W);
+                    acc[d] += load(qg + (d % group) * dk + c * W) * load_kv(kt + (i + d / group) * k_tok + c * W);
             const vec r = reduce8(acc) * splat(scale);
             for (int d = 0; d < 8; ++d) scores[(j0 + d % group) * stride + i + d / group] = r[d];
         }
@@ -123,7 +189,7 @@ static inline __attribute__((always_inline)) void run_scores(const float *qb, co
 
 /* o_j += sum_t p_jt v_t over the tokens of one block run, for the query heads [j0, j0 + group) of one KV head,
  * with each head's output row held in registers over the run. nvv is a constant where the caller specialises. */
-static inline __attribute__((always_inline)) void run_values(const float *vt, const float *scores, float *ob,
+static inline __attribute__((always_inline)) void run_values(const kv_t *vt, const float *scores, float *ob,
                                                              int64_t n_tok, int64_t v_tok, int64_t j0, int64_t group,
                                                              int64_t dv, int64_t stride, int64_t nvv) {
     for (int64_t jj = 0; jj < group; ++jj) {
@@ -131,10 +197,10 @@ static inline __attribute__((always_inline)) void run_values(const float *vt, co
         const float *p = scores + (j0 + jj) * stride;
         vec acc[nvv];
         for (int64_t c = 0; c < nvv; ++c) acc[c] = load(o + c * W);
-        const float *vr = vt;
+        const kv_t *vr = vt;
         for (int64_t i = 0; i < n_tok; ++i, vr += v_tok) {
             const vec w = splat(p[i]);
-            for (int64_t c = 0; c < nvv; ++c) acc[c] += w * load(vr + c * W);
+            for (int64_t c = 0; c < nvv; ++c) acc[c] += w * load_kv(vr + c * W);
         }
         for (int64_t c = 0; c < nvv; ++c) store(o + c * W, acc[c]);
     }
@@ -142,7 +208,8 @@ static inline __attribute__((always_inline)) void run_values(const float *vt, co
 
 /* Sequence b of the job, with scratch `scores` of h * stride floats. */
 static void decode_one(const struct job *jb, int64_t b, float *scores) {
-    const float *q = jb->q, *k = jb->k, *v = jb->v, *sinks = jb->sinks;
+    const float *q = jb->q, *sinks = jb->sinks;
+    const kv_t *k = jb->k, *v = jb->v;
     const int32_t *block_tables = jb->block_tables, *context_lens = jb->context_lens;
     float *out = jb->out;
     const int64_t h = jb->h, kvh = jb->kvh, dk = jb->dk, dv = jb->dv, bs = jb->bs, M = jb->M, k_tok = jb->k_tok;
@@ -158,7 +225,7 @@ static void decode_one(const struct job *jb, int64_t b, float *scores) {
     /* Scores, a block's run of tokens at a time (their slots are consecutive), a KV head's group at a time. */
     for (int64_t t = first; t < len;) {
         const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
-        const float *kt = k + ((int64_t)table[t / bs] * bs + t % bs) * k_tok;
+        const kv_t *kt = k + ((int64_t)table[t / bs] * bs + t % bs) * k_tok;
         if (t / bs + 1 < blocks) prefetch_block(k + (int64_t)table[t / bs + 1] * bs * k_tok, bs * k_tok);
         else prefetch_block(v + (int64_t)table[first / bs] * bs * v_tok, bs * v_tok);   /* the values' first */
         for (int64_t g = 0; g < kvh; ++g) {
@@ -193,7 +260,7 @@ static void decode_one(const struct job *jb, int64_t b, float *scores) {
     /* The weighted sum of values, again a block's run at a time. */
     for (int64_t t = first; t < len;) {
         const int64_t end = (t / bs + 1) * bs < len ? (t / bs + 1) * bs : len;
-        const float *vt = v + ((int64_t)table[t / bs] * bs + t % bs) * v_tok;
+        const kv_t *vt = v + ((int64_t)table[t / bs] * bs + t % bs) * v_tok;
         if (t / bs + 1 < blocks) prefetch_block(v + (int64_t)table[t / bs + 1] * bs * v_tok, bs * v_tok);
         for (int64_t g = 0; g < kvh; ++g) {
             const float *s = scores + (t - first);
@@ -276,7 +343,7 @@ int afserve_set_threads(int n) {
     return pool_threads;
 }
 
-int afserve_paged_decode_f32(const float *q, const float *k, const float *v, const int32_t *block_tables,
+int afserve_paged_decode(const float *q, const kv_t *k, const kv_t *v, const int32_t *block_tables,
                              const int32_t *context_lens, const float *sinks, float *out, int64_t B, int64_t h,
                              int64_t kvh, int64_t dk, int64_t dv, int64_t bs, int64_t M, int64_t k_tok,
                              int64_t k_head, int64_t v_tok, int64_t v_head, float scale, int64_t window) {
