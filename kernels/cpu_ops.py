@@ -12,6 +12,7 @@ import functools
 import torch
 
 from .cpu_build import CSRC, FLAGS, build, loads
+from .paged_attention import FP8_DTYPES, write_kv_ref
 
 SOURCE = CSRC / "cpu_ops.c"
 # Every product and sum rounded on its own, as torch's separate ops round them.
@@ -65,7 +66,8 @@ def qkv_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
                    ) -> torch.Tensor:
     """qkv `[T, (h + 2 kvh) d]` rows [q | k | v] -> the queries `[T, h, d]`, normed per head (q_norm `[d]`, when
     given) and rotated; the keys (normed by k_norm, rotated) and the values go to k_cache / v_cache `[N, bs, kvh,
-    d]` at slots `[T]` int64 (none -1). cos, sin `[T, rd]` (rd <= d, even): rotate-half tables."""
+    d]` at slots `[T]` int64 (none -1). cos, sin `[T, rd]` (rd <= d, even): rotate-half tables. A float8 cache
+    gets the keys and values through an fp32 staging copy, cast as `write_kv_ref` casts them."""
     _rows(qkv, "qkv")
     T = qkv.shape[0]
     if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -74,6 +76,12 @@ def qkv_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
     rd = cos.shape[-1]
     cos, sin = cos.reshape(T, rd).contiguous(), sin.reshape(T, rd).contiguous()
     slots = slots.to(torch.int64).contiguous()
+    if k_cache.dtype in FP8_DTYPES:
+        k_new, v_new = (qkv.new_empty(T, 1, num_kv_heads, head_dim) for _ in range(2))
+        q = qkv_rope_write(qkv, num_heads, num_kv_heads, head_dim, q_norm, k_norm, eps, cos, sin,
+                           torch.arange(T), k_new, v_new)
+        write_kv_ref(k_cache, v_cache, k_new[:, 0], v_new[:, 0], slots, may_skip=False)
+        return q
     q = qkv.new_empty(T, num_heads, head_dim)
     library().afserve_qkv_rope_write_f32(
         qkv.data_ptr(), qkv.stride(0), T, num_heads, num_kv_heads, head_dim,
@@ -84,7 +92,7 @@ def qkv_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
 
 
 def supports_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
-    """Whether qkv_rope_write can write these caches: fp32 CPU `[N, bs, kvh, d]` whose blocks lie one after
-    another (a slot's address is slot * stride(1)) with each head's channels contiguous."""
-    return all(c.dtype == torch.float32 and c.device.type == "cpu" and c.dim() == 4 and c.shape[-1] == head_dim
-               and c.stride(-1) == 1 and c.stride(0) == c.shape[1] * c.stride(1) for c in (k_cache, v_cache))
+    """Whether qkv_rope_write can write these caches: fp32 (or float8) CPU `[N, bs, kvh, d]` whose blocks lie one
+    after another (a slot's address is slot * stride(1)) with each head's channels contiguous."""
+    return all(c.dtype in (torch.float32, *FP8_DTYPES) and c.device.type == "cpu" and c.dim() == 4
+               and c.shape[-1] == head_dim and c.stride(-1) == 1 and c.stride(0) == c.shape[1] * c.stride(1) for c in (k_cache, v_cache))

@@ -113,6 +113,27 @@ def test_qkv_rope_write_is_transformers(heads, kv_heads, d, rd, qk_norm):
     assert torch.equal(flat_v[untouched], before_v.view(-1, kv_heads, d)[untouched])
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_qkv_rope_write_into_a_float8_cache_stores_the_cast(dtype):
+    """The same call into an fp32 cache and into a float8 one: the float8 slots hold torch's cast of the fp32
+    slots' keys and values, bit for bit, the queries are the same, and no other slot changes."""
+    g = torch.Generator().manual_seed(5)
+    T, heads, kv_heads, d, blocks, bs = 13, 4, 2, 16, 8, 4
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=g) * 200      # some keys beyond e4m3's 448
+    q_w, k_w = torch.randn(d, generator=g), torch.randn(d, generator=g) * 300
+    cos, sin = rope_tables(torch.randint(0, 500, (T,), generator=g), d)
+    slots = torch.randperm(blocks * bs, generator=g)[:T]
+    wide = [torch.zeros(blocks, bs, kv_heads, d) for _ in range(2)]
+    narrow = [torch.zeros(blocks, bs, kv_heads, d, dtype=dtype) for _ in range(2)]
+    assert cpu_ops.supports_cache(*narrow, d)
+    q = cpu_ops.qkv_rope_write(qkv, heads, kv_heads, d, q_w, k_w, EPS, cos, sin, slots, *wide)
+    q8 = cpu_ops.qkv_rope_write(qkv, heads, kv_heads, d, q_w, k_w, EPS, cos, sin, slots, *narrow)
+    assert torch.equal(q8, q)
+    for w, n in zip(wide, narrow):
+        assert torch.equal(n.view(torch.uint8), w.to(dtype).view(torch.uint8))
+    assert float(wide[0].abs().max()) > 448
+
 def test_qkv_rope_write_checks_its_shapes():
     cache = torch.zeros(4, 4, 2, 8)
     with pytest.raises(ValueError, match=r"not \[T, \(h \+ 2 kvh\) d\]"):
