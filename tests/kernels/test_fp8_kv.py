@@ -5,16 +5,18 @@ Triton runs natively on CUDA, else under its interpreter (tests/conftest.py)."""
 from __future__ import annotations
 
 import importlib.util
+import platform
 
 import pytest
 import torch
 
-from kernels import ops
+from kernels import cpu_attention, ops
 from tests.kernels.test_paged_attention import dense
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
-BACKENDS = ["torch", "sdpa", "cpu",
+ON_CPU = pytest.mark.skipif(DEVICE != "cpu", reason="the C decode takes CPU tensors (this run's are on CUDA)")
+BACKENDS = ["torch", "sdpa", pytest.param("cpu", marks=ON_CPU),
             pytest.param("triton", marks=pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                                             reason="no triton"))]
 
@@ -81,3 +83,39 @@ def test_fp8_latent_write_is_the_cast():
     assert torch.equal(cache.view(12, 1, 8)[[6, 1]].view(torch.uint8), entry.to(cache.dtype).view(torch.uint8))
     assert int(cache.view(torch.uint8).count_nonzero()) == int(entry.to(cache.dtype).view(torch.uint8)
                                                                 .count_nonzero())
+
+
+def read_every_value(backend: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One-token contexts: each sequence's output is its token's values, read back from the cache -> (output,
+    the values widened by torch). The values are all 256 bit patterns (subnormals, both zeros, the largest), the
+    NaN and infinity patterns set to zero (a saturating cast of finite numbers stores none in e4m3fn; e5m2's
+    infinity is left out too)."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    kvh, d = 2, 16
+    v = torch.where(bits.isfinite(), bits, 0.0).to(dtype).view(8, kvh, d)
+    kc = torch.zeros(8, 1, kvh, d, dtype=dtype, device=DEVICE)
+    tables = torch.arange(8, dtype=torch.int32, device=DEVICE)[:, None]
+    q = torch.zeros(8, 4, d, device=DEVICE)
+    out = ops.paged_decode_attention(q, kc, v.view(8, 1, kvh, d).to(DEVICE), tables,
+                                     torch.ones(8, dtype=torch.int32, device=DEVICE), 1.0, backend).cpu()
+    return out, v.float().repeat_interleave(2, dim=1)
+
+
+@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_reads_every_finite_value_exactly(backend, dtype):
+    out, want = read_every_value(backend, dtype)
+    assert torch.equal(out, want)
+
+
+@ON_CPU
+@pytest.mark.skipif(platform.machine() != "x86_64" or not cpu_attention.available(), reason="x86 C decode only")
+@pytest.mark.parametrize("dtype", FP8)
+def test_the_c_decode_without_f16c_reads_the_same(monkeypatch, dtype):
+    """The C decode widens float8 with F16C where the CPU has it (this VM does), else in integer lanes: that form,
+    built with -mno-f16c, reads every value exactly too and equals dense attention."""
+    lib = cpu_attention.build_library(dtype, ("-mno-f16c",))
+    monkeypatch.setattr(cpu_attention, "library", lambda kv_dtype=torch.float32: lib)
+    out, want = read_every_value("cpu", dtype)
+    assert torch.equal(out, want)
+    test_fp8_decode_matches_dense_over_rounded_kv("cpu", dtype)
