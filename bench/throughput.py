@@ -107,6 +107,8 @@ def main() -> None:
     ap.add_argument("--synthetic-layers", type=int, default=0,
                     help="instead of --model: a random Qwen3-30B-A3B-shaped checkpoint with this many layers")
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache per attention rank")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="what the KV cache stores (the engine's kv_cache_dtype: "
+                                                             "auto, fp8, fp8_e4m3 or fp8_e5m2)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                     help="CUDA: share of the GPU the engine's ranks may use (HF's model counts in what they find used)")
     ap.add_argument("--enforce-eager", action="store_true",
@@ -135,7 +137,7 @@ def main() -> None:
     # 64 requests in flight in all, as in HF's batches: max_num_seqs is per attention rank.
     with LLM(args.model, attention_ranks=A, expert_ranks=E, max_num_seqs=64 // A, max_num_batched_tokens=512,
              threads_per_rank=args.threads_per_rank, micro_batches=args.micro_batches, device=args.device,
-             dtype=dtype, kv_cache_memory=args.kv_cache_memory,
+             dtype=dtype, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
              cuda_ipc_events=args.cuda_ipc_events) as llm:
         run_ours(llm, prompts[:16], olens[:16])        # warm-up
@@ -150,7 +152,8 @@ def main() -> None:
         kv_blocks = stats["kv_blocks"]
         graphs = [r.get("graphs") for r in llm.comm_stats()["ranks"].values() if r.get("graphs") is not None]
     mo, mb = statistics.median(ours), statistics.median(base)
-    print(f"device {args.device}, dtype {dtype}, model {args.model}, KV blocks per attention rank {kv_blocks}, "
+    print(f"device {args.device}, dtype {dtype}, KV cache {args.kv_cache_dtype}, model {args.model}, KV blocks per "
+          f"attention rank {kv_blocks}, "
           f"micro-batches {stats['micro_batches']} (--micro-batches {args.micro_batches})")
     print("decode graphs: " + ("; ".join(f"{len(g['captured'])} captured, {g['replays']} replays, {g['eager']} too "
                                          f"big, failed {g['failed']}" for g in graphs) or "off"))

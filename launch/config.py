@@ -24,6 +24,9 @@ TRANSPORTS = ("auto", "shm", "cuda_ipc", "collective")
 IN_BAND_COUNTS = ("auto", "on", "off")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# the KV cache's float8 formats (vLLM's names; "fp8" is e4m3), cast without a scale
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
 ROLES = ("attention", "prefill", "decode", "expert")
 ATTENTION_ROLES = ("attention", "prefill", "decode")   # prefill, decode: an attention rank joining PD's pool
 
@@ -164,6 +167,10 @@ class CacheConfig:
                                          flag="--no-prefix-caching")
     kv_offload_memory: int = option(0, "bytes of host memory per attention rank for KV blocks evicted from the "
                                        "prefix cache (0: off)")
+    kv_cache_dtype: str = option("auto", "what the KV cache stores: auto (the model's dtype), or fp8 / fp8_e4m3 / "
+                                         "fp8_e5m2 (vLLM's: keys and values cast to float8 as written, without a "
+                                         "scale, and back as read; 2x the blocks of bf16, 4x of fp32; not for MLA "
+                                         "models)", choices=tuple(KV_CACHE_DTYPES))
 
     def __post_init__(self) -> None:
         _int("block_size", self.block_size, 1)
@@ -181,6 +188,13 @@ class CacheConfig:
                              f"(0, 1], e.g. 0.9")
         if self.num_kv_blocks is not None:
             _int("num_kv_blocks", self.num_kv_blocks, 1)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: choose one of "
+                             f"{tuple(KV_CACHE_DTYPES)}")
+
+    def kv_torch_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The KV cache's dtype where the model computes in dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or dtype
 
 
 @dataclass(slots=True)

@@ -132,11 +132,11 @@ class PeakMeter:
 
 @torch.inference_mode()
 def attention_peak(model, spec, num_tokens: int, num_seqs: int, max_len: int, block_size: int,
-                   dtype: torch.dtype) -> int:
+                   kv_dtype: torch.dtype) -> int:
     """Peak bytes of an attention rank's warm-up forward at its largest step (see warmup_batch), above a
-    scratch KV cache just large enough for it."""
+    scratch KV cache (of kv_dtype) just large enough for it."""
     batch, blocks = warmup_batch(num_tokens, num_seqs, max_len, block_size, model.device, model.kernel_backend)
-    scratch = KVCache(spec.num_layers, blocks, block_size, spec.kv_entry, dtype, model.device)
+    scratch = KVCache(spec.num_layers, blocks, block_size, spec.kv_entry, kv_dtype, model.device)
     with PeakMeter(model.device) as meter:
         logits = model.forward([batch], scratch, NoExperts())
         F.softmax(logits, dim=-1)
@@ -144,7 +144,7 @@ def attention_peak(model, spec, num_tokens: int, num_seqs: int, max_len: int, bl
 
 
 def graph_reserve(model, spec, rows: int, slots: int, block_size: int, max_len: int, dtype: torch.dtype,
-                  drafts: int = 0) -> int:
+                  drafts: int = 0, kv_dtype: torch.dtype | None = None) -> int:
     """Bytes an attention rank's decode graphs (attention_nodes/graphs.py) keep, counted in its peak so the KV cache
     leaves room for them: per micro-batch slot, at its largest bucket (graphs.slot_rows of `rows` decode rows with
     `drafts` drafts each), a memory pool of about one forward's peak (measured as attention_peak's) and its
@@ -154,7 +154,7 @@ def graph_reserve(model, spec, rows: int, slots: int, block_size: int, max_len: 
     H, width = spec.hidden_size, -(-max_len // block_size)
     per_row = spec.num_moe_layers * (H * item + 16 * spec.top_k) + H * item + 4 * spec.vocab_size + 4 * width + 48
     tops = [slot_sizes(rows, j, drafts)[-1] for j in range(slots)]
-    pools = {top: attention_peak(model, spec, top, top, 1, block_size, dtype) for top in set(tops)}
+    pools = {top: attention_peak(model, spec, top, top, 1, block_size, kv_dtype or dtype) for top in set(tops)}
     return sum(pools[top] + top * per_row for top in tops)
 
 

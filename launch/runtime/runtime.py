@@ -195,13 +195,13 @@ class Runtime(GenerationForming):
             sched = config.scheduler
             peak = memory.attention_peak(model, self.ckpt.spec, sched.max_num_batched_tokens, sched.max_num_seqs,
                                          max_model_len(config, self.ckpt.spec), config.cache.block_size,
-                                         self.dev.dtype)
+                                         self.dev.kv_dtype)
             if uses_decode_graphs(config, self.dev):
                 peak += memory.graph_reserve(model, self.ckpt.spec, decode_graph_rows(config),
                                              micro_batch_capacity(config.parallel.micro_batches, self.dev),
                                              config.cache.block_size,
                                              max_model_len(config, self.ckpt.spec), self.dev.dtype,
-                                             decode_graph_drafts(config))
+                                             decode_graph_drafts(config), self.dev.kv_dtype)
             kv_bytes = memory.plan(self.dev.device, True, peak, group, config.cache.gpu_memory_utilization)
         self.worker = build_attention_worker(config, self.ckpt.spec, self.dev, model, rank, moe, kv_bytes)
         self.worker.report_work = config.parallel.autoscale is not None   # what the leader's autoscaler reads
@@ -334,7 +334,7 @@ class Runtime(GenerationForming):
 
     def kv_transfer(self) -> GroupTransfer:
         """How this generation moves requests and their KV between attention ranks (handover, PD)."""
-        return GroupTransfer(self.control, self.groups.world, self.dev.dtype, self.dev.device)
+        return GroupTransfer(self.control, self.groups.world, self.dev.kv_dtype, self.dev.device)
 
     def send_requests(self, dst: int) -> None:
         meta, kv = self.worker.hand_over()

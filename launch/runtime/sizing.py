@@ -29,6 +29,11 @@ class DeviceSettings:
     backend: str                # torch.distributed backend: nccl on CUDA, gloo on CPU or on GPUs shared by ranks
     gpu_sharers: int = 1        # ranks of this node on this rank's GPU (1: a GPU of its own)
     gpus: int = 0               # GPUs this rank's machine shows it
+    kv_dtype: torch.dtype | None = None   # what the KV cache stores (kv_cache_dtype); None: dtype
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype is None:
+            object.__setattr__(self, "kv_dtype", self.dtype)
 
     @property
     def node_shares_gpus(self) -> bool:
@@ -85,8 +90,9 @@ def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
         tune_allocator()
         cores = os.cpu_count() or 1
         torch.set_num_threads(config.threads_per_rank or max(1, cores // world_size))
-    return DeviceSettings(device, config.torch_dtype(device), resolve_backend(config.kernel_backend, device),
-                          backend, sharers, gpus)
+    dtype = config.torch_dtype(device)
+    return DeviceSettings(device, dtype, resolve_backend(config.kernel_backend, device), backend, sharers, gpus,
+                          config.cache.kv_torch_dtype(dtype))
 
 
 def host_cores() -> int:
@@ -182,9 +188,9 @@ def num_kv_blocks(cache: CacheConfig, spec: ModelSpec, dev: DeviceSettings, plan
         else:
             memory = CPU_KV_DEFAULT_BYTES
     if draft is None:
-        return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.kv_entry, dev.dtype)
-    mirror = block_bytes(draft.layers, cache.block_size, draft.entry, dev.dtype)
-    per_block = block_bytes(spec.num_layers, cache.block_size, spec.kv_entry, dev.dtype) + mirror
+        return num_blocks_for(memory, spec.num_layers, cache.block_size, spec.kv_entry, dev.kv_dtype)
+    mirror = block_bytes(draft.layers, cache.block_size, draft.entry, dev.kv_dtype)
+    per_block = block_bytes(spec.num_layers, cache.block_size, spec.kv_entry, dev.kv_dtype) + mirror
     n = (memory - draft.scratch * mirror) // per_block
     if n < 1:
         raise ValueError(f"kv_cache_memory={memory} bytes holds no KV block beside the speculative draft's cache "

@@ -60,10 +60,13 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     par, cache = config.parallel, config.cache
     speculative = config.scheduler.speculative
     num_blocks = num_kv_blocks(cache, spec, dev, kv_bytes, draft_kv(speculative, spec, config))
-    host_blocks = num_host_blocks(cache, spec, dev.dtype)
+    if dev.kv_dtype != dev.dtype and spec.mla is not None:
+        raise ValueError(f"kv_cache_dtype={cache.kv_cache_dtype!r} is not supported for MLA models (this checkpoint's "
+                         f"attention caches a compressed latent): use kv_cache_dtype='auto'")
+    host_blocks = num_host_blocks(cache, spec, dev.kv_dtype)
     graphs = uses_decode_graphs(config, dev)
     kv = KVCache(spec.num_layers, num_blocks + (SINK_BLOCKS if graphs else 0), cache.block_size, spec.kv_entry,
-                 dev.dtype, dev.device, host_blocks)
+                 dev.kv_dtype, dev.device, host_blocks)
     if graphs:
         model.graphs = DecodeGraphs(model, kv, decode_graph_rows(config),
                                     -(-max_model_len(config, spec) // cache.block_size), num_blocks,
@@ -137,5 +140,5 @@ def load_draft_model(speculative: SpeculativeConfig, target: ModelSpec, dev: Dev
                          f"and the target {target.vocab_size}: a draft must share the target's tokenizer")
     weights = ckpt.read(ckpt.attention_tensor_names(), dev.dtype, dev.device)
     model = AttentionModel(ckpt.spec, weights, dev.device, dev.kernel_backend)
-    return DraftModel(model, num_blocks, block_size, max_num_seqs, speculative.num_speculative_tokens, dev.dtype,
+    return DraftModel(model, num_blocks, block_size, max_num_seqs, speculative.num_speculative_tokens, dev.kv_dtype,
                       dev.device, exclusive)

@@ -1,6 +1,6 @@
 """Features built since the last GPU run, on a real GPU (skipped without one; scripts/gpu_check.sh runs these on a
 lent GPU), every rank on GPU 0 through cuda_ipc: PD with streamed KV, n-gram speculative decoding, the sync audit of
-a decode step with in-band row counts (on by default with cuda_ipc), and structured outputs."""
+a decode step with in-band row counts (on by default with cuda_ipc), structured outputs, and a float8 KV cache."""
 from __future__ import annotations
 
 import pytest
@@ -79,3 +79,21 @@ def test_structured_outputs_on_one_gpu(tiny_checkpoint):
     tok, model = AutoTokenizer.from_pretrained(path), hf_model(path)
     for prompt, (spec, compile_fn), out in zip(prompts, CASES, outs):
         assert out.token_ids == _hf_constrained(model, tok, prompt, compile_fn, STRUCTURED_NEW), spec
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache_on_one_gpu(tiny_checkpoint, kv_cache_dtype):
+    """A float8 KV cache read by the Triton kernels natively: greedy tokens equal transformers' (on the CPU) with
+    its cache rounded through the same float8 format, and prompt logprobs close to it, as on the CPU
+    (tests/launch/test_fp8_kv_cache.py, where the tolerances are explained)."""
+    from tests.launch.test_fp8_kv_cache import FORMATS, hf_runs
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = make_prompts(4, 256, 8, 40, seed=21)
+    want_tokens, want_lps = hf_runs(path, prompts, FORMATS[kv_cache_dtype])
+    with LLM(path, attention_ranks=1, expert_ranks=1, kv_cache_dtype=kv_cache_dtype, **GPU) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, prompt_logprobs=0))
+    assert [o.token_ids for o in outs] == want_tokens
+    got = torch.tensor([e[t] for o, p in zip(outs, prompts) for e, t in zip(o.prompt_logprobs[1:], p[1:])])
+    off = (got - torch.tensor([x for row in want_lps for x in row])).abs()
+    print(f"{kv_cache_dtype} on the GPU: prompt logprobs within {float(off.max()):.2e} of the rounded model's")
+    assert float(off.max()) <= 5e-3 and float((off <= 1e-4).float().mean()) >= 0.85

@@ -28,7 +28,7 @@ VALUES = {
     "comm_calibration": "/tmp/calibration.json",
     "expert_memory": 1 << 30, "block_size": 32, "kv_cache_memory": 1 << 28,
     "gpu_memory_utilization": 0.75, "num_kv_blocks": 100,
-    "enable_prefix_caching": False, "kv_offload_memory": 1 << 20, "max_num_seqs": 8,
+    "enable_prefix_caching": False, "kv_offload_memory": 1 << 20, "kv_cache_dtype": "fp8_e5m2", "max_num_seqs": 8,
     "max_num_batched_tokens": 1024, "scheduling_policy": "priority", "max_model_len": 2048,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
     "dtype": "bfloat16", "device": "cpu",
