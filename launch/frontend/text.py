@@ -120,7 +120,7 @@ class TextStream:
     vLLM's streams do). skip_special_tokens (vLLM's, default True) leaves special tokens' text out. With `spans`,
     it also tracks where each token's text ends (`spans.ends`) and how many tokens are wholly in the text sent so
     far. As vLLM's, the stop search starts once more than `min_tokens` tokens are out (the request's min_tokens),
-    from the text the later tokens add (and the `hold` characters before it)."""
+    and a stop string must end in the text the later tokens add (it may start before)."""
 
     def __init__(self, tokenizer, stops: list[str], spans: bool = False, min_tokens: int = 0,
                  include_stop: bool = False, skip_special_tokens: bool = True):
@@ -138,6 +138,7 @@ class TextStream:
                                                                                                skip_special_tokens)
         self._tail = ""          # the text from `_tail_at` on (never later than sent - hold)
         self._tail_at = 0
+        self._floor = 0          # where the text of the first min_tokens tokens ends: a stop string ends past it
 
     def add(self, toks: list[int], final: bool, hide_last: bool = False) -> str:
         """Append tokens; returns the new text to send. Sets `stopped` and `stop_reason` when a stop string
@@ -164,10 +165,13 @@ class TextStream:
         tail = whole + (pending if final else pending.rstrip("\ufffd"))
         if self.stops and len(self.ids) > self.min_tokens:
             start = max(0, self.sent - self.hold) - at
-            hits = [(i, s) for i, s in ((tail.find(s, start), s) for s in self.stops) if i >= 0]
+            hits = [(i, s) for i, s in ((tail.find(s, max(start, self._floor - at - len(s) + 1)), s)
+                                        for s in self.stops) if i >= 0]
             if hits:
                 i, self.stop_reason = min(hits, key=lambda h: h[0])
                 tail, final, self.stopped = tail[:i + (len(self.stop_reason) if self.include_stop else 0)], True, True
+        else:
+            self._floor = at + len(tail)
         end = at + len(tail)
         if not final:
             end -= self.hold

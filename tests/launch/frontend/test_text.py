@@ -209,3 +209,20 @@ def test_growing_counts_go_on_from_where_they_stopped():
     assert answer.usage_details([out]) == {"completion_tokens_details": {"reasoning_tokens": 1}}
     tool_first = [7, 3, 7]                           # a tool start ends the reasoning too
     assert answer.usage_details([tool_first, [1, 7]]) == {"completion_tokens_details": {"reasoning_tokens": 2}}
+
+
+@pytest.mark.parametrize("per_call", [1, 3])
+def test_a_stop_string_inside_the_min_tokens_text_does_not_match(per_call):
+    """As vLLM's detokenizer: stop strings are looked for once more than min_tokens tokens are out, and only where
+    they end in text the later tokens add, also when the longest stop string holds text back. "the cat" is the
+    first 3 tokens; the "t" of "cat" lies in the held-back end of that text and must not end the stream: the "t"
+    of "sat" does."""
+    tok = shipped()
+    ids = tok.encode("the cat sat on the mat", add_special_tokens=False)
+    assert tok.decode(ids[:3]) == "the cat"
+    stream, sent = TextStream(tok, ["zzzzqq", "t"], min_tokens=3), ""
+    for i in range(0, len(ids), per_call):
+        sent += stream.add(ids[i:i + per_call], final=i + per_call >= len(ids))
+        if stream.stopped:
+            break
+    assert (sent, stream.stop_reason) == ("the cat sa", "t")
