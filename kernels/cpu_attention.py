@@ -27,6 +27,8 @@ _threads = 1
 def build_library(kv_dtype: torch.dtype = torch.float32, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The decode for caches of kv_dtype compiled (once per machine kind, source, format and flags) and loaded, its
     pool set to the process's threads. Raises BuildError naming the cause."""
+    if kv_dtype not in KV_FORMATS:
+        raise ValueError(f"kv_dtype={kv_dtype} has no C decode: use one of {list(KV_FORMATS)}")
     lib = build(SOURCE, FLAGS + (f"-DKV_FMT={KV_FORMATS[kv_dtype]}", *extra_flags))
     fn = getattr(lib, SYMBOL)
     fn.restype = ctypes.c_int

@@ -26,6 +26,7 @@ from .paged_attention import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     plan_decode,
+    to_kv,
     write_kv_ref,
 )
 
@@ -158,7 +159,7 @@ def write_latent(cache: torch.Tensor, entry: torch.Tensor, slot_mapping: torch.T
     keep = slot_mapping >= 0
     if may_skip and not bool(keep.all()):
         entry, slot_mapping = entry[keep], slot_mapping[keep]
-    kv_bits(cache.view(N * bs, one, width)).index_copy_(0, slot_mapping, kv_bits(entry.to(cache.dtype)))
+    kv_bits(cache.view(N * bs, one, width)).index_copy_(0, slot_mapping, kv_bits(to_kv(entry, cache.dtype)))
 
 
 def paged_mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,

@@ -4,7 +4,8 @@ Names: T query tokens in the batch, B sequences, h query heads, kvh KV heads, g 
 per KV head, d head dim, N cache blocks, bs block size, M max blocks per sequence.
 Cache layout per layer: k_cache, v_cache `[N, bs, kvh, d]`. A cache may hold float8 (`kv_cache_dtype`, e4m3 or
 e5m2, no scale: vLLM's default where a checkpoint has none): keys and values are cast to it as they are written
-(torch's cast, which saturates e4m3 at +-448) and cast back to the query's dtype as they are read.
+(`to_kv`: clamped to the format's largest finite value, as vLLM's kernels saturate, then torch's rounding cast)
+and cast back to the query's dtype as they are read.
 """
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from dataclasses import dataclass
 import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of dtype stores it: a float8 cast saturates at the format's largest finite value (torch's own
+    cast gives inf for e5m2, and NaN for e4m3 before torch 2.12, past it)."""
+    if dtype in FP8_DTYPES:
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    return x.to(dtype)
 
 
 def kv_bits(t: torch.Tensor) -> torch.Tensor:
@@ -29,8 +39,8 @@ def write_kv_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, 
     keep = slot_mapping >= 0
     if may_skip and not bool(keep.all()):
         k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
-    kv_bits(k_cache.view(N * bs, kvh, d)).index_copy_(0, slot_mapping, kv_bits(k.to(k_cache.dtype)))
-    kv_bits(v_cache.view(N * bs, kvh, d)).index_copy_(0, slot_mapping, kv_bits(v.to(v_cache.dtype)))
+    kv_bits(k_cache.view(N * bs, kvh, d)).index_copy_(0, slot_mapping, kv_bits(to_kv(k, k_cache.dtype)))
+    kv_bits(v_cache.view(N * bs, kvh, d)).index_copy_(0, slot_mapping, kv_bits(to_kv(v, v_cache.dtype)))
 
 
 def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

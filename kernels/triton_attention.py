@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_attention import to_kv
 from .triton_common import check_launch, float_dtype_ok, mma, mma_flags
 
 LOG2E = 1.4426950408889634
@@ -41,8 +42,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         return
     check_launch(_write_kv_kernel, "write_kv", k_cache, v_cache, k, v, slot_mapping)
     N, bs, kvh, d = k_cache.shape
-    # cast here, not in the kernel: a float8 cache gets torch's saturating cast (the interpreter's differs)
-    k, v = k.reshape(T, kvh * d).to(k_cache.dtype), v.reshape(T, kvh * d).to(v_cache.dtype)
+    # cast here, not in the kernel: a float8 cache gets to_kv's saturating cast (the interpreter's differs)
+    k, v = to_kv(k.reshape(T, kvh * d), k_cache.dtype), to_kv(v.reshape(T, kvh * d), v_cache.dtype)
     kc, vc = _slot_rows(k_cache, "k_cache"), _slot_rows(v_cache, "v_cache")
     _write_kv_kernel[(T,)](k, v, kc, vc, slot_mapping, k.stride(0), v.stride(0), kc.stride(0), vc.stride(0),
                            ROW=kvh * d, BLOCK=triton.next_power_of_2(kvh * d))

@@ -11,8 +11,8 @@
  * dk and dv must be multiples of W (the caller checks). Vectors are GCC/clang vector extensions, so the
  * compiler picks the instructions (-march=native). Built and loaded by kernels/cpu_attention.py, once per cache
  * element type: KV_FMT 0 (fp32, the default), 1 (float8 e4m3fn) or 2 (float8 e5m2); strides count elements.
- * A float8 cache is read a vector of bytes at a time and widened to fp32 in registers (exactly; NaN and inf
- * patterns, which a cast of finite values never stores in e4m3fn, read as finite numbers).
+ * A float8 cache is read a vector of bytes at a time and widened to fp32 in registers, exactly (the writes
+ * saturate, so no NaN or infinity pattern is stored; the integer form below would read one as a finite number).
  * Returns 0, or -1 when scratch memory cannot be had.
  */
 #include <math.h>
@@ -335,6 +335,17 @@ static void pool_reset_in_child(void) {
     pthread_cond_init(&pool_done, NULL);
     pool_started = 1;
     pool_open = pool_active = 0;
+}
+
+/* How this build widens the cache: 0 fp32 (nothing to widen), 1 float8 through F16C, 2 float8 in integer lanes. */
+int afserve_kv_widen(void) {
+#if KV_FMT == 0
+    return 0;
+#elif defined(__F16C__) && W == 8
+    return 1;
+#else
+    return 2;
+#endif
 }
 
 /* Threads for later calls (1: the caller alone) -> the number in use (at most MAX_THREADS). */
