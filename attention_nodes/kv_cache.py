@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.paged_attention import kv_bits
+
 from .host_tier import SAVE
 
 
@@ -45,7 +47,8 @@ class KVCache:
         if copies:
             src = torch.tensor([c[0] for c in copies], device=self.tensor.device)
             dst = torch.tensor([c[1] for c in copies], device=self.tensor.device)
-            self.tensor[:, :, dst] = self.tensor[:, :, src]
+            bits = kv_bits(self.tensor)          # a float8 cache's blocks copied as bytes
+            bits[:, :, dst] = bits[:, :, src]
 
     def copy_blocks(self, ops: list[tuple[int, int, int]]) -> None:
         """Run the host tier's copies in order: (SAVE, device block, host slot) or (LOAD, host slot, device block).
@@ -57,10 +60,11 @@ class KVCache:
                 j += 1
             last = {dst: src for _, src, dst in ops[i:j]}
             src, dst = torch.tensor(list(last.values())), torch.tensor(list(last))
+            device, host = kv_bits(self.tensor), kv_bits(self.host)     # float8 blocks as bytes
             if ops[i][0] == SAVE:
-                self.host[:, :, dst] = self.tensor[:, :, src.to(self.tensor.device)].to("cpu")
+                host[:, :, dst] = device[:, :, src.to(device.device)].to("cpu")
             else:
-                self.tensor[:, :, dst.to(self.tensor.device)] = self.host[:, :, src].to(self.tensor.device)
+                device[:, :, dst.to(device.device)] = host[:, :, src].to(device.device)
             i = j
 
     def layer(self, i: int) -> tuple[torch.Tensor, ...]:

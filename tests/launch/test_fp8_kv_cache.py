@@ -10,6 +10,8 @@ With e5m2's coarse steps that happened once in these 167 positions (its sequence
 """
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -36,15 +38,17 @@ def rounded_cache(dtype: torch.dtype):
 def hf_runs(path: str, prompts: list[list[int]], dtype: torch.dtype | None):
     """transformers' greedy tokens and prompt logprobs per prompt (dtype: the cache's rounding; None: none)."""
     model = hf_model(path)
+    # the cache argument's name: `cache` in recent transformers 5.x, `past_key_values` before
+    arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     model.generation_config.eos_token_id = None
     tokens, prompt_lps = [], []
     with torch.no_grad():
         for p in prompts:
             cache = (lambda: rounded_cache(dtype)(config=model.config)) if dtype is not None else (lambda: None)
             seq = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0,
-                                 cache=cache())
+                                 **{arg: cache()})
             tokens.append(seq[0, len(p):].tolist())
-            logits = model(torch.tensor([p]), cache=cache()).logits[0].log_softmax(-1)
+            logits = model(torch.tensor([p]), **{arg: cache()}).logits[0].log_softmax(-1)
             prompt_lps.append([float(logits[i - 1, p[i]]) for i in range(1, len(p))])
     return tokens, prompt_lps
 
@@ -60,7 +64,10 @@ def test_fp8_kv_cache_matches_transformers_with_a_rounded_cache(tiny_checkpoint,
              max_num_batched_tokens=48, max_num_seqs=8) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=0))
         stats = llm.stats()
+        # two samples fork at their first draw: the shared last block is copied on write (as bytes)
+        two = llm.generate([prompts[0]], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, n=2, temperature=0))
     assert [o.token_ids for o in outs] == want_tokens
+    assert [s.token_ids for s in two[0].samples] == [want_tokens[0]] * 2
     assert stats["num_preemptions"] > 0 and stats["num_prefill_chunks"] > 0
     got = torch.tensor([e[tok] for o, p in zip(outs, prompts) for e, tok in zip(o.prompt_logprobs[1:], p[1:])])
     want, plain = (torch.tensor([x for row in lps for x in row]) for lps in (want_lps, plain_lps))
