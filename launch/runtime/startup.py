@@ -44,12 +44,23 @@ def open_store(host: str, port: int, serve: bool, timeout_s: float) -> dist.TCPS
 def load_attention_model(config: EngineConfig, ckpt: Checkpoint, dev: DeviceSettings, desc: str,
                          progress) -> AttentionModel:
     """An attention rank's model: its share of the checkpoint (progress: a stream for the loading bar, or
-    None), with the C decode's threads set on the CPU backend."""
+    None), with the C decode's threads set on the CPU backend (and its float8 build made, for a float8 cache)."""
+    check_kv_dtype(ckpt.spec, dev, config.cache.kv_cache_dtype)
     weights = ckpt.read(ckpt.attention_tensor_names(), dev.dtype, dev.device, desc, progress)
     model = AttentionModel(ckpt.spec, weights, dev.device, dev.kernel_backend)
     if dev.kernel_backend == "cpu":
         cpu_attention.set_threads(decode_threads(config))
+        if dev.kv_dtype in cpu_attention.KV_FORMATS:
+            cpu_attention.library(dev.kv_dtype)
     return model
+
+
+def check_kv_dtype(spec: ModelSpec, dev: DeviceSettings, option: str) -> None:
+    """Refuse a float8 KV cache (the kv_cache_dtype option's value) for an MLA model, whose cache holds a compressed
+    latent (no oracle has checked it rounded)."""
+    if dev.kv_dtype != dev.dtype and spec.mla is not None:
+        raise ValueError(f"kv_cache_dtype={option!r} is not supported for MLA models (this checkpoint's attention "
+                         f"caches a compressed latent): use kv_cache_dtype='auto'")
 
 
 def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSettings, model: AttentionModel,
@@ -60,9 +71,6 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
     par, cache = config.parallel, config.cache
     speculative = config.scheduler.speculative
     num_blocks = num_kv_blocks(cache, spec, dev, kv_bytes, draft_kv(speculative, spec, config))
-    if dev.kv_dtype != dev.dtype and spec.mla is not None:
-        raise ValueError(f"kv_cache_dtype={cache.kv_cache_dtype!r} is not supported for MLA models (this checkpoint's "
-                         f"attention caches a compressed latent): use kv_cache_dtype='auto'")
     host_blocks = num_host_blocks(cache, spec, dev.kv_dtype)
     graphs = uses_decode_graphs(config, dev)
     kv = KVCache(spec.num_layers, num_blocks + (SINK_BLOCKS if graphs else 0), cache.block_size, spec.kv_entry,
@@ -78,7 +86,8 @@ def build_attention_worker(config: EngineConfig, spec: ModelSpec, dev: DeviceSet
                       cache.enable_prefix_caching, config.scheduler.scheduling_policy)
     exclusive = lambda block: pool.refcount(block) == 1    # noqa: E731
     draft = None if speculative is None or speculative.model is None else load_draft_model(
-        speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs, exclusive)
+        speculative, spec, dev, num_blocks, cache.block_size, config.scheduler.max_num_seqs, exclusive,
+        cache.kv_cache_dtype)
     mtp = None if not config.scheduler.uses_mtp else MTPProposer(
         model, num_blocks, cache.block_size, config.scheduler.max_num_seqs, speculative.num_speculative_tokens,
         dev.dtype, dev.device, exclusive)
@@ -131,10 +140,13 @@ def draft_passes(config: EngineConfig) -> tuple[int, int | None]:
 
 
 def load_draft_model(speculative: SpeculativeConfig, target: ModelSpec, dev: DeviceSettings, num_blocks: int,
-                     block_size: int, max_num_seqs: int, exclusive=lambda block: False) -> DraftModel:
+                     block_size: int, max_num_seqs: int, exclusive=lambda block: False,
+                     kv_cache_dtype: str = "auto") -> DraftModel:
     """speculative_config method "draft_model": the draft's whole checkpoint on this attention rank, its KV cache
-    mirroring the target's blocks (attention_nodes/draft_model.py; exclusive(block): one sequence holds it)."""
+    (of kv_cache_dtype, the option's value, as the target's) mirroring the target's blocks
+    (attention_nodes/draft_model.py; exclusive(block): one sequence holds it)."""
     ckpt = Checkpoint(speculative.model)
+    check_kv_dtype(ckpt.spec, dev, kv_cache_dtype)
     if ckpt.spec.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {speculative.model!r} has a vocabulary of {ckpt.spec.vocab_size} tokens "
                          f"and the target {target.vocab_size}: a draft must share the target's tokenizer")
