@@ -91,8 +91,19 @@ def set_device(config: EngineConfig, world_size: int) -> DeviceSettings:
         cores = os.cpu_count() or 1
         torch.set_num_threads(config.threads_per_rank or max(1, cores // world_size))
     dtype = config.torch_dtype(device)
-    return DeviceSettings(device, dtype, resolve_backend(config.kernel_backend, device), backend, sharers, gpus,
-                          config.cache.kv_torch_dtype(dtype))
+    kernels, kv_dtype = resolve_backend(config.kernel_backend, device), config.cache.kv_torch_dtype(dtype)
+    if device.type == "cuda" and kv_dtype == torch.float8_e4m3fn:     # (asks the driver only then)
+        check_fp8_kernels(kv_dtype, kernels, torch.cuda.get_device_capability(device), config.cache.kv_cache_dtype)
+    return DeviceSettings(device, dtype, kernels, backend, sharers, gpus, kv_dtype)
+
+
+def check_fp8_kernels(kv_dtype: torch.dtype, kernel_backend: str, capability: tuple[int, int], option: str) -> None:
+    """Triton converts e4m3 (its fp8e4nv) only on GPUs of compute capability 8.9 and later: refuse it before any
+    kernel compiles on an older one, naming kv_cache_dtype's value (option) and the GPU's capability."""
+    if kv_dtype == torch.float8_e4m3fn and kernel_backend == "triton" and tuple(capability) < (8, 9):
+        raise ValueError(f"kv_cache_dtype={option!r} (float8 e4m3) needs a GPU of compute capability 8.9 or later "
+                         f"for the Triton kernels (this one: {capability[0]}.{capability[1]}): use "
+                         f"kv_cache_dtype='fp8_e5m2' or 'auto'")
 
 
 def host_cores() -> int:

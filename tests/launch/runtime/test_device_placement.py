@@ -14,7 +14,7 @@ import torch
 from comm.topology import Topology
 from launch.procs import free_slot, joiner_slot, rank_env
 from launch.runtime.planning import gpu_room_refusal
-from launch.runtime.sizing import DeviceSettings, auto_micro_batches, gpu_placement
+from launch.runtime.sizing import DeviceSettings, auto_micro_batches, check_fp8_kernels, gpu_placement
 
 
 def test_one_gpu_per_rank_when_the_node_has_enough():
@@ -299,3 +299,15 @@ def test_without_a_store_the_leader_counts_from_local_world_size(monkeypatch, tm
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert Runtime.micro_batches(_rank0(tmp_path, 0, launched, launched)) == want
+
+
+def test_e4m3_on_triton_is_refused_before_compute_capability_8_9():
+    """Triton converts e4m3 only from sm_89 (Ada, Hopper): an A100 is refused with the option's value, its
+    capability and what to use instead; e5m2, a later GPU and the other backends pass."""
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' \(float8 e4m3\) needs a GPU of compute capability "
+                                         r"8\.9 or later .*this one: 8\.0.*'fp8_e5m2' or 'auto'"):
+        check_fp8_kernels(torch.float8_e4m3fn, "triton", (8, 0), "fp8")
+    for args in ((torch.float8_e5m2, "triton", (8, 0)), (torch.float8_e4m3fn, "triton", (8, 9)),
+                 (torch.float8_e4m3fn, "triton", (9, 0)), (torch.float8_e4m3fn, "torch", (7, 5)),
+                 (torch.bfloat16, "triton", (7, 0))):
+        check_fp8_kernels(*args, "x")
