@@ -9,10 +9,11 @@ Printed per case: median ns per context token and GB/s of K/V read (20th-80th pe
 (gather + scaled_dot_product_attention, one torch thread) and the ratio sdpa / C, and the GB/s of a torch copy of
 as many bytes (the machine's limit for reading them once, measured here). Calls alternate between the kernels so
 the VM's drift reaches both alike.
---baseline FILE also builds another version of the kernel source (e.g. `git show REV:kernels/csrc/paged_decode.c`)
-and times it in the same rounds: the "base/C" column is its time over this one's. --kv-dtype fp8 or fp8_e5m2 times
-the same cases over a float8 cache (the engine's kv_cache_dtype; a quarter of the bytes, widened in registers);
-run it beside the default fp32 run to compare.
+--baseline FILE also builds another version of the kernel source (e.g. `git show REV:kernels/csrc/paged_decode.c`,
+REV from 69791ab on, which renamed its entry point afserve_paged_decode) and times it in the same rounds: the
+"base/C" column is its time over this one's. --kv-dtype fp8 or fp8_e5m2 times the same cases over a float8 cache
+(the engine's kv_cache_dtype; a quarter of the bytes, widened in registers); run it beside the default fp32 run
+to compare.
 Run: python bench/cpu_decode.py [--repeats 200] [--warmup 20] [--baseline FILE] [--kv-dtype fp32|fp8|fp8_e5m2]
 """
 from __future__ import annotations

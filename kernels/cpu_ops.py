@@ -95,4 +95,5 @@ def supports_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) 
     """Whether qkv_rope_write can write these caches: fp32 (or float8) CPU `[N, bs, kvh, d]` whose blocks lie one
     after another (a slot's address is slot * stride(1)) with each head's channels contiguous."""
     return all(c.dtype in (torch.float32, *FP8_DTYPES) and c.device.type == "cpu" and c.dim() == 4
-               and c.shape[-1] == head_dim and c.stride(-1) == 1 and c.stride(0) == c.shape[1] * c.stride(1) for c in (k_cache, v_cache))
+               and c.shape[-1] == head_dim and c.stride(-1) == 1 and c.stride(0) == c.shape[1] * c.stride(1)
+               for c in (k_cache, v_cache))
