@@ -18,6 +18,7 @@ from .paged_attention import (
     paged_prefill_attention_ref,
     plan_decode,
     prefill_chunks,
+    widen,
 )
 
 DECODE_GROUP = 8   # sequences per decode gather: measured fastest on a 2-core CPU at 64 sequences of 16-400 tokens
@@ -44,9 +45,9 @@ def _decode_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   window: int | None) -> torch.Tensor:
     N, bs, kvh, d = k_cache.shape
     G, h, _ = q.shape
-    k = k_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).transpose(1, 2).to(q.dtype)
+    k = widen(k_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).transpose(1, 2), q.dtype)
     v = k if v_cache is k_cache else \
-        v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).transpose(1, 2).to(q.dtype)
+        widen(v_cache.view(N, bs * kvh * d).index_select(0, grp.blocks).view(G, -1, kvh, d).transpose(1, 2), q.dtype)
     keep = grp.mask                                                      # [G, 1, L]
     if window is not None:
         pos = torch.arange(keep.shape[-1], device=keep.device)
