@@ -142,9 +142,13 @@ class TextStream:
 
     def add(self, toks: list[int], final: bool, hide_last: bool = False) -> str:
         """Append tokens; returns the new text to send. Sets `stopped` and `stop_reason` when a stop string
-        appeared (the text ends before it, or with include_stop after it; the earliest one, when several).
+        appeared (the text ends before it, or with include_stop after it; of several, the one that ends first).
         hide_last: the last token (the EOS or stop token id that ended the request) is counted but adds no text,
         as vLLM's detokeniser leaves it out unless include_stop_str_in_output."""
+        done = len(self.ids)
+        if self.stops and done < self.min_tokens < done + len(toks):    # the min_tokens text ends inside the call
+            head = self.add(toks[:self.min_tokens - done], final=False)
+            return head + self.add(toks[self.min_tokens - done:], final, hide_last)
         self.ids.extend(toks)
         shown = toks[:-1] if hide_last else toks
         if self.spans is not None:
@@ -167,11 +171,11 @@ class TextStream:
             start = max(0, self.sent - self.hold) - at
             hits = [(i, s) for i, s in ((tail.find(s, max(start, self._floor - at - len(s) + 1)), s)
                                         for s in self.stops) if i >= 0]
-            if hits:
-                i, self.stop_reason = min(hits, key=lambda h: h[0])
+            if hits:     # as vLLM's: the one that ends first (as if the tokens came one at a time), then list order
+                i, self.stop_reason = min(hits, key=lambda h: h[0] + len(h[1]))
                 tail, final, self.stopped = tail[:i + (len(self.stop_reason) if self.include_stop else 0)], True, True
-        else:
-            self._floor = at + len(tail)
+        else:     # whole characters only: a token ending inside one shows its start only once it completes
+            self._floor = at + len(whole)
         end = at + len(tail)
         if not final:
             end -= self.hold

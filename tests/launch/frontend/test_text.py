@@ -110,8 +110,9 @@ def test_streamed_pieces_are_the_text_so_far_held_back_for_stop_strings_and_cut_
     tokens so far less its unfinished character (U+FFFD), all of it with the last chunk. After each chunk the
     text sent is the visible text less the last len(longest stop) - 1 characters (a stop string may still
     start there) and less a U+FFFD it would end in; the first chunk whose visible text holds a stop string
-    (searched where the earlier chunks could not have seen it whole) ends the stream, cut before the earliest
-    hit (after it with include_stop, vLLM's include_stop_str_in_output), which is the stream's stop_reason."""
+    (searched where the earlier chunks could not have seen it whole) ends the stream, cut before the hit that
+    ends first, ties by list order (vLLM's rule; after it with include_stop, vLLM's include_stop_str_in_output),
+    which is the stream's stop_reason."""
     tok = make()
     rng = random.Random(2)
     stopped = held = 0
@@ -128,10 +129,10 @@ def test_streamed_pieces_are_the_text_so_far_held_back_for_stop_strings_and_cut_
             i += n
             seen = tok.decode(ids[:i], skip_special_tokens=True)
             seen = seen if last else seen.rstrip("\ufffd")
-            hits = sorted((h, k, st) for k, (h, st) in enumerate((seen.find(st, max(0, len(want) - hold)), st)
-                                                                  for st in stops) if h >= 0)
+            hits = sorted((h + len(st), k, h, st) for k, (h, st) in enumerate((seen.find(st, max(0, len(want) - hold)),
+                                                                                st) for st in stops) if h >= 0)
             if hits or last:
-                at, _, first = hits[0] if hits else (len(seen), 0, None)
+                _, _, at, first = hits[0] if hits else (0, 0, len(seen), None)
                 want = seen[:at + (len(first) if first and include_stop else 0)]
                 assert sent == want and stream.stopped == bool(hits), (ids[:i], stops, sent, want)
                 assert stream.stop_reason == first, (ids[:i], stops, stream.stop_reason)
@@ -211,7 +212,7 @@ def test_growing_counts_go_on_from_where_they_stopped():
     assert answer.usage_details([tool_first, [1, 7]]) == {"completion_tokens_details": {"reasoning_tokens": 2}}
 
 
-@pytest.mark.parametrize("per_call", [1, 3])
+@pytest.mark.parametrize("per_call", [1, 2, 3, 4, 9])     # calls that end at the min_tokens boundary, or cross it
 def test_a_stop_string_inside_the_min_tokens_text_does_not_match(per_call):
     """As vLLM's detokenizer: stop strings are looked for once more than min_tokens tokens are out, and only where
     they end in text the later tokens add, also when the longest stop string holds text back. "the cat" is the
@@ -226,3 +227,16 @@ def test_a_stop_string_inside_the_min_tokens_text_does_not_match(per_call):
         if stream.stopped:
             break
     assert (sent, stream.stop_reason) == ("the cat sa", "t")
+
+
+def test_of_two_stop_strings_in_one_call_the_one_that_ends_first_wins():
+    """vLLM's rule (check_stop_strings): "abcd" and "c" both complete in one call; "c" ends first, as it would
+    have with the tokens one at a time, so the text is "ab" whatever the list order; of two ending together
+    ("cd", "d") the first listed."""
+    tok = shipped()
+    ids = tok.encode("xx abcd yy", add_special_tokens=False)
+    text = tok.decode(ids)
+    for stops, reason in ((["abcd", "c"], "c"), (["c", "abcd"], "c"), (["cd", "d"], "cd"), (["d", "cd"], "d")):
+        stream = TextStream(tok, stops)
+        sent = stream.add(ids, final=True)
+        assert (sent, stream.stop_reason) == (text[:text.index(reason)], reason), stops
