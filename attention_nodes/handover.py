@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.paged_attention import kv_bits
+
 from .block_pool import chain_hashes
 from .sampling_params import SamplingParams
 from .scheduler import seats_of
@@ -133,8 +135,8 @@ def write_new_blocks(worker, kv: torch.Tensor) -> list[int]:
     new = pool.allocate(kv.shape[2])
     if pool.host is not None:
         worker.kv.copy_blocks(pool.host.take_ops())
-    cache = worker.kv.tensor
-    cache[:, :, torch.tensor(new, dtype=torch.int64, device=cache.device)] = kv.to(cache.device)
+    cache = kv_bits(worker.kv.tensor)       # a float8 cache's blocks as bytes, as every block copy moves them
+    cache[:, :, torch.tensor(new, dtype=torch.int64, device=cache.device)] = kv_bits(kv.to(cache.device))
     return new
 
 

@@ -18,7 +18,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x as a cache of dtype stores it: a float8 cast saturates at the format's largest finite value (torch's own
-    cast gives inf for e5m2, and NaN for e4m3 before torch 2.12, past it)."""
+    cast gives inf for e5m2, and NaN for e4m3 before torch 2.12, past it). A NaN (a broken forward's) stays NaN,
+    which the backends then read differently (Triton as NaN; `widen` and the C decode's e4m3 as 480)."""
     if dtype in FP8_DTYPES:
         top = torch.finfo(dtype).max
         x = x.clamp(-top, top)
@@ -26,10 +27,10 @@ def to_kv(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def widen(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Keys or values read from a cache, in dtype. e4m3 goes through fp16, exactly (its exponent and mantissa bits
-    moved into fp16's places read as 2^-8 of its value, subnormals too): ~3x faster than torch's own CPU cast from
-    e4m3 (measured); a NaN pattern, which the saturating writes never store, would read as 480."""
-    if t.dtype != torch.float8_e4m3fn:
+    """Keys or values read from a cache, in dtype. e4m3 on the CPU goes through fp16, exactly (its exponent and
+    mantissa bits moved into fp16's places read as 2^-8 of its value, subnormals too): ~3x faster than torch's own
+    CPU cast from e4m3 (measured); its NaN pattern reads as 480 (`to_kv`)."""
+    if t.dtype != torch.float8_e4m3fn or t.device.type != "cpu":
         return t.to(dtype)
     b = t.view(torch.uint8).to(torch.int16)
     return (((b & 0x7F) << 7) | ((b & 0x80) << 8)).view(torch.float16).to(dtype) * 256

@@ -11,8 +11,9 @@
  * dk and dv must be multiples of W (the caller checks). Vectors are GCC/clang vector extensions, so the
  * compiler picks the instructions (-march=native). Built and loaded by kernels/cpu_attention.py, once per cache
  * element type: KV_FMT 0 (fp32, the default), 1 (float8 e4m3fn) or 2 (float8 e5m2); strides count elements.
- * A float8 cache is read a vector of bytes at a time and widened to fp32 in registers, exactly (the writes
- * saturate, so no NaN or infinity pattern is stored; the integer form below would read one as a finite number).
+ * A float8 cache is read a vector of bytes at a time and widened to fp32 in registers, exactly for every finite
+ * value (the writes saturate, so no infinity is stored; a NaN from a broken forward reads as a finite number in
+ * e4m3, and in the integer form below in e5m2 too).
  * Returns 0, or -1 when scratch memory cannot be had.
  */
 #include <math.h>

@@ -103,7 +103,7 @@ def check_fp8_kernels(kv_dtype: torch.dtype, kernel_backend: str, capability: tu
     if kv_dtype == torch.float8_e4m3fn and kernel_backend == "triton" and tuple(capability) < (8, 9):
         raise ValueError(f"kv_cache_dtype={option!r} (float8 e4m3) needs a GPU of compute capability 8.9 or later "
                          f"for the Triton kernels (this one: {capability[0]}.{capability[1]}): use "
-                         f"kv_cache_dtype='fp8_e5m2' or 'auto'")
+                         f"kv_cache_dtype='fp8_e5m2' or 'auto', or kernel_backend='sdpa'")
 
 
 def host_cores() -> int:

@@ -7,6 +7,7 @@ import os
 import socket
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from attention_nodes.block_pool import BlockPool
@@ -50,7 +51,7 @@ def load_attention_model(config: EngineConfig, ckpt: Checkpoint, dev: DeviceSett
     model = AttentionModel(ckpt.spec, weights, dev.device, dev.kernel_backend)
     if dev.kernel_backend == "cpu":
         cpu_attention.set_threads(decode_threads(config))
-        if dev.kv_dtype in cpu_attention.KV_FORMATS:
+        if dev.dtype == torch.float32 and dev.kv_dtype in cpu_attention.KV_FORMATS:   # the C decode's queries
             cpu_attention.library(dev.kv_dtype)
     return model
 
