@@ -305,7 +305,8 @@ def test_e4m3_on_triton_is_refused_before_compute_capability_8_9():
     """Triton converts e4m3 only from sm_89 (Ada, Hopper): an A100 is refused with the option's value, its
     capability and what to use instead; e5m2, a later GPU and the other backends pass."""
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' \(float8 e4m3\) needs a GPU of compute capability "
-                                         r"8\.9 or later .*this one: 8\.0.*'fp8_e5m2' or 'auto', or kernel_backend='sdpa'"):
+                                         r"8\.9 or later .*this one: 8\.0.*'fp8_e5m2' or 'auto', or "
+                                         r"kernel_backend='sdpa'"):
         check_fp8_kernels(torch.float8_e4m3fn, "triton", (8, 0), "fp8")
     for args in ((torch.float8_e5m2, "triton", (8, 0)), (torch.float8_e4m3fn, "triton", (8, 9)),
                  (torch.float8_e4m3fn, "triton", (9, 0)), (torch.float8_e4m3fn, "torch", (7, 5)),
