@@ -119,7 +119,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
         front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs, {
             "tool_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
             "reasoning_parser": args.reasoning_parser, "responses_store": args.responses_store,
-            "prompt_tokens_details": args.enable_prompt_tokens_details})
+            "prompt_tokens_details": args.enable_prompt_tokens_details, "stream_interval": args.stream_interval})
     llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -192,6 +192,10 @@ def main(argv=None) -> int:
                    help="report usage.prompt_tokens_details.cached_tokens, the prompt tokens found in the prefix "
                         "cache, in chat and completion answers (and Anthropic's cache_read_input_tokens; vLLM's "
                         "flag; /v1/responses always reports them)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="a streamed answer's chunks carry at least N new tokens (the first token and the last chunk "
+                        "go at once; vLLM's flag): fewer, larger chunks cost the front and the client less per "
+                        "token (default 1: every token)")
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
@@ -201,6 +205,8 @@ def main(argv=None) -> int:
         p.error("serve.py runs under torchrun (WORLD_SIZE is not set); for a local run use `make demo`")
     if args.api_key == "":
         p.error("--api-key is empty: pass a key, or leave the flag out to serve without one")
+    if args.stream_interval < 1:
+        p.error(f"--stream-interval {args.stream_interval} is invalid: pass a number of tokens >= 1")
     if args.responses_store < 0:
         p.error(f"--responses-store {args.responses_store} is invalid: pass a count >= 0 (0 keeps none)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

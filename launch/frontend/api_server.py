@@ -89,7 +89,8 @@ class _ServerState:
 
 def build_app(model_name: str, model_path: str, api_key: str | None = None, access_log: bool = True,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
-              responses_store: int = DEFAULT_CAPACITY, prompt_tokens_details: bool = False) -> FastAPI:
+              responses_store: int = DEFAULT_CAPACITY, prompt_tokens_details: bool = False,
+              stream_interval: int = 1) -> FastAPI:
     """The app; `attach(app, llm)` connects it to an engine once every rank is ready (until then /health and
     the API answer 503). With `access_log`, one INFO line per request goes to logger "afserve.http.access";
     that logger is set to INFO unless its level was set already (serve.py's root logger says WARNING).
@@ -98,7 +99,8 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
     their reasoning (launch/frontend/reasoning.py PARSERS; None: they do not); responses_store: how many
     /v1/responses responses are kept for GET and previous_response_id (launch/frontend/response_store.py; 0:
     none); prompt_tokens_details: chat, completions and Anthropic messages report the prompt tokens found in the
-    prefix cache in usage (vLLM's --enable-prompt-tokens-details; /v1/responses always does, as vLLM's)."""
+    prefix cache in usage (vLLM's --enable-prompt-tokens-details; /v1/responses always does, as vLLM's);
+    stream_interval: the fewest new tokens a streamed chunk carries (`EngineClient`; vLLM's --stream-interval)."""
     if api_key == "":     # it would match a missing x-api-key header
         raise ValueError("api_key is empty: pass a key, or leave it out to serve without one")
     if tool_parser is not None and tool_parser not in TOOL_PARSERS:
@@ -107,7 +109,10 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         raise ValueError(f"reasoning_parser={reasoning_parser!r} is unknown; pass one of "
                          f"{', '.join(REASONING_PARSERS)}")
     check_parsers(tool_parser, reasoning_parser)
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+        raise ValueError(f"stream_interval={stream_interval!r} is invalid: pass a number of tokens >= 1")
     state = _ServerState(model_name, model_path, responses_store, prompt_tokens_details)
+    state.stream_interval = stream_interval
     state.tool_parser, state.reasoning_parser = tool_parser, reasoning_parser
 
     @contextlib.asynccontextmanager
@@ -392,7 +397,7 @@ def attach(app: FastAPI, llm, timeout_s: float = 60.0) -> EngineClient:
         raise RuntimeError(f"the HTTP server did not start within {timeout_s} s")
     sampling_defaults(llm.config)    # read once now: a malformed generation_config.json fails the start
     require_tokens(llm.tokenizer, state.tool_parser, state.reasoning_parser, llm.config.model)
-    client = EngineClient(llm, state.metrics)
+    client = EngineClient(llm, state.metrics, state.stream_interval)
     client.start(state.loop)
     state.engine = client
     return client
