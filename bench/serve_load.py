@@ -160,6 +160,8 @@ def main() -> None:
                     help="where --peer vllm writes its JSON")
     ap.add_argument("--model", default=SHIPPED_MODEL, help="HF checkpoint directory (default: the shipped model)")
     ap.add_argument("--split", default="1+2", help="our server's attention+expert ranks (default 1+2)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="both servers' --stream-interval (vLLM's flag: "
+                                                                   "the fewest new tokens per streamed chunk)")
     ap.add_argument("--smoke", action="store_true", help="one run at concurrency 2 against HF generate, no "
                     "shared-prefix run: a quick run that checks the bench works (tests run it; its figures mean "
                     "little)")
@@ -213,7 +215,8 @@ def run_levels(path: str, args) -> None:
     del hf
     print(f"HF generate (batches of 64) on the c={max(args.levels)} requests: {hf_tok_s:.0f} tok/s "
           f"(median of {args.repeats}: {', '.join(f'{x:.0f}' for x in hf_runs)})")
-    with LocalServer(path, nproc=sum(args.split), args=ours_args(args.split)) as srv:
+    with LocalServer(path, nproc=sum(args.split), args=ours_args(args.split) + ["--stream-interval",
+                                                                             str(args.stream_interval)]) as srv:
         results = serve_levels(srv.url, args.levels, args.repeats, path)
     print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s "
           "(median) | vs HF generate |")
@@ -226,11 +229,12 @@ def run_levels(path: str, args) -> None:
 
 def run_vllm_levels(path: str, args) -> None:
     """vLLM's server, then ours (never both at once), on the same requests; the table puts them side by side."""
-    peer_args = ["--served-model-name", "bench", "--dtype", "float32", "--seed", "0", *LIMITS]
+    peer_args = ["--served-model-name", "bench", "--dtype", "float32", "--seed", "0", *LIMITS,
+                 "--stream-interval", str(args.stream_interval)]
     with VllmServer(args.peer_venv, path, peer_args) as srv:
         theirs = serve_levels(srv.url, args.levels, args.repeats, path)
     kv_bytes = int(peer_env()["VLLM_CPU_KVCACHE_SPACE"]) << 30     # the KV space vLLM's server got
-    ours_flags = ours_args(args.split, kv_bytes)
+    ours_flags = ours_args(args.split, kv_bytes) + ["--stream-interval", str(args.stream_interval)]
     with LocalServer(path, nproc=sum(args.split), args=ours_flags) as srv:
         ours = serve_levels(srv.url, args.levels, args.repeats, path)
     split = "+".join(map(str, args.split))
