@@ -50,11 +50,12 @@ LIMITS = ["--max-num-seqs", "64", "--max-num-batched-tokens", "512"]   # both se
 OURS = ["--served-model-name", "bench", *LIMITS]
 
 
-def ours_args(split: tuple[int, int], kv_bytes: int | None = None) -> list[str]:
-    """serve.py's flags for A+E ranks (torchrun's nproc is A + E); kv_bytes: KV cache bytes in all."""
+def ours_args(split: tuple[int, int], kv_bytes: int | None = None, stream_interval: int = 1) -> list[str]:
+    """serve.py's flags for A+E ranks (torchrun's nproc is A + E); kv_bytes: KV cache bytes in all;
+    stream_interval: serve.py's --stream-interval."""
     a, _ = split
     extra = [] if kv_bytes is None else ["--kv-cache-memory", str(kv_bytes // a)]
-    return ["--attention-ranks", str(a), *OURS, *extra]
+    return ["--attention-ranks", str(a), *OURS, *extra, "--stream-interval", str(stream_interval)]
 
 
 def requests(n: int, seed: int, model: str) -> tuple[list[list[int]], list[int]]:
@@ -215,8 +216,7 @@ def run_levels(path: str, args) -> None:
     del hf
     print(f"HF generate (batches of 64) on the c={max(args.levels)} requests: {hf_tok_s:.0f} tok/s "
           f"(median of {args.repeats}: {', '.join(f'{x:.0f}' for x in hf_runs)})")
-    with LocalServer(path, nproc=sum(args.split), args=ours_args(args.split) + ["--stream-interval",
-                                                                             str(args.stream_interval)]) as srv:
+    with LocalServer(path, nproc=sum(args.split), args=ours_args(args.split, None, args.stream_interval)) as srv:
         results = serve_levels(srv.url, args.levels, args.repeats, path)
     print("| concurrency | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | output tok/s "
           "(median) | vs HF generate |")
@@ -234,7 +234,7 @@ def run_vllm_levels(path: str, args) -> None:
     with VllmServer(args.peer_venv, path, peer_args) as srv:
         theirs = serve_levels(srv.url, args.levels, args.repeats, path)
     kv_bytes = int(peer_env()["VLLM_CPU_KVCACHE_SPACE"]) << 30     # the KV space vLLM's server got
-    ours_flags = ours_args(args.split, kv_bytes) + ["--stream-interval", str(args.stream_interval)]
+    ours_flags = ours_args(args.split, kv_bytes, args.stream_interval)
     with LocalServer(path, nproc=sum(args.split), args=ours_flags) as srv:
         ours = serve_levels(srv.url, args.levels, args.repeats, path)
     split = "+".join(map(str, args.split))
