@@ -18,7 +18,6 @@ from .cpu_build import CSRC, FLAGS, build, loads
 
 SOURCE = CSRC / "paged_decode.c"
 SYMBOL = "afserve_paged_decode"
-# the cache's element type -> the source's KV_FMT
 KV_FORMATS = {torch.float32: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}   # cache dtype -> its KV_FMT
 _loaded: set[torch.dtype] = set()
 _threads = 1

@@ -14,6 +14,8 @@ import torch
 from .cpu_build import CSRC, FLAGS, build, loads
 from .paged_attention import FP8_DTYPES, write_kv_ref
 
+CACHE_DTYPES = (torch.float32, *FP8_DTYPES)    # the caches qkv_rope_write writes (float8 through fp32)
+
 SOURCE = CSRC / "cpu_ops.c"
 # Every product and sum rounded on its own, as torch's separate ops round them.
 OPS_FLAGS = (*FLAGS, "-ffp-contract=off")
@@ -94,6 +96,6 @@ def qkv_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
 def supports_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
     """Whether qkv_rope_write can write these caches: fp32 (or float8) CPU `[N, bs, kvh, d]` whose blocks lie one
     after another (a slot's address is slot * stride(1)) with each head's channels contiguous."""
-    return all(c.dtype in (torch.float32, *FP8_DTYPES) and c.device.type == "cpu" and c.dim() == 4
+    return all(c.dtype in CACHE_DTYPES and c.device.type == "cpu" and c.dim() == 4
                and c.shape[-1] == head_dim and c.stride(-1) == 1 and c.stride(0) == c.shape[1] * c.stride(1)
                for c in (k_cache, v_cache))
