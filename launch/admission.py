@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from dataclasses import dataclass
 
 from attention_nodes.sampling_params import SamplingParams
 from attention_nodes.structured import Grammars
@@ -30,6 +31,30 @@ def sampling_defaults(config) -> tuple[tuple[str, float], ...]:
     vllm, none; else those of the directory it names."""
     source = config.generation_config
     return () if source == "vllm" else generation_defaults(config.model if source == "auto" else source)
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")     # of vLLM's TextPrompt and TokensPrompt, those served
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """One prompt as `LLM.generate` takes it: its checked token ids, its text when the caller gave one (vLLM's
+    RequestOutput.prompt: None for token ids alone) and the cache salt a prompt dict carries."""
+
+    ids: list[int]
+    text: str | None = None
+    cache_salt: str | None = None
+
+
+def prompt_list(prompts) -> list:
+    """`LLM.generate`'s prompts -> a list of prompts: one prompt (a string, token ids, or a vLLM prompt dict) or a
+    non-empty list of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                            and all(isinstance(t, int) for t in prompts)):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts={prompts!r} is empty or not a list; pass at least one prompt")
+    return list(prompts)
 
 
 class Admission:
@@ -64,6 +89,30 @@ class Admission:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
+
+    def prompt_input(self, prompt) -> PromptInput:
+        """A prompt of `LLM.generate` -> its PromptInput. Besides a string or token ids, vLLM's prompt dicts:
+        TextPrompt {"prompt": text} and TokensPrompt {"prompt_token_ids": ids} (its "prompt", if any, is only
+        the text returned with it, as vLLM's), each with an optional "cache_salt". Keys for inputs this engine
+        does not serve (multi-modal data, embeddings) are refused by name."""
+        if not isinstance(prompt, dict):
+            return PromptInput(self.prompt_ids(prompt), prompt if isinstance(prompt, str) else None)
+        if extra := [k for k in prompt if k not in PROMPT_KEYS]:
+            raise ValueError(f"prompt key {extra[0]!r} is not served: a prompt dict takes {', '.join(PROMPT_KEYS)} "
+                             f"(text-only models; no multi-modal data or prompt embeddings)")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"prompt dict's 'prompt' is {type(text).__name__}, not a string")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
+                raise ValueError(f"prompt dict's 'prompt_token_ids' {str(ids)[:60]!r} is not a list of token ids")
+            ids = self.prompt_ids(list(ids))
+        elif text is None:
+            raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids)")
+        else:
+            ids = self.prompt_ids(text)
+        return PromptInput(ids, text, prompt.get("cache_salt"))
 
     def _encode(self, text: str, add_special_tokens: bool, truncate: int | None) -> list[int]:
         tok = self.tokenizer

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from attention_nodes.sampling_params import MAX_LOGPROBS, SamplingParams
 
+from .admission import prompt_list
+
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "Searches", "search"]
 
 
@@ -147,24 +149,21 @@ class Searches:
 
 def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
     """`LLM.beam_search`: every prompt's search at once, each step one `generate` call over all their live beams.
-    prompts: a string, a list of token ids, or a list of either (as generate's)."""
+    prompts: as generate's (a prompt dict's cache_salt goes with every step request of its prompt)."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params={params!r} is not a BeamSearchParams")
     if llm.runtime is not None:
         raise ValueError("beam_search runs from a plain process (LLM's own ranks) or the server's "
                          "use_beam_search, not under torchrun, where every rank would have to follow its steps")
-    if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                    and all(isinstance(t, int) for t in prompts)):
-        prompts = [prompts]
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts={prompts!r} is empty or not a list; pass at least one prompt")
-    ids = [llm.admission.prompt_ids(p) for p in prompts]
+    inputs = [llm.admission.prompt_input(p) for p in prompt_list(prompts)]
+    ids, salts = [i.ids for i in inputs], [i.cache_salt for i in inputs]
     for i in ids:
         llm.admission.check_fits(i, SamplingParams(max_tokens=params.max_tokens))
     searches, step = Searches(ids, [params] * len(ids), frozenset(llm.spec.eos_token_ids)), params.step_params()
     while not searches.done:
         beams = searches.beams()
-        outs = llm.generate([b for _, b in beams], step)
+        outs = llm.generate([b if salts[j] is None else {"prompt_token_ids": b, "cache_salt": salts[j]}
+                             for j, b in beams], step)
         if aborted := [o.request_id for o in outs if o.finish_reason == "abort"]:
             raise RuntimeError(f"the engine aborted beam search step request {aborted[0]!r}")
         searches.answer(beams, [o.logprobs[0] for o in outs])

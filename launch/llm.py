@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint, load_tokenizer
 
-from .admission import Admission, sampling_defaults
+from .admission import Admission, prompt_list, sampling_defaults
 from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
 from .procs import (Answers, LocalOutbox, Outbox, free_port, kill_all, rank_context, spawn_is_fresh, start_joiner,
@@ -117,7 +117,9 @@ class LLM:
         prompt tokens], ...]): prompt logprobs are (entry, rank) per new prompt position (a list after msgpack; None
         for the first), token logprobs an entry per new token, each None when not asked for; cached prompt tokens as
         RequestOutput.num_cached_tokens (None in an abort's row)."""
-        ids = self.admission.prompt_ids(prompt)
+        given = self.admission.prompt_input(prompt)
+        ids = given.ids
+        params = params if given.cache_salt is None else replace(params, cache_salt=given.cache_salt)
         self.admission.check(ids, params)
         if params.stop:
             raise ValueError(f"SamplingParams.stop={params.stop!r}: submit's caller reads token ids, and stop strings "
@@ -153,16 +155,13 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, *, priority: int | list[int] | None = None) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Returns one output per prompt, in order.
+        """prompts: a string, a list of token ids, a vLLM prompt dict ({"prompt": text} or {"prompt_token_ids":
+        ids}, each with an optional "cache_salt"), or a list of them. Returns one output per prompt, in order.
         priority (vLLM's): one for every prompt or one per prompt, set as their SamplingParams.priority (needs
         scheduling_policy "priority" unless 0). use_tqdm: vLLM's, taken and ignored (no progress bar)."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down; create a new one")
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts={prompts!r} is empty or not a list; pass at least one prompt")
+        prompts = prompt_list(prompts)
         # none given: the checkpoint's generation_config.json defaults, as vLLM's LLM.generate (else greedy)
         params = sampling_params if sampling_params is not None else \
             SamplingParams(**dict(sampling_defaults(self.config)))
@@ -176,7 +175,9 @@ class LLM:
             if len(ranks) != len(prompts):
                 raise ValueError(f"{len(ranks)} priorities for {len(prompts)} prompts; pass one or one per prompt")
             params = [replace(p, priority=r) for p, r in zip(params, ranks)]
-        ids = [self.admission.prompt_ids(p) for p in prompts]
+        inputs = [self.admission.prompt_input(p) for p in prompts]
+        params = [p if i.cache_salt is None else replace(p, cache_salt=i.cache_salt) for i, p in zip(inputs, params)]
+        ids = [i.ids for i in inputs]
         for i, p in zip(ids, params):
             self.admission.check(i, p)
         if not self.is_leader:
@@ -204,7 +205,7 @@ class LLM:
                 if got.num_open:
                     self._inbox.put(("abort", rid))
             self._outbox.put_back(passed)
-        return got.outputs(ids, self.decode)
+        return got.outputs(ids, self.decode, [i.text for i in inputs])
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              use_tqdm: bool = False, chat_template: str | None = None, tools: list[dict] | None = None,

@@ -89,6 +89,10 @@ class Sample:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
 
+    def finished(self) -> bool:
+        """vLLM's CompletionOutput.finished()."""
+        return self.finish_reason is not None
+
     def add(self, tokens: list[int], logprobs: list[dict[int, float]] | None, finish: str | None) -> None:
         self.token_ids += tokens
         if logprobs:
@@ -127,6 +131,18 @@ class RequestOutput:
     prompt_logprob_ranks: list[int | None] | None = None
     num_cached_tokens: int | None = None
     stop_reason: str | int | None = None
+    prompt: str | None = None     # the prompt's text as given (vLLM's): None for token ids alone
+
+    @property
+    def outputs(self) -> list[Sample]:
+        """vLLM's name for `samples` (its CompletionOutputs: index, text, token_ids, cumulative_logprob,
+        logprobs, finish_reason, stop_reason)."""
+        return self.samples
+
+    @property
+    def finished(self) -> bool:
+        """vLLM's: whether the whole request has finished; what `LLM.generate` returns always has."""
+        return all(s.finish_reason is not None for s in self.samples)
 
 
 def vllm_rank(entry: dict[int, float], token: int, count: int, k: int) -> int:
@@ -213,10 +229,12 @@ class Gathering:
         left.update(split_id(row_id, self.grouped)[0] for row_id in self.stopping)
         return {rid: n for rid, n in left.items() if n}
 
-    def outputs(self, prompts: list[list[int]], decode) -> list[RequestOutput]:
-        """One output per request, in order. decode: token ids -> text (without stop strings)."""
+    def outputs(self, prompts: list[list[int]], decode, texts: list[str | None] | None = None
+                ) -> list[RequestOutput]:
+        """One output per request, in order. decode: token ids -> text (without stop strings); texts: each
+        prompt's text as the caller gave it, or None."""
         outs = []
-        for rid, ids in zip(self.rids, prompts):
+        for rid, ids, given in zip(self.rids, prompts, texts or [None] * len(prompts)):
             p = self.params[rid]
             best = chosen(list(self.samples[rid].values()), p)
             for s in best:   # the EOS or stop token id that ended a sample is not in its text (vLLM's)
@@ -229,5 +247,5 @@ class Gathering:
                                       None if scored is None else [e and e[0] for e in scored], first.logprobs, best,
                                       None if scored is None else [e and vllm_rank(e[0], t, e[1], p.prompt_logprobs)
                                                                    for t, e in zip(ids, scored)],
-                                      self.cached[rid], first.stop_reason))
+                                      self.cached[rid], first.stop_reason, given))
         return outs
