@@ -56,6 +56,9 @@ class SamplingParams:
         (`LLM.generate`: launch/samples.py; the server takes its own field); the ranks never read them.
     priority (vLLM's, a request field there): under the engine's scheduling_policy "priority", a lower value is
         admitted first and preempted last (ties: the earlier arrival); under "fcfs" it must stay 0.
+    stream_interval (vLLM's): None, or the fewest new tokens each streamed chunk of this request carries (first
+        and last chunks aside); it raises the server's --stream-interval, never lowers it. Only a streaming front
+        reads it (launch/frontend/engine_client.py).
     Order, as vLLM's sampler: the structured outputs' mask (it commutes with the rest: a masked token stays -inf),
     allowed_token_ids, bad words, min_tokens, logit_bias,
     repetition, frequency and presence penalties, temperature, min_p, top-k, top-p.
@@ -86,6 +89,7 @@ class SamplingParams:
     priority: int = 0
     stop: list[str] | None = None
     include_stop_str_in_output: bool = False
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, value, want: str) -> ValueError:
@@ -167,6 +171,9 @@ class SamplingParams:
         if self.seed is not None and not -2**63 <= self.seed <= 2**64 - self.num_samples:
             raise bad("seed", self.seed, f"pass an integer in [-2**63, 2**64 - {self.num_samples}] (sample i of "
                                          f"the request draws from seed + i)")
+        si = self.stream_interval
+        if si is not None and (isinstance(si, bool) or not isinstance(si, int) or si < 1):
+            raise bad("stream_interval", self.stream_interval, "pass None or a number of tokens >= 1")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", self.cache_salt, "pass None or a non-empty string")
         if isinstance(self.stop, str):

@@ -59,6 +59,7 @@ class _Track:
     num_tokens: int = 0
     finish: str | None = None      # the engine's finish reason, once it has finished the sample
     end: float | None = None       # when that finish arrived
+    interval: int = 1              # the fewest new tokens a chunk carries (the server's, or the request's if more)
     held: Progress | None = None   # rows not handed over yet (stream_interval), merged
     handed_tokens: int = 0         # tokens handed to the handler so far
 
@@ -67,7 +68,8 @@ class EngineClient:
     """Bridges an LLM's inbox/outbox queues to asyncio handlers. stream_interval (vLLM's --stream-interval): a
     sample's tokens go to its handler, and so to a streaming client, once at least that many have come since the
     last they got, or with its first token, or when it finishes (1: every step's); fewer, larger chunks cost the
-    front and the client less per token."""
+    front and the client less per token. A request's SamplingParams.stream_interval raises it for that request
+    (vLLM's: never lowers it)."""
 
     def __init__(self, llm, metrics: Metrics, stream_interval: int = 1):
         self.llm = llm
@@ -100,8 +102,9 @@ class EngineClient:
             rid = self.llm.enqueue(ids, params)   # the handler checked ids and params already
             now = time.monotonic()
             self._samples[rid] = sample_ids(rid, params.num_samples)
+            interval = max(self.stream_interval, params.stream_interval or 1)
             for sid in self._samples[rid]:
-                self._tracks[sid] = _Track(rid, sink, now)
+                self._tracks[sid] = _Track(rid, sink, now, interval=interval)
         self.metrics.prompt.inc(len(ids))
         return rid
 
@@ -201,7 +204,7 @@ class EngineClient:
         if track.held is not None:
             got, track.held = _merge(track.held, got), None
         if (got.finish is None and track.handed_tokens and got.token_ids
-                and len(got.token_ids) < self.stream_interval):
+                and len(got.token_ids) < track.interval):
             track.held = got
             return None
         track.handed_tokens += len(got.token_ids)

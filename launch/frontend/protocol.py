@@ -124,6 +124,7 @@ class _Sampling(_Request):
     return_token_ids: bool | None = None         # vLLM's: prompt_token_ids and token_ids beside the text
     cache_salt: str | None = None                # vLLM's: the prefix cache is shared only under the same salt
     priority: Annotated[int, Field(ge=-2**63, lt=2**63)] = 0   # vLLM's: lower first (--scheduling-policy priority)
+    stream_interval: Annotated[int, Field(ge=1, lt=2**31)] | None = None   # vLLM's: raises --stream-interval
     use_beam_search: bool = False                # vLLM's: n beams (launch/frontend/beam.py), with its length_penalty
     length_penalty: float = 1.0
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or its older guided_* fields
@@ -255,7 +256,8 @@ class _Sampling(_Request):
                 repetition_penalty=given.get("repetition_penalty", 1.0),
                 min_tokens=self.min_tokens, logit_bias=self.token_bias(vocab_size), n=n, best_of=best_of,
                 allowed_token_ids=self.allowed_token_ids, bad_words_token_ids=bad_words or None,
-                structured_outputs=structured, cache_salt=self.cache_salt, priority=self.priority)
+                structured_outputs=structured, cache_salt=self.cache_salt, priority=self.priority,
+                stream_interval=self.stream_interval)
         except ValueError as e:
             param = param_of(e)
             raise APIError(400, str(e), field_name if param == "structured_outputs" else param) from e
