@@ -191,6 +191,20 @@ class BlockPool:
             self._added[key] = None
         return True
 
+    def reset_cache(self) -> int:
+        """vLLM's reset_prefix_cache: no block is findable by key any more, and the host tier is emptied -> the
+        keys forgotten on the device. Held blocks stay with their holders (whose later full blocks are cached
+        again, unreachable from a forgotten first block); free ones are reused without an eviction's copy. The
+        pending events are dropped with them (the leader clears its view of this cache at the same time)."""
+        n = len(self._block_of)
+        for b in self._block_of.values():
+            self._key_of[b] = None
+        self._block_of.clear()
+        self._added, self._evicted = {}, []
+        if self.host is not None:
+            self.host.clear()
+        return n
+
     def take_events(self) -> tuple[list[int], list[int]]:
         """(keys added, keys evicted) since the last call, in order; a key added and evicted again since then is
         in neither (a reader that applies the evictions first, then the additions, sees the pool as it is)."""

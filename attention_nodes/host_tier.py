@@ -75,6 +75,13 @@ class HostTier:
         self.num_restored += len(keys)
         self.unpin(keys)
 
+    def clear(self) -> None:
+        """Forget every block (between steps: none is pinned, and the copies still to make only save blocks into
+        slots that a later save may reuse, after them)."""
+        assert not self._pinned, f"host tier cleared with {len(self._pinned)} keys pinned mid-restore"
+        self._slot_of.clear()
+        self._free_slots = list(range(self.num_blocks - 1, -1, -1))
+
     def take_ops(self) -> list[tuple[int, int, int]]:
         ops, self._ops = self._ops, []
         return ops

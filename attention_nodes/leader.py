@@ -5,12 +5,12 @@ attention rank that caches the longest prefix of it when that rank has room, els
 blocks (cache-aware routing: each rank's report carries the keys of the blocks its prefix cache gained and lost
 since the last step, so the leader mirrors every rank's cache as a set of 64-bit keys and hashes each new prompt
 once), broadcasts the step header, and pushes per-request progress to an outbox queue. Inbox commands: ("add",
-request dict, ...), ("abort", request_id), ("stats",), ("comm_stats"[, events]), ("scale", {"attention_ranks",
-"expert_ranks", "retire"}), ("shutdown",).
-Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new
-prompt logprobs ((entry, rank) pairs) or None, new token logprobs or None, cached prompt tokens or None], ...]),
-("stats", dict) and ("comm_stats", dict); between steps, a scale request's ("spawn", [roles], deadline) and
-("scale", record), and the autoscaler's ("autoscaled", record). A request added with "stream": False
+request dict, ...), ("abort", request_id), ("stats",), ("comm_stats"[, events]), ("reset_prefix_cache",), ("scale",
+{"attention_ranks", "expert_ranks", "retire"}), ("shutdown",).
+Outbox messages, one per step at most: ("out", [[request_id, [new token ids], finish_reason or None, new prompt
+logprobs ((entry, rank) pairs) or None, new token logprobs or None, cached prompt tokens or None], ...]), ("stats",
+dict), ("comm_stats", dict) and ("reset_prefix_cache", True); between steps, a scale request's ("spawn", [roles],
+deadline) and ("scale", record), and the autoscaler's ("autoscaled", record). A request added with "stream": False
 (`LLM.generate`, which returns only whole outputs) has its progress held back for up to HOLD_STEPS steps, or until
 a step in which some request finishes, a streamed request makes progress or the leader runs out of work; the held
 outputs then go out, in order, in one message (one pickle and one pipe write for several steps instead of one per
@@ -65,7 +65,7 @@ class Leader:
         self.micro_batches, self.micro_batch_min_tokens = micro_batches, micro_batch_min_tokens
         self.membership_changes: list = []   # the job's MembershipChange records (launch/runtime/membership.py)
         self.autoscaler = None               # launch/runtime/autoscale.py's, with autoscale=True
-        self.queries: list[bool] = []   # comm_stats asked for since the last step (True: with events)
+        self.queries: list[tuple] = []  # collectives asked for since the last step: (inbox kind, with events)
         self.scales: list[dict] = []    # membership changes asked for since the last step
         self.rebalance_interval, self.block_size = rebalance_interval, block_size
         self.num_attention_ranks = num_attention_ranks
@@ -177,8 +177,8 @@ class Leader:
             self.put(outbox, ("stats", self.stats()))
         elif kind == "scale":           # ("scale", request): a membership change, run by the loop
             self.scales.append(dict(cmd[1]))
-        elif kind == "comm_stats":      # ("comm_stats", events: bool = False): a collective, run by the loop
-            self.queries.append(len(cmd) > 1 and bool(cmd[1]))
+        elif kind in ("comm_stats", "reset_prefix_cache"):     # collectives, run by the loop (comm_stats' events)
+            self.queries.append((kind, len(cmd) > 1 and bool(cmd[1])))
         elif kind == "shutdown":
             return False
         else:
@@ -190,8 +190,8 @@ class Leader:
         out, self.scales = self.scales, []
         return out
 
-    def take_queries(self) -> list[bool]:
-        """The comm_stats queries received since the last call (True: with events), in order."""
+    def take_queries(self) -> list[tuple]:
+        """The collectives asked for since the last call, in order: (inbox kind, comm_stats' events)."""
         out, self.queries = self.queries, []
         return out
 

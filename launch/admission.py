@@ -34,6 +34,9 @@ def sampling_defaults(config) -> tuple[tuple[str, float], ...]:
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")     # of vLLM's TextPrompt and TokensPrompt, those served
+# vLLM's prompt options for inputs not served here: taken when unset (None or empty), as vLLM acts only on set ones
+UNSERVED_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "media_io_kwargs", "token_type_ids",
+                 "prompt_token_offsets")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +100,16 @@ class Admission:
         does not serve (multi-modal data, embeddings) are refused by name."""
         if not isinstance(prompt, dict):
             return PromptInput(self.prompt_ids(prompt), prompt if isinstance(prompt, str) else None)
-        if extra := [k for k in prompt if k not in PROMPT_KEYS]:
-            raise ValueError(f"prompt key {extra[0]!r} is not served: a prompt dict takes {', '.join(PROMPT_KEYS)} "
-                             f"(text-only models; no multi-modal data or prompt embeddings)")
-        text = prompt.get("prompt")
+        for k, v in prompt.items():
+            if k in UNSERVED_KEYS and v:
+                raise ValueError(f"prompt dict's {k!r} is set, and this engine serves text-only models; leave it out")
+            if k not in PROMPT_KEYS + UNSERVED_KEYS:
+                raise ValueError(f"prompt dict's key {k!r} is unknown or not served: pass {', '.join(PROMPT_KEYS)}")
+        text, salt = prompt.get("prompt"), prompt.get("cache_salt")
         if text is not None and not isinstance(text, str):
-            raise ValueError(f"prompt dict's 'prompt' is {type(text).__name__}, not a string")
+            raise ValueError(f"prompt dict's 'prompt' {text!r} is not a string")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"prompt dict's 'cache_salt' {salt!r} is invalid: pass a non-empty string")
         if "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
@@ -112,7 +119,19 @@ class Admission:
             raise ValueError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids)")
         else:
             ids = self.prompt_ids(text)
-        return PromptInput(ids, text, prompt.get("cache_salt"))
+        return PromptInput(ids, text, salt)
+
+    def prompt_inputs(self, prompts) -> list[PromptInput]:
+        """`LLM.generate`'s prompts (prompt_list's forms) -> their PromptInputs; a ValueError names the prompt at
+        fault (prompts[i]) when there are several."""
+        prompts = prompt_list(prompts)
+        out = []
+        for i, p in enumerate(prompts):
+            try:
+                out.append(self.prompt_input(p))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}" if len(prompts) > 1 else str(e)) from e
+        return out
 
     def _encode(self, text: str, add_special_tokens: bool, truncate: int | None) -> list[int]:
         tok = self.tokenizer

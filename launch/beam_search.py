@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 
 from attention_nodes.sampling_params import MAX_LOGPROBS, SamplingParams
 
-from .admission import prompt_list
-
 __all__ = ["BeamSearchOutput", "BeamSearchParams", "BeamSequence", "Searches", "search"]
 
 
@@ -155,7 +153,7 @@ def beam_search(llm, prompts, params: BeamSearchParams) -> list[BeamSearchOutput
     if llm.runtime is not None:
         raise ValueError("beam_search runs from a plain process (LLM's own ranks) or the server's "
                          "use_beam_search, not under torchrun, where every rank would have to follow its steps")
-    inputs = [llm.admission.prompt_input(p) for p in prompt_list(prompts)]
+    inputs = llm.admission.prompt_inputs(prompts)
     ids, salts = [i.ids for i in inputs], [i.cache_salt for i in inputs]
     for i in ids:
         llm.admission.check_fits(i, SamplingParams(max_tokens=params.max_tokens))

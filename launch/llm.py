@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 from attention_nodes.sampling_params import SamplingParams
 from models.checkpoint import Checkpoint, load_tokenizer
 
-from .admission import Admission, prompt_list, sampling_defaults
+from .admission import Admission, sampling_defaults
 from .config import EngineConfig, option_default
 from .joiners import JoinerStarter
 from .procs import (Answers, LocalOutbox, Outbox, free_port, kill_all, rank_context, spawn_is_fresh, start_joiner,
@@ -161,21 +161,19 @@ class LLM:
         scheduling_policy "priority" unless 0). use_tqdm: vLLM's, taken and ignored (no progress bar)."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down; create a new one")
-        prompts = prompt_list(prompts)
         # none given: the checkpoint's generation_config.json defaults, as vLLM's LLM.generate (else greedy)
-        params = sampling_params if sampling_params is not None else \
-            SamplingParams(**dict(sampling_defaults(self.config)))
-        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; pass one or one per prompt")
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        inputs = self.admission.prompt_inputs(prompts)
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(inputs)
+        if len(params) != len(inputs):
+            raise ValueError(f"{len(params)} sampling params for {len(inputs)} prompts; pass one or one per prompt")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be SamplingParams instances")
         if priority is not None:
-            ranks = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
-            if len(ranks) != len(prompts):
-                raise ValueError(f"{len(ranks)} priorities for {len(prompts)} prompts; pass one or one per prompt")
+            ranks = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(inputs)
+            if len(ranks) != len(inputs):
+                raise ValueError(f"{len(ranks)} priorities for {len(inputs)} prompts; pass one or one per prompt")
             params = [replace(p, priority=r) for p, r in zip(params, ranks)]
-        inputs = [self.admission.prompt_input(p) for p in prompts]
         params = [p if i.cache_salt is None else replace(p, cache_salt=i.cache_salt) for i, p in zip(inputs, params)]
         ids = [i.ids for i in inputs]
         for i, p in zip(ids, params):
@@ -213,10 +211,10 @@ class LLM:
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI-format message dicts) or a list of them through the chat
         template (tools and chat_template_kwargs reach it), then generate (launch/offline_chat.py)."""
-        from .offline_chat import chat_prompt_ids
+        from .offline_chat import chat_prompts
         if chat_template is not None:
             raise ValueError("chat_template: this engine renders the checkpoint's own chat template; leave it out")
-        return self.generate(chat_prompt_ids(self, messages, tools, add_generation_prompt, continue_final_message,
+        return self.generate(chat_prompts(self, messages, tools, add_generation_prompt, continue_final_message,
                                              chat_template_kwargs), sampling_params)
 
     def beam_search(self, prompts, params) -> list:
@@ -243,6 +241,30 @@ class LLM:
         if self.runtime is not None:
             self._lead(stop_when_idle=True)
         return self._reply("comm_stats")
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: every attention rank forgets its prefix cache (device blocks and host tier) between steps, so no
+        later request finds anything cached before it. Running requests keep their blocks (here they never make it
+        fail, so reset_running_requests changes nothing). Under torchrun every rank must call it (like
+        generate); non-leaders get False."""
+        if reset_connector:
+            raise ValueError("reset_connector=True: this engine has no KV connector; leave it False")
+        if not self.is_leader:
+            self._follow()
+            return False
+        self._inbox.put(("reset_prefix_cache",))
+        if self.runtime is not None:
+            self._lead(stop_when_idle=True)
+        return self._reply("reset_prefix_cache")
+
+    def get_tokenizer(self):
+        """vLLM's: the checkpoint's tokenizer (None when its directory has none)."""
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what `generate` uses without SamplingParams (the checkpoint's generation_config.json defaults
+        under the default `generation_config`, else SamplingParams())."""
+        return SamplingParams(**dict(sampling_defaults(self.config)))
 
     def scale(self, attention_ranks: int | None = None, expert_ranks: int | None = None,
               retire: list[int] | None = None, prefill_ranks: int | None = None,
@@ -289,8 +311,8 @@ class LLM:
         return result
 
     def _reply(self, kind: str, timeout_s: float = 60) -> dict:
-        """The leader's answer to a ("stats",), ("comm_stats",) or ("scale", request) command put on the inbox;
-        the progress read on the way goes back to the outbox's front, for its reader (`submit`)."""
+        """The leader's answer to a ("stats",), ("comm_stats",), ("reset_prefix_cache",) or ("scale", request)
+        command; the progress read on the way goes back to the outbox's front, for its reader (`submit`)."""
         deadline = time.monotonic() + timeout_s
         passed = []
         try:

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-__all__ = ["chat_prompt_ids"]
+__all__ = ["chat_prompts"]
 
 
-def chat_prompt_ids(llm, messages, tools: list[dict] | None = None, add_generation_prompt: bool = True,
+def chat_prompts(llm, messages, tools: list[dict] | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None
-                    ) -> list[list[int]]:
-    """The prompt token ids of one conversation (a list of message dicts) or of each of a list of them; a
-    ValueError naming what is wrong (a message's field, the options, a template that rejects them)."""
+                    ) -> list[dict]:
+    """One conversation (a list of message dicts), or each of a list of them, as vLLM's TokensPrompt: its token ids
+    and the rendered text (RequestOutput.prompt, as vLLM's chat returns it); a ValueError naming what is wrong (a
+    message's field, the options, a template that rejects them)."""
     from .frontend.chat import ChatCompletionRequest
     from .frontend.protocol import APIError
-    from .frontend.tokens import chat_ids
+    from .frontend.tokens import chat_text
 
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages={messages!r} is not a conversation: pass a list of message dicts (or a list "
@@ -38,7 +39,8 @@ def chat_prompt_ids(llm, messages, tools: list[dict] | None = None, add_generati
         try:
             if problems := body.unsupported():
                 raise APIError(400, problems[0][1], problems[0][0])
-            out.append(chat_ids(llm.tokenizer, body, llm.config.model, continue_final_message))
+            text = chat_text(llm.tokenizer, body, llm.config.model, continue_final_message)
+            out.append({"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         except APIError as e:
             raise ValueError(f"{where}: {e.message}") from e
     return out

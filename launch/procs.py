@@ -140,10 +140,10 @@ class LocalOutbox(queue.Queue):
 
 
 class Answers:
-    """The leader's answers to stats(), comm_stats() and scale() (("stats", ...) and so on on the outbox) that one
-    thread of the reading process took while another waits for them: kept here for that one."""
+    """The leader's answers to stats(), comm_stats(), reset_prefix_cache() and scale() (("stats", ...) and so on on
+    the outbox) that one thread of the reading process took while another waits for them: kept here for that one."""
 
-    KINDS = ("stats", "comm_stats", "scale")
+    KINDS = ("stats", "comm_stats", "reset_prefix_cache", "scale")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -298,6 +298,15 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
             raise APIError(400, record["error"], "ranks" if body.ranks is not None else "hosts")
         return record
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+        """vLLM's (its dev mode): every attention rank forgets its prefix cache between steps -> {"success": true}
+        (running requests never make it fail here: reset_running_requests has nothing to do)."""
+        if reset_external:
+            raise APIError(400, "reset_external=true: this engine has no KV connector; leave it out",
+                           "reset_external")
+        return {"success": bool(await engine().query("reset_prefix_cache"))}
+
     @app.get("/metrics")
     async def metrics():
         text = await scrape(state.metrics, state.engine, state.scrape_lock)

@@ -4,7 +4,7 @@ back on its outbox to the asyncio handlers waiting for it.
 Threads: the leader loop owns its queues; `EngineClient` runs one router thread that reads the leader's
 outbox and hands each request's progress to the asyncio handler waiting for it (call_soon_threadsafe), and
 records latency metrics as tokens arrive. Handlers put commands ("add", "abort", "stats", "comm_stats",
-"scale") on the leader's inbox.
+"reset_prefix_cache", "scale") on the leader's inbox.
 
 A request drawing several samples (SamplingParams.num_samples > 1) has one track per sample, under the
 sample's id (`sample_ids`), and its latency metrics (TTFT, TPOT, e2e, finish reason) are recorded per sample,
@@ -138,8 +138,8 @@ class EngineClient:
             del self._samples[rid]
 
     async def query(self, kind: str, *args, timeout_s: float = QUERY_TIMEOUT_S) -> dict:
-        """("stats",), ("comm_stats",) or ("scale", request) through the leader; the answer comes back on the
-        outbox."""
+        """("stats",), ("comm_stats",), ("reset_prefix_cache",) or ("scale", request) through the leader; the
+        answer comes back on the outbox."""
         fut = self.loop.create_future()
         with self._lock:
             if self.dead:

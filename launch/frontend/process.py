@@ -3,10 +3,10 @@ detokenising and the router thread never hold the leader's GIL while it steps th
 
 The leader (attention rank 0 under `serve.py`) starts it with `FrontProcess.start` before loading weights, so
 /health answers 503 ("loading") meanwhile. The two processes share three queues: `inbox` (the front's commands
-for the leader loop: add, abort, stats, comm_stats, scale, shutdown), `outbox` (the leader's progress and
-answers) and `control` (the leader's word to the front: attach once every rank is ready, then shutdown). The
-front dies with the leader (PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM itself: the leader decides when to
-stop. If the front exits on its own, `FrontProcess.watch` puts a shutdown on the leader's inbox, so the job
+for the leader loop: add, abort, stats, comm_stats, reset_prefix_cache, scale, shutdown), `outbox` (the leader's
+progress and answers) and `control` (the leader's word to the front: attach once every rank is ready, then
+shutdown). The front dies with the leader (PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM itself: the leader decides
+when to stop. If the front exits on its own, `FrontProcess.watch` puts a shutdown on the leader's inbox, so the job
 never serves without a front, and exits non-zero.
 """
 from __future__ import annotations

@@ -383,6 +383,18 @@ class Runtime(GenerationForming):
         return collectives.gather_stats(self.topo, self.control, self.dispatcher, self.worker, self.experts,
                                         self.config.parallel, self.dev.kernel_backend, events, self.sync_tally)
 
+    def reset_prefix_cache(self) -> bool:
+        """Between steps, on every rank: an attention rank forgets its prefix cache (BlockPool.reset_cache), the
+        leader its view of every rank's and what its PD stream has pushed (the decode ranks forgot it too: the
+        stream sends those blocks again)."""
+        if self.topo.is_attention:
+            self.worker.block_pool.reset_cache()
+        if self.leader is not None:
+            self.leader.cached = [set() for _ in self.leader.cached]
+            if self.leader.kv_stream is not None:
+                self.leader.kv_stream.sent.clear()
+        return True
+
     def close(self) -> None:
         """Leave the job, on every rank after the shutdown header: stop the heartbeat thread (Heartbeat.close
         says why it must be joined), then wait until all ranks are here, so that none tears its connections down

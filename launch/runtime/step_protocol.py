@@ -46,8 +46,9 @@ from .planning import MembershipError
 STEP, IDLE, PAUSE, SHUTDOWN = "step", "idle", "pause", "shutdown"
 # every rank joins a collective between steps; COLLECT_EVENTS: the stats plus each rank's recent calls
 REBALANCE, COLLECT_STATS, COLLECT_EVENTS = "rebalance", "collect_stats", "collect_events"
+RESET_CACHE = "reset_cache"   # every attention rank forgets its prefix cache (LLM.reset_prefix_cache)
 RESHAPE = "reshape"   # between steps: every rank moves to the next generation, whose plan is in the store
-COLLECTIVES = (REBALANCE, COLLECT_STATS, COLLECT_EVENTS)
+COLLECTIVES = (REBALANCE, COLLECT_STATS, COLLECT_EVENTS, RESET_CACHE)
 
 logger = logging.getLogger("afserve")
 
@@ -69,6 +70,8 @@ class StepRuntime(Protocol):
     def rebalance(self) -> None: ...
 
     def gather_stats(self, events: bool = False) -> dict | None: ...
+
+    def reset_prefix_cache(self) -> bool: ...
 
     def kv_transfer(self): ...
 
@@ -158,9 +161,9 @@ def lead(rt: StepRuntime, inbox, outbox, heartbeat_s: float, stop_when_idle: boo
             aborts.clear()
             for i in ids:
                 leader.handle(("abort", i), aborts, outbox)
-        for events in leader.take_queries():
-            kind = COLLECT_EVENTS if events else COLLECT_STATS
-            outbox.put(("comm_stats", guard(lambda k=kind: collective(rt, k))))
+        for query, events in leader.take_queries():
+            kind = RESET_CACHE if query == "reset_prefix_cache" else COLLECT_EVENTS if events else COLLECT_STATS
+            outbox.put((query, guard(lambda k=kind: collective(rt, k))))
         if not alive:
             announce(rt, SHUTDOWN)
             return SHUTDOWN
@@ -216,6 +219,8 @@ def collective(rt: StepRuntime, kind: str):
 def _run_collective(rt: StepRuntime, kind: str):
     if kind == REBALANCE:
         return rt.rebalance()
+    if kind == RESET_CACHE:
+        return rt.reset_prefix_cache()
     return rt.gather_stats(events=kind == COLLECT_EVENTS)
 
 

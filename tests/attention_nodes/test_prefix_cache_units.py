@@ -74,6 +74,29 @@ def test_free_order_decides_which_cached_block_goes_first():
     assert pool.lookup([10]) == [blocks[0]] and pool.lookup([11]) == [] and pool.lookup([12]) == []
 
 
+def test_reset_cache_forgets_held_and_free_blocks_and_empties_the_host_tier():
+    """reset_cache (LLM.reset_prefix_cache): no key is found any more, refcounts and the free queue are as they were,
+    reusing a formerly cached block is no eviction (no event, no host save), the pending events go, and a held block
+    can be registered again afterwards."""
+    host = HostTier(4)
+    pool = BlockPool(4, 2, host=host, track_events=True)
+    held, freed = pool.allocate(2), pool.allocate(2)
+    for b, key in zip(held + freed, (100, 101, 200, 201)):
+        pool.register(b, key)
+    pool.free(reversed(freed))
+    host.save(300, block=3)                             # a copy still to make when the reset comes
+    assert pool.reset_cache() == 4
+    assert pool.lookup([100]) == pool.lookup([200]) == [] and pool.num_cached_blocks == 0
+    assert [pool.refcount(b) for b in held + freed] == [1, 1, 0, 0] and pool.num_free_blocks == 2
+    assert pool.take_events() == ([], []) and len(host) == 0 and 300 not in host
+    assert host.take_ops() == [(SAVE, 3, 0)]            # made in order: a later save into slot 0 comes after it
+    assert pool.allocate(2) == freed[::-1]              # reused with no eviction: nothing saved to the host
+    assert host.take_ops() == [] and pool.take_events() == ([], [])
+    assert pool.register(held[0], 100) and pool.lookup([100]) == [held[0]]
+    host.save(400, block=1)
+    assert host.take_ops() == [(SAVE, 1, 0)]            # every slot free again, the first one first
+
+
 def test_host_tier_keeps_lru_copies_and_never_reuses_a_pinned_slot():
     host = HostTier(2)
     host.save(1, block=7)

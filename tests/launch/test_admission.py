@@ -103,7 +103,7 @@ def test_generate_without_params_takes_the_checkpoints_defaults(tiny_checkpoint,
     import shutil
 
     import torch
-    from transformers import GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
     from launch import LLM
     from tests.conftest import hf_model, make_prompts
@@ -123,11 +123,15 @@ def test_generate_without_params_takes_the_checkpoints_defaults(tiny_checkpoint,
     assert penalized != plain
     with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
         default, given = llm.generate([prompt, prompt]), llm.generate([prompt], SamplingParams(max_tokens=16))
+        shown, tok = llm.get_default_sampling_params(), llm.get_tokenizer()    # vLLM's accessors
     assert [o.token_ids for o in default] == [penalized, penalized]
     assert given[0].token_ids == plain
+    assert shown.repetition_penalty == 1.3 and shown == SamplingParams(repetition_penalty=1.3)
+    assert tok("to be").input_ids == AutoTokenizer.from_pretrained(path)("to be").input_ids
     # generation_config="vllm" (vLLM's flag value): the checkpoint's defaults are not read
     with LLM(path, attention_ranks=1, expert_ranks=1, generation_config="vllm") as llm:
         assert llm.generate([prompt])[0].token_ids == plain
+        assert llm.get_default_sampling_params() == SamplingParams()
 
 
 def test_generation_config_directory_gives_the_eos_ids_too(tiny_checkpoint, tmp_path):

@@ -44,3 +44,5 @@ def test_chat_generates_from_the_chat_templates_ids(tiny_checkpoint):
     assert [o.prompt_token_ids for o in got] == prompts
     assert [o.token_ids for o in got] == expected
     assert outs[0].text == tok.decode(expected[0], skip_special_tokens=True)
+    # the rendered text comes back as the prompt (vLLM's RequestOutput.prompt)
+    assert outs[1].prompt == tok.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)

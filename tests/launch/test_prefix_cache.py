@@ -146,3 +146,66 @@ def test_host_tier_needs_the_prefix_cache_and_room_for_a_block(tiny_checkpoint):
         LLM(path, attention_ranks=1, expert_ranks=1, enable_prefix_caching=False, kv_offload_memory=4096)
     with pytest.raises(RuntimeError, match=r"kv_offload_memory=10 bytes holds no KV block"):
         LLM(path, attention_ranks=1, expert_ranks=1, kv_offload_memory=10).close()
+
+
+def test_reset_prefix_cache_forgets_every_ranks_cache_and_the_leaders_view(tiny_checkpoint):
+    """vLLM's LLM.reset_prefix_cache, two attention ranks: X and Y cached on ranks 0 and 1, a long request running.
+    After the reset X2 and Y2 (sharing X's and Y's prefixes) find nothing cached and are not routed by the
+    forgotten caches; the running request ends with transformers' tokens; what runs after the reset is cached
+    again."""
+    path = tiny_checkpoint("qwen3_moe")
+    px, (x, x2) = shared_prefix_prompts(18, 2, seed=31)
+    py, (y, y2) = shared_prefix_prompts(21, 2, seed=41)
+    long = make_prompts(1, 256, 10, 10, seed=43)[0]
+    expected = hf_greedy(path, [x, y, y2, x2], MAX_NEW)
+    want_long = hf_greedy(path, [long], 200)[0]
+    with LLM(path, attention_ranks=2, expert_ranks=1, block_size=BS) as llm:
+        first = llm.generate([x, y], PARAMS)
+        rid = llm.enqueue(long, SamplingParams(max_tokens=200, ignore_eos=True))
+        got, ended = [], []
+
+        def read() -> None:
+            for r, toks, finish, *_ in llm.outbox.get(timeout=60)[1]:
+                if r == rid:
+                    got.extend(toks)
+                    ended.extend([finish] if finish is not None else [])
+        while not got:       # running: it has its first token
+            read()
+        before = llm.stats()
+        assert llm.reset_prefix_cache() is True
+        after = llm.generate([y2, x2], PARAMS)
+        stats = llm.stats()
+        assert not ended and stats["num_running"] >= 1      # it ran through the reset
+        llm.inbox.put(("abort", rid))
+        while not ended:
+            read()
+        again = llm.generate([x2], PARAMS)[0]
+        with pytest.raises(ValueError, match="reset_connector=True: this engine has no KV connector"):
+            llm.reset_prefix_cache(reset_connector=True)
+    assert [o.token_ids for o in first + after] == expected
+    assert ended == ["abort"] and 0 < len(got) < 200 and got == want_long[:len(got)]
+    assert [o.num_cached_tokens for o in after] == [0, 0]
+    assert stats["prefix_cache_hits"] == before["prefix_cache_hits"]
+    assert stats["num_routed_to_cache"] == before["num_routed_to_cache"]
+    assert again.num_cached_tokens == cached_tokens(len(x2), len(x2)) > 0
+
+
+def test_reset_prefix_cache_empties_the_host_tier(tiny_checkpoint):
+    """A's blocks evicted to the host tier (as above) are not restored after a reset: A2 computes its whole
+    prompt."""
+    path = tiny_checkpoint("qwen3_moe")
+    prefix, (a, a2) = shared_prefix_prompts(22, 2, seed=51)
+    filler = make_prompts(1, 256, 44, 44, seed=52)[0]
+    with LLM(path, attention_ranks=1, expert_ranks=1, block_size=BS, num_kv_blocks=12,
+             kv_offload_memory=1 << 20) as llm:
+        llm.generate([a], PARAMS)
+        llm.generate([filler], SamplingParams(max_tokens=4, ignore_eos=True))
+        before = llm.stats()
+        llm.reset_prefix_cache()
+        out = llm.generate([a2], PARAMS)[0]
+        after = llm.stats()
+    assert out.token_ids == hf_greedy(path, [a2], MAX_NEW)[0]
+    assert before["kv_offload_saved_blocks"] >= len(a) // BS
+    assert after["kv_offload_restored_blocks"] == before["kv_offload_restored_blocks"] == 0
+    assert out.num_cached_tokens == 0
+    assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == len(a2)

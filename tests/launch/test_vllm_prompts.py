@@ -30,9 +30,11 @@ def test_prompt_dicts_give_transformers_tokens_and_vllms_output_fields(tiny_chec
         # the salt of a prompt dict keys the prefix cache: found again under "x" only
         cached = [llm.generate({"prompt_token_ids": salted, **({} if s is None else {"cache_salt": s})},
                                params)[0] for s in ("x", "x", "y", None)]
-        with pytest.raises(ValueError, match=r"SamplingParams\.cache_salt=''"):
-            llm.generate({"prompt": text, "cache_salt": ""}, params)
-        beams = llm.beam_search([{"prompt_token_ids": a, "cache_salt": "z"}, a], BeamSearchParams(2, 3))
+        with pytest.raises(ValueError, match=r"prompts\[1\]: prompt dict's 'cache_salt' '' is invalid"):
+            llm.generate([text, {"prompt": text, "cache_salt": ""}], params)
+        # beam search sends its steps under a prompt dict's salt: the prompt is then found cached under it
+        beams = llm.beam_search([{"prompt_token_ids": b, "cache_salt": "z"}, b], BeamSearchParams(2, 3))
+        salted_b = llm.generate({"prompt_token_ids": b, "cache_salt": "z"}, params)[0]
     assert [o.outputs[0].token_ids for o in outs] == expected[:4]
     assert [o.prompt for o in outs] == [None, text, "label", None]
     assert [o.prompt_token_ids for o in outs] == [a, text_ids, b, c]
@@ -44,20 +46,25 @@ def test_prompt_dicts_give_transformers_tokens_and_vllms_output_fields(tiny_chec
     assert [o.outputs[0].token_ids for o in cached] == [expected[4]] * 4
     hits = [o.num_cached_tokens for o in cached]
     assert hits[0] == hits[2] == hits[3] == 0 < hits[1], hits
-    # a salted prompt dict searches as its plain ids do
-    assert [[b.tokens for b in out.sequences] for out in beams[:1]] == [[b.tokens for b in beams[1].sequences]]
+    # a salted prompt dict searches as its plain ids do, and its steps cached b's blocks under the salt
+    assert [s.tokens for s in beams[0].sequences] == [s.tokens for s in beams[1].sequences]
+    assert salted_b.num_cached_tokens == (len(b) - 1) // 8 * 8 > 0
 
 
 def test_prompt_dict_keys_not_served_are_refused_by_name():
     adm = Admission(None, TINY_VOCAB, 4, 64, 64)
     assert adm.prompt_input({"prompt_token_ids": (5, 6), "cache_salt": "s"}).cache_salt == "s"
     assert adm.prompt_input({"prompt_token_ids": [5, 6]}).ids == [5, 6]
-    for bad, why in (({"prompt_token_ids": [5], "multi_modal_data": {"image": None}}, "'multi_modal_data' is not"),
-                     ({"prompt_embeds": None}, "'prompt_embeds' is not served"),
+    # vLLM's options for inputs not served here are taken when unset, as vLLM acts only on set ones
+    assert adm.prompt_input({"prompt_token_ids": [5], "multi_modal_data": None, "mm_processor_kwargs": {}}).ids == [5]
+    for bad, why in (({"prompt_token_ids": [5], "multi_modal_data": {"image": 1}}, "'multi_modal_data' is set, and"),
+                     ({"prompt_embeds": None}, "key 'prompt_embeds' is unknown or not served: pass prompt, "),
+                     ({"prompt_ids": [5]}, "key 'prompt_ids' is unknown"),
                      ({}, "needs 'prompt' .* or 'prompt_token_ids'"),
                      ({"prompt_token_ids": "5 6"}, "'prompt_token_ids' '5 6' is not a list"),
                      ({"prompt_token_ids": [5, TINY_VOCAB]}, f"token id {TINY_VOCAB} is outside"),
-                     ({"prompt": 5}, "'prompt' is int, not a string"),
+                     ({"prompt": 5}, "'prompt' 5 is not a string"),
+                     ({"prompt_token_ids": [5], "cache_salt": 7}, "'cache_salt' 7 is invalid"),
                      ({"prompt": "text"}, "has no tokenizer")):
         with pytest.raises(ValueError, match=why):
             adm.prompt_input(bad)

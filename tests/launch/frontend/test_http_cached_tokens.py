@@ -108,3 +108,16 @@ def _events(served, path: str, body: dict) -> list[dict]:
     conn.close()
     assert resp.status == 200, raw
     return [json.loads(line[len("data: "):]) for line in raw.split("\n") if line.startswith("data: ")]
+
+
+def test_reset_prefix_cache_endpoint_forgets_the_cache(served):
+    """vLLM's POST /reset_prefix_cache: a prompt cached before it is found cached no more after it."""
+    a = make_prompts(1, 256, 40, 45, seed=907)[0]
+    counts = []
+    for reset in (False, False, True):
+        if reset:       # vLLM's answer
+            assert post(served, "/reset_prefix_cache", {}) == (200, {"success": True})
+        counts.append(completion(served, prompt=a)["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert counts == [0, cached(a, [a]), 0] and counts[1] > 0
+    code, body = post(served, "/reset_prefix_cache?reset_external=true", {})
+    assert code == 400 and body["error"]["param"] == "reset_external", body
