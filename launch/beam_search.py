@@ -11,6 +11,7 @@ beam's candidates ({token id: log-probability}); `Searches` runs several prompts
 `LLM.beam_search` drives with `generate` and the HTTP front with its engine client (launch/frontend/beam.py)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
@@ -81,7 +82,12 @@ def score(beam: BeamSequence, eos: frozenset[int], length_penalty: float) -> flo
     """vLLM's (after transformers'): the summed log-probability over the length ** length_penalty, the length
     counting the prompt and not a final EOS."""
     n = len(beam.tokens) - (bool(beam.tokens) and beam.tokens[-1] in eos)
-    return beam.cum_logprob / max(n, 1) ** length_penalty
+    try:
+        return beam.cum_logprob / max(n, 1) ** length_penalty
+    except OverflowError:        # the length's power is past float's range: its quotient is 0
+        return -0.0
+    except ZeroDivisionError:    # the power rounds to 0 (a huge negative penalty): -inf, or 0 for a sure beam
+        return -math.inf if beam.cum_logprob < 0 else 0.0
 
 
 def search(prompt: list[int], params: BeamSearchParams, eos: frozenset[int]

@@ -128,3 +128,16 @@ def test_the_server_answers_use_beam_search_with_the_reference_beams(tiny_checkp
                              ({"logprobs": 2}, "logprobs"), ({"guided_regex": "a+"}, "guided_regex")]:
             code, err = post(Served, "/v1/completions", fields | {"prompt": prompts[0]} | extra)
             assert code == 400 and err["error"]["param"] == param, err
+
+
+def test_score_survives_length_penalties_past_floats_range():
+    """A length_penalty whose power of the length leaves float's range (a client's 5.6e21, found by the schema fuzz
+    as a 500) scores as the limit of vLLM's quotient instead of raising: 0 for a huge positive penalty, -inf for a
+    huge negative one (0 for a beam of probability 1); ordinary penalties keep the plain quotient."""
+    import math
+
+    from launch.beam_search import BeamSequence, score
+    beam, sure = BeamSequence([5, 6, 7], cum_logprob=-2.5), BeamSequence([5, 6], cum_logprob=0.0)
+    assert score(beam, frozenset(), 5.6e21) == 0.0 and score(beam, frozenset(), -5.6e21) == -math.inf
+    assert score(sure, frozenset(), -5.6e21) == 0.0
+    assert score(beam, frozenset(), 2.0) == -2.5 / 9 and score(beam, frozenset({7}), 1.0) == -2.5 / 2
