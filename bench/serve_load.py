@@ -5,7 +5,8 @@ The server is launch/serve.py under torchrun (1 attention + 2 expert ranks) on l
 Shakespeare MoE (or --model), with the workload of bench/throughput.py. Clients: the `openai` async client,
 streaming, greedy, ignore_eos, token-id prompts of 16-256 tokens, outputs of 8-128 tokens (long-tailed). At
 concurrency c, max(16, 4c) requests; each level runs --repeats times after a warm-up and the median run (by
-throughput) is printed.
+throughput) is printed. Every run starts from an empty prefix cache (POST /reset_prefix_cache): a level's repeated
+prompts would otherwise find their own blocks cached by the run before.
 TTFT: request sent -> first streamed chunk. TPOT: (last chunk - first chunk) / (tokens - 1), per request.
 The peer: HF generate in static batches of 64 on the c=64 request set (useful tokens per second).
 
@@ -188,16 +189,30 @@ def main() -> None:
         run_levels(path, args)
 
 
+def reset_prefix_cache(url: str) -> None:
+    """POST /reset_prefix_cache (ours; vLLM's in its dev mode, which bench/vllm_peer.py turns on): the next run's
+    repeated prompts find nothing cached by the last. A server that refuses is named."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+    answer = json.loads(urllib.request.urlopen(req, timeout=60).read() or b"{}")
+    if answer.get("success") is not True:
+        raise RuntimeError(f"{url}/reset_prefix_cache answered {answer!r}: the runs would reuse each other's prompts")
+
+
 def serve_levels(url: str, levels: list[int], repeats: int, model: str) -> dict[int, dict]:
-    """A warm-up, then per concurrency level c, max(16, 4c) requests `repeats` times: the median run by throughput,
-    with every run's tok/s under "runs"."""
+    """A warm-up, then per concurrency level c, max(16, 4c) requests `repeats` times, each run from an empty prefix
+    cache: the median run by throughput, with every run's tok/s under "runs"."""
     warm_p, warm_o = requests(8, seed=1, model=model)
     asyncio.run(run_level(url, 8, warm_p, warm_o))
     results = {}
+
+    def run(c: int, prompts, olens) -> dict:
+        reset_prefix_cache(url)
+        return asyncio.run(run_level(url, c, prompts, olens))
     for c in levels:
         prompts, olens = requests(max(16, 4 * c), seed=c, model=model)
-        runs = sorted((asyncio.run(run_level(url, c, prompts, olens)) for _ in range(repeats)),
-                      key=lambda r: r["tok_s"])
+        runs = sorted((run(c, prompts, olens) for _ in range(repeats)), key=lambda r: r["tok_s"])
         results[c] = {**runs[len(runs) // 2], "runs": [r["tok_s"] for r in runs]}
     return results
 

@@ -29,7 +29,8 @@ TOKEN_MISMATCH_EXIT = 3    # bench/vllm_offline.py's exit status when its greedy
 # the engine-core process, which busy-polls. Binding the worker to both cores ("0-1") measured the same within this
 # shared VM's noise (bench/vllm_offline.py on the full workload, 3 runs each, interleaved: medians 2726 and 2556
 # tok/s against auto's 2733 and 2787).
-PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+# VLLM_SERVER_DEV_MODE turns on vLLM's POST /reset_prefix_cache, which bench/serve_load.py calls before each run.
+PEER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto", "VLLM_SERVER_DEV_MODE": "1"}
 
 
 class TokenMismatch(RuntimeError):
