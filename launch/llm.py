@@ -48,7 +48,7 @@ class LLM:
         if expert_ranks > self.spec.num_experts:
             raise ValueError(f"expert_ranks={expert_ranks} exceeds the model's {self.spec.num_experts} experts; "
                              f"use at most {self.spec.num_experts}")
-        self.tokenizer = load_tokenizer(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.model, self.config.chat_template)
         self._ids, self._closed, self._procs, self._members = itertools.count(), False, [], []   # members: ids
         self._serving = False      # past start-up: a lost rank other than the leader is survivable
         self.lost_ranks: list[int] = []   # spawned ranks (first ranks) that died while serving
@@ -210,12 +210,11 @@ class LLM:
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI-format message dicts) or a list of them through the chat
-        template (tools and chat_template_kwargs reach it), then generate (launch/offline_chat.py)."""
+        template (this call's chat_template, a template or its file's path; else the engine's; tools and
+        chat_template_kwargs reach it), then generate (launch/offline_chat.py)."""
         from .offline_chat import chat_prompts
-        if chat_template is not None:
-            raise ValueError("chat_template: this engine renders the checkpoint's own chat template; leave it out")
         return self.generate(chat_prompts(self, messages, tools, add_generation_prompt, continue_final_message,
-                                             chat_template_kwargs), sampling_params)
+                                          chat_template_kwargs, chat_template), sampling_params)
 
     def beam_search(self, prompts, params) -> list:
         """vLLM's LLM.beam_search (launch/beam_search.py): one BeamSearchOutput per prompt, its best

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from models.checkpoint import read_chat_template
+
 __all__ = ["chat_prompts"]
 
 
 def chat_prompts(llm, messages, tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None
-                    ) -> list[dict]:
+                 continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                 chat_template: str | None = None) -> list[dict]:
     """One conversation (a list of message dicts), or each of a list of them, as vLLM's TokensPrompt: its token ids
     and the rendered text (RequestOutput.prompt, as vLLM's chat returns it); a ValueError naming what is wrong (a
-    message's field, the options, a template that rejects them)."""
+    message's field, the options, a template that rejects them). chat_template: this call's (a template or its
+    file's path), else the tokenizer's."""
     from .frontend.chat import ChatCompletionRequest
     from .frontend.protocol import APIError
     from .frontend.tokens import chat_text
@@ -21,8 +24,13 @@ def chat_prompts(llm, messages, tools: list[dict] | None = None, add_generation_
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError(f"messages={messages!r} is not a conversation: pass a list of message dicts (or a list "
                          f"of such lists)")
-    if llm.tokenizer is None or not getattr(llm.tokenizer, "chat_template", None):
-        raise ValueError(f"model {llm.config.model!r} has no tokenizer chat template; pass prompts to generate()")
+    template = None if chat_template is None else read_chat_template(chat_template)
+    if llm.tokenizer is None:
+        raise ValueError(f"model {llm.config.model!r} has no tokenizer to render chats with; pass prompts to "
+                         f"generate()")
+    if template is None and not getattr(llm.tokenizer, "chat_template", None):
+        raise ValueError(f"model {llm.config.model!r} has no tokenizer chat template; pass chat_template, or prompts "
+                         f"to generate()")
     conversations = list(messages) if isinstance(messages[0], (list, tuple)) else [messages]
     out = []
     for i, conversation in enumerate(conversations):
@@ -39,7 +47,7 @@ def chat_prompts(llm, messages, tools: list[dict] | None = None, add_generation_
         try:
             if problems := body.unsupported():
                 raise APIError(400, problems[0][1], problems[0][0])
-            text = chat_text(llm.tokenizer, body, llm.config.model, continue_final_message)
+            text = chat_text(llm.tokenizer, body, llm.config.model, continue_final_message, template)
             out.append({"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False), "prompt": text})
         except APIError as e:
             raise ValueError(f"{where}: {e.message}") from e

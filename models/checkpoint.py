@@ -160,16 +160,47 @@ SCALE_SUFFIX = "_scale_inv"
 FP32_SUFFIXES = ("e_score_correction_bias",)
 
 
-def load_tokenizer(path: str):
-    """The checkpoint directory's tokenizer (transformers' AutoTokenizer), or None when it holds none."""
+def load_tokenizer(path: str, chat_template: str | None = None):
+    """The checkpoint directory's tokenizer (transformers' AutoTokenizer), or None when it holds none.
+    chat_template: the engine's option (read_chat_template's forms), in place of the checkpoint's template."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.exists(os.path.join(path, n)) for n in names):
+        if chat_template is not None:
+            raise ValueError(f"chat_template={chat_template[:60]!r}: {path!r} has no tokenizer to render it with")
         return None
     from transformers import AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as e:
         raise ValueError(f"the tokenizer in {path!r} could not be loaded: {e}") from e
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def read_chat_template(value: str, name: str = "chat_template") -> str:
+    """vLLM's --chat-template rule: a file's path (its text), or the template itself (inline, its escapes such as
+    \\n decoded); a value with no brace or newline that names no readable file is a path that failed. The text
+    must compile as a Jinja template (transformers' compiler). A ValueError names `name` and what is wrong."""
+    import codecs
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name}={value!r} is invalid: pass a Jinja template or the path of a file holding one")
+    try:
+        with open(value, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"{name}={value!r} looks like a file path, but it cannot be read: {e}") from e
+        text = codecs.decode(value, "unicode_escape")
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:     # another transformers: the template compiles when it is first used
+        return text
+    try:
+        _compile_jinja_template(text)
+    except Exception as e:
+        raise ValueError(f"{name}={value[:60]!r} is not a Jinja template that compiles: {e}") from e
+    return text
 
 
 def _scale_name(name: str) -> str:

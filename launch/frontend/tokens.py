@@ -120,14 +120,16 @@ def template_kwargs(tok, body) -> dict:
     return extra
 
 
-def chat_text(tok, body, model_name: str, continue_final: bool = False) -> str:
-    """body's messages through the tokenizer's chat template -> text (a 400 when the model has no template or
-    the template rejects them). `body` has conversation(), template_tools() and add_generation_prompt;
-    `continue_final` leaves the last message open (no end-of-turn), for the model to continue."""
-    if tok is None or not getattr(tok, "chat_template", None):
+def chat_text(tok, body, model_name: str, continue_final: bool = False, template: str | None = None) -> str:
+    """body's messages through the tokenizer's chat template (or `template`'s text) -> text (a 400 when the model
+    has no template or the template rejects them). `body` has conversation(), template_tools() and
+    add_generation_prompt; `continue_final` leaves the last message open (no end-of-turn), for the model to
+    continue."""
+    if tok is None or not (template or getattr(tok, "chat_template", None)):
         raise APIError(400, f"model {model_name!r} has no tokenizer chat template; use /v1/completions")
     options = {"add_generation_prompt": body.add_generation_prompt} | (
-        {"continue_final_message": True} if continue_final else {}) | template_kwargs(tok, body)
+        {"continue_final_message": True} if continue_final else {}) | template_kwargs(tok, body) | (
+        {"chat_template": template} if template else {})
     if (tools := body.template_tools()) is not None:
         options["tools"] = tools
     messages = body.conversation()

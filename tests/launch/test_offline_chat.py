@@ -46,3 +46,52 @@ def test_chat_generates_from_the_chat_templates_ids(tiny_checkpoint):
     assert outs[0].text == tok.decode(expected[0], skip_special_tokens=True)
     # the rendered text comes back as the prompt (vLLM's RequestOutput.prompt)
     assert outs[1].prompt == tok.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)
+
+
+TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+
+
+def test_a_chat_template_option_or_argument_replaces_the_checkpoints(tiny_checkpoint, tmp_path):
+    """vLLM's --chat-template (the engine option: a file's path, or the template inline with its escapes decoded)
+    and LLM.chat's chat_template argument render chats in place of the checkpoint's template; over HTTP the chat's
+    prompt ids are the option's too. Oracle: transformers' apply_chat_template with the same template text."""
+    from tests.launch.frontend.in_process import serving
+    from tests.launch.frontend.test_http_logprobs import post
+
+    path = tiny_checkpoint("qwen3_moe")
+    tok = AutoTokenizer.from_pretrained(path)
+    ours = rendered(tok, CONVERSATIONS[1], add_generation_prompt=True, chat_template=TEMPLATE)
+    assert ours != rendered(tok, CONVERSATIONS[1], add_generation_prompt=True)     # the oracle is not trivial
+    expected = hf_greedy(path, [ours], 6)[0]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    file = tmp_path / "template.jinja"
+    file.write_text(TEMPLATE)
+    with LLM(path, attention_ranks=1, expert_ranks=1, chat_template=str(file)) as llm:
+        from_file = llm.chat(CONVERSATIONS[1], params)[0]
+        with serving(llm, path, "tiny") as (port, _):
+            class Served:
+                pass
+            Served.port = port
+            code, body = post(Served, "/v1/chat/completions", {"model": "tiny", "messages": CONVERSATIONS[1],
+                                                               "max_tokens": 6, "ignore_eos": True, "temperature": 0,
+                                                               "return_token_ids": True})
+    assert code == 200, body
+    with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
+        inline = llm.chat(CONVERSATIONS[1], params, chat_template=TEMPLATE.replace("\n", "\\n"))[0]
+        default = llm.chat(CONVERSATIONS[1], params)[0]
+    assert from_file.prompt_token_ids == inline.prompt_token_ids == body["prompt_token_ids"] == ours
+    assert from_file.token_ids == inline.token_ids == body["choices"][0]["token_ids"] == expected
+    assert from_file.prompt == tok.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True,
+                                                       chat_template=TEMPLATE)
+    assert default.prompt_token_ids == rendered(tok, CONVERSATIONS[1], add_generation_prompt=True)
+
+
+def test_a_chat_template_that_cannot_be_read_or_compiled_is_refused_by_name(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ValueError, match=r"chat_template='/no/such/template.jinja' looks like a file path, but it "
+                                         r"cannot be read"):
+        LLM(path, attention_ranks=1, expert_ranks=1, chat_template="/no/such/template.jinja")
+    with pytest.raises(ValueError, match=r"chat_template='\{% for m in messages %\}' is not a Jinja template that "
+                                         r"compiles"):
+        LLM(path, attention_ranks=1, expert_ranks=1, chat_template="{% for m in messages %}")

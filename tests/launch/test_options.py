@@ -33,6 +33,7 @@ VALUES = {
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
     "dtype": "bfloat16", "device": "cpu",
     "kernel_backend": "torch", "enforce_eager": True, "generation_config": "vllm", "threads_per_rank": 2, "decode_threads": 3,
+    "chat_template": "{{ messages[0]['content'] }}",
     "collective_timeout_s": 1200.5,
     "heartbeat_s": 2.5,
     "rank_failure_s": 7.5, "startup_timeout_s": 60.5, "load_progress": False, "sync_audit": True, "timing_sync": True,
