@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -20,10 +21,10 @@ from .procs import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def health_status(url: str) -> int:
-    """GET url/health -> its HTTP status, or 0 when nothing answers (yet)."""
+def health_status(url: str, context: ssl.SSLContext | None = None) -> int:
+    """GET url/health -> its HTTP status, or 0 when nothing answers (yet). context: an https url's."""
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+        with urllib.request.urlopen(url + "/health", timeout=2, context=context) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -36,7 +37,10 @@ class LocalServer:
                  startup_timeout_s: float = 180.0):
         self.model, self.nproc, self.args = model, nproc, list(args or [])
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # With --ssl-certfile the server speaks HTTPS; the client side trusts that certificate (made for 127.0.0.1)
+        cert = self.args[self.args.index("--ssl-certfile") + 1] if "--ssl-certfile" in self.args else None
+        self.ssl_context = None if cert is None else ssl.create_default_context(cafile=cert)
+        self.url = f"http{'' if cert is None else 's'}://127.0.0.1:{self.port}"
         self.startup_timeout_s = startup_timeout_s
         self.health_seen: list[int] = []    # /health statuses observed while starting (0: no answer)
         self.proc: subprocess.Popen | None = None
@@ -66,7 +70,7 @@ class LocalServer:
             time.sleep(0.1)
 
     def health(self) -> int:
-        return health_status(self.url)
+        return health_status(self.url, self.ssl_context)
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -84,7 +88,7 @@ class LocalServer:
         return int(found[0]) if found else None
 
     def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=60) as r:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=60, context=self.ssl_context) as r:
             return r.read().decode()
 
     def wait(self, timeout_s: float) -> int | None:

@@ -35,6 +35,7 @@ if __package__ in (None, ""):  # run as a script by torchrun: make the project i
 from attention_nodes.sampling_params import SamplingParams
 from launch.cli import add_engine_args, engine_options
 from launch.frontend.answer import check_parsers, require_tokens
+from launch.frontend.http_options import add_http_args, http_options
 from launch.frontend.reasoning import PARSERS as REASONING_PARSERS
 from launch.frontend.response_store import DEFAULT_CAPACITY as RESPONSES_STORE
 from launch.frontend.tool_parsers import HARMONY
@@ -119,7 +120,8 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
         front = FrontProcess(args.host, args.port, args.api_key, model_name, args.model, llm_kwargs, {
             "tool_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
             "reasoning_parser": args.reasoning_parser, "responses_store": args.responses_store,
-            "prompt_tokens_details": args.enable_prompt_tokens_details, "stream_interval": args.stream_interval})
+            "prompt_tokens_details": args.enable_prompt_tokens_details, "stream_interval": args.stream_interval},
+            http_options(args))
     llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -150,7 +152,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
         front.inbox.put(("shutdown",))
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    _say(f"serving {model_name!r} on http://{args.host}:{args.port}")
+    _say(f"serving {model_name!r} on http{'s' if args.ssl_certfile else ''}://{args.host}:{args.port}")
     try:
         lead(rt, front.inbox, front.outbox, llm.config.heartbeat_s)
     except Exception as e:
@@ -196,6 +198,7 @@ def main(argv=None) -> int:
                    help="a streamed answer's chunks carry at least N new tokens (the first token and the last chunk "
                         "go at once; vLLM's flag): fewer, larger chunks cost the front and the client less per "
                         "token (default 1: every token)")
+    add_http_args(p)
     p.add_argument("--prompt", action="append", help="answer this prompt (repeatable) and exit")
     p.add_argument("--stdin", action="store_true", help="JSON lines on stdin/stdout instead of HTTP")
     p.add_argument("--max-tokens", type=int, default=32, help="default max_tokens of --prompt and --stdin")
@@ -207,6 +210,10 @@ def main(argv=None) -> int:
         p.error("--api-key is empty: pass a key, or leave the flag out to serve without one")
     if args.stream_interval < 1:
         p.error(f"--stream-interval {args.stream_interval} is invalid: pass a number of tokens >= 1")
+    try:
+        http_options(args)
+    except ValueError as e:
+        p.error(str(e))
     if args.responses_store < 0:
         p.error(f"--responses-store {args.responses_store} is invalid: pass a count >= 0 (0 keeps none)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:

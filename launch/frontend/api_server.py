@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..admission import sampling_defaults
 from . import beam
 from . import messages as messages_api
-from .access_log import ACCESS_LOGGER, AccessLog, access_record
+from .access_log import ACCESS_LOGGER, AccessLog, access_record, route_path
 from .answer import ChatAnswer, check_parsers, require_tokens
 from .chat import ChatCompletionRequest
 from .engine_client import EngineClient
@@ -321,7 +321,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     def answer(request: Request, err: APIError, headers: dict | None = None) -> JSONResponse:
         access_record(request).error = err.message
-        body = messages_api.error_body(err) if request.url.path.startswith("/v1/messages") else err.body()
+        body = messages_api.error_body(err) if route_path(request.scope).startswith("/v1/messages") else err.body()
         return JSONResponse(body, status_code=err.status, headers=headers)
 
     @app.exception_handler(APIError)
@@ -365,7 +365,7 @@ class ApiKey:
 
     async def __call__(self, scope, receive, send):
         headers = dict(scope["headers"]) if scope["type"] == "http" else {}
-        if scope["type"] != "http" or scope["path"] in self.OPEN or secrets.compare_digest(
+        if scope["type"] != "http" or route_path(scope) in self.OPEN or secrets.compare_digest(
                 headers.get(b"authorization", b""), self.want) or secrets.compare_digest(
                 headers.get(b"x-api-key", b"") or b"\0", self.key):      # Anthropic's clients send the key so
             return await self.app(scope, receive, send)

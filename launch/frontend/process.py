@@ -45,10 +45,11 @@ class FrontLLM(LLM):
 
 
 def front_main(host: str, port: int, api_key: str | None, model_name: str, model: str, llm_kwargs: dict,
-               inbox, outbox, control, status, leader: int, app_options: dict) -> None:
+               inbox, outbox, control, status, leader: int, app_options: dict, http: tuple[dict, dict]) -> None:
     """The front process: serve HTTP at once, attach to the engine when the leader says so, stop when told.
     leader: the leader's pid (compared after the parent-death signal is armed: a leader that died before it
-    was leaves this process with another parent); app_options: build_app's keywords (tool_parser, ...)."""
+    was leaves this process with another parent); app_options: build_app's keywords (tool_parser, ...); http:
+    (the CORS middleware's keywords, uvicorn's TLS and root_path keywords), launch/frontend/http_options.py's."""
     die_with_parent()
     if os.getppid() != leader:
         os._exit(1)
@@ -57,12 +58,15 @@ def front_main(host: str, port: int, api_key: str | None, model_name: str, model
     inbox.cancel_join_thread()   # exiting never waits to flush commands the leader no longer reads
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
+    from starlette.middleware.cors import CORSMiddleware
 
     from .api_server import attach, build_app, shut_down
 
     app = build_app(model_name, model, api_key, **app_options)
+    cors, server_options = http
+    app.add_middleware(CORSMiddleware, **cors)     # outermost (as vLLM's): a preflight needs no API key
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=3))
+                                           timeout_graceful_shutdown=3, **server_options))
     thread = threading.Thread(target=server.run, name="afserve-http", daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -94,11 +98,11 @@ class FrontProcess:
     """The leader's handle on its HTTP front. `inbox`/`outbox` are the leader loop's queues."""
 
     def __init__(self, host: str, port: int, api_key: str | None, model_name: str, model: str, llm_kwargs: dict,
-                 app_options: dict | None = None):
+                 app_options: dict | None = None, http: tuple[dict, dict] | None = None):
         """Spawn the front and return once it listens (SystemExit naming host:port when it cannot). llm_kwargs:
         the leader's LLM arguments after the model (the front checks requests against the same config);
         app_options: build_app's keywords (tool_parser: tool_choice "auto"'s parser, reasoning_parser,
-        responses_store)."""
+        responses_store); http: front_main's (default: no cross-origin access, plain HTTP)."""
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox, self._control, status = ctx.Queue(), Outbox(ctx), ctx.Queue(), ctx.Queue()
         # Exiting never waits to flush words the front no longer reads (it may be gone).
@@ -109,7 +113,8 @@ class FrontProcess:
         self.lost = False      # the front exited on its own: the job shut down for it, and exits non-zero
         self.proc = ctx.Process(target=front_main, name="afserve-http", daemon=True,
                                 args=(host, port, api_key, model_name, model, llm_kwargs, self.inbox, self.outbox,
-                                      self._control, status, os.getpid(), app_options or {}))
+                                      self._control, status, os.getpid(), app_options or {},
+                                      http or ({"allow_origins": []}, {})))
         self.proc.start()
         self.outbox.close_reader()   # the front holds it now: progress for a front that is gone is dropped
         # Before multiprocessing's own exit handler, which would SIGTERM the front (ignored) and join it forever.
