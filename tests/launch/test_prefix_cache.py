@@ -209,3 +209,45 @@ def test_reset_prefix_cache_empties_the_host_tier(tiny_checkpoint):
     assert after["kv_offload_restored_blocks"] == before["kv_offload_restored_blocks"] == 0
     assert out.num_cached_tokens == 0
     assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == len(a2)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from launch import LLM, SamplingParams
+path, prompt = sys.argv[1], json.loads(sys.argv[2])
+params = SamplingParams(max_tokens=4, ignore_eos=True)
+llm = LLM(path, attention_ranks=2, expert_ranks=1, block_size=4)    # every rank constructs it and calls each method
+cached = [llm.generate([prompt], params), llm.generate([prompt], params)]
+reset = llm.reset_prefix_cache()
+cached.append(llm.generate([prompt], params))
+if llm.is_leader:
+    print("RESULT", json.dumps({"reset": reset, "cached": [o[0].num_cached_tokens for o in cached],
+                                "tokens": [o[0].token_ids for o in cached]}))
+else:
+    assert reset is False and cached == [[], [], []]
+llm.shutdown()
+"""
+
+
+def test_reset_prefix_cache_under_torchrun(tiny_checkpoint, tmp_path):
+    """Under torchrun every rank calls reset_prefix_cache, as generate: the leader gets True, the others False, and
+    the prompt cached before it is not found after it (2+1 ranks)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from launch.procs import free_port
+    path = tiny_checkpoint("qwen3_moe")
+    prompt = make_prompts(1, 256, 14, 14, seed=61)[0]
+    script = tmp_path / "reset.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
+                           str(free_port()), str(script), path, json.dumps(prompt)], capture_output=True, text=True,
+                          timeout=240, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))[len("RESULT "):])
+    assert got["reset"] is True
+    assert got["cached"] == [0, cached_tokens(len(prompt), len(prompt)), 0] and got["cached"][1] > 0
+    assert got["tokens"] == [hf_greedy(path, [prompt], 4)[0]] * 3
