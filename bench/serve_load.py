@@ -194,10 +194,14 @@ def reset_prefix_cache(url: str) -> None:
     repeated prompts find nothing cached by the last. A server that refuses is named."""
     import urllib.request
 
-    req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
-    answer = json.loads(urllib.request.urlopen(req, timeout=60).read() or b"{}")
-    if answer.get("success") is not True:
-        raise RuntimeError(f"{url}/reset_prefix_cache answered {answer!r}: the runs would reuse each other's prompts")
+    for _ in range(20):       # vLLM's answers false while blocks are still held (its docs: retry)
+        req = urllib.request.Request(url + "/reset_prefix_cache", data=b"", method="POST")
+        answer = json.loads(urllib.request.urlopen(req, timeout=60).read() or b"{}")
+        if answer.get("success") is True:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}/reset_prefix_cache answered {answer!r} 20 times: the runs would reuse each other's "
+                       f"prompts")
 
 
 def serve_levels(url: str, levels: list[int], repeats: int, model: str) -> dict[int, dict]:

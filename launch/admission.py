@@ -101,7 +101,7 @@ class Admission:
         if not isinstance(prompt, dict):
             return PromptInput(self.prompt_ids(prompt), prompt if isinstance(prompt, str) else None)
         for k, v in prompt.items():
-            if k in UNSERVED_KEYS and v:
+            if k in UNSERVED_KEYS and v is not None and (not hasattr(v, "__len__") or len(v)):
                 raise ValueError(f"prompt dict's {k!r} is set, and this engine serves text-only models; leave it out")
             if k not in PROMPT_KEYS + UNSERVED_KEYS:
                 raise ValueError(f"prompt dict's key {k!r} is unknown or not served: pass {', '.join(PROMPT_KEYS)}")

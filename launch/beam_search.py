@@ -42,8 +42,10 @@ class BeamSearchParams:
                              f"[1, {MAX_LOGPROBS // 2}] (each step asks for 2 * beam_width candidates)")
         if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise ValueError(f"BeamSearchParams.max_tokens={self.max_tokens!r} is invalid: pass an integer >= 1")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
-            raise ValueError(f"BeamSearchParams.length_penalty={self.length_penalty!r} is invalid: pass a number")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or isinstance(lp, float) and not math.isfinite(lp):
+            raise ValueError(f"BeamSearchParams.length_penalty={lp!r} is invalid: pass a finite number")
+        self.length_penalty = float(max(min(lp, 1e308), -1e308))     # an int's power of the length could run forever
         self.step_params()      # temperature's check
 
     def step_params(self) -> SamplingParams:

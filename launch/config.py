@@ -268,8 +268,7 @@ class EngineConfig:
                                             "engine's own), or a directory holding a generation_config.json, "
                                             "whose EOS ids then end outputs in place of the checkpoint's")
     chat_template: str | None = option(None, "a Jinja chat template, or the path of a file holding one, rendering "
-                                             "chats in place of the checkpoint's (vLLM's --chat-template; inline "
-                                             "templates have their escapes such as \\n decoded)")
+                                             "chats in place of the checkpoint's (vLLM's --chat-template)")
     collective_timeout_s: float = option(600.0, "a collective that waits longer fails the job")
     heartbeat_s: float = option(1.0, "an idle leader broadcasts at least this often (must be below the "
                                      "collective timeout)")

@@ -38,7 +38,8 @@ class LocalServer:
         self.model, self.nproc, self.args = model, nproc, list(args or [])
         self.port = port or free_port()
         # With --ssl-certfile the server speaks HTTPS; the client side trusts that certificate (made for 127.0.0.1)
-        cert = self.args[self.args.index("--ssl-certfile") + 1] if "--ssl-certfile" in self.args else None
+        cert = next((a.split("=", 1)[1] if "=" in a else self.args[i + 1] for i, a in enumerate(self.args)
+                     if a.split("=", 1)[0] == "--ssl-certfile"), None)
         self.ssl_context = None if cert is None else ssl.create_default_context(cafile=cert)
         self.url = f"http{'' if cert is None else 's'}://127.0.0.1:{self.port}"
         self.startup_timeout_s = startup_timeout_s

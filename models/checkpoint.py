@@ -166,7 +166,8 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     if not any(os.path.exists(os.path.join(path, n)) for n in names):
         if chat_template is not None:
-            raise ValueError(f"chat_template={chat_template[:60]!r}: {path!r} has no tokenizer to render it with")
+            raise ValueError(f"chat_template={str(chat_template)[:60]!r}: {path!r} has no tokenizer to render it "
+                             f"with")
         return None
     from transformers import AutoTokenizer
     try:
@@ -178,20 +179,22 @@ def load_tokenizer(path: str, chat_template: str | None = None):
     return tok
 
 
-def read_chat_template(value: str, name: str = "chat_template") -> str:
-    """vLLM's --chat-template rule: a file's path (its text), or the template itself (inline, its escapes such as
-    \\n decoded); a value with no brace or newline that names no readable file is a path that failed. The text
-    must compile as a Jinja template (transformers' compiler). A ValueError names `name` and what is wrong."""
-    import codecs
+def read_chat_template(value: str | os.PathLike, name: str = "chat_template") -> str:
+    """vLLM's --chat-template rule: a file's path (its text), or the template itself, as it is; a value with no
+    brace or newline that names no readable file is a path that failed (vLLM would also look in its own folder of
+    templates, which this engine does not ship). The text must compile as a Jinja template (transformers'
+    compiler). A ValueError names `name` and what is wrong."""
+    is_path = isinstance(value, os.PathLike)
+    value = os.fspath(value) if is_path else value
     if not isinstance(value, str) or not value:
         raise ValueError(f"{name}={value!r} is invalid: pass a Jinja template or the path of a file holding one")
     try:
         with open(value, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
-        if not any(c in value for c in "{}\n"):
+        if is_path or not any(c in value for c in "{}\n"):
             raise ValueError(f"{name}={value!r} looks like a file path, but it cannot be read: {e}") from e
-        text = codecs.decode(value, "unicode_escape")
+        text = value
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template
     except ImportError:     # another transformers: the template compiles when it is first used

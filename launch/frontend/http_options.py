@@ -1,7 +1,8 @@
 """serve.py's HTTP-layer flags, vLLM's: cross-origin access (CORS: --allowed-origins, --allowed-methods,
 --allowed-headers as JSON lists, --allow-credentials), TLS (--ssl-keyfile, --ssl-certfile, --ssl-ca-certs,
 --ssl-cert-reqs) and --root-path (behind a proxy that routes a path prefix here). `http_options` checks them and
-splits them into the CORS middleware's keywords and uvicorn's (launch/frontend/process.py applies both)."""
+splits them into the CORS middleware's keywords and the server's (launch/frontend/process.py applies both: TLS
+goes to uvicorn, the root path to the app, as vLLM's, so paths with and without the prefix are served)."""
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,8 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
 
 
 def http_options(args: argparse.Namespace) -> tuple[dict, dict]:
-    """-> (CORSMiddleware's keywords, uvicorn.Config's TLS and root_path keywords); a ValueError names the flag
-    and what is wrong."""
+    """-> (CORSMiddleware's keywords, the server's: uvicorn.Config's TLS keywords and "root_path", the app's); a
+    ValueError names the flag and what is wrong."""
     cors = {}
     for flag, key in (("allowed_origins", "allow_origins"), ("allowed_methods", "allow_methods"),
                       ("allowed_headers", "allow_headers")):
@@ -46,8 +47,14 @@ def http_options(args: argparse.Namespace) -> tuple[dict, dict]:
         raise ValueError("--ssl-keyfile and --ssl-certfile go together: pass both to serve HTTPS, or neither")
     for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
         path = getattr(args, flag)
-        if path is not None and not os.path.isfile(path):
+        if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
             raise ValueError(f"--{flag.replace('_', '-')} {path!r} is not a readable file")
+    if args.ssl_certfile is not None:       # what uvicorn would fail on later, as "cannot listen"
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"--ssl-certfile {args.ssl_certfile!r} and --ssl-keyfile {args.ssl_keyfile!r} do not "
+                             f"load as a certificate and its private key: {e}") from e
     if args.ssl_cert_reqs not in (ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED):
         raise ValueError(f"--ssl-cert-reqs {args.ssl_cert_reqs} is invalid: pass 0 (none), 1 (optional) or 2 "
                          f"(required)")

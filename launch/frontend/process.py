@@ -64,7 +64,8 @@ def front_main(host: str, port: int, api_key: str | None, model_name: str, model
 
     app = build_app(model_name, model, api_key, **app_options)
     cors, server_options = http
-    app.add_middleware(CORSMiddleware, **cors)     # outermost (as vLLM's): a preflight needs no API key
+    app.add_middleware(CORSMiddleware, **cors)     # outermost: a preflight needs no API key (nor is it logged)
+    app.root_path = server_options.pop("root_path", "")    # the app's, as vLLM's: the prefix is optional
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=3, **server_options))
     thread = threading.Thread(target=server.run, name="afserve-http", daemon=True)

@@ -141,3 +141,8 @@ def test_score_survives_length_penalties_past_floats_range():
     assert score(beam, frozenset(), 5.6e21) == 0.0 and score(beam, frozenset(), -5.6e21) == -math.inf
     assert score(sure, frozenset(), -5.6e21) == 0.0
     assert score(beam, frozenset(), 2.0) == -2.5 / 9 and score(beam, frozenset({7}), 1.0) == -2.5 / 2
+    # an int's power would be computed exactly (for ever): taken as a float; NaN and inf are refused by name
+    assert BeamSearchParams(2, 3, length_penalty=10**400).length_penalty == 1e308
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=rf"BeamSearchParams\.length_penalty={bad} is invalid: pass a finite"):
+            BeamSearchParams(2, 3, length_penalty=bad)

@@ -48,14 +48,15 @@ def test_chat_generates_from_the_chat_templates_ids(tiny_checkpoint):
     assert outs[1].prompt == tok.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)
 
 
-TEMPLATE = ("{% for m in messages %}<<{{ m['role'] }}>>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<<assistant>>{% endif %}")
+# non-ASCII text and a backslash-quote, as real templates have (DeepSeek's markers, Qwen's tool-call JSON)
+TEMPLATE = ("{% for m in messages %}‹｜{{ m['role'] }}｜>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}{{ \"<<assistant \\\"now\\\">>\" }}{% endif %}")
 
 
 def test_a_chat_template_option_or_argument_replaces_the_checkpoints(tiny_checkpoint, tmp_path):
-    """vLLM's --chat-template (the engine option: a file's path, or the template inline with its escapes decoded)
-    and LLM.chat's chat_template argument render chats in place of the checkpoint's template; over HTTP the chat's
-    prompt ids are the option's too. Oracle: transformers' apply_chat_template with the same template text."""
+    """vLLM's --chat-template (the engine option: a file's path, or the template itself, as it is) and LLM.chat's
+    chat_template argument (a path object too) render chats in place of the checkpoint's template; over HTTP the
+    chat's prompt ids are the option's too. Oracle: transformers' apply_chat_template with the same template text."""
     from tests.launch.frontend.in_process import serving
     from tests.launch.frontend.test_http_logprobs import post
 
@@ -78,9 +79,12 @@ def test_a_chat_template_option_or_argument_replaces_the_checkpoints(tiny_checkp
                                                                "return_token_ids": True})
     assert code == 200, body
     with LLM(path, attention_ranks=1, expert_ranks=1) as llm:
-        inline = llm.chat(CONVERSATIONS[1], params, chat_template=TEMPLATE.replace("\n", "\\n"))[0]
+        inline = llm.chat(CONVERSATIONS[1], params, chat_template=TEMPLATE)[0]
+        as_path = llm.chat(CONVERSATIONS[1], params, chat_template=file)[0]
         default = llm.chat(CONVERSATIONS[1], params)[0]
-    assert from_file.prompt_token_ids == inline.prompt_token_ids == body["prompt_token_ids"] == ours
+    assert from_file.prompt_token_ids == inline.prompt_token_ids == as_path.prompt_token_ids == ours
+    assert body["prompt_token_ids"] == ours
+    assert '<<assistant \\"now\\">>' not in from_file.prompt and '<<assistant "now">>' in from_file.prompt
     assert from_file.token_ids == inline.token_ids == body["choices"][0]["token_ids"] == expected
     assert from_file.prompt == tok.apply_chat_template(CONVERSATIONS[1], tokenize=False, add_generation_prompt=True,
                                                        chat_template=TEMPLATE)

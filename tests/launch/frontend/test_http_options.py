@@ -44,6 +44,14 @@ def test_flags_split_into_cors_and_uvicorn_keywords_and_bad_ones_are_named(tmp_p
             http_options(parse(*[x for pair in argv for x in pair]))
 
 
+def test_a_certificate_and_key_that_do_not_load_together_are_refused_by_name(tls, tmp_path):
+    """What uvicorn would fail on only after the start, as a port it cannot listen on."""
+    key, cert = tls
+    with pytest.raises(ValueError, match=r"--ssl-certfile .* and --ssl-keyfile .* do not load as a certificate"):
+        http_options(parse("--ssl-keyfile", cert, "--ssl-certfile", cert))      # a certificate is no private key
+    assert http_options(parse("--ssl-keyfile", key, "--ssl-certfile", cert))[1]["ssl_certfile"] == cert
+
+
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
     """(key, certificate) for 127.0.0.1, self-signed."""
@@ -90,6 +98,10 @@ def test_https_cors_and_root_path_on_a_real_server(tiny_checkpoint, tls):
         assert json.loads(raw)["choices"][0]["token_ids"] == hf_greedy(path, [prompt], 4)[0]
         status, _, raw = call("GET", "/openapi.json")       # the docs carry the proxy's prefix
         assert status == 200 and {"url": "/afserve"} in json.loads(raw)["servers"]
+        # as vLLM's: a path that still has the prefix is served too
+        status, _, raw = call("GET", "/afserve/v1/models", Authorization=f"Bearer {KEY}")
+        assert status == 200 and json.loads(raw)["data"][0]["id"] == "tiny", (status, raw[:200])
+        assert call("GET", "/afserve/health")[0] == 200
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
         with pytest.raises((ConnectionError, http.client.HTTPException)):     # TLS only: plain HTTP gets no answer
             conn.request("GET", "/health")
