@@ -32,7 +32,8 @@ def test_chunks_carry_the_interval_and_add_up_to_the_answer(served, max_tokens, 
     """asked: the request's own stream_interval (vLLM's: it raises the server's, never lowers it)."""
     prompt = make_prompts(1, 256, 9, 9, seed=71)[0]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
-            "ignore_eos": True, "n": 2, "return_token_ids": True} | ({} if asked is None else {"stream_interval": asked})
+            "ignore_eos": True, "n": 2, "return_token_ids": True}
+    body |= {} if asked is None else {"stream_interval": asked}
     code, chunks = post(served, "/v1/completions", {**body, "stream": True})
     assert code == 200, chunks
     code, whole = post(served, "/v1/completions", body)
