@@ -29,12 +29,6 @@ class AccessRecord:
     error: str | None = None                  # the message of an error answer
 
 
-def route_path(scope) -> str:
-    """The request's path as the routes see it: without the --root-path prefix uvicorn puts in front of it."""
-    path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] if root and path.startswith(root) else path
-
-
 def access_record(request) -> AccessRecord:
     """The record of this request (a throwaway one when the app runs without `AccessLog`)."""
     rec = getattr(request.state, "access", None)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
-import secrets
+import os
 import threading
 import time
 
@@ -40,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..admission import sampling_defaults
 from . import beam
 from . import messages as messages_api
-from .access_log import ACCESS_LOGGER, AccessLog, access_record, route_path
+from .access_log import ACCESS_LOGGER, AccessLog, access_record
 from .answer import ChatAnswer, check_parsers, require_tokens
 from .chat import ChatCompletionRequest
 from .engine_client import EngineClient
@@ -49,6 +50,7 @@ from .harmony import HarmonyAnswer
 from .message_events import MessageEvents
 from .messages import MessagesRequest
 from .metrics import Metrics, scrape
+from .middleware import ApiKey, route_path
 from .protocol import APIError, CompletionRequest, DrainRequest
 from .reasoning import PARSERS as REASONING_PARSERS
 from .reasoning import ReasoningPlan
@@ -60,6 +62,19 @@ from .text import TextStream
 from .tokens import DetokenizeRequest, TokenizeRequest, chat_text, detokenize, prompt_ids, tokenize, was_cut
 from .tool_parsers import NAMES as TOOL_PARSERS
 from .tools import ToolPlan
+
+
+def _version() -> str:
+    """afserve's version: the installed package's, else (a source tree run as it is) its pyproject.toml's."""
+    try:
+        return importlib.metadata.version("afserve")
+    except importlib.metadata.PackageNotFoundError:
+        import tomllib
+        with open(os.path.join(os.path.dirname(__file__), "..", "..", "pyproject.toml"), "rb") as f:
+            return tomllib.load(f)["project"]["version"]
+
+
+VERSION = _version()
 
 __all__ = ["EngineClient", "Metrics", "TextStream", "attach", "build_app", "shut_down"]
 
@@ -124,7 +139,7 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
             state.engine.close()
 
     app = FastAPI(title="afserve", description="OpenAI-compatible API of an attention/FFN-disaggregated MoE runtime",
-                  version="0.1.0", lifespan=lifespan)
+                  version=VERSION, lifespan=lifespan)
     app.state.afserve = state
     _add_error_handlers(app)
     if api_key is not None:
@@ -148,6 +163,12 @@ def build_app(model_name: str, model_path: str, api_key: str | None = None, acce
         if state.engine.dead:
             return JSONResponse({"status": "dead", "reason": state.engine.dead}, status_code=503)
         return {"status": "ok"}
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])     # vLLM's (SageMaker's health check)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
 
     @app.get("/v1/models")
     async def models():
@@ -352,28 +373,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def _crash(request: Request, exc: Exception):
         logger.exception("unhandled error")
         return answer(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"))
-
-
-class ApiKey:
-    """ASGI middleware: with --api-key, every path but OPEN answers 401 unless the request carries the key, before
-    its body is read (a malformed body without the key is a 401, as vLLM's check, not a 400)."""
-
-    OPEN = frozenset({"/health", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
-
-    def __init__(self, app, key: str):
-        self.app, self.want, self.key = app, f"Bearer {key}".encode(), key.encode()
-
-    async def __call__(self, scope, receive, send):
-        headers = dict(scope["headers"]) if scope["type"] == "http" else {}
-        if scope["type"] != "http" or route_path(scope) in self.OPEN or secrets.compare_digest(
-                headers.get(b"authorization", b""), self.want) or secrets.compare_digest(
-                headers.get(b"x-api-key", b"") or b"\0", self.key):      # Anthropic's clients send the key so
-            return await self.app(scope, receive, send)
-        err = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' (or "
-                            "'x-api-key: <key>')", code="invalid_api_key")
-        if (rec := scope.get("state", {}).get("access")) is not None:
-            rec.error = err.message
-        await JSONResponse(err.body(), status_code=401)(scope, receive, send)
 
 
 def _chat_invalid(e: ValidationError) -> APIError:

@@ -1,8 +1,9 @@
 """serve.py's HTTP-layer flags, vLLM's: cross-origin access (CORS: --allowed-origins, --allowed-methods,
 --allowed-headers as JSON lists, --allow-credentials), TLS (--ssl-keyfile, --ssl-certfile, --ssl-ca-certs,
---ssl-cert-reqs) and --root-path (behind a proxy that routes a path prefix here). `http_options` checks them and
-splits them into the CORS middleware's keywords and the server's (launch/frontend/process.py applies both: TLS
-goes to uvicorn, the root path to the app, as vLLM's, so paths with and without the prefix are served)."""
+--ssl-cert-reqs), --root-path (behind a proxy that routes a path prefix here) and --enable-request-id-headers.
+`http_options` checks them and splits them into the CORS middleware's keywords and the server's
+(launch/frontend/process.py applies both: TLS goes to uvicorn, the root path to the app, as vLLM's, so paths with
+and without the prefix are served)."""
 from __future__ import annotations
 
 import argparse
@@ -23,13 +24,15 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssl-ca-certs", default=None, help="CA certificates to check client certificates against")
     p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE),
                    help="client certificates: 0 none (default), 1 optional, 2 required (Python's ssl.CERT_*)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every answer carries an X-Request-Id header: the request's own, else a new one (vLLM's flag)")
     p.add_argument("--root-path", default=None, help="the path prefix a proxy routes to this server (FastAPI's "
                                                      "root_path: the API docs and their links carry it)")
 
 
 def http_options(args: argparse.Namespace) -> tuple[dict, dict]:
-    """-> (CORSMiddleware's keywords, the server's: uvicorn.Config's TLS keywords and "root_path", the app's); a
-    ValueError names the flag and what is wrong."""
+    """-> (CORSMiddleware's keywords, the server's: uvicorn.Config's TLS keywords, and the app's "root_path" and
+    "request_id_headers"); a ValueError names the flag and what is wrong."""
     cors = {}
     for flag, key in (("allowed_origins", "allow_origins"), ("allowed_methods", "allow_methods"),
                       ("allowed_headers", "allow_headers")):
@@ -63,5 +66,6 @@ def http_options(args: argparse.Namespace) -> tuple[dict, dict]:
     if args.root_path is not None and not args.root_path.startswith("/"):
         raise ValueError(f"--root-path {args.root_path!r} is invalid: pass a path that starts with '/'")
     server = {"ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile, "ssl_ca_certs": args.ssl_ca_certs,
-              "ssl_cert_reqs": args.ssl_cert_reqs, "root_path": args.root_path or ""}
+              "ssl_cert_reqs": args.ssl_cert_reqs, "root_path": args.root_path or "",
+              "request_id_headers": bool(args.enable_request_id_headers)}
     return cors, server

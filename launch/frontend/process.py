@@ -61,9 +61,12 @@ def front_main(host: str, port: int, api_key: str | None, model_name: str, model
     from starlette.middleware.cors import CORSMiddleware
 
     from .api_server import attach, build_app, shut_down
+    from .middleware import RequestId
 
     app = build_app(model_name, model, api_key, **app_options)
     cors, server_options = http
+    if server_options.pop("request_id_headers", False):
+        app.add_middleware(RequestId)
     app.add_middleware(CORSMiddleware, **cors)     # outermost: a preflight needs no API key (nor is it logged)
     app.root_path = server_options.pop("root_path", "")    # the app's, as vLLM's: the prefix is optional
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,

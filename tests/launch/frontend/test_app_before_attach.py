@@ -55,3 +55,17 @@ def test_while_loading_another_model_is_a_404_and_this_one_a_503(app):
     status, data = call(app, "POST", "/v1/completions", b'{"model": "tiny", "prompt": "hi"}', key=KEY)
     assert status == 503 and data["error"]["code"] == "loading", data
     assert call(app, "GET", "/health")[0] == 503        # open without the key
+
+
+def test_ping_and_version_need_no_key(app):
+    """vLLM's GET/POST /ping answers as /health (503 while loading); GET /version the package's version (oracle: the
+    pyproject.toml this tree is built from), both without the API key."""
+    import os
+    import tomllib
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        want = tomllib.load(f)["project"]["version"]
+    assert call(app, "GET", "/version") == (200, {"version": want})
+    for method in ("GET", "POST"):
+        assert call(app, method, "/ping") == call(app, "GET", "/health") == (503, {"status": "loading"})
+    assert call(app, "GET", "/v1/models")[0] == 401           # the rest still needs it

@@ -71,7 +71,8 @@ def test_https_cors_and_root_path_on_a_real_server(tiny_checkpoint, tls):
     prompt = make_prompts(1, 256, 7, 7, seed=5)[0]
     with LocalServer(path, nproc=2, args=["--attention-ranks", "1", "--api-key", KEY, "--ssl-keyfile", key,
                                           "--ssl-certfile", cert, "--allowed-origins", f'["{UI}"]',
-                                          "--served-model-name", "tiny", "--root-path", "/afserve"]) as srv:
+                                          "--served-model-name", "tiny", "--root-path", "/afserve",
+                                          "--enable-request-id-headers"]) as srv:
         assert srv.url.startswith("https://")
 
         def call(method: str, url: str, body: dict | None = None, **headers) -> tuple[int, dict, bytes]:
@@ -102,6 +103,10 @@ def test_https_cors_and_root_path_on_a_real_server(tiny_checkpoint, tls):
         status, _, raw = call("GET", "/afserve/v1/models", Authorization=f"Bearer {KEY}")
         assert status == 200 and json.loads(raw)["data"][0]["id"] == "tiny", (status, raw[:200])
         assert call("GET", "/afserve/health")[0] == 200
+        # vLLM's X-Request-Id: the request's own comes back, else a new one
+        assert call("GET", "/health", **{"X-Request-Id": "trace-7"})[1]["x-request-id"] == "trace-7"
+        fresh = [call("GET", "/health")[1]["x-request-id"] for _ in range(2)]
+        assert fresh[0] != fresh[1] and all(len(x) == 32 and int(x, 16) >= 0 for x in fresh)
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=10)
         with pytest.raises((ConnectionError, http.client.HTTPException)):     # TLS only: plain HTTP gets no answer
             conn.request("GET", "/health")
