@@ -61,6 +61,7 @@ def test_ping_and_version_need_no_key(app):
     """vLLM's GET/POST /ping answers as /health (503 while loading); GET /version the package's version (oracle: the
     pyproject.toml this tree is built from), both without the API key."""
     import os
+
     import tomllib
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
