@@ -112,7 +112,7 @@ def _leads(args) -> bool:
     return leads_pool(args.role, args.leader_host)
 
 
-def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
+def _serve_http(args, llm_kwargs: dict, model_name: str, http: tuple[dict, dict]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     front = None
     if _leads(args):   # the HTTP front in its own process, listening before the weights load
@@ -121,7 +121,7 @@ def _serve_http(args, llm_kwargs: dict, model_name: str) -> int:
             "tool_parser": args.tool_call_parser if args.enable_auto_tool_choice else None,
             "reasoning_parser": args.reasoning_parser, "responses_store": args.responses_store,
             "prompt_tokens_details": args.enable_prompt_tokens_details, "stream_interval": args.stream_interval},
-            http_options(args))
+            http)
     llm = LLM(args.model, serving=True, **llm_kwargs)
     rt = llm.runtime
     _say(f"rank {rank} ({rt.topo.role}) pid {os.getpid()} ready")
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     if args.stream_interval < 1:
         p.error(f"--stream-interval {args.stream_interval} is invalid: pass a number of tokens >= 1")
     try:
-        http_options(args)
+        http = http_options(args)      # checked once (its files read once), passed to the front
     except ValueError as e:
         p.error(str(e))
     if args.responses_store < 0:
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
             except ValueError as e:      # no such tokens, or a tokenizer that does not load
                 p.error(str(e))
         name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
-        return _serve_http(args, llm_kwargs, name)
+        return _serve_http(args, llm_kwargs, name, http)
     llm = LLM(args.model, serving=not args.prompt, **llm_kwargs)   # --prompt: every rank calls generate()
     if args.prompt:
         outs = llm.generate(args.prompt, SamplingParams(max_tokens=args.max_tokens))
