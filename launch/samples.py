@@ -142,7 +142,7 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         """vLLM's: whether the whole request has finished; what `LLM.generate` returns always has."""
-        return all(s.finish_reason is not None for s in self.samples)
+        return all(s.finished() for s in self.samples)
 
 
 def vllm_rank(entry: dict[int, float], token: int, count: int, k: int) -> int:
